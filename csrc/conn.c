@@ -1,0 +1,751 @@
+/* The per-connection protocol, identical for every transport.
+ *
+ * Two-sided (connector sends, acceptor receives; k-th send matches k-th recv):
+ *   sender -> RTS{seq, len, addr}
+ *   receiver, once a recv is posted and the RTS is in:
+ *     sizes differ      -> NACK{seq, len = posted size}; both sides fail with
+ *                          the two sizes, nothing is written
+ *     direct transport  -> pull len bytes from addr into the recv buffer, FIN
+ *     stream transport  -> CTS{seq}; the sender streams the bytes; every chunk
+ *                          is checked against the posted buffer on arrival
+ * One-sided (connector initiates against a window the acceptor advertised):
+ *   WREQ/RREQ{op, window, token, offset, len, addr}; the target checks the
+ *   window (its connection, token, range) and either copies itself (direct)
+ *   or answers GO (write) / streams the bytes (read); OPDONE{op, status}
+ *   reports the end or the refusal.
+ * The side that copies with a direct transport is always the acceptor: it
+ * writes only into memory it has itself checked (a posted recv, or its own
+ * window) or into the initiator's registered buffer that it was asked to fill.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "log.h"
+#include "sock.h"
+#include "status.h"
+
+enum { KEY_SEND = 1, KEY_OP = 2 };          /* inflight keys */
+enum { JOB_PULL_RECV = 1, JOB_PULL_WRITE, JOB_PUSH_READ };
+
+static uint64_t key_of(int kind, uint64_t id) { return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1)); }
+static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+/* ------------------------------------------------------------------------- */
+/* requests                                                                   */
+
+struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len)
+{
+    struct uccl__req *r = calloc(1, sizeof(*r));
+    if (!r)
+        return NULL;
+    atomic_init(&r->refs, 1);
+    atomic_init(&r->state, UCCL_REQ_PENDING);
+    r->op = op;
+    r->conn = c;
+    r->buf = buf;
+    r->len = len;
+    uccl__conn_get(c);
+    return r;
+}
+
+static void req_get(struct uccl__req *r) { atomic_fetch_add(&r->refs, 1); }
+
+void uccl__req_put(struct uccl__req *r)
+{
+    if (r && atomic_fetch_sub(&r->refs, 1) == 1) {
+        uccl__conn_put(r->conn);
+        free(r);
+    }
+}
+
+static void futex_wake_all(atomic_uint *w)
+{
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+}
+
+/* First caller wins; later calls (a failure racing a success) are ignored. */
+void uccl__req_finish(struct uccl__req *r, int status, const char *fmt, ...)
+{
+    static const unsigned pending = UCCL_REQ_PENDING;
+    /* Claim with a private value so the message is written before waiters
+     * can see the final state. */
+    unsigned expect = pending;
+    if (!atomic_compare_exchange_strong(&r->state, &expect, 3u))
+        return;
+    r->status = status;
+    r->msg[0] = '\0';
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(r->msg, sizeof(r->msg), fmt, ap);
+        va_end(ap);
+    }
+    atomic_store(&r->state, status == UCCL_OK ? UCCL_REQ_DONE : UCCL_REQ_FAILED);
+    futex_wake_all(&r->state);
+}
+
+/* Spin briefly (the answer often comes within microseconds), then sleep on
+ * the state word: a 2-core machine must not lose a core to a waiter. */
+int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
+{
+    uint64_t start = uccl__now_ns();
+    for (int i = 0; i < 2000; i++) {
+        unsigned s = atomic_load(&r->state);
+        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
+            return UCCL_OK;
+        if ((i & 63) == 63 && uccl__now_ns() - start > 20000)
+            break;
+        __asm__ __volatile__("" ::: "memory");
+    }
+    for (;;) {
+        unsigned s = atomic_load(&r->state);
+        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
+            return UCCL_OK;
+        uint64_t now = uccl__now_ns();
+        if (now - start >= timeout_ns)
+            return UCCL_INPROGRESS;
+        uint64_t left = timeout_ns - (now - start);
+        struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
+        syscall(SYS_futex, (uint32_t *)&r->state, FUTEX_WAIT_PRIVATE, s, &ts, NULL, 0);
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* connection bookkeeping                                                     */
+
+void uccl__conn_get(struct uccl__conn *c) { atomic_fetch_add(&c->refs, 1); }
+
+void uccl__conn_put(struct uccl__conn *c)
+{
+    if (!c || atomic_fetch_sub(&c->refs, 1) != 1)
+        return;
+    if (c->tp && c->tp->conn_free)
+        c->tp->conn_free(c);
+    if (c->ctrl_fd >= 0)
+        close(c->ctrl_fd);
+    while (c->rts_head) {
+        struct uccl__rts *n = c->rts_head->next;
+        free(c->rts_head);
+        c->rts_head = n;
+    }
+    uccl__idmap_free(&c->inflight);
+    uccl__idmap_free(&c->rx);
+    uccl__idmap_free(&c->pending);
+    pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->ctrl_tx_mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
+}
+
+struct uccl__conn *uccl__conn_new(struct uccl__ep *ep, int is_connector, int ctrl_fd)
+{
+    struct uccl__conn *c = calloc(1, sizeof(*c));
+    if (!c)
+        return NULL;
+    atomic_init(&c->refs, 1);
+    atomic_init(&c->failed, 0);
+    c->ep = ep;
+    c->is_connector = is_connector;
+    c->ctrl_fd = ctrl_fd;
+    c->peer_rank = -1;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->ctrl_tx_mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    return c;
+}
+
+/* Remove r from every protocol table and complete it (drops the reference
+ * the connection held).  Must be called without c->mu held. */
+static void complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
+{
+    char msg[512] = "";
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_lock(&c->mu);
+    int held = uccl__idmap_del(&c->pending, ptr_key(r)) != NULL;
+    uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(KEY_SEND, r->seq) : key_of(KEY_OP, r->seq);
+    if (uccl__idmap_get(&c->inflight, k1) == r)
+        uccl__idmap_del(&c->inflight, k1);
+    int dk = r->op == UCCL_OP_RECV ? UCCL_DATA_SEND : r->op == UCCL_OP_READ ? UCCL_DATA_READ
+           : r->op == UCCL_OP_WRITE_TARGET ? UCCL_DATA_WRITE : 0;
+    if (dk && uccl__idmap_get(&c->rx, key_of(dk, r->seq)) == r)
+        uccl__idmap_del(&c->rx, key_of(dk, r->seq));
+    if (r->op == UCCL_OP_RECV) { /* unlink from the posted queue */
+        struct uccl__req **pp = &c->recv_head, *prev = NULL;
+        while (*pp && *pp != r) {
+            prev = *pp;
+            pp = &(*pp)->next;
+        }
+        if (*pp) {
+            *pp = r->next;
+            if (c->recv_tail == r)
+                c->recv_tail = prev;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (!held)
+        return;
+    uccl__req_finish(r, status, "%s", msg);
+    uccl__req_put(r);
+}
+
+static void describe_peer(struct uccl__conn *c, char *buf, size_t len)
+{
+    if (c->peer_rank >= 0)
+        snprintf(buf, len, "connection %llu to %s:%d (rank %d)", (unsigned long long)c->id,
+                 c->peer_ip, c->peer_port, c->peer_rank);
+    else
+        snprintf(buf, len, "connection %llu to %s:%d", (unsigned long long)c->id, c->peer_ip,
+                 c->peer_port);
+}
+
+struct fail_ctx { struct uccl__req **v; size_t n; };
+static void collect(uint64_t k, void *v, void *arg)
+{
+    (void)k;
+    struct fail_ctx *f = arg;
+    req_get(v);
+    f->v[f->n++] = v;
+}
+
+void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
+{
+    char why[200], who[120];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    int expect = 0;
+    pthread_mutex_lock(&c->mu);
+    if (!atomic_compare_exchange_strong(&c->failed, &expect, 1)) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    describe_peer(c, who, sizeof(who));
+    c->fail_status = status;
+    snprintf(c->fail_msg, sizeof(c->fail_msg), "%s failed: %s", who, why);
+    struct fail_ctx f = {calloc(c->pending.live + 1, sizeof(void *)), 0};
+    if (f.v)
+        uccl__idmap_each(&c->pending, collect, &f);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+
+    if (status != UCCL_ERR_CLOSED)
+        LOG_WARN("%s", c->fail_msg);
+    /* Unblock everything: the service thread's recv, the transport's data
+     * threads.  fds stay open until the last reference goes, so no thread
+     * ever touches a reused descriptor. */
+    shutdown(c->ctrl_fd, SHUT_RDWR);
+    if (c->tp && c->tp->conn_shutdown)
+        c->tp->conn_shutdown(c);
+    for (size_t i = 0; i < f.n; i++) {
+        complete(c, f.v[i], status, "%s", c->fail_msg);
+        uccl__req_put(f.v[i]);
+    }
+    free(f.v);
+}
+
+int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m)
+{
+    uint8_t buf[UCCL_MSG_SIZE];
+    uccl__msg_encode(m, buf);
+    pthread_mutex_lock(&c->ctrl_tx_mu);
+    int rc = uccl__sock_send_all(c->ctrl_fd, buf, sizeof(buf), uccl__now_ns() + c->ep->timeout_ns);
+    pthread_mutex_unlock(&c->ctrl_tx_mu);
+    if (rc)
+        uccl__conn_fail(c, rc == UCCL_ERR_TIMEOUT ? rc : UCCL_ERR_IO,
+                        "sending a control message: %s", uccl_last_error());
+    return rc;
+}
+
+static void send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len, uint64_t aux)
+{
+    struct uccl__msg m = {.type = (uint16_t)type, .seq = seq, .len = len, .aux = aux};
+    uccl__conn_send_msg(c, &m);
+}
+
+static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const struct uccl__msg *m,
+                     void *dst)
+{
+    struct uccl__job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        uccl__conn_fail(c, UCCL_ERR_NOMEM, "out of memory queueing a copy");
+        return;
+    }
+    j->kind = kind;
+    j->req = r;
+    if (r)
+        req_get(r);
+    if (m)
+        j->msg = *m;
+    j->dst = dst;
+    pthread_mutex_lock(&c->mu);
+    if (c->job_tail)
+        c->job_tail->next = j;
+    else
+        c->job_head = j;
+    c->job_tail = j;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* ------------------------------------------------------------------------- */
+/* matching on the receiver                                                   */
+
+static void try_match(struct uccl__conn *c)
+{
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        if (!c->recv_head || !c->rts_head || atomic_load(&c->failed)) {
+            pthread_mutex_unlock(&c->mu);
+            return;
+        }
+        struct uccl__req *r = c->recv_head;
+        struct uccl__rts *rts = c->rts_head;
+        c->recv_head = r->next;
+        if (!c->recv_head)
+            c->recv_tail = NULL;
+        r->next = NULL;
+        c->rts_head = rts->next;
+        if (!c->rts_head)
+            c->rts_tail = NULL;
+        int stream = 0;
+        if (rts->seq != r->seq) {
+            pthread_mutex_unlock(&c->mu);
+            uccl__conn_fail(c, UCCL_ERR_PROTO, "message %llu arrived where %llu was expected",
+                            (unsigned long long)rts->seq, (unsigned long long)r->seq);
+            free(rts);
+            return;
+        }
+        if (rts->len == r->len && r->len > 0 && !c->direct) {
+            uccl__idmap_put(&c->rx, key_of(UCCL_DATA_SEND, r->seq), r);
+            stream = 1;
+        }
+        r->remote_addr = rts->addr;
+        uint64_t slen = rts->len;
+        free(rts);
+        pthread_mutex_unlock(&c->mu);
+
+        if (slen != r->len) {
+            send_simple(c, UCCL_MSG_NACK, r->seq, r->len, 0);
+            complete(c, r, UCCL_ERR_MISMATCH,
+                     "size mismatch on connection %llu, message %llu: the sender sent %llu "
+                     "bytes but this recv posted %zu bytes; nothing was written",
+                     (unsigned long long)c->id, (unsigned long long)r->seq,
+                     (unsigned long long)slen, r->len);
+        } else if (r->len == 0) {
+            send_simple(c, UCCL_MSG_FIN, r->seq, 0, 0);
+            complete(c, r, UCCL_OK, NULL);
+        } else if (stream) {
+            send_simple(c, UCCL_MSG_CTS, r->seq, r->len, 0);
+        } else {
+            push_job(c, JOB_PULL_RECV, r, NULL, NULL);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* posting (user threads)                                                     */
+
+int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r)
+{
+    if (atomic_load(&c->failed))
+        return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
+                         "%s", c->fail_msg);
+    pthread_mutex_lock(&c->mu);
+    int rc = uccl__idmap_put(&c->pending, ptr_key(r), r);
+    if (rc) {
+        pthread_mutex_unlock(&c->mu);
+        return rc;
+    }
+    req_get(r); /* the pending table's reference */
+    struct uccl__msg m = {0};
+    switch (r->op) {
+    case UCCL_OP_RECV:
+        r->seq = ++c->next_recv_seq;
+        if (c->recv_tail)
+            c->recv_tail->next = r;
+        else
+            c->recv_head = r;
+        c->recv_tail = r;
+        pthread_mutex_unlock(&c->mu);
+        try_match(c);
+        return UCCL_OK;
+    case UCCL_OP_SEND:
+        pthread_mutex_unlock(&c->mu);
+        /* seq order must equal wire order: assign under the writer lock. */
+        pthread_mutex_lock(&c->ctrl_tx_mu);
+        pthread_mutex_lock(&c->mu);
+        r->seq = ++c->next_send_seq;
+        uccl__idmap_put(&c->inflight, key_of(KEY_SEND, r->seq), r);
+        pthread_mutex_unlock(&c->mu);
+        m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
+                               .addr = (uint64_t)(uintptr_t)r->buf};
+        uint8_t buf[UCCL_MSG_SIZE];
+        uccl__msg_encode(&m, buf);
+        rc = uccl__sock_send_all(c->ctrl_fd, buf, sizeof(buf), uccl__now_ns() + c->ep->timeout_ns);
+        pthread_mutex_unlock(&c->ctrl_tx_mu);
+        if (rc)
+            uccl__conn_fail(c, UCCL_ERR_IO, "sending a control message: %s", uccl_last_error());
+        return UCCL_OK; /* a failure reaches the request through conn_fail */
+    case UCCL_OP_WRITE:
+    case UCCL_OP_READ:
+        r->seq = ++c->next_op;
+        uccl__idmap_put(&c->inflight, key_of(KEY_OP, r->seq), r);
+        if (r->op == UCCL_OP_READ && !c->direct && r->len > 0)
+            uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
+        pthread_mutex_unlock(&c->mu);
+        m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
+                               .seq = r->seq, .len = r->len,
+                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
+                               .token = r->fifo.token, .offset = 0};
+        uccl__conn_send_msg(c, &m);
+        return UCCL_OK;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return uccl__err(UCCL_ERR_INVALID, "unknown operation %d", r->op);
+}
+
+/* ------------------------------------------------------------------------- */
+/* stream data path (called by transports)                                    */
+
+int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
+                        uint64_t len, char **dst_p, struct uccl__req **req_p)
+{
+    pthread_mutex_lock(&c->mu);
+    struct uccl__req *r = uccl__idmap_get(&c->rx, key_of(kind, id));
+    if (!r) {
+        pthread_mutex_unlock(&c->mu);
+        return uccl__err(UCCL_ERR_PROTO, "data chunk (kind %d) for transfer %llu that this "
+                         "side never accepted", kind, (unsigned long long)id);
+    }
+    if (offset > r->len || len > r->len - offset) {
+        pthread_mutex_unlock(&c->mu);
+        return uccl__err(UCCL_ERR_PROTO, "data chunk [%llu, +%llu) outside the %zu-byte "
+                         "buffer of transfer %llu", (unsigned long long)offset,
+                         (unsigned long long)len, r->len, (unsigned long long)id);
+    }
+    req_get(r);
+    atomic_fetch_add(&r->busy, 1);
+    pthread_mutex_unlock(&c->mu);
+    *dst_p = r->buf + offset;
+    *req_p = r;
+    return UCCL_OK;
+}
+
+void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
+{
+    size_t got = atomic_fetch_add(&r->got, len) + len;
+    atomic_fetch_sub(&r->busy, 1);
+    if (got == r->len) {
+        if (r->op == UCCL_OP_WRITE_TARGET)
+            send_simple(c, UCCL_MSG_OPDONE, r->seq, r->len, UCCL_OK);
+        complete(c, r, UCCL_OK, NULL);
+    } else if (got > r->len) {
+        uccl__conn_fail(c, UCCL_ERR_PROTO, "peer sent %zu bytes for a %zu-byte transfer", got,
+                        r->len);
+    }
+    uccl__req_put(r);
+}
+
+void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r)
+{
+    (void)c;
+    atomic_fetch_sub(&r->busy, 1);
+    uccl__req_put(r);
+}
+
+void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status)
+{
+    struct uccl__req *r = cookie;
+    if (status != UCCL_OK)
+        uccl__conn_fail(c, status, "streaming data: %s", uccl_last_error());
+    else if (r && r->op == UCCL_OP_SEND)
+        complete(c, r, UCCL_OK, NULL);
+    if (r)
+        uccl__req_put(r);
+}
+
+static int stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
+                      struct uccl__req *r)
+{
+    if (r)
+        req_get(r); /* the transport's job holds it until tx_done */
+    int rc = c->tp->stream(c, kind, id, src, len, r);
+    if (rc) {
+        if (r)
+            uccl__req_put(r);
+        uccl__conn_fail(c, rc, "queueing data: %s", uccl_last_error());
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the service thread: reads the control socket                               */
+
+static struct uccl__req *inflight_get(struct uccl__conn *c, int k, uint64_t id, int del)
+{
+    pthread_mutex_lock(&c->mu);
+    struct uccl__req *r = del ? uccl__idmap_del(&c->inflight, key_of(k, id))
+                              : uccl__idmap_get(&c->inflight, key_of(k, id));
+    if (r)
+        req_get(r);
+    pthread_mutex_unlock(&c->mu);
+    return r;
+}
+
+static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
+{
+    int st = UCCL_OK;
+    struct uccl__window *w = uccl__ep_window_check(c->ep, c->id, m->window, m->token, m->offset,
+                                                   m->len, &st);
+    if (!w) {
+        LOG_WARN("connection %llu: refused %s of %llu bytes at offset %llu of window %llu: %s",
+                 (unsigned long long)c->id, m->type == UCCL_MSG_WREQ ? "write" : "read",
+                 (unsigned long long)m->len, (unsigned long long)m->offset,
+                 (unsigned long long)m->window, uccl_last_error());
+        send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)st);
+        return;
+    }
+    char *local = (char *)w->addr + m->offset;
+    free(w);
+    if (m->len == 0) {
+        send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
+    } else if (c->direct) {
+        push_job(c, m->type == UCCL_MSG_WREQ ? JOB_PULL_WRITE : JOB_PUSH_READ, NULL, m, local);
+    } else if (m->type == UCCL_MSG_RREQ) {
+        stream_out(c, UCCL_DATA_READ, m->seq, local, m->len, NULL);
+    } else {
+        struct uccl__req *t = uccl__req_new(UCCL_OP_WRITE_TARGET, c, local, m->len);
+        if (!t) {
+            send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)UCCL_ERR_NOMEM);
+            return;
+        }
+        t->seq = m->seq;
+        pthread_mutex_lock(&c->mu);
+        uccl__idmap_put(&c->pending, ptr_key(t), t); /* takes over the creation reference */
+        uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t);
+        pthread_mutex_unlock(&c->mu);
+        send_simple(c, UCCL_MSG_GO, m->seq, m->len, 0);
+    }
+}
+
+static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
+{
+    struct uccl__req *r;
+    /* Each type is legal in one direction only: the connector sends RTS,
+     * WREQ, RREQ; the acceptor answers. */
+    int from_connector = m->type == UCCL_MSG_RTS || m->type == UCCL_MSG_WREQ ||
+                         m->type == UCCL_MSG_RREQ;
+    if (m->type <= UCCL_MSG_OPDONE && from_connector == c->is_connector)
+        return uccl__err(UCCL_ERR_PROTO, "control message type %u sent the wrong way", m->type);
+
+    switch (m->type) {
+    case UCCL_MSG_RTS: {
+        struct uccl__rts *rts = calloc(1, sizeof(*rts));
+        if (!rts)
+            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr};
+        pthread_mutex_lock(&c->mu);
+        if (c->rts_tail)
+            c->rts_tail->next = rts;
+        else
+            c->rts_head = rts;
+        c->rts_tail = rts;
+        pthread_mutex_unlock(&c->mu);
+        try_match(c);
+        return UCCL_OK;
+    }
+    case UCCL_MSG_CTS:
+        r = inflight_get(c, KEY_SEND, m->seq, 1);
+        if (!r)
+            return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
+                             (unsigned long long)m->seq);
+        if (m->len != r->len) {
+            uccl__req_put(r);
+            return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu",
+                             (unsigned long long)m->len, (unsigned long long)m->seq, r->len);
+        }
+        stream_out(c, UCCL_DATA_SEND, r->seq, r->buf, r->len, r);
+        uccl__req_put(r);
+        return UCCL_OK;
+    case UCCL_MSG_NACK:
+    case UCCL_MSG_FIN:
+        r = inflight_get(c, KEY_SEND, m->seq, 1);
+        if (!r)
+            return uccl__err(UCCL_ERR_PROTO, "%s for unknown message %llu",
+                             m->type == UCCL_MSG_FIN ? "FIN" : "NACK", (unsigned long long)m->seq);
+        if (m->type == UCCL_MSG_FIN)
+            complete(c, r, UCCL_OK, NULL);
+        else
+            complete(c, r, UCCL_ERR_MISMATCH,
+                     "size mismatch on connection %llu, message %llu: this send has %zu bytes "
+                     "but the receiver posted %llu bytes; nothing was sent",
+                     (unsigned long long)c->id, (unsigned long long)m->seq, r->len,
+                     (unsigned long long)m->len);
+        uccl__req_put(r);
+        return UCCL_OK;
+    case UCCL_MSG_WREQ:
+    case UCCL_MSG_RREQ:
+        on_window_request(c, m);
+        return UCCL_OK;
+    case UCCL_MSG_GO:
+        r = inflight_get(c, KEY_OP, m->seq, 0);
+        if (!r || r->op != UCCL_OP_WRITE || m->len != r->len) {
+            if (r)
+                uccl__req_put(r);
+            return uccl__err(UCCL_ERR_PROTO, "GO for unknown write %llu",
+                             (unsigned long long)m->seq);
+        }
+        stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
+        uccl__req_put(r);
+        return UCCL_OK;
+    case UCCL_MSG_OPDONE: {
+        r = inflight_get(c, KEY_OP, m->seq, 0);
+        if (!r)
+            return uccl__err(UCCL_ERR_PROTO, "OPDONE for unknown operation %llu",
+                             (unsigned long long)m->seq);
+        int st = (int)(int64_t)m->aux;
+        if (st == UCCL_OK)
+            complete(c, r, UCCL_OK, NULL);
+        else
+            complete(c, r, st == UCCL_ERR_ACCESS || st == UCCL_ERR_NOTFOUND ? st : UCCL_ERR_IO,
+                     "the peer refused the %s of %zu bytes on connection %llu: %s",
+                     r->op == UCCL_OP_WRITE ? "write" : "read", r->len,
+                     (unsigned long long)c->id, uccl_status_str(st));
+        uccl__req_put(r);
+        return UCCL_OK;
+    }
+    default:
+        if (c->tp->on_msg)
+            return c->tp->on_msg(c, m);
+        return uccl__err(UCCL_ERR_PROTO, "control message type %u not used by transport %s",
+                         m->type, c->tp->name);
+    }
+}
+
+static void *service_main(void *arg)
+{
+    struct uccl__conn *c = arg;
+    uint8_t buf[UCCL_MSG_SIZE];
+    while (!atomic_load(&c->failed)) {
+        int rc = uccl__sock_recv_all(c->ctrl_fd, buf, sizeof(buf), 0);
+        if (rc) {
+            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
+            break;
+        }
+        struct uccl__msg m;
+        rc = uccl__msg_decode(buf, &m);
+        if (rc == UCCL_OK)
+            rc = handle_msg(c, &m);
+        if (rc) {
+            uccl__conn_fail(c, rc == UCCL_ERR_NOMEM ? rc : UCCL_ERR_PROTO, "%s",
+                            uccl_last_error());
+            break;
+        }
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the worker thread: direct copies on the acceptor side                      */
+
+static void run_job(struct uccl__conn *c, struct uccl__job *j)
+{
+    int rc;
+    struct uccl__req *r = j->req;
+    switch (j->kind) {
+    case JOB_PULL_RECV:
+        atomic_fetch_add(&r->busy, 1);
+        rc = c->tp->pull(c, r->buf, r->remote_addr, r->len);
+        atomic_fetch_sub(&r->busy, 1);
+        if (rc) {
+            uccl__conn_fail(c, rc, "copying message %llu from the sender: %s",
+                            (unsigned long long)r->seq, uccl_last_error());
+            break;
+        }
+        send_simple(c, UCCL_MSG_FIN, r->seq, r->len, 0);
+        complete(c, r, UCCL_OK, NULL);
+        break;
+    case JOB_PULL_WRITE:
+    case JOB_PUSH_READ:
+        rc = j->kind == JOB_PULL_WRITE ? c->tp->pull(c, j->dst, j->msg.addr, j->msg.len)
+                                       : c->tp->push(c, j->dst, j->msg.addr, j->msg.len);
+        if (rc)
+            LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
+                     uccl_last_error());
+        send_simple(c, UCCL_MSG_OPDONE, j->msg.seq, j->msg.len, (uint64_t)(int64_t)rc);
+        break;
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    struct uccl__conn *c = arg;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        while (!c->job_head && !atomic_load(&c->failed))
+            pthread_cond_wait(&c->cv, &c->mu);
+        struct uccl__job *j = c->job_head;
+        if (j) {
+            c->job_head = j->next;
+            if (!c->job_head)
+                c->job_tail = NULL;
+        }
+        pthread_mutex_unlock(&c->mu);
+        if (!j)
+            break; /* failed and drained */
+        if (!atomic_load(&c->failed))
+            run_job(c, j);
+        if (j->req)
+            uccl__req_put(j->req);
+        free(j);
+    }
+    return NULL;
+}
+
+int uccl__conn_start(struct uccl__conn *c)
+{
+    int rc = c->tp->conn_start ? c->tp->conn_start(c) : UCCL_OK;
+    if (rc)
+        return rc;
+    if (pthread_create(&c->svc_thread, NULL, service_main, c))
+        return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
+    if (pthread_create(&c->worker_thread, NULL, worker_main, c)) {
+        uccl__conn_fail(c, UCCL_ERR_NOMEM, "pthread_create failed");
+        pthread_join(c->svc_thread, NULL);
+        return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
+    }
+    c->started = 1;
+    return UCCL_OK;
+}
+
+/* Endpoint close: fail what is pending, stop the threads.  The memory goes
+ * with the last reference. */
+void uccl__conn_close(struct uccl__conn *c)
+{
+    uccl__conn_fail(c, UCCL_ERR_CLOSED, "the endpoint was closed");
+    if (c->started) {
+        pthread_join(c->svc_thread, NULL);
+        pthread_join(c->worker_thread, NULL);
+        c->started = 0;
+    }
+    if (c->tp && c->tp->conn_destroy)
+        c->tp->conn_destroy(c);
+}

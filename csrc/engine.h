@@ -1,0 +1,171 @@
+/* Internal structures shared by engine.c (endpoints, tables, handshake),
+ * conn.c (the per-connection protocol) and the transports. */
+#ifndef UCCL_ENGINE_H
+#define UCCL_ENGINE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "idmap.h"
+#include "transport.h"
+#include "uccl.h"
+#include "wire.h"
+
+enum { UCCL_OP_SEND = 1, UCCL_OP_RECV, UCCL_OP_WRITE, UCCL_OP_READ,
+       UCCL_OP_WRITE_TARGET /* internal: the target side of a streamed write */ };
+enum { UCCL_REQ_PENDING = 0, UCCL_REQ_DONE = 1, UCCL_REQ_FAILED = 2 };
+
+struct uccl__req {
+    uint64_t id;                 /* user-visible transfer id; 0 for internal ones */
+    atomic_int refs;
+    int op;
+    struct uccl__conn *conn;
+    char *buf;
+    size_t len;
+    uint64_t seq;                /* message seq (send/recv) or one-sided op id */
+    uint64_t remote_addr;        /* peer's address for direct movers */
+    struct uccl__fifo_item fifo; /* one-sided target */
+    atomic_uint state;           /* UCCL_REQ_*, also the futex word waiters sleep on */
+    int status;
+    char msg[512];
+    atomic_size_t got;           /* streamed bytes landed in buf */
+    atomic_int busy;             /* engine threads writing into buf right now */
+    int opdone;                  /* read: target reported completion */
+    int polled;                  /* poll_async reported the final state */
+    struct uccl__req *next;      /* conn queues (under conn->mu) */
+};
+
+struct uccl__rts {               /* an RTS that arrived before its recv was posted */
+    uint64_t seq, len, addr;
+    struct uccl__rts *next;
+};
+
+struct uccl__job {               /* work for the connection's worker thread */
+    int kind;
+    struct uccl__req *req;       /* holds a reference */
+    struct uccl__msg msg;
+    void *dst;                   /* validated local target (one-sided direct) */
+    struct uccl__job *next;
+};
+
+struct uccl__conn {
+    uint64_t id;
+    atomic_int refs;
+    struct uccl__ep *ep;
+    int is_connector;            /* connector sends/reads/writes, acceptor receives */
+    int ctrl_fd;
+    pthread_mutex_t ctrl_tx_mu;  /* one writer at a time on the control socket */
+    const struct uccl__tp_ops *tp;
+    void *tp_priv;
+    int direct;                  /* transport moves bytes with pull/push */
+    size_t chunk_bytes;
+    unsigned num_streams;
+    uint64_t token;
+    uint8_t secret[UCCL_SECRET_MAX]; /* connector: presented on every extra stream */
+    uint32_t secret_len;
+
+    char peer_ip[46];
+    int peer_port, peer_gpu, peer_rank;
+    uint32_t peer_pid;
+    char peer_host[UCCL_HOSTID_MAX];
+
+    pthread_mutex_t mu;          /* everything below */
+    pthread_cond_t cv;
+    atomic_int failed;
+    int fail_status;
+    char fail_msg[512];
+    uint64_t next_send_seq, next_recv_seq, next_op;
+    struct uccl__req *recv_head, *recv_tail;   /* posted recvs without an RTS */
+    struct uccl__rts *rts_head, *rts_tail;     /* RTSs without a posted recv */
+    struct uccl__idmap pending;  /* every unfinished req of this connection (holds a ref) */
+    struct uccl__idmap inflight; /* key(kind, seq/op) -> req awaiting the peer */
+    struct uccl__idmap rx;       /* key(data kind, id) -> req that streamed bytes land in */
+    struct uccl__job *job_head, *job_tail;
+    int started;
+    pthread_t svc_thread, worker_thread;
+};
+
+struct uccl__mr {
+    uint64_t id;
+    uintptr_t addr;
+    size_t len;
+};
+
+struct uccl__window {
+    uint64_t id, token, conn_id, mr_id;
+    uintptr_t addr;
+    size_t len;
+};
+
+#define UCCL_ACCEPTQ_MAX 1024
+#define UCCL_RETIRED_MAX 65536
+
+struct uccl__ep {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int closed;
+    int listen_fd, port, gpu_idx;
+    char ip[46];
+    char host_id[UCCL_HOSTID_MAX];
+    uint8_t secret[UCCL_SECRET_MAX];
+    uint32_t secret_len;
+    uint64_t timeout_ns;
+    unsigned num_streams;
+    size_t chunk_bytes;
+    int forced_tp;               /* UCCL_TP_AUTO unless UCCL_P2P_TRANSPORT says */
+    int shm_mode;                /* -1 auto, 0 CMA, 1 ring (UCCL_P2P_SHM_MODE) */
+    int passive;
+    uint64_t next_conn_id, next_mr_id, next_req_id, next_window_id;
+    struct uccl__idmap conns, mrs, reqs, windows, incomplete;
+    uint64_t acceptq[UCCL_ACCEPTQ_MAX];
+    unsigned acceptq_head, acceptq_len;
+    uint64_t *retired;           /* ring of polled-done transfer ids, oldest evicted */
+    unsigned retired_head, retired_len;
+    struct uccl__remote *remotes; /* add_remote_endpoint cache */
+    volatile uint64_t probe_word; /* CMA probe: peers read this to test access */
+    int wake_pipe[2];
+    pthread_t listener;
+    int listener_started;
+};
+
+/* ---- engine.c services used by conn.c and the transports ---- */
+uint64_t uccl__random64(void);
+/* Connector side: open extra socket `index` of connection c (HELLO_STREAM). */
+int uccl__ep_open_stream(struct uccl__conn *c, unsigned index, uint64_t deadline_ns, int *fd_p);
+/* Returns a malloc'd copy of the window if the request is allowed. */
+struct uccl__window *uccl__ep_window_check(struct uccl__ep *ep, uint64_t conn_id,
+                                           uint64_t window, uint64_t token, uint64_t offset,
+                                           uint64_t len, int *status_p);
+
+/* ---- requests (conn.c) ---- */
+struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len);
+void uccl__req_put(struct uccl__req *r);
+void uccl__req_finish(struct uccl__req *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns);
+
+/* ---- connections (conn.c) ---- */
+struct uccl__conn *uccl__conn_new(struct uccl__ep *ep, int is_connector, int ctrl_fd);
+int uccl__conn_start(struct uccl__conn *c);
+void uccl__conn_get(struct uccl__conn *c);
+void uccl__conn_put(struct uccl__conn *c);
+void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void uccl__conn_close(struct uccl__conn *c);
+int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m);
+int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r);
+
+/* Stream receive path, called by transports for each arriving chunk:
+ * begin validates (kind, id, offset, len) against what this side posted and
+ * returns where the bytes go, holding the request busy; end accounts them. */
+int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
+                        uint64_t len, char **dst_p, struct uccl__req **req_p);
+void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len);
+/* The chunk begun with rx_begin could not be received (the connection is failing). */
+void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r);
+/* Stream send completion, called by transports. */
+void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status);
+
+#endif

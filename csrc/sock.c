@@ -1,0 +1,230 @@
+#define _GNU_SOURCE
+#include "sock.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "status.h"
+
+uint64_t uccl__now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int remaining_ms(uint64_t deadline_ns)
+{
+    if (deadline_ns == 0)
+        return 200; /* no deadline: wake up now and then anyway */
+    uint64_t now = uccl__now_ns();
+    if (now >= deadline_ns)
+        return 0;
+    uint64_t ms = (deadline_ns - now + 999999) / 1000000;
+    return ms > 200 ? 200 : (int)ms;
+}
+
+int uccl__sock_set_nonblock(int fd, int on)
+{
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0)
+        return uccl__err(UCCL_ERR_IO, "fcntl(F_GETFL): %s", strerror(errno));
+    fl = on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK);
+    if (fcntl(fd, F_SETFL, fl) < 0)
+        return uccl__err(UCCL_ERR_IO, "fcntl(F_SETFL): %s", strerror(errno));
+    return UCCL_OK;
+}
+
+void uccl__sock_tune(int fd)
+{
+    int one = 1;
+    /* Control messages are small and latency-bound: never wait for Nagle. */
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+int uccl__sock_listen(const char *bind_ip, int port, int *fd_p, int *port_p)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    if (bind_ip && *bind_ip) {
+        if (inet_pton(AF_INET, bind_ip, &sa.sin_addr) != 1)
+            return uccl__err(UCCL_ERR_INVALID, "bad IPv4 address to listen on: '%s'", bind_ip);
+    } else {
+        sa.sin_addr.s_addr = htonl(INADDR_ANY);
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return uccl__err(UCCL_ERR_IO, "socket(): %s", strerror(errno));
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        int e = errno;
+        close(fd);
+        return uccl__err(e == EADDRINUSE ? UCCL_ERR_UNAVAIL : UCCL_ERR_IO,
+                         "bind(port %d): %s", port, strerror(e));
+    }
+    if (listen(fd, 256) < 0) {
+        int e = errno;
+        close(fd);
+        return uccl__err(UCCL_ERR_IO, "listen(): %s", strerror(e));
+    }
+    socklen_t sl = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    *fd_p = fd;
+    *port_p = ntohs(sa.sin_port);
+    return UCCL_OK;
+}
+
+int uccl__sock_connect(const char *ip, int port, uint64_t deadline_ns, int *fd_p)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    if (port <= 0 || port > 65535)
+        return uccl__err(UCCL_ERR_INVALID, "bad port %d (must be 1..65535)", port);
+    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1)
+        return uccl__err(UCCL_ERR_INVALID, "bad IPv4 address '%s'", ip);
+    /* A listener that is not up yet refuses: retry until the deadline, as
+     * NCCL's bootstrap does, so ranks may start in any order. */
+    for (;;) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0)
+            return uccl__err(UCCL_ERR_IO, "socket(): %s", strerror(errno));
+        int rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+        int err = rc == 0 ? 0 : errno;
+        if (err == EINPROGRESS) {
+            struct pollfd p = {.fd = fd, .events = POLLOUT};
+            int n;
+            do {
+                n = poll(&p, 1, remaining_ms(deadline_ns));
+            } while ((n < 0 && errno == EINTR) ||
+                     (n == 0 && (deadline_ns == 0 || uccl__now_ns() < deadline_ns)));
+            if (n <= 0) {
+                close(fd);
+                return uccl__err(UCCL_ERR_TIMEOUT, "connect to %s:%d timed out", ip, port);
+            }
+            socklen_t sl = sizeof(err);
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &sl);
+        }
+        if (err == 0) {
+            uccl__sock_set_nonblock(fd, 0);
+            uccl__sock_tune(fd);
+            *fd_p = fd;
+            return UCCL_OK;
+        }
+        close(fd);
+        if ((err != ECONNREFUSED && err != ETIMEDOUT && err != EHOSTUNREACH) ||
+            (deadline_ns && uccl__now_ns() + 20000000ull >= deadline_ns))
+            return uccl__err(err == ECONNREFUSED ? UCCL_ERR_IO : UCCL_ERR_IO,
+                             "connect to %s:%d failed: %s", ip, port, strerror(err));
+        struct timespec ts = {0, 20000000}; /* 20 ms between tries */
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int wait_fd(int fd, short events, uint64_t deadline_ns)
+{
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = events};
+        int n = poll(&p, 1, remaining_ms(deadline_ns));
+        if (n > 0)
+            return UCCL_OK;
+        if (n < 0 && errno != EINTR)
+            return uccl__err(UCCL_ERR_IO, "poll(): %s", strerror(errno));
+        if (deadline_ns && uccl__now_ns() >= deadline_ns)
+            return uccl__err(UCCL_ERR_TIMEOUT, "socket wait timed out");
+    }
+}
+
+int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns)
+{
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int rc = wait_fd(fd, POLLOUT, deadline_ns);
+            if (rc)
+                return rc;
+            continue;
+        }
+        return uccl__err(UCCL_ERR_IO, "send(): %s", n < 0 ? strerror(errno) : "closed");
+    }
+    return UCCL_OK;
+}
+
+int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns)
+{
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = recv(fd, p, len, MSG_DONTWAIT);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+            continue;
+        }
+        if (n == 0)
+            return uccl__err(UCCL_ERR_IO, "peer closed the connection");
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int rc = wait_fd(fd, POLLIN, deadline_ns);
+            if (rc)
+                return rc;
+            continue;
+        }
+        return uccl__err(UCCL_ERR_IO, "recv(): %s", strerror(errno));
+    }
+    return UCCL_OK;
+}
+
+int uccl__sock_local_ip(char *buf, size_t len)
+{
+    const char *want = getenv("UCCL_SOCKET_IFNAME");
+    struct ifaddrs *ifa = NULL;
+    snprintf(buf, len, "127.0.0.1");
+    if (getifaddrs(&ifa) < 0)
+        return UCCL_OK;
+    int found = 0;
+    for (struct ifaddrs *i = ifa; i && !found; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP))
+            continue;
+        if (want && *want ? strcmp(i->ifa_name, want) != 0 : (i->ifa_flags & IFF_LOOPBACK) != 0)
+            continue;
+        inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, buf, (socklen_t)len);
+        found = 1;
+    }
+    freeifaddrs(ifa);
+    if (want && *want && !found)
+        return uccl__err(UCCL_ERR_INVALID, "UCCL_SOCKET_IFNAME=%s: no such interface with an "
+                         "IPv4 address that is up", want);
+    return UCCL_OK;
+}
+
+void uccl__sock_peer_name(int fd, char *buf, size_t len)
+{
+    struct sockaddr_in sa;
+    socklen_t sl = sizeof(sa);
+    char ip[INET_ADDRSTRLEN] = "?";
+    if (getpeername(fd, (struct sockaddr *)&sa, &sl) == 0 && sa.sin_family == AF_INET) {
+        inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+        snprintf(buf, len, "%s:%d", ip, ntohs(sa.sin_port));
+    } else {
+        snprintf(buf, len, "?");
+    }
+}

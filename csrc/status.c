@@ -1,0 +1,40 @@
+#include "status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#define UCCL_ERRMSG_MAX 512
+
+/* The only mutable global besides the loader tables: per thread, so engine
+ * threads never race with the caller's message. */
+static _Thread_local char tls_errmsg[UCCL_ERRMSG_MAX];
+
+const char *uccl_status_str(int status)
+{
+    switch (status) {
+#define UCCL_X_CASE(name, val, text) case name: return text;
+        UCCL_STATUS_LIST(UCCL_X_CASE)
+#undef UCCL_X_CASE
+    }
+    return "unknown status";
+}
+
+int uccl__err(int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tls_errmsg, sizeof(tls_errmsg), fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *uccl_last_error(void)
+{
+    return tls_errmsg;
+}
+
+void uccl__set_last_error(const char *msg)
+{
+    snprintf(tls_errmsg, sizeof(tls_errmsg), "%s", msg ? msg : "");
+}

@@ -1,0 +1,48 @@
+/* One status model for the whole engine.
+ * 0 is success, 1 "in progress", every error is negative.  The human-readable
+ * reason lives in a thread-local buffer that is set only where the error is
+ * first detected, so callers propagate the status and never overwrite the why. */
+#ifndef UCCL_STATUS_H
+#define UCCL_STATUS_H
+
+#include <stddef.h>
+
+/* X-macro: name, value, default text.  The Python layer maps the classes:
+ * INVALID/NOTFOUND/MISMATCH/CLOSED -> ValueError, TIMEOUT -> UcclTimeoutError,
+ * everything else -> UcclError. */
+#define UCCL_STATUS_LIST(X)                                                  \
+    X(UCCL_OK,          0,   "success")                                      \
+    X(UCCL_INPROGRESS,  1,   "in progress")                                  \
+    X(UCCL_ERR_INVALID, -1,  "invalid argument")                             \
+    X(UCCL_ERR_NOTFOUND, -2, "unknown identifier")                           \
+    X(UCCL_ERR_MISMATCH, -3, "send/recv size mismatch")                      \
+    X(UCCL_ERR_CLOSED,  -4,  "endpoint or connection closed")                \
+    X(UCCL_ERR_NOMEM,   -5,  "out of memory")                                \
+    X(UCCL_ERR_IO,      -6,  "transfer failed")                              \
+    X(UCCL_ERR_TIMEOUT, -7,  "timed out")                                    \
+    X(UCCL_ERR_PROTO,   -8,  "protocol error from peer")                     \
+    X(UCCL_ERR_AUTH,    -9,  "authentication failed")                        \
+    X(UCCL_ERR_UNAVAIL, -10, "transport unavailable")                        \
+    X(UCCL_ERR_ACCESS,  -11, "remote access outside the advertised range")
+
+typedef enum {
+#define UCCL_X_ENUM(name, val, text) name = val,
+    UCCL_STATUS_LIST(UCCL_X_ENUM)
+#undef UCCL_X_ENUM
+} uccl_status_t;
+
+const char *uccl_status_str(int status);
+
+/* Record why an error happened (printf-style) and return `status`, so that
+ * detection sites read `return uccl__err(UCCL_ERR_INVALID, "...", ...);`. */
+int uccl__err(int status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* The last message recorded on this thread ("" if none). */
+const char *uccl_last_error(void);
+
+/* Copy a message into this thread's buffer (used to move an error recorded on
+ * an engine thread to the thread that waits for the request). */
+void uccl__set_last_error(const char *msg);
+
+#endif

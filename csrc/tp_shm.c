@@ -1,0 +1,377 @@
+/* Same-host CPU memory.
+ *
+ * CMA mode (preferred): one copy, by the kernel, straight between the two
+ * processes' buffers with process_vm_readv/writev.  The acceptor does every
+ * copy (see conn.c); at the handshake it proves it may by reading an 8-byte
+ * cookie from the connector's memory.  Where Yama restricts ptrace, each
+ * process first lets any of its user's processes attach (PR_SET_PTRACER_ANY).
+ *
+ * Ring mode (fallback when CMA is refused, or UCCL_P2P_SHM_MODE=ring): a
+ * shared-memory segment with a ring of slots per direction.  The pushing
+ * side's thread copies a chunk into a free slot and sends DATA{slot} on the
+ * control socket; the other side's service thread checks the chunk against
+ * what it posted, copies it out and returns CREDIT{slot}. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "log.h"
+#include "sock.h"
+#include "status.h"
+
+#define RING_SLOTS 8
+#define RING_SLOT_BYTES (512u << 10)
+#define RING_DIR_BYTES ((size_t)RING_SLOTS * RING_SLOT_BYTES)
+#define RING_SEG_BYTES (2 * RING_DIR_BYTES) /* [connector->acceptor][acceptor->connector] */
+
+struct ring_job {
+    int kind;
+    uint64_t id;
+    const char *src;
+    size_t len;
+    void *cookie;
+    struct ring_job *next;
+};
+
+struct shm_conn {
+    char name[UCCL_SHMNAME_MAX + 1]; /* "/" + the name on the wire */
+    char *seg;
+    char *out, *in;          /* my outgoing / incoming slot areas */
+    int owner;               /* created the segment: unlinks it */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    unsigned char busy[RING_SLOTS];
+    struct ring_job *head, *tail;
+    int stop, thread;
+    pthread_t tx;
+};
+
+static int shm_available(void)
+{
+    /* Let peers of the same user read and write our memory with CMA where Yama
+     * would otherwise forbid it.  Without Yama this fails harmlessly. */
+    FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+    if (f) {
+        int scope = 0;
+        if (fscanf(f, "%d", &scope) == 1 && scope == 1)
+            prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+        fclose(f);
+    }
+    return UCCL_OK;
+}
+
+static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t len, int write)
+{
+    size_t done = 0;
+    while (done < len) {
+        struct iovec l = {(char *)local + done, len - done};
+        struct iovec r = {(void *)(uintptr_t)(remote + done), len - done};
+        ssize_t n = write ? process_vm_writev((pid_t)c->peer_pid, &l, 1, &r, 1, 0)
+                          : process_vm_readv((pid_t)c->peer_pid, &l, 1, &r, 1, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return uccl__err(UCCL_ERR_IO, "%s of %zu bytes at 0x%llx in pid %u: %s",
+                             write ? "process_vm_writev" : "process_vm_readv", len - done,
+                             (unsigned long long)(remote + done), c->peer_pid, strerror(errno));
+        }
+        if (n == 0)
+            return uccl__err(UCCL_ERR_IO, "CMA copy made no progress at 0x%llx in pid %u",
+                             (unsigned long long)(remote + done), c->peer_pid);
+        done += (size_t)n;
+    }
+    return UCCL_OK;
+}
+
+static int shm_pull(struct uccl__conn *c, void *dst, uint64_t remote, size_t len)
+{
+    return cma_copy(c, dst, remote, len, 0);
+}
+
+static int shm_push(struct uccl__conn *c, const void *src, uint64_t remote, size_t len)
+{
+    return cma_copy(c, (void *)src, remote, len, 1);
+}
+
+static struct shm_conn *shm_new(struct uccl__conn *c)
+{
+    struct shm_conn *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NULL;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    c->tp_priv = s;
+    return s;
+}
+
+static int map_segment(struct shm_conn *s, int fd, int is_connector)
+{
+    s->seg = mmap(NULL, RING_SEG_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (s->seg == MAP_FAILED) {
+        s->seg = NULL;
+        return uccl__err(UCCL_ERR_IO, "mmap of shared segment %s: %s", s->name, strerror(errno));
+    }
+    s->out = s->seg + (is_connector ? 0 : RING_DIR_BYTES);
+    s->in = s->seg + (is_connector ? RING_DIR_BYTES : 0);
+    return UCCL_OK;
+}
+
+static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer, struct uccl__hello *ack)
+{
+    struct shm_conn *s = shm_new(c);
+    if (!s)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    int mode = c->ep->shm_mode;
+    uint64_t cookie = 0;
+    struct iovec l = {&cookie, sizeof(cookie)};
+    struct iovec r = {(void *)(uintptr_t)peer->probe_addr, sizeof(cookie)};
+    ssize_t n = process_vm_readv((pid_t)peer->pid, &l, 1, &r, 1, 0);
+    int cma_ok = n == (ssize_t)sizeof(cookie) && cookie == peer->probe_cookie;
+    if (!cma_ok && mode == 0)
+        return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_SHM_MODE=cma but reading pid %u with "
+                         "process_vm_readv failed: %s", peer->pid,
+                         n < 0 ? strerror(errno) : "wrong probe value (another pid namespace?)");
+    if (!cma_ok && mode < 0)
+        LOG_INFO("CMA to pid %u not permitted (%s): using the shared-memory ring", peer->pid,
+                 n < 0 ? strerror(errno) : "probe mismatch");
+    if (cma_ok && mode != 1) {
+        c->direct = 1;
+        ack->shm_mode = 0;
+        return UCCL_OK;
+    }
+    c->direct = 0;
+    ack->shm_mode = 1;
+    snprintf(s->name, sizeof(s->name), "/uccl-%d-%016llx", (int)getpid(),
+             (unsigned long long)uccl__random64());
+    int fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return uccl__err(UCCL_ERR_UNAVAIL, "shm_open(%s): %s", s->name, strerror(errno));
+    s->owner = 1;
+    int rc = UCCL_OK;
+    if (ftruncate(fd, (off_t)RING_SEG_BYTES) < 0)
+        rc = uccl__err(UCCL_ERR_UNAVAIL, "ftruncate(%s, %zu): %s", s->name,
+                       (size_t)RING_SEG_BYTES, strerror(errno));
+    if (rc == UCCL_OK)
+        rc = map_segment(s, fd, 0);
+    close(fd);
+    snprintf(ack->shm_name, sizeof(ack->shm_name), "%s", s->name + 1);
+    return rc;
+}
+
+static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ack, uint64_t deadline)
+{
+    (void)deadline;
+    struct shm_conn *s = shm_new(c);
+    if (!s)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    if (ack->shm_mode == 0) {
+        c->direct = 1;
+        return UCCL_OK;
+    }
+    c->direct = 0;
+    snprintf(s->name, sizeof(s->name), "/%s", ack->shm_name);
+    int fd = shm_open(s->name, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0)
+        return uccl__err(UCCL_ERR_UNAVAIL, "shm_open(%s): %s", s->name, strerror(errno));
+    struct stat st;
+    int rc = UCCL_OK;
+    if (fstat(fd, &st) < 0 || (size_t)st.st_size != RING_SEG_BYTES)
+        rc = uccl__err(UCCL_ERR_PROTO, "shared segment %s has the wrong size", s->name);
+    if (rc == UCCL_OK)
+        rc = map_segment(s, fd, 1);
+    close(fd);
+    shm_unlink(s->name); /* both sides have it mapped: nothing is left behind */
+    return rc;
+}
+
+static void *ring_tx_main(void *arg)
+{
+    struct uccl__conn *c = arg;
+    struct shm_conn *s = c->tp_priv;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->stop)
+            pthread_cond_wait(&s->cv, &s->mu);
+        if (s->stop)
+            break;
+        struct ring_job *j = s->head;
+        int rc = UCCL_OK;
+        for (size_t off = 0; off < j->len && rc == UCCL_OK;) {
+            unsigned slot = RING_SLOTS;
+            while (!s->stop) {
+                for (unsigned i = 0; i < RING_SLOTS && slot == RING_SLOTS; i++)
+                    if (!s->busy[i])
+                        slot = i;
+                if (slot < RING_SLOTS)
+                    break;
+                pthread_cond_wait(&s->cv, &s->mu);
+            }
+            if (s->stop) {
+                rc = UCCL_ERR_CLOSED;
+                break;
+            }
+            s->busy[slot] = 1;
+            pthread_mutex_unlock(&s->mu);
+            size_t n = j->len - off < RING_SLOT_BYTES ? j->len - off : RING_SLOT_BYTES;
+            memcpy(s->out + (size_t)slot * RING_SLOT_BYTES, j->src + off, n);
+            struct uccl__msg m = {.type = UCCL_MSG_DATA, .seq = j->id, .len = n, .offset = off,
+                                  .token = (uint64_t)j->kind, .aux = slot};
+            rc = uccl__conn_send_msg(c, &m);
+            off += n;
+            pthread_mutex_lock(&s->mu);
+        }
+        s->head = j->next;
+        if (!s->head)
+            s->tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        uccl__conn_tx_done(c, j->cookie, rc);
+        free(j);
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static int shm_conn_start(struct uccl__conn *c)
+{
+    struct shm_conn *s = c->tp_priv;
+    if (c->direct)
+        return UCCL_OK;
+    if (pthread_create(&s->tx, NULL, ring_tx_main, c))
+        return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
+    s->thread = 1;
+    return UCCL_OK;
+}
+
+static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
+                      void *cookie)
+{
+    struct shm_conn *s = c->tp_priv;
+    struct ring_job *j = calloc(1, sizeof(*j));
+    if (!j)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    *j = (struct ring_job){.kind = kind, .id = id, .src = src, .len = len, .cookie = cookie};
+    pthread_mutex_lock(&s->mu);
+    if (s->stop) {
+        pthread_mutex_unlock(&s->mu);
+        free(j);
+        return uccl__err(UCCL_ERR_CLOSED, "connection is shutting down");
+    }
+    if (s->tail)
+        s->tail->next = j;
+    else
+        s->head = j;
+    s->tail = j;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return UCCL_OK;
+}
+
+static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
+{
+    struct shm_conn *s = c->tp_priv;
+    if (c->direct || !s->seg)
+        return uccl__err(UCCL_ERR_PROTO, "ring message on a CMA connection");
+    if (m->aux >= RING_SLOTS)
+        return uccl__err(UCCL_ERR_PROTO, "ring slot %llu out of range (%d slots)",
+                         (unsigned long long)m->aux, RING_SLOTS);
+    if (m->type == UCCL_MSG_CREDIT) {
+        pthread_mutex_lock(&s->mu);
+        int was = s->busy[m->aux];
+        s->busy[m->aux] = 0;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        return was ? UCCL_OK : uccl__err(UCCL_ERR_PROTO, "credit for free slot %llu",
+                                         (unsigned long long)m->aux);
+    }
+    if (m->type != UCCL_MSG_DATA)
+        return uccl__err(UCCL_ERR_PROTO, "unexpected message type %u", m->type);
+    if (m->len == 0 || m->len > RING_SLOT_BYTES || m->token < UCCL_DATA_SEND ||
+        m->token > UCCL_DATA_READ)
+        return uccl__err(UCCL_ERR_PROTO, "ring chunk of %llu bytes (kind %llu) is malformed",
+                         (unsigned long long)m->len, (unsigned long long)m->token);
+    char *dst;
+    struct uccl__req *r;
+    int rc = uccl__conn_rx_begin(c, (int)m->token, m->seq, m->offset, m->len, &dst, &r);
+    if (rc)
+        return rc;
+    memcpy(dst, s->in + (size_t)m->aux * RING_SLOT_BYTES, m->len);
+    uccl__conn_rx_end(c, r, m->len);
+    struct uccl__msg cr = {.type = UCCL_MSG_CREDIT, .aux = m->aux};
+    return uccl__conn_send_msg(c, &cr);
+}
+
+static void shm_conn_shutdown(struct uccl__conn *c)
+{
+    struct shm_conn *s = c->tp_priv;
+    if (!s)
+        return;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void shm_conn_destroy(struct uccl__conn *c)
+{
+    struct shm_conn *s = c->tp_priv;
+    if (!s)
+        return;
+    shm_conn_shutdown(c);
+    if (s->thread) {
+        pthread_join(s->tx, NULL);
+        s->thread = 0;
+    }
+    while (s->head) {
+        struct ring_job *j = s->head;
+        s->head = j->next;
+        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
+        free(j);
+    }
+    s->tail = NULL;
+    if (s->seg) {
+        munmap(s->seg, RING_SEG_BYTES);
+        s->seg = NULL;
+    }
+    if (s->owner) {
+        shm_unlink(s->name); /* in case the peer never opened it */
+        s->owner = 0;
+    }
+}
+
+static void shm_free(struct uccl__conn *c)
+{
+    struct shm_conn *s = c->tp_priv;
+    if (!s)
+        return;
+    shm_conn_destroy(c);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+    c->tp_priv = NULL;
+}
+
+const struct uccl__tp_ops uccl__tp_shm = {
+    .name = "shm",
+    .id = UCCL_TP_SHM,
+    .available = shm_available,
+    .conn_accept = shm_conn_accept,
+    .conn_connected = shm_conn_connected,
+    .conn_start = shm_conn_start,
+    .pull = shm_pull,
+    .push = shm_push,
+    .stream = shm_stream,
+    .on_msg = shm_on_msg,
+    .conn_shutdown = shm_conn_shutdown,
+    .conn_destroy = shm_conn_destroy,
+    .conn_free = shm_free,
+};

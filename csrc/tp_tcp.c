@@ -1,0 +1,349 @@
+/* TCP transport: the control socket plus num_streams data sockets per
+ * connection.  Outgoing bytes are cut into chunks (chunk_bytes) that the
+ * streams' sender threads take from one queue, so a large message is striped
+ * over every stream and a small one goes out on whichever stream is free.
+ * Each chunk carries (kind, id, offset, len); the receiving thread asks
+ * conn.c where it may land and receives straight into that buffer. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "log.h"
+#include "sock.h"
+#include "status.h"
+
+struct tcp_job {
+    int kind;
+    uint64_t id;
+    const char *src;
+    size_t len, next_off;
+    atomic_size_t accounted;  /* bytes of dispatched chunks, sent or failed */
+    atomic_int err;
+    void *cookie;
+    struct tcp_job *next;
+};
+
+struct tcp_stream {
+    int fd;
+    unsigned idx;
+    int threads;
+    pthread_t tx, rx;
+    struct uccl__conn *conn;
+};
+
+struct tcp_conn {
+    struct tcp_stream s[UCCL_MAX_STREAMS];
+    unsigned n;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct tcp_job *head, *tail;
+    int stop;
+    int destroyed;
+};
+
+static int tcp_available(void) { return UCCL_OK; }
+
+static struct tcp_conn *tcp_new(struct uccl__conn *c)
+{
+    struct tcp_conn *t = calloc(1, sizeof(*t));
+    if (!t)
+        return NULL;
+    t->n = c->num_streams;
+    for (unsigned i = 0; i < UCCL_MAX_STREAMS; i++) {
+        t->s[i].fd = -1;
+        t->s[i].idx = i;
+        t->s[i].conn = c;
+    }
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    c->tp_priv = t;
+    c->direct = 0;
+    return t;
+}
+
+static int tcp_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer, struct uccl__hello *ack)
+{
+    (void)peer;
+    (void)ack;
+    return tcp_new(c) ? UCCL_OK : uccl__err(UCCL_ERR_NOMEM, "out of memory");
+}
+
+static unsigned tcp_streams_needed(const struct uccl__conn *c) { return c->num_streams; }
+
+static int tcp_add_stream(struct uccl__conn *c, int fd, unsigned index)
+{
+    struct tcp_conn *t = c->tp_priv;
+    if (index >= t->n || t->s[index].fd >= 0)
+        return uccl__err(UCCL_ERR_PROTO, "stream index %u duplicated or out of range (%u streams)",
+                         index, t->n);
+    uccl__sock_set_nonblock(fd, 0); /* data threads block; shutdown() wakes them */
+    t->s[index].fd = fd;
+    return UCCL_OK;
+}
+
+static int tcp_conn_connected(struct uccl__conn *c, const struct uccl__hello *ack, uint64_t deadline)
+{
+    (void)ack;
+    struct tcp_conn *t = tcp_new(c);
+    if (!t)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    for (unsigned i = 0; i < t->n; i++) {
+        int fd;
+        int rc = uccl__ep_open_stream(c, i, deadline, &fd);
+        if (rc)
+            return rc;
+        uccl__sock_set_nonblock(fd, 0);
+        t->s[i].fd = fd;
+    }
+    return UCCL_OK;
+}
+
+/* Account a dispatched chunk; the thread that accounts the last byte ends the job. */
+static void account(struct uccl__conn *c, struct tcp_job *j, size_t n, int failed)
+{
+    if (failed)
+        atomic_store(&j->err, 1);
+    if (atomic_fetch_add(&j->accounted, n) + n == j->len) {
+        uccl__conn_tx_done(c, j->cookie, atomic_load(&j->err) ? UCCL_ERR_IO : UCCL_OK);
+        free(j);
+    }
+}
+
+static int send_chunk(int fd, const uint8_t *hdr, const char *data, size_t len)
+{
+    struct iovec iov[2] = {{(void *)hdr, UCCL_CHUNK_HDR_SIZE}, {(void *)data, len}};
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
+    while (iov[1].iov_len > 0 || mh.msg_iovlen == 2) {
+        ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return uccl__err(UCCL_ERR_IO, "send on data stream: %s", strerror(errno));
+        }
+        size_t k = (size_t)n;
+        while (k > 0 && mh.msg_iovlen > 0) {
+            size_t take = k < mh.msg_iov[0].iov_len ? k : mh.msg_iov[0].iov_len;
+            mh.msg_iov[0].iov_base = (char *)mh.msg_iov[0].iov_base + take;
+            mh.msg_iov[0].iov_len -= take;
+            k -= take;
+            if (mh.msg_iov[0].iov_len == 0) {
+                mh.msg_iov++;
+                mh.msg_iovlen--;
+            }
+        }
+        if (mh.msg_iovlen == 0)
+            break;
+    }
+    return UCCL_OK;
+}
+
+static void *tx_main(void *arg)
+{
+    struct tcp_stream *s = arg;
+    struct uccl__conn *c = s->conn;
+    struct tcp_conn *t = c->tp_priv;
+    for (;;) {
+        pthread_mutex_lock(&t->mu);
+        while (!t->head && !t->stop)
+            pthread_cond_wait(&t->cv, &t->mu);
+        if (t->stop) {
+            pthread_mutex_unlock(&t->mu);
+            break;
+        }
+        struct tcp_job *j = t->head;
+        size_t off = j->next_off;
+        size_t len = j->len - off < c->chunk_bytes ? j->len - off : c->chunk_bytes;
+        j->next_off += len;
+        if (j->next_off == j->len) { /* fully handed out: leave the queue */
+            t->head = j->next;
+            if (!t->head)
+                t->tail = NULL;
+        }
+        pthread_mutex_unlock(&t->mu);
+
+        struct uccl__chunk_hdr h = {.kind = (uint16_t)j->kind, .id = j->id, .offset = off, .len = len};
+        uint8_t hdr[UCCL_CHUNK_HDR_SIZE];
+        uccl__chunk_encode(&h, hdr);
+        int rc = send_chunk(s->fd, hdr, j->src + off, len);
+        if (rc)
+            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
+        account(c, j, len, rc != UCCL_OK);
+        if (rc)
+            break;
+    }
+    return NULL;
+}
+
+static int recv_full(int fd, void *buf, size_t len)
+{
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = recv(fd, p, len, MSG_WAITALL);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+        } else if (n == 0) {
+            return uccl__err(UCCL_ERR_IO, "peer closed a data stream");
+        } else if (errno != EINTR) {
+            return uccl__err(UCCL_ERR_IO, "recv on data stream: %s", strerror(errno));
+        }
+    }
+    return UCCL_OK;
+}
+
+static void *rx_main(void *arg)
+{
+    struct tcp_stream *s = arg;
+    struct uccl__conn *c = s->conn;
+    uint8_t hdr[UCCL_CHUNK_HDR_SIZE];
+    while (!atomic_load(&c->failed)) {
+        struct uccl__chunk_hdr h;
+        char *dst;
+        struct uccl__req *r;
+        int rc = recv_full(s->fd, hdr, sizeof(hdr));
+        if (rc) {
+            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
+            break;
+        }
+        rc = uccl__chunk_decode(hdr, c->chunk_bytes, &h);
+        if (rc == UCCL_OK)
+            rc = uccl__conn_rx_begin(c, h.kind, h.id, h.offset, h.len, &dst, &r);
+        if (rc) {
+            uccl__conn_fail(c, UCCL_ERR_PROTO, "%s", uccl_last_error());
+            break;
+        }
+        rc = recv_full(s->fd, dst, h.len);
+        if (rc) {
+            uccl__conn_rx_abort(c, r);
+            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
+            break;
+        }
+        uccl__conn_rx_end(c, r, h.len);
+    }
+    return NULL;
+}
+
+static int tcp_conn_start(struct uccl__conn *c)
+{
+    struct tcp_conn *t = c->tp_priv;
+    for (unsigned i = 0; i < t->n; i++) {
+        struct tcp_stream *s = &t->s[i];
+        if (s->fd < 0)
+            return uccl__err(UCCL_ERR_PROTO, "data stream %u missing", i);
+        if (pthread_create(&s->tx, NULL, tx_main, s))
+            return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
+        if (pthread_create(&s->rx, NULL, rx_main, s)) {
+            pthread_mutex_lock(&t->mu);
+            t->stop = 1;
+            pthread_cond_broadcast(&t->cv);
+            pthread_mutex_unlock(&t->mu);
+            pthread_join(s->tx, NULL);
+            return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
+        }
+        s->threads = 1;
+    }
+    return UCCL_OK;
+}
+
+static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
+                      void *cookie)
+{
+    struct tcp_conn *t = c->tp_priv;
+    struct tcp_job *j = calloc(1, sizeof(*j));
+    if (!j)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    j->kind = kind;
+    j->id = id;
+    j->src = src;
+    j->len = len;
+    j->cookie = cookie;
+    pthread_mutex_lock(&t->mu);
+    if (t->stop) {
+        pthread_mutex_unlock(&t->mu);
+        free(j);
+        return uccl__err(UCCL_ERR_CLOSED, "connection is shutting down");
+    }
+    if (t->tail)
+        t->tail->next = j;
+    else
+        t->head = j;
+    t->tail = j;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    return UCCL_OK;
+}
+
+static void tcp_conn_shutdown(struct uccl__conn *c)
+{
+    struct tcp_conn *t = c->tp_priv;
+    if (!t)
+        return;
+    pthread_mutex_lock(&t->mu);
+    t->stop = 1;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    for (unsigned i = 0; i < t->n; i++)
+        if (t->s[i].fd >= 0)
+            shutdown(t->s[i].fd, SHUT_RDWR);
+}
+
+static void tcp_conn_destroy(struct uccl__conn *c)
+{
+    struct tcp_conn *t = c->tp_priv;
+    if (!t || t->destroyed)
+        return;
+    tcp_conn_shutdown(c);
+    for (unsigned i = 0; i < t->n; i++) {
+        if (t->s[i].threads) {
+            pthread_join(t->s[i].tx, NULL);
+            pthread_join(t->s[i].rx, NULL);
+            t->s[i].threads = 0;
+        }
+    }
+    /* Jobs never fully handed out: no thread references them any more. */
+    while (t->head) {
+        struct tcp_job *j = t->head;
+        t->head = j->next;
+        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
+        free(j);
+    }
+    t->tail = NULL;
+    for (unsigned i = 0; i < t->n; i++)
+        if (t->s[i].fd >= 0) {
+            close(t->s[i].fd);
+            t->s[i].fd = -1;
+        }
+    t->destroyed = 1;
+}
+
+static void tcp_free(struct uccl__conn *c)
+{
+    struct tcp_conn *t = c->tp_priv;
+    tcp_conn_destroy(c);
+    if (t) {
+        pthread_mutex_destroy(&t->mu);
+        pthread_cond_destroy(&t->cv);
+        free(t);
+        c->tp_priv = NULL;
+    }
+}
+
+const struct uccl__tp_ops uccl__tp_tcp = {
+    .name = "tcp",
+    .id = UCCL_TP_TCP,
+    .available = tcp_available,
+    .conn_accept = tcp_conn_accept,
+    .conn_connected = tcp_conn_connected,
+    .streams_needed = tcp_streams_needed,
+    .add_stream = tcp_add_stream,
+    .conn_start = tcp_conn_start,
+    .stream = tcp_stream,
+    .conn_shutdown = tcp_conn_shutdown,
+    .conn_destroy = tcp_conn_destroy,
+    .conn_free = tcp_free,
+};

@@ -1,0 +1,87 @@
+/* The one contract every transport meets.
+ *
+ * A connection is set up by engine.c over its control socket (handshake,
+ * secret, host identity); the transport then adds what it needs (TCP data
+ * streams, a shared-memory segment, later CUDA IPC handles or RDMA queue
+ * pairs).  The two-sided and one-sided protocol (rendezvous, size checks,
+ * advertised windows) lives in conn.c and is the same for every transport;
+ * a transport only moves bytes, in one of two ways:
+ *
+ *  - direct: the local process copies straight from/to the peer's memory
+ *    given its address (CMA process_vm_readv/writev; later cuMemcpy from a
+ *    CUDA IPC mapping, or RDMA READ/WRITE with the key carried in `key`).
+ *  - stream: the bytes travel tagged (kind, id, offset) and the peer's
+ *    engine asks conn.c where each chunk may land (uccl__conn_rx_begin),
+ *    which checks it against what that side posted or advertised.
+ *
+ * Adding a transport = one new tp_<name>.c exporting a const ops table, and
+ * one line in the registry in engine.c.
+ */
+#ifndef UCCL_TRANSPORT_H
+#define UCCL_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "wire.h"
+
+struct uccl__conn;
+
+struct uccl__tp_ops {
+    const char *name;
+    int id; /* UCCL_TP_* */
+
+    /* Usable in this process at all (libraries loaded, kernel support)?
+     * Never blocks.  On UCCL_ERR_UNAVAIL the message says why. */
+    int (*available)(void);
+
+    /* Acceptor, on HELLO_CONN: check the peer's fields, set up local state
+     * and fill the ACK.  Bounded by the handshake deadline. */
+    int (*conn_accept)(struct uccl__conn *c, const struct uccl__hello *peer,
+                       struct uccl__hello *ack);
+
+    /* Connector, after a positive ACK: finish local state (map a segment,
+     * open extra streams).  May block until deadline_ns. */
+    int (*conn_connected)(struct uccl__conn *c, const struct uccl__hello *ack,
+                          uint64_t deadline_ns);
+
+    /* Acceptor: how many HELLO_STREAM sockets complete this connection, and
+     * take one of them (the engine has checked token and secret). */
+    unsigned (*streams_needed)(const struct uccl__conn *c);
+    int (*add_stream)(struct uccl__conn *c, int fd, unsigned index);
+
+    /* Start the transport's threads.  Never blocks. */
+    int (*conn_start)(struct uccl__conn *c);
+
+    /* Direct movers (NULL, or the connection's `direct` flag clear, when the
+     * transport streams).  Blocking; run on the connection's worker thread. */
+    int (*pull)(struct uccl__conn *c, void *dst, uint64_t remote_addr, size_t len);
+    int (*push)(struct uccl__conn *c, const void *src, uint64_t remote_addr, size_t len);
+
+    /* Stream mover: queue len > 0 bytes for the peer, tagged (kind, id).
+     * Never blocks; calls uccl__conn_tx_done(c, cookie, status) once the
+     * bytes have left the buffer.  `cookie` is a struct uccl__req *. */
+    int (*stream)(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
+                  void *cookie);
+
+    /* A control message of a type conn.c does not know (UCCL_MSG_DATA /
+     * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the service
+     * thread; must not wait for the peer. */
+    int (*on_msg)(struct uccl__conn *c, const struct uccl__msg *m);
+
+    /* Unblock every thread of the transport (failure or close).  Idempotent,
+     * callable from any thread, never blocks. */
+    void (*conn_shutdown)(struct uccl__conn *c);
+
+    /* Join the transport's threads and release its resources (sockets,
+     * mappings).  Idempotent; never called from the transport's threads. */
+    void (*conn_destroy)(struct uccl__conn *c);
+
+    /* Free what conn_destroy left (called with the last reference). */
+    void (*conn_free)(struct uccl__conn *c);
+};
+
+extern const struct uccl__tp_ops uccl__tp_tcp;
+extern const struct uccl__tp_ops uccl__tp_shm;
+
+#endif

@@ -1,0 +1,66 @@
+/* Public C API of the engine.  Opaque handles; every function returns a
+ * status (status.h) and sets its outputs (`_p`) only on success; the reason
+ * of an error is in uccl_last_error() on the calling thread. */
+#ifndef UCCL_H
+#define UCCL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+typedef struct uccl__ep uccl_ep_t;
+
+struct uccl_ep_opts {
+    int gpu_idx;             /* -1: CPU only */
+    int num_cpus;            /* accepted for API compatibility (threads are per connection) */
+    double timeout_s;        /* <= 0: UCCL_P2P_TIMEOUT_S or 300 s */
+    const char *secret;      /* NULL: UCCL_P2P_SECRET if set, else none */
+    size_t secret_len;
+    int port;                /* < 0: base port + gpu index, else ephemeral; 0: ephemeral */
+};
+
+enum { UCCL_XFER_SEND = 1, UCCL_XFER_RECV, UCCL_XFER_WRITE, UCCL_XFER_READ };
+
+int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p);
+/* Fail everything pending, stop every thread; idempotent. */
+void uccl_ep_close(uccl_ep_t *ep);
+void uccl_ep_destroy(uccl_ep_t *ep);
+
+int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len);
+int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p);
+void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
+uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
+
+/* Connect (the new connection sends).  port < 0: base port + remote_gpu. */
+int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int rank,
+                    const uint8_t *secret, size_t secret_len, uint64_t *conn_p);
+/* Connect from metadata; the same metadata gives the same connection. */
+int uccl_ep_connect_meta(uccl_ep_t *ep, const uint8_t *meta, size_t meta_len, uint64_t *conn_p);
+/* Wait up to timeout_ns for an accepted connection (UCCL_INPROGRESS: none yet). */
+int uccl_ep_accept(uccl_ep_t *ep, uint64_t timeout_ns, uint64_t *conn_p, char ip[46],
+                   int *gpu_p);
+int uccl_ep_set_passive(uccl_ep_t *ep);
+/* Name of the transport a connection uses ("tcp", "shm-cma", "shm-ring"). */
+int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len);
+
+int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p);
+int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr);
+
+/* Post a transfer; fifo (advertised descriptor) only for WRITE/READ. */
+int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t ptr, size_t len,
+                 const uint8_t *fifo, size_t fifo_len, uint64_t *xfer_p);
+/* Done?  A failed transfer returns its error (every time until released). */
+int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p);
+/* Wait until done or until min(deadline_ns, now + slice_ns).  UCCL_OK: done;
+ * UCCL_INPROGRESS: the slice passed; past the deadline the transfer's
+ * connection is failed (nothing may land later) and UCCL_ERR_TIMEOUT returned. */
+int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t slice_ns);
+/* Forget a transfer id (its state is kept until then, or until 65536 newer
+ * finished transfers have been polled). */
+int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer);
+
+int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr, size_t len,
+                      uint8_t *out, size_t out_len);
+
+#endif

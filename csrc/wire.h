@@ -1,0 +1,112 @@
+/* Everything that crosses a socket: fixed-size little-endian records with a
+ * magic and a version.  Encoders write into a byte array; every decoder
+ * validates what a peer sent (magic, version, type, every length) and fails
+ * with UCCL_ERR_PROTO and a message naming the bad field. */
+#ifndef UCCL_WIRE_H
+#define UCCL_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define UCCL_WIRE_MAGIC    0x4C434355u /* "UCCL" */
+#define UCCL_WIRE_VERSION  1
+#define UCCL_SECRET_MAX    64
+#define UCCL_HOSTID_MAX    64
+#define UCCL_SHMNAME_MAX   48
+#define UCCL_MAX_STREAMS   16
+
+/* ---- handshake ---------------------------------------------------------- */
+enum {
+    UCCL_HELLO_CONN = 1,   /* connector -> acceptor: new connection (control socket) */
+    UCCL_HELLO_STREAM = 2, /* connector -> acceptor: extra TCP data stream */
+    UCCL_HELLO_ACK = 3,    /* acceptor -> connector: verdict */
+};
+
+enum { UCCL_TP_AUTO = 0, UCCL_TP_TCP = 1, UCCL_TP_SHM = 2, UCCL_TP_IPC = 3, UCCL_TP_RDMA = 4,
+       UCCL_TP_COUNT = 5 };
+
+#define UCCL_HELLO_SIZE 256
+struct uccl__hello {
+    uint16_t type;
+    uint32_t secret_len;
+    uint8_t secret[UCCL_SECRET_MAX];
+    char host_id[UCCL_HOSTID_MAX];      /* NUL-terminated after decode */
+    uint32_t pid;
+    int32_t gpu_idx;
+    int32_t rank;
+    uint32_t transport;                 /* requested (HELLO) or chosen (ACK) */
+    uint32_t shm_mode;                  /* tp_shm: 0 = CMA, 1 = shared-memory ring */
+    uint32_t num_streams;               /* tp_tcp data streams, 1..UCCL_MAX_STREAMS */
+    uint32_t stream_index;
+    uint64_t conn_token;                /* binds HELLO_STREAM sockets to their connection */
+    uint64_t probe_addr, probe_cookie;  /* CMA probe: 8 bytes the peer may read */
+    int32_t status;                     /* ACK: UCCL_OK or the refusal */
+    uint32_t listen_port;
+    uint64_t chunk_bytes;               /* tp_tcp chunk size, 4 KiB .. 64 MiB */
+    char shm_name[UCCL_SHMNAME_MAX];    /* tp_shm ring segment, NUL-terminated */
+};
+void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE]);
+int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h);
+
+/* ---- control messages (one connection, both directions) ------------------ */
+enum {
+    UCCL_MSG_RTS = 1,     /* sender: message seq of len bytes at addr is ready */
+    UCCL_MSG_CTS = 2,     /* receiver: sizes match, push the bytes */
+    UCCL_MSG_NACK = 3,    /* receiver: sizes differ (len = receiver's size) */
+    UCCL_MSG_FIN = 4,     /* receiver: pulled the message, sender may complete */
+    UCCL_MSG_WREQ = 5,    /* initiator: write len bytes into window at offset */
+    UCCL_MSG_RREQ = 6,    /* initiator: read len bytes of window at offset */
+    UCCL_MSG_GO = 7,      /* target: write accepted, push the bytes */
+    UCCL_MSG_OPDONE = 8,  /* target: one-sided op finished (aux = status) */
+    UCCL_MSG_DATA = 9,    /* shm ring: a chunk sits in slot aux */
+    UCCL_MSG_CREDIT = 10, /* shm ring: slot aux is free again */
+    UCCL_MSG_TYPE_MAX = 10,
+};
+
+#define UCCL_MSG_SIZE 64
+struct uccl__msg {
+    uint16_t type;
+    uint64_t seq;     /* message sequence number or one-sided op id */
+    uint64_t len;
+    uint64_t addr;    /* a local address of the sender of this message (CMA) */
+    uint64_t window;  /* advertised window id */
+    uint64_t token;   /* advertised window token */
+    uint64_t offset;  /* byte offset (window or chunk) */
+    uint64_t aux;     /* status, slot, data kind */
+};
+void uccl__msg_encode(const struct uccl__msg *m, uint8_t out[UCCL_MSG_SIZE]);
+int uccl__msg_decode(const uint8_t in[UCCL_MSG_SIZE], struct uccl__msg *m);
+
+/* ---- data chunk header (tp_tcp data streams) ----------------------------- */
+enum { UCCL_DATA_SEND = 1, UCCL_DATA_WRITE = 2, UCCL_DATA_READ = 3 };
+#define UCCL_CHUNK_HDR_SIZE 32
+struct uccl__chunk_hdr {
+    uint16_t kind;
+    uint64_t id, offset, len;
+};
+void uccl__chunk_encode(const struct uccl__chunk_hdr *c, uint8_t out[UCCL_CHUNK_HDR_SIZE]);
+int uccl__chunk_decode(const uint8_t in[UCCL_CHUNK_HDR_SIZE], uint64_t max_len,
+                       struct uccl__chunk_hdr *c);
+
+/* ---- one-sided descriptor ("fifo item") handed out by advertise() -------- */
+#define UCCL_FIFO_ITEM_SIZE 64
+struct uccl__fifo_item {
+    uint64_t window, token, addr, len;
+};
+void uccl__fifo_encode(const struct uccl__fifo_item *f, uint8_t out[UCCL_FIFO_ITEM_SIZE]);
+int uccl__fifo_decode(const uint8_t *in, size_t in_len, struct uccl__fifo_item *f);
+
+/* ---- endpoint metadata (get_metadata / parse_metadata) ------------------- */
+#define UCCL_META_SIZE 192
+struct uccl__meta {
+    char ip[46];
+    uint32_t port;
+    int32_t gpu_idx;
+    char host_id[UCCL_HOSTID_MAX];
+    uint32_t secret_len;
+    uint8_t secret[UCCL_SECRET_MAX];
+};
+void uccl__meta_encode(const struct uccl__meta *m, uint8_t out[UCCL_META_SIZE]);
+int uccl__meta_decode(const uint8_t *in, size_t in_len, struct uccl__meta *m);
+
+#endif

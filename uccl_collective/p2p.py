@@ -1,0 +1,183 @@
+"""The UCCL P2P engine's Endpoint API over the C engine.
+
+Raw-pointer methods keep upstream's names and return shapes (``(success, ...)``
+tuples) but raise instead of returning False: ValueError/TypeError for the
+caller's mistakes, UcclError for failed transfers, UcclTimeoutError when a
+deadline passes.  The ``*_tensor`` helpers take torch tensors or numpy arrays.
+
+Connections are one-way, as upstream: the side that calls connect() sends,
+reads and writes; the side that accepts receives and advertises.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from . import _engine
+from ._engine import UcclError, UcclTimeoutError
+
+__all__ = ["Endpoint", "UcclError", "UcclTimeoutError", "buffer_of"]
+
+OP_SEND, OP_RECV = _engine.OP_SEND, _engine.OP_RECV
+OP_WRITE, OP_READ = _engine.OP_WRITE, _engine.OP_READ
+
+
+def buffer_of(obj: Any) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous torch tensor or numpy array."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # torch.Tensor
+        if not obj.is_contiguous():
+            raise ValueError(
+                f"tensor is not contiguous (shape={tuple(obj.shape)}, stride={tuple(obj.stride())}); "
+                "call .contiguous() first")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
+    if hasattr(obj, "__array_interface__"):  # numpy.ndarray and friends
+        if not obj.flags["C_CONTIGUOUS"]:
+            raise ValueError(
+                f"array is not C-contiguous (shape={obj.shape}, strides={obj.strides}); "
+                "use numpy.ascontiguousarray first")
+        if not obj.flags["WRITEABLE"]:
+            raise ValueError("array is read-only; the engine needs writable memory")
+        return int(obj.__array_interface__["data"][0]), int(obj.nbytes)
+    raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
+
+
+def _lists(name: str, num_iovs: int, *lists: Sequence) -> None:
+    if num_iovs < 0:
+        raise ValueError(f"{name}: num_iovs must be >= 0, got {num_iovs}")
+    for lst in lists:
+        if len(lst) != num_iovs:
+            raise ValueError(f"{name}: num_iovs={num_iovs} but a list has {len(lst)} entries")
+
+
+class Endpoint(_engine.Endpoint):
+    """Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1)
+
+    local_gpu_idx=None means CPU only.  timeout_s bounds every blocking call
+    (default UCCL_P2P_TIMEOUT_S or 300 s).  secret (or UCCL_P2P_SECRET) must be
+    presented by every peer that connects here.  port=-1 tries the well-known
+    port (UCCL_P2P_BASE_PORT + gpu index) first, so that connect(ip, gpu) finds
+    it, then any free port; port=0 takes any free port.
+    """
+
+    parse_metadata = staticmethod(_engine.parse_metadata)
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- connections ------------------------------------------------------
+    def connect_local(self, remote_gpu_idx: int, remote_port: int = -1):
+        """Same-host form of connect()."""
+        return self.connect("127.0.0.1", remote_gpu_idx, remote_port)
+
+    def accept_local(self, timeout: float | None = None):
+        """Same-host form of accept(); returns (success, remote_gpu_idx, conn_id)."""
+        ok, _ip, gpu, conn_id = self.accept(timeout)
+        return ok, gpu, conn_id
+
+    # -- two-sided ---------------------------------------------------------
+    def send(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:
+        return self._transfer(OP_SEND, conn_id, mr_id, ptr, size)
+
+    def recv(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:
+        return self._transfer(OP_RECV, conn_id, mr_id, ptr, size)
+
+    def send_async(self, conn_id: int, mr_id: int, ptr: int, size: int):
+        return True, self._post(OP_SEND, conn_id, mr_id, ptr, size)
+
+    def recv_async(self, conn_id: int, mr_id: int, ptr: int, size: int):
+        return True, self._post(OP_RECV, conn_id, mr_id, ptr, size)
+
+    def _vector(self, name, op, conn_id, mr_ids, ptrs, sizes, num_iovs, fifos=None) -> bool:
+        _lists(name, num_iovs, mr_ids, ptrs, sizes, *([fifos] if fifos is not None else []))
+        ids = []
+        try:
+            for i in range(num_iovs):
+                if fifos is None:
+                    ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i]))
+                else:
+                    ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i], fifos[i]))
+            for t in ids:
+                self.wait(t)
+        finally:
+            for t in ids:
+                try:
+                    self.release(t)
+                except ValueError:
+                    pass
+        return True
+
+    def sendv(self, conn_id, mr_id_list, ptr_list, size_list, num_iovs) -> bool:
+        """Each iov is one message; the receiver's recvv must post the same sizes."""
+        return self._vector("sendv", OP_SEND, conn_id, mr_id_list, ptr_list, size_list, num_iovs)
+
+    def recvv(self, conn_id, mr_id_list, ptr_list, size_list, num_iovs) -> bool:
+        return self._vector("recvv", OP_RECV, conn_id, mr_id_list, ptr_list, size_list, num_iovs)
+
+    # -- one-sided ---------------------------------------------------------
+    def advertisev(self, conn_id, mr_id_list, addr_list, len_list, num_iovs):
+        _lists("advertisev", num_iovs, mr_id_list, addr_list, len_list)
+        return True, [self.advertise(conn_id, mr_id_list[i], addr_list[i], len_list[i])[1]
+                      for i in range(num_iovs)]
+
+    def write(self, conn_id: int, mr_id: int, src: int, size: int, fifo_item: bytes) -> bool:
+        return self._transfer(OP_WRITE, conn_id, mr_id, src, size, bytes(fifo_item))
+
+    def read(self, conn_id: int, mr_id: int, dst: int, size: int, fifo_item: bytes) -> bool:
+        return self._transfer(OP_READ, conn_id, mr_id, dst, size, bytes(fifo_item))
+
+    def write_async(self, conn_id, mr_id, src, size, fifo_item):
+        return True, self._post(OP_WRITE, conn_id, mr_id, src, size, bytes(fifo_item))
+
+    def read_async(self, conn_id, mr_id, dst, size, fifo_item):
+        return True, self._post(OP_READ, conn_id, mr_id, dst, size, bytes(fifo_item))
+
+    def writev(self, conn_id, mr_id_list, src_list, size_list, fifo_items, num_iovs) -> bool:
+        return self._vector("writev", OP_WRITE, conn_id, mr_id_list, src_list, size_list,
+                            num_iovs, [bytes(f) for f in fifo_items])
+
+    def readv(self, conn_id, mr_id_list, dst_list, size_list, fifo_items, num_iovs) -> bool:
+        return self._vector("readv", OP_READ, conn_id, mr_id_list, dst_list, size_list,
+                            num_iovs, [bytes(f) for f in fifo_items])
+
+    # -- upstream's same-host IPC names take the same paths -----------------
+    send_ipc, recv_ipc = send, recv
+    send_ipc_async, recv_ipc_async = send_async, recv_async
+    write_ipc, read_ipc = write, read
+    write_ipc_async, read_ipc_async = write_async, read_async
+    writev_ipc, readv_ipc = writev, readv
+    advertise_ipc, advertisev_ipc = _engine.Endpoint.advertise, advertisev
+
+    # -- torch tensors and numpy arrays -----------------------------------
+    def reg_tensor(self, t) -> int:
+        """Register a tensor's or array's memory; returns mr_id."""
+        ptr, size = buffer_of(t)
+        return self.reg(ptr, size)[1]
+
+    def send_tensor(self, conn_id: int, mr_id: int, t) -> bool:
+        return self.send(conn_id, mr_id, *buffer_of(t))
+
+    def recv_tensor(self, conn_id: int, mr_id: int, t) -> bool:
+        return self.recv(conn_id, mr_id, *buffer_of(t))
+
+    def send_tensor_async(self, conn_id: int, mr_id: int, t):
+        return self.send_async(conn_id, mr_id, *buffer_of(t))
+
+    def recv_tensor_async(self, conn_id: int, mr_id: int, t):
+        return self.recv_async(conn_id, mr_id, *buffer_of(t))
+
+    def advertise_tensor(self, conn_id: int, mr_id: int, t) -> bytes:
+        return self.advertise(conn_id, mr_id, *buffer_of(t))[1]
+
+    def write_tensor(self, conn_id: int, mr_id: int, t, fifo_item: bytes) -> bool:
+        return self.write(conn_id, mr_id, *buffer_of(t), fifo_item)
+
+    def read_tensor(self, conn_id: int, mr_id: int, t, fifo_item: bytes) -> bool:
+        return self.read(conn_id, mr_id, *buffer_of(t), fifo_item)
+
+
+def transport_from_env() -> str:
+    """The transport UCCL_P2P_TRANSPORT asks for ('auto' if unset)."""
+    return os.environ.get("UCCL_P2P_TRANSPORT", "auto") or "auto"
