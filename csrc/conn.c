@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
 #include <linux/futex.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -91,7 +92,8 @@ void uccl__req_finish(struct uccl__req *r, int status, const char *fmt, ...)
         va_end(ap);
     }
     atomic_store(&r->state, status == UCCL_OK ? UCCL_REQ_DONE : UCCL_REQ_FAILED);
-    futex_wake_all(&r->state);
+    if (atomic_load(&r->sleepers) > 0) /* a wake is a syscall: only when someone sleeps */
+        futex_wake_all(&r->state);
 }
 
 /* Spin briefly (the answer often comes within microseconds), then sleep on
@@ -99,6 +101,8 @@ void uccl__req_finish(struct uccl__req *r, int status, const char *fmt, ...)
 int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
 {
     uint64_t start = uccl__now_ns();
+    uint64_t spin = r->conn->ep->spin_ns < timeout_ns ? r->conn->ep->spin_ns : timeout_ns;
+    uccl__conn_drive(r->conn, r, spin);
     for (int i = 0; i < 2000; i++) {
         unsigned s = atomic_load(&r->state);
         if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
@@ -116,7 +120,11 @@ int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
             return UCCL_INPROGRESS;
         uint64_t left = timeout_ns - (now - start);
         struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
+        atomic_fetch_add(&r->sleepers, 1);
+        /* finish() stores the state before reading sleepers (both seq_cst):
+         * either it sees us or futex_wait sees the new state and returns. */
         syscall(SYS_futex, (uint32_t *)&r->state, FUTEX_WAIT_PRIVATE, s, &ts, NULL, 0);
+        atomic_fetch_sub(&r->sleepers, 1);
     }
 }
 
@@ -144,6 +152,8 @@ void uccl__conn_put(struct uccl__conn *c)
     pthread_mutex_destroy(&c->mu);
     pthread_mutex_destroy(&c->ctrl_tx_mu);
     pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->svc_cv);
+    pthread_cond_destroy(&c->drv_cv);
     free(c);
 }
 
@@ -161,6 +171,8 @@ struct uccl__conn *uccl__conn_new(struct uccl__ep *ep, int is_connector, int ctr
     pthread_mutex_init(&c->mu, NULL);
     pthread_mutex_init(&c->ctrl_tx_mu, NULL);
     pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->svc_cv, NULL);
+    pthread_cond_init(&c->drv_cv, NULL);
     return c;
 }
 
@@ -246,7 +258,9 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
 
-    if (status != UCCL_ERR_CLOSED)
+    if (c->peer_bye)
+        LOG_INFO("%s", c->fail_msg);
+    else if (status != UCCL_ERR_CLOSED)
         LOG_WARN("%s", c->fail_msg);
     /* Unblock everything: the service thread's recv, the transport's data
      * threads.  fds stay open until the last reference goes, so no thread
@@ -280,9 +294,21 @@ static void send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t l
     uccl__conn_send_msg(c, &m);
 }
 
+static void run_job(struct uccl__conn *c, struct uccl__job *j);
+
+/* The connection this thread is driving, if any (see uccl__conn_drive). */
+static _Thread_local struct uccl__conn *tls_driving;
+
 static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const struct uccl__msg *m,
                      void *dst)
 {
+    if (tls_driving == c) { /* the waiting caller copies itself: no handoff */
+        struct uccl__job j = {.kind = kind, .req = r, .dst = dst};
+        if (m)
+            j.msg = *m;
+        run_job(c, &j);
+        return;
+    }
     struct uccl__job *j = calloc(1, sizeof(*j));
     if (!j) {
         uccl__conn_fail(c, UCCL_ERR_NOMEM, "out of memory queueing a copy");
@@ -363,7 +389,7 @@ static void try_match(struct uccl__conn *c)
 /* ------------------------------------------------------------------------- */
 /* posting (user threads)                                                     */
 
-int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r)
+int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
 {
     if (atomic_load(&c->failed))
         return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
@@ -375,6 +401,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r)
         return rc;
     }
     req_get(r); /* the pending table's reference */
+    pthread_cond_signal(&c->svc_cv); /* answers are coming: the service thread must listen */
     struct uccl__msg m = {0};
     switch (r->op) {
     case UCCL_OP_RECV:
@@ -385,7 +412,13 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r)
             c->recv_head = r;
         c->recv_tail = r;
         pthread_mutex_unlock(&c->mu);
-        try_match(c);
+        if (blocking && !tls_driving) { /* a matching RTS may be in: pull on this thread */
+            tls_driving = c;
+            try_match(c);
+            tls_driving = NULL;
+        } else {
+            try_match(c);
+        }
         return UCCL_OK;
     case UCCL_OP_SEND:
         pthread_mutex_unlock(&c->mu);
@@ -605,6 +638,10 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
     case UCCL_MSG_RREQ:
         on_window_request(c, m);
         return UCCL_OK;
+    case UCCL_MSG_BYE:
+        c->peer_bye = 1;
+        uccl__conn_fail(c, UCCL_ERR_IO, "the peer closed its endpoint");
+        return UCCL_OK;
     case UCCL_MSG_GO:
         r = inflight_get(c, KEY_OP, m->seq, 0);
         if (!r || r->op != UCCL_OP_WRITE || m->len != r->len) {
@@ -640,27 +677,122 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
     }
 }
 
+/* Read and handle every whole message available now, without blocking.
+ * Only the reader of the moment (driver or service thread) calls this.
+ * Returns the number handled, or a negative status. */
+static int pump(struct uccl__conn *c)
+{
+    int handled = 0;
+    while (!atomic_load(&c->failed)) {
+        ssize_t n = recv(c->ctrl_fd, c->rxbuf + c->rxgot, sizeof(c->rxbuf) - c->rxgot, MSG_DONTWAIT);
+        if (n == 0)
+            return uccl__err(UCCL_ERR_IO, "peer closed the connection");
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return handled;
+            return uccl__err(UCCL_ERR_IO, "recv on control socket: %s", strerror(errno));
+        }
+        c->rxgot += (size_t)n;
+        if (c->rxgot < sizeof(c->rxbuf))
+            continue;
+        c->rxgot = 0;
+        struct uccl__msg m;
+        int rc = uccl__msg_decode(c->rxbuf, &m);
+        if (rc == UCCL_OK)
+            rc = handle_msg(c, &m);
+        if (rc)
+            return rc;
+        handled++;
+    }
+    return handled;
+}
+
+static void pump_failed(struct uccl__conn *c, int rc)
+{
+    uccl__conn_fail(c, rc == UCCL_ERR_NOMEM || rc == UCCL_ERR_IO ? rc : UCCL_ERR_PROTO, "%s",
+                    uccl_last_error());
+}
+
 static void *service_main(void *arg)
 {
     struct uccl__conn *c = arg;
-    uint8_t buf[UCCL_MSG_SIZE];
     while (!atomic_load(&c->failed)) {
-        int rc = uccl__sock_recv_all(c->ctrl_fd, buf, sizeof(buf), 0);
-        if (rc) {
-            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
-            break;
+        pthread_mutex_lock(&c->mu);
+        if (c->driver) { /* a caller is reading: stay out of its way */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 50000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+            }
+            pthread_cond_timedwait(&c->svc_cv, &c->mu, &ts);
+            pthread_mutex_unlock(&c->mu);
+            continue;
         }
-        struct uccl__msg m;
-        rc = uccl__msg_decode(buf, &m);
-        if (rc == UCCL_OK)
-            rc = handle_msg(c, &m);
-        if (rc) {
-            uccl__conn_fail(c, rc == UCCL_ERR_NOMEM ? rc : UCCL_ERR_PROTO, "%s",
-                            uccl_last_error());
+        pthread_mutex_unlock(&c->mu);
+        struct pollfd p = {.fd = c->ctrl_fd, .events = POLLIN};
+        int n = poll(&p, 1, 100);
+        if (n <= 0)
+            continue;
+        pthread_mutex_lock(&c->mu);
+        if (c->driver) {
+            pthread_mutex_unlock(&c->mu);
+            continue;
+        }
+        c->svc_reading = 1;
+        pthread_mutex_unlock(&c->mu);
+        int rc = pump(c);
+        pthread_mutex_lock(&c->mu);
+        c->svc_reading = 0;
+        pthread_cond_broadcast(&c->drv_cv);
+        pthread_mutex_unlock(&c->mu);
+        if (rc < 0) {
+            pump_failed(c, rc);
             break;
         }
     }
     return NULL;
+}
+
+/* Drive c from the calling thread until r finishes or budget_ns passes.
+ * Returns at once if another thread already drives c. */
+void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns)
+{
+    if (!c->started || tls_driving)
+        return;
+    pthread_mutex_lock(&c->mu);
+    if (c->driver || atomic_load(&c->failed)) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    c->driver = 1;
+    while (c->svc_reading)
+        pthread_cond_wait(&c->drv_cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    tls_driving = c;
+    uint64_t start = uccl__now_ns();
+    int rc = 0;
+    for (unsigned i = 0;; i++) {
+        unsigned s = atomic_load(&r->state);
+        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED || atomic_load(&c->failed))
+            break;
+        rc = pump(c);
+        if (rc < 0)
+            break;
+        if ((i & 15) == 15 && uccl__now_ns() - start > budget_ns)
+            break;
+    }
+    tls_driving = NULL;
+    pthread_mutex_lock(&c->mu);
+    c->driver = 0;
+    if (c->pending.live > 0) /* still waiting for answers: the service thread takes over */
+        pthread_cond_signal(&c->svc_cv);
+    pthread_mutex_unlock(&c->mu);
+    if (rc < 0)
+        pump_failed(c, rc);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -740,6 +872,15 @@ int uccl__conn_start(struct uccl__conn *c)
  * with the last reference. */
 void uccl__conn_close(struct uccl__conn *c)
 {
+    if (!atomic_load(&c->failed) && c->started) {
+        /* Tell the peer this is a close, not a crash; never wait long for it. */
+        struct uccl__msg m = {.type = UCCL_MSG_BYE};
+        uint8_t buf[UCCL_MSG_SIZE];
+        uccl__msg_encode(&m, buf);
+        pthread_mutex_lock(&c->ctrl_tx_mu);
+        uccl__sock_send_all(c->ctrl_fd, buf, sizeof(buf), uccl__now_ns() + 100000000ull);
+        pthread_mutex_unlock(&c->ctrl_tx_mu);
+    }
     uccl__conn_fail(c, UCCL_ERR_CLOSED, "the endpoint was closed");
     if (c->started) {
         pthread_join(c->svc_thread, NULL);

@@ -427,6 +427,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     double t = o->timeout_s > 0 ? o->timeout_s
                                 : (double)env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
     ep->timeout_ns = (uint64_t)(t * 1e9);
+    ep->spin_ns = (uint64_t)env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
     ep->num_streams = (unsigned)env_long("UCCL_P2P_TCP_STREAMS", 4, 1, UCCL_MAX_STREAMS, &bad);
     ep->chunk_bytes = (size_t)env_long("UCCL_P2P_TCP_CHUNK_KB", 512, 4, 65536, &bad) * 1024;
     long base = env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
@@ -1013,6 +1014,8 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
     int rc = check_open(ep);
     if (rc)
         return rc;
+    int blocking = (op & UCCL_XFER_BLOCKING) != 0;
+    op &= ~UCCL_XFER_BLOCKING;
     if (op < UCCL_XFER_SEND || op > UCCL_XFER_READ)
         return uccl__err(UCCL_ERR_INVALID, "unknown transfer kind %d", op);
     struct uccl__fifo_item f = {0};
@@ -1052,7 +1055,7 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
         uccl__req_put(r);
         goto out;
     }
-    rc = uccl__conn_post(c, r);
+    rc = uccl__conn_post(c, r, blocking);
     if (rc) {
         pthread_mutex_lock(&ep->mu);
         uccl__idmap_del(&ep->reqs, r->id);

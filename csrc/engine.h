@@ -28,6 +28,7 @@ struct uccl__req {
     uint64_t remote_addr;        /* peer's address for direct movers */
     struct uccl__fifo_item fifo; /* one-sided target */
     atomic_uint state;           /* UCCL_REQ_*, also the futex word waiters sleep on */
+    atomic_int sleepers;         /* waiters in futex_wait: finish wakes only if > 0 */
     int status;
     char msg[512];
     atomic_size_t got;           /* streamed bytes landed in buf */
@@ -74,6 +75,7 @@ struct uccl__conn {
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;
     atomic_int failed;
+    int peer_bye;                /* the peer closed on purpose: log quietly */
     int fail_status;
     char fail_msg[512];
     uint64_t next_send_seq, next_recv_seq, next_op;
@@ -85,6 +87,14 @@ struct uccl__conn {
     struct uccl__job *job_head, *job_tail;
     int started;
     pthread_t svc_thread, worker_thread;
+    /* Reading the control socket: one reader at a time.  A thread blocked in
+     * a transfer on this connection "drives" it (reads and handles messages
+     * itself, as UCX's caller-progress does) so an answer needs no thread
+     * handoff; the service thread reads only while nobody drives. */
+    int driver, svc_reading;
+    pthread_cond_t svc_cv, drv_cv;
+    uint8_t rxbuf[UCCL_MSG_SIZE];
+    size_t rxgot;
 };
 
 struct uccl__mr {
@@ -112,6 +122,7 @@ struct uccl__ep {
     uint8_t secret[UCCL_SECRET_MAX];
     uint32_t secret_len;
     uint64_t timeout_ns;
+    uint64_t spin_ns;            /* how long a waiter drives its connection before sleeping */
     unsigned num_streams;
     size_t chunk_bytes;
     int forced_tp;               /* UCCL_TP_AUTO unless UCCL_P2P_TRANSPORT says */
@@ -155,7 +166,10 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void uccl__conn_close(struct uccl__conn *c);
 int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m);
-int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r);
+/* blocking: the caller will wait for r at once, so work that r's arrival
+ * triggers may run on the calling thread. */
+int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking);
+void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns);
 
 /* Stream receive path, called by transports for each arriving chunk:
  * begin validates (kind, id, offset, len) against what this side posted and

@@ -476,8 +476,8 @@ static PyObject *Endpoint_transfer(PyObject *op_, PyObject *args)
     int rc;
     uint64_t deadline = mono_ns() + uccl_ep_timeout_ns(self->ep);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_post(self->ep, op, conn, mr, (uintptr_t)ptr, size, (const uint8_t *)fifo,
-                      (size_t)fifo_len, &id);
+    rc = uccl_ep_post(self->ep, op | UCCL_XFER_BLOCKING, conn, mr, (uintptr_t)ptr, size,
+                      (const uint8_t *)fifo, (size_t)fifo_len, &id);
     if (rc == UCCL_OK)
         rc = uccl_ep_wait(self->ep, id, deadline, SLICE_NS);
     Py_END_ALLOW_THREADS

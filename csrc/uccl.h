@@ -21,6 +21,8 @@ struct uccl_ep_opts {
 };
 
 enum { UCCL_XFER_SEND = 1, UCCL_XFER_RECV, UCCL_XFER_WRITE, UCCL_XFER_READ };
+/* OR'ed into op: the caller waits at once (its thread may do the copy). */
+#define UCCL_XFER_BLOCKING 0x100
 
 int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p);
 /* Fail everything pending, stop every thread; idempotent. */

@@ -60,7 +60,8 @@ enum {
     UCCL_MSG_OPDONE = 8,  /* target: one-sided op finished (aux = status) */
     UCCL_MSG_DATA = 9,    /* shm ring: a chunk sits in slot aux */
     UCCL_MSG_CREDIT = 10, /* shm ring: slot aux is free again */
-    UCCL_MSG_TYPE_MAX = 10,
+    UCCL_MSG_BYE = 11,    /* either side: closing on purpose (not a crash) */
+    UCCL_MSG_TYPE_MAX = 11,
 };
 
 #define UCCL_MSG_SIZE 64
