@@ -388,7 +388,8 @@ class Bench:
 
     def describe(self):
         a = self.args
-        parts = ["dual" if a.dual else a.op, "async" if a.async_api else "blocking"]
+        # --dual always posts asynchronously, whatever --async-api says.
+        parts = ["dual" if a.dual else a.op, "async" if a.async_api or a.dual else "blocking"]
         if a.num_iovs > 1:
             parts.append(f"{a.num_iovs} iovs")
         return ", ".join(parts)

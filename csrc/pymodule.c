@@ -22,6 +22,8 @@ typedef struct {
     PyObject_HEAD
     uccl_ep_t *ep;
     PyObject *module;        /* strong ref: where the exceptions live */
+    int inflight;            /* calls running without the GIL (ep_enter/ep_leave) */
+    int closed;
 } EndpointObject;
 
 static struct PyModuleDef engine_module;
@@ -84,11 +86,27 @@ static int to_size(PyObject *o, void *out)
 
 static int check_ep(EndpointObject *self)
 {
-    if (!self->ep) {
+    if (!self->ep || self->closed) {
         PyErr_SetString(PyExc_ValueError, "the endpoint is closed");
         return -1;
     }
     return 0;
+}
+
+/* A call that releases the GIL holds the engine alive: close() from another
+ * thread then only fails what is pending (waking this call), and the last
+ * call to leave frees the engine.  Both run with the GIL held. */
+static void ep_enter(EndpointObject *self) { self->inflight++; }
+
+static void ep_leave(EndpointObject *self)
+{
+    if (--self->inflight == 0 && self->closed && self->ep) {
+        uccl_ep_t *ep = self->ep;
+        self->ep = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        uccl_ep_destroy(ep);
+        Py_END_ALLOW_THREADS
+    }
 }
 
 /* Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1) */
@@ -176,13 +194,15 @@ static PyObject *Endpoint_close(PyObject *op, PyObject *unused)
 {
     (void)unused;
     EndpointObject *self = (EndpointObject *)op;
+    if (self->closed || !self->ep)
+        Py_RETURN_NONE;
+    self->closed = 1;
     uccl_ep_t *ep = self->ep;
-    self->ep = NULL;
-    if (ep) {
-        Py_BEGIN_ALLOW_THREADS
-        uccl_ep_destroy(ep);
-        Py_END_ALLOW_THREADS
-    }
+    ep_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    uccl_ep_close(ep); /* wakes every waiter; memory stays until the last leaves */
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
     Py_RETURN_NONE;
 }
 
@@ -251,10 +271,12 @@ static PyObject *Endpoint_connect(PyObject *op, PyObject *args, PyObject *kw)
     }
     uint64_t id = 0;
     int rc;
+    uccl_ep_t *ep = self->ep;
+    ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_connect(self->ep, ip, port, gpu, rank, (const uint8_t *)secret,
-                         (size_t)secret_len, &id);
+    rc = uccl_ep_connect(ep, ip, port, gpu, rank, (const uint8_t *)secret, (size_t)secret_len, &id);
     Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc)
         return fail(self, rc);
     return Py_BuildValue("(OK)", Py_True, (unsigned long long)id);
@@ -271,9 +293,12 @@ static PyObject *Endpoint_add_remote_endpoint(PyObject *op, PyObject *args)
         return NULL;
     uint64_t id = 0;
     int rc;
+    uccl_ep_t *ep = self->ep;
+    ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_connect_meta(self->ep, (const uint8_t *)meta, (size_t)len, &id);
+    rc = uccl_ep_connect_meta(ep, (const uint8_t *)meta, (size_t)len, &id);
     Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc)
         return fail(self, rc);
     return Py_BuildValue("(OK)", Py_True, (unsigned long long)id);
@@ -318,9 +343,12 @@ static PyObject *Endpoint_accept(PyObject *op, PyObject *args, PyObject *kw)
         uint64_t slice = SLICE_NS;
         if ((t - waited) * 1e9 < (double)slice)
             slice = (uint64_t)((t - waited) * 1e9);
+        uccl_ep_t *ep = self->ep;
+        ep_enter(self);
         Py_BEGIN_ALLOW_THREADS
-        rc = uccl_ep_accept(self->ep, slice, &id, ip, &gpu);
+        rc = uccl_ep_accept(ep, slice, &id, ip, &gpu);
         Py_END_ALLOW_THREADS
+        ep_leave(self);
         if (rc == UCCL_OK)
             return Py_BuildValue("(OsiK)", Py_True, ip, gpu, (unsigned long long)id);
         if (rc != UCCL_INPROGRESS)
@@ -409,10 +437,13 @@ static PyObject *Endpoint_post(PyObject *op_, PyObject *args)
     if (parse_post(self, args, &op, &conn, &mr, &ptr, &size, &fifo, &fifo_len))
         return NULL;
     int rc;
+    uccl_ep_t *ep = self->ep;
+    ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_post(self->ep, op, conn, mr, (uintptr_t)ptr, size, (const uint8_t *)fifo,
+    rc = uccl_ep_post(ep, op, conn, mr, (uintptr_t)ptr, size, (const uint8_t *)fifo,
                       (size_t)fifo_len, &id);
     Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc)
         return fail(self, rc);
     return PyLong_FromUnsignedLongLong(id);
@@ -430,9 +461,12 @@ static PyObject *wait_xfer(EndpointObject *self, uint64_t id, double timeout_s)
     uint64_t deadline = mono_ns() + (uint64_t)(timeout_s * 1e9);
     for (;;) {
         int rc;
+        uccl_ep_t *ep = self->ep;
+        ep_enter(self);
         Py_BEGIN_ALLOW_THREADS
-        rc = uccl_ep_wait(self->ep, id, deadline, SLICE_NS);
+        rc = uccl_ep_wait(ep, id, deadline, SLICE_NS);
         Py_END_ALLOW_THREADS
+        ep_leave(self);
         if (rc == UCCL_OK)
             Py_RETURN_TRUE;
         if (rc != UCCL_INPROGRESS)
@@ -475,18 +509,23 @@ static PyObject *Endpoint_transfer(PyObject *op_, PyObject *args)
         return NULL;
     int rc;
     uint64_t deadline = mono_ns() + uccl_ep_timeout_ns(self->ep);
+    uccl_ep_t *ep = self->ep;
+    ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_post(self->ep, op | UCCL_XFER_BLOCKING, conn, mr, (uintptr_t)ptr, size,
+    rc = uccl_ep_post(ep, op | UCCL_XFER_BLOCKING, conn, mr, (uintptr_t)ptr, size,
                       (const uint8_t *)fifo, (size_t)fifo_len, &id);
-    if (rc == UCCL_OK)
-        rc = uccl_ep_wait(self->ep, id, deadline, SLICE_NS);
+    if (rc == UCCL_OK) {
+        rc = uccl_ep_wait(ep, id, deadline, SLICE_NS);
+        if (rc != UCCL_INPROGRESS && rc != UCCL_OK)
+            uccl_ep_release(ep, id); /* keep the error message: release sets none on success */
+    }
     Py_END_ALLOW_THREADS
     if (rc != UCCL_OK && rc != UCCL_INPROGRESS) {
         PyObject *r = fail(self, rc);
-        if (self->ep)
-            uccl_ep_release(self->ep, id); /* harmless if the post failed */
+        ep_leave(self);
         return r;
     }
+    ep_leave(self);
     PyObject *res = Py_True;
     Py_INCREF(res);
     if (rc == UCCL_INPROGRESS) {

@@ -140,7 +140,8 @@ class Pair:
                  server_env: dict | None = None, client_env: dict | None = None,
                  server_kwargs: dict | None = None, client_kwargs: dict | None = None):
         self.events = CTX.Queue()
-        s2c, c2s = CTX.Queue(), CTX.Queue()
+        # keep the queues referenced: a child unpickles them after start() returns
+        self._queues = s2c, c2s = CTX.Queue(), CTX.Queue()
         common = {**BASE_ENV, **(env or {})}
         self.procs = {
             "server": CTX.Process(target=_rank_main, name="uccl-test-server", daemon=True,
@@ -252,7 +253,7 @@ def run_one(fn: Callable, *, env: dict | None = None, timeout: float = 30.0, **k
                     args=("solo", fn, {**BASE_ENV, **(env or {})}, q1, q2, events, kwargs))
     p.start()
     try:
-        name, kind, value = events.get(timeout=timeout)
+        _name, kind, value = events.get(timeout=timeout)
     except queue.Empty:
         p.kill()
         p.join(10)
