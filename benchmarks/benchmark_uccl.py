@@ -12,9 +12,11 @@ to bootstrap (endpoint metadata, fifo items, checksums, barriers between
 phases) and, unless --compare none, as the baseline: dist.send/dist.recv of the
 same size, timed the same way in the same run.
 
-Bandwidth is GB/s = 1e9 bytes/s (Gbps = 8x that).  The "ratio" is always
-"times better than Gloo": uccl/gloo for bandwidth, gloo/uccl for latency
-(medians of the per-round-trip times, which the VM's hiccups move far less).
+Bandwidth is GB/s = 1e9 bytes/s (Gbps = 8x that); with --dual it is per
+direction (both run at once, so the two together moved twice as much).
+The "ratio" is always "times better than Gloo": uccl/gloo for bandwidth,
+gloo/uccl for latency (medians of the per-round-trip times, which the VM's
+hiccups move far less than the means).
 
 Every size is first moved once with random bytes and checked on the receiving
 side (CRC32 against the sender's, exchanged over Gloo); a mismatch aborts both
@@ -370,6 +372,9 @@ class Bench:
                 self.xfer("recv", self.fwd, "dst", size)
         else:
             self.batch(size, 1)
+        # A one-sided write's target learns nothing itself: it may only look
+        # once the client's write has completed.  Untimed, so Gloo is fine.
+        dist.barrier()
         problem = None
         if receiving:
             dst = self.dst.numpy()[:size]

@@ -6,6 +6,7 @@
  * conn.c where it may land and receives straight into that buffer. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -196,6 +197,18 @@ static int recv_full(int fd, void *buf, size_t len)
     return UCCL_OK;
 }
 
+/* A data stream ended between chunks.  A closing peer says BYE on the
+ * control socket, which may be read a moment after this EOF: give the
+ * control path that moment so a clean close is not reported as a failure. */
+static void stream_ended(struct uccl__conn *c)
+{
+    char why[256];
+    snprintf(why, sizeof(why), "%s", uccl_last_error());
+    for (int i = 0; i < 50 && !atomic_load(&c->failed); i++)
+        usleep(2000);
+    uccl__conn_fail(c, UCCL_ERR_IO, "%s", why);
+}
+
 static void *rx_main(void *arg)
 {
     struct tcp_stream *s = arg;
@@ -207,7 +220,7 @@ static void *rx_main(void *arg)
         struct uccl__req *r;
         int rc = recv_full(s->fd, hdr, sizeof(hdr));
         if (rc) {
-            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
+            stream_ended(c);
             break;
         }
         rc = uccl__chunk_decode(hdr, c->chunk_bytes, &h);

@@ -204,6 +204,12 @@ class Pair:
             if not self._pump(deadline):
                 self._fail(f"{name} did not report {tag!r} within {timeout} s")
 
+    def tell(self, name: str, tag: str, value: Any = None) -> None:
+        """Put a message where rank `name` reads its peer's messages (use
+        once the peer is gone, or for a rank that expects the parent)."""
+        s2c, c2s = self._queues
+        (c2s if name == "server" else s2c).put((tag, value))
+
     def kill(self, name: str) -> None:
         """SIGKILL one rank and reap it."""
         p = self.procs[name]

@@ -10,7 +10,9 @@ reads and writes; the side that accepts receives and advertises.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from typing import Any, Sequence
 
 from . import _engine
@@ -49,6 +51,17 @@ def _lists(name: str, num_iovs: int, *lists: Sequence) -> None:
             raise ValueError(f"{name}: num_iovs={num_iovs} but a list has {len(lst)} entries")
 
 
+# Endpoints still open at interpreter exit are closed first, so their peers
+# hear a clean BYE instead of a reset (and log nothing alarming).
+_live: "weakref.WeakSet[Endpoint]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for ep in list(_live):
+        ep.close()
+
+
 class Endpoint(_engine.Endpoint):
     """Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1)
 
@@ -60,6 +73,10 @@ class Endpoint(_engine.Endpoint):
     """
 
     parse_metadata = staticmethod(_engine.parse_metadata)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _live.add(self)
 
     def __enter__(self) -> "Endpoint":
         return self
