@@ -275,12 +275,20 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     free(f.v);
 }
 
+/* Write one encoded message on the control channel; caller holds ctrl_tx_mu. */
+static int ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline)
+{
+    if (c->ctrl_shm)
+        return c->tp->ctrl_send(c, buf, deadline);
+    return uccl__sock_send_all(c->ctrl_fd, buf, UCCL_MSG_SIZE, deadline);
+}
+
 int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m)
 {
     uint8_t buf[UCCL_MSG_SIZE];
     uccl__msg_encode(m, buf);
     pthread_mutex_lock(&c->ctrl_tx_mu);
-    int rc = uccl__sock_send_all(c->ctrl_fd, buf, sizeof(buf), uccl__now_ns() + c->ep->timeout_ns);
+    int rc = ctrl_write(c, buf, uccl__now_ns() + c->ep->timeout_ns);
     pthread_mutex_unlock(&c->ctrl_tx_mu);
     if (rc)
         uccl__conn_fail(c, rc == UCCL_ERR_TIMEOUT ? rc : UCCL_ERR_IO,
@@ -432,7 +440,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
                                .addr = (uint64_t)(uintptr_t)r->buf};
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
-        rc = uccl__sock_send_all(c->ctrl_fd, buf, sizeof(buf), uccl__now_ns() + c->ep->timeout_ns);
+        rc = ctrl_write(c, buf, uccl__now_ns() + c->ep->timeout_ns);
         pthread_mutex_unlock(&c->ctrl_tx_mu);
         if (rc)
             uccl__conn_fail(c, UCCL_ERR_IO, "sending a control message: %s", uccl_last_error());
@@ -683,6 +691,18 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
 static int pump(struct uccl__conn *c)
 {
     int handled = 0;
+    while (c->ctrl_shm && !atomic_load(&c->failed)) {
+        uint8_t buf[UCCL_MSG_SIZE];
+        if (!c->tp->ctrl_recv(c, buf))
+            return handled;
+        struct uccl__msg m;
+        int rc = uccl__msg_decode(buf, &m);
+        if (rc == UCCL_OK)
+            rc = handle_msg(c, &m);
+        if (rc)
+            return rc;
+        handled++;
+    }
     while (!atomic_load(&c->failed)) {
         ssize_t n = recv(c->ctrl_fd, c->rxbuf + c->rxgot, sizeof(c->rxbuf) - c->rxgot, MSG_DONTWAIT);
         if (n == 0)
@@ -720,7 +740,7 @@ static void *service_main(void *arg)
     struct uccl__conn *c = arg;
     while (!atomic_load(&c->failed)) {
         pthread_mutex_lock(&c->mu);
-        if (c->driver) { /* a caller is reading: stay out of its way */
+        if (c->driver && !c->ctrl_shm) { /* a caller is reading: stay out of its way */
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += 50000000;
@@ -734,9 +754,25 @@ static void *service_main(void *arg)
         }
         pthread_mutex_unlock(&c->mu);
         struct pollfd p = {.fd = c->ctrl_fd, .events = POLLIN};
-        int n = poll(&p, 1, 100);
-        if (n <= 0)
+        if (c->ctrl_shm) {
+            /* Messages come through shared memory; the socket only carries
+             * the peer's death (EOF), which pump() then reports. */
+            c->tp->ctrl_wait(c, 100);
+            if (poll(&p, 1, 0) > 0) {
+                char b;
+                ssize_t n = recv(c->ctrl_fd, &b, 1, MSG_DONTWAIT);
+                pthread_mutex_lock(&c->mu);
+                int driving = c->driver;
+                pthread_mutex_unlock(&c->mu);
+                if (!driving)
+                    pump(c); /* drain what the peer said before it went */
+                uccl__conn_fail(c, UCCL_ERR_IO, "%s", n == 0 ? "peer closed the connection"
+                                : "unexpected bytes on the control socket");
+                break;
+            }
+        } else if (poll(&p, 1, 100) <= 0) {
             continue;
+        }
         pthread_mutex_lock(&c->mu);
         if (c->driver) {
             pthread_mutex_unlock(&c->mu);
@@ -772,6 +808,8 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
     while (c->svc_reading)
         pthread_cond_wait(&c->drv_cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
+    if (c->ctrl_shm)
+        c->tp->ctrl_driving(c, 1);
     tls_driving = c;
     uint64_t start = uccl__now_ns();
     int rc = 0;
@@ -788,6 +826,8 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
     tls_driving = NULL;
     pthread_mutex_lock(&c->mu);
     c->driver = 0;
+    if (c->ctrl_shm)
+        c->tp->ctrl_driving(c, 0);
     if (c->pending.live > 0) /* still waiting for answers: the service thread takes over */
         pthread_cond_signal(&c->svc_cv);
     pthread_mutex_unlock(&c->mu);
@@ -878,7 +918,7 @@ void uccl__conn_close(struct uccl__conn *c)
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
         pthread_mutex_lock(&c->ctrl_tx_mu);
-        uccl__sock_send_all(c->ctrl_fd, buf, sizeof(buf), uccl__now_ns() + 100000000ull);
+        ctrl_write(c, buf, uccl__now_ns() + 100000000ull);
         pthread_mutex_unlock(&c->ctrl_tx_mu);
     }
     uccl__conn_fail(c, UCCL_ERR_CLOSED, "the endpoint was closed");

@@ -61,6 +61,7 @@ struct uccl__conn {
     const struct uccl__tp_ops *tp;
     void *tp_priv;
     int direct;                  /* transport moves bytes with pull/push */
+    int ctrl_shm;                /* control messages use tp->ctrl_send/recv */
     size_t chunk_bytes;
     unsigned num_streams;
     uint64_t token;

@@ -6,6 +6,9 @@
  * cookie from the connector's memory.  Where Yama restricts ptrace, each
  * process first lets any of its user's processes attach (PR_SET_PTRACER_ANY).
  *
+ * Control messages travel through queues in a shared segment (no system
+ * call per message); the control socket only tells that the peer is gone.
+ *
  * Ring mode (fallback when CMA is refused, or UCCL_P2P_SHM_MODE=ring): a
  * shared-memory segment with a ring of slots per direction.  The pushing
  * side's thread copies a chunk into a free slot and sends DATA{slot} on the
@@ -20,6 +23,9 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -31,7 +37,21 @@
 #define RING_SLOTS 8
 #define RING_SLOT_BYTES (512u << 10)
 #define RING_DIR_BYTES ((size_t)RING_SLOTS * RING_SLOT_BYTES)
-#define RING_SEG_BYTES (2 * RING_DIR_BYTES) /* [connector->acceptor][acceptor->connector] */
+
+/* Control messages: one single-producer/single-consumer queue per direction
+ * in the shared segment.  Indices only grow; a slot is index % CTRL_SLOTS, so
+ * whatever a peer writes here, we never read outside the mapping. */
+#define CTRL_SLOTS 256
+struct ctrl_q {
+    _Alignas(64) atomic_uint tail;  /* written by the producer */
+    atomic_uint sleeping;           /* the consumer's service thread sleeps on tail (futex) */
+    atomic_uint driving;            /* a consumer thread is polling: no wake needed */
+    _Alignas(64) atomic_uint head;  /* written by the consumer */
+    _Alignas(64) uint8_t slot[CTRL_SLOTS][UCCL_MSG_SIZE];
+};
+/* Segment: [queue c->a][queue a->c][ring c->a][ring a->c], rings in ring mode only. */
+#define CTRL_BYTES (2 * sizeof(struct ctrl_q))
+static size_t seg_bytes(int ring) { return CTRL_BYTES + (ring ? 2 * RING_DIR_BYTES : 0); }
 
 struct ring_job {
     int kind;
@@ -45,7 +65,9 @@ struct ring_job {
 struct shm_conn {
     char name[UCCL_SHMNAME_MAX + 1]; /* "/" + the name on the wire */
     char *seg;
-    char *out, *in;          /* my outgoing / incoming slot areas */
+    size_t seg_len;
+    struct ctrl_q *q_out, *q_in;
+    char *out, *in;          /* my outgoing / incoming ring areas (ring mode) */
     int owner;               /* created the segment: unlinks it */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -152,15 +174,23 @@ static struct shm_conn *shm_new(struct uccl__conn *c)
     return s;
 }
 
-static int map_segment(struct shm_conn *s, int fd, int is_connector)
+static int map_segment(struct uccl__conn *c, struct shm_conn *s, int fd, int ring)
 {
-    s->seg = mmap(NULL, RING_SEG_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    s->seg_len = seg_bytes(ring);
+    s->seg = mmap(NULL, s->seg_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (s->seg == MAP_FAILED) {
         s->seg = NULL;
         return uccl__err(UCCL_ERR_IO, "mmap of shared segment %s: %s", s->name, strerror(errno));
     }
-    s->out = s->seg + (is_connector ? 0 : RING_DIR_BYTES);
-    s->in = s->seg + (is_connector ? RING_DIR_BYTES : 0);
+    struct ctrl_q *q = (struct ctrl_q *)s->seg;
+    s->q_out = &q[c->is_connector ? 0 : 1];
+    s->q_in = &q[c->is_connector ? 1 : 0];
+    if (ring) {
+        char *rings = s->seg + CTRL_BYTES;
+        s->out = rings + (c->is_connector ? 0 : RING_DIR_BYTES);
+        s->in = rings + (c->is_connector ? RING_DIR_BYTES : 0);
+    }
+    c->ctrl_shm = 1;
     return UCCL_OK;
 }
 
@@ -182,13 +212,9 @@ static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
     if (!cma_ok && mode < 0)
         LOG_INFO("CMA to pid %u not permitted (%s): using the shared-memory ring", peer->pid,
                  n < 0 ? strerror(errno) : "probe mismatch");
-    if (cma_ok && mode != 1) {
-        c->direct = 1;
-        ack->shm_mode = 0;
-        return UCCL_OK;
-    }
-    c->direct = 0;
-    ack->shm_mode = 1;
+    int ring = !(cma_ok && mode != 1);
+    c->direct = !ring;
+    ack->shm_mode = (uint32_t)ring;
     snprintf(s->name, sizeof(s->name), "/uccl-%d-%016llx", (int)getpid(),
              (unsigned long long)uccl__random64());
     int fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
@@ -196,11 +222,11 @@ static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
         return uccl__err(UCCL_ERR_UNAVAIL, "shm_open(%s): %s", s->name, strerror(errno));
     s->owner = 1;
     int rc = UCCL_OK;
-    if (ftruncate(fd, (off_t)RING_SEG_BYTES) < 0)
-        rc = uccl__err(UCCL_ERR_UNAVAIL, "ftruncate(%s, %zu): %s", s->name,
-                       (size_t)RING_SEG_BYTES, strerror(errno));
+    if (ftruncate(fd, (off_t)seg_bytes(ring)) < 0)
+        rc = uccl__err(UCCL_ERR_UNAVAIL, "ftruncate(%s, %zu): %s", s->name, seg_bytes(ring),
+                       strerror(errno));
     if (rc == UCCL_OK)
-        rc = map_segment(s, fd, 0);
+        rc = map_segment(c, s, fd, ring);
     close(fd);
     snprintf(ack->shm_name, sizeof(ack->shm_name), "%s", s->name + 1);
     return rc;
@@ -212,21 +238,18 @@ static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
     struct shm_conn *s = shm_new(c);
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    if (ack->shm_mode == 0) {
-        c->direct = 1;
-        return UCCL_OK;
-    }
-    c->direct = 0;
+    int ring = ack->shm_mode == 1;
+    c->direct = !ring;
     snprintf(s->name, sizeof(s->name), "/%s", ack->shm_name);
     int fd = shm_open(s->name, O_RDWR | O_CLOEXEC, 0);
     if (fd < 0)
         return uccl__err(UCCL_ERR_UNAVAIL, "shm_open(%s): %s", s->name, strerror(errno));
     struct stat st;
     int rc = UCCL_OK;
-    if (fstat(fd, &st) < 0 || (size_t)st.st_size != RING_SEG_BYTES)
+    if (fstat(fd, &st) < 0 || (size_t)st.st_size != seg_bytes(ring))
         rc = uccl__err(UCCL_ERR_PROTO, "shared segment %s has the wrong size", s->name);
     if (rc == UCCL_OK)
-        rc = map_segment(s, fd, 1);
+        rc = map_segment(c, s, fd, ring);
     close(fd);
     shm_unlink(s->name); /* both sides have it mapped: nothing is left behind */
     return rc;
@@ -318,7 +341,7 @@ static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
 static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
 {
     struct shm_conn *s = c->tp_priv;
-    if (c->direct || !s->seg)
+    if (c->direct || !s->in)
         return uccl__err(UCCL_ERR_PROTO, "ring message on a CMA connection");
     if (m->aux >= RING_SLOTS)
         return uccl__err(UCCL_ERR_PROTO, "ring slot %llu out of range (%d slots)",
@@ -349,6 +372,67 @@ static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
     return uccl__conn_send_msg(c, &cr);
 }
 
+static void futex_shared(atomic_uint *w, int op, unsigned val, int timeout_ms)
+{
+    struct timespec ts = {timeout_ms / 1000, (long)(timeout_ms % 1000) * 1000000L};
+    syscall(SYS_futex, (uint32_t *)w, op, val, op == FUTEX_WAIT ? &ts : NULL, NULL, 0);
+}
+
+static int shm_ctrl_send(struct uccl__conn *c, const uint8_t *msg, uint64_t deadline)
+{
+    struct shm_conn *s = c->tp_priv;
+    struct ctrl_q *q = s->q_out;
+    unsigned t = atomic_load_explicit(&q->tail, memory_order_relaxed);
+    while (t - atomic_load_explicit(&q->head, memory_order_acquire) >= CTRL_SLOTS) {
+        if (atomic_load(&c->failed))
+            return uccl__err(UCCL_ERR_IO, "connection failed");
+        if (uccl__now_ns() > deadline)
+            return uccl__err(UCCL_ERR_TIMEOUT, "the peer stopped reading control messages");
+        sched_yield();
+    }
+    memcpy(q->slot[t % CTRL_SLOTS], msg, UCCL_MSG_SIZE);
+    atomic_store(&q->tail, t + 1); /* seq_cst: ordered before reading `sleeping` */
+    if (atomic_load(&q->sleeping) && !atomic_load(&q->driving))
+        futex_shared(&q->tail, FUTEX_WAKE, 1, 0);
+    return UCCL_OK;
+}
+
+static int shm_ctrl_recv(struct uccl__conn *c, uint8_t *msg)
+{
+    struct shm_conn *s = c->tp_priv;
+    struct ctrl_q *q = s->q_in;
+    unsigned h = atomic_load_explicit(&q->head, memory_order_relaxed);
+    if (h == atomic_load_explicit(&q->tail, memory_order_acquire))
+        return 0;
+    memcpy(msg, q->slot[h % CTRL_SLOTS], UCCL_MSG_SIZE);
+    atomic_store_explicit(&q->head, h + 1, memory_order_release);
+    return 1;
+}
+
+/* Sleep until there is a message nobody else is reading, or timeout_ms. */
+static void shm_ctrl_wait(struct uccl__conn *c, int timeout_ms)
+{
+    struct shm_conn *s = c->tp_priv;
+    struct ctrl_q *q = s->q_in;
+    unsigned h = atomic_load_explicit(&q->head, memory_order_relaxed);
+    atomic_store(&q->sleeping, 1);
+    unsigned t = atomic_load(&q->tail); /* seq_cst: pairs with the producer's store */
+    if ((t == h || atomic_load(&q->driving)) && !atomic_load(&c->failed))
+        futex_shared(&q->tail, FUTEX_WAIT, t, timeout_ms);
+    atomic_store(&q->sleeping, 0);
+}
+
+static void shm_ctrl_driving(struct uccl__conn *c, int on)
+{
+    struct shm_conn *s = c->tp_priv;
+    struct ctrl_q *q = s->q_in;
+    atomic_store(&q->driving, (unsigned)on);
+    /* Messages the driver left behind: the service thread takes them. */
+    if (!on && atomic_load(&q->sleeping) &&
+        atomic_load(&q->tail) != atomic_load_explicit(&q->head, memory_order_relaxed))
+        futex_shared(&q->tail, FUTEX_WAKE, 1, 0);
+}
+
 static void shm_conn_shutdown(struct uccl__conn *c)
 {
     struct shm_conn *s = c->tp_priv;
@@ -358,6 +442,8 @@ static void shm_conn_shutdown(struct uccl__conn *c)
     s->stop = 1;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
+    if (s->q_in) /* wake our service thread if it sleeps on the queue */
+        futex_shared(&s->q_in->tail, FUTEX_WAKE, 1, 0);
 }
 
 static void shm_conn_destroy(struct uccl__conn *c)
@@ -378,7 +464,7 @@ static void shm_conn_destroy(struct uccl__conn *c)
     }
     s->tail = NULL;
     if (s->seg) {
-        munmap(s->seg, RING_SEG_BYTES);
+        munmap(s->seg, s->seg_len);
         s->seg = NULL;
     }
     if (s->owner) {
@@ -409,6 +495,10 @@ const struct uccl__tp_ops uccl__tp_shm = {
     .pull = shm_pull,
     .push = shm_push,
     .stream = shm_stream,
+    .ctrl_send = shm_ctrl_send,
+    .ctrl_recv = shm_ctrl_recv,
+    .ctrl_wait = shm_ctrl_wait,
+    .ctrl_driving = shm_ctrl_driving,
     .on_msg = shm_on_msg,
     .conn_shutdown = shm_conn_shutdown,
     .conn_destroy = shm_conn_destroy,

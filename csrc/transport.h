@@ -64,6 +64,20 @@ struct uccl__tp_ops {
     int (*stream)(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
                   void *cookie);
 
+    /* Optional control channel replacing the control socket for messages
+     * (same host: queues in shared memory, no system call per message).  The
+     * socket then only tells that the peer is gone.  ctrl_send: one message,
+     * waiting for room until deadline_ns; caller holds conn->ctrl_tx_mu.
+     * ctrl_recv: 1 if a message was read, 0 if none (only the connection's
+     * current reader calls it).  ctrl_wait: sleep until a message may be
+     * there, or timeout_ms. */
+    int (*ctrl_send)(struct uccl__conn *c, const uint8_t *msg, uint64_t deadline_ns);
+    int (*ctrl_recv)(struct uccl__conn *c, uint8_t *msg);
+    void (*ctrl_wait)(struct uccl__conn *c, int timeout_ms);
+    /* A caller starts (on=1) or stops driving: while one drives, producers
+     * need not wake the service thread, which saves a wake-up per message. */
+    void (*ctrl_driving)(struct uccl__conn *c, int on);
+
     /* A control message of a type conn.c does not know (UCCL_MSG_DATA /
      * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the service
      * thread; must not wait for the peer. */

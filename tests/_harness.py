@@ -16,10 +16,12 @@ buffer filled with :data:`POISON` plus a guard tail), :func:`sha` (sha256 hex).
 """
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import multiprocessing as mp
+from multiprocessing import connection as mp_connection
 import os
-import queue
+import signal
 import time
 import traceback
 from typing import Any, Callable
@@ -92,65 +94,93 @@ def catch(fn: Callable, *args, **kwargs):
 
 # --------------------------------------------------------------------------
 # the channel a rank sees
+#
+# Every message travels over a one-way multiprocessing Pipe with exactly one
+# writing process (peer -> rank, parent -> rank, rank -> parent).  Unlike
+# mp.Queue there is no lock shared between processes, so SIGKILLing one rank
+# can never leave a lock held that the survivor or the parent then waits on.
 class Chan:
-    """A rank's view: ``send``/``recv`` tagged values to/from the peer,
-    ``event`` to tell the parent something happened."""
+    """A rank's view: ``send``/``recv`` tagged values to/from the peer (the
+    parent may also send to a rank, see :meth:`Pair.tell`), ``event`` to tell
+    the parent something happened.  ``recv(tag)`` returns the first message
+    with that tag, keeping others for later."""
 
-    def __init__(self, name: str, to_peer, from_peer, events):
+    def __init__(self, name: str, to_peer, from_peer, from_parent, to_parent):
         self.name = name
-        self._out, self._in, self._events = to_peer, from_peer, events
+        self._out, self._to_parent = to_peer, to_parent
+        self._sources = [c for c in (from_peer, from_parent) if c is not None]
+        self._buf: list[tuple[str, Any]] = []
 
     def send(self, tag: str, value: Any = None) -> None:
-        self._out.put((tag, value))
+        self._out.send((tag, value))
 
     def recv(self, tag: str, timeout: float = CHAN_TIMEOUT) -> Any:
-        try:
-            got_tag, value = self._in.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"{self.name}: no {tag!r} from the peer within {timeout} s") from None
-        if got_tag != tag:
-            raise AssertionError(f"{self.name}: expected {tag!r} from the peer, got {got_tag!r}")
-        return value
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, (t, v) in enumerate(self._buf):
+                if t == tag:
+                    del self._buf[i]
+                    return v
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sources:
+                raise TimeoutError(f"{self.name}: no {tag!r} within {timeout} s "
+                                   f"(have {[t for t, _ in self._buf]})")
+            for c in mp_connection.wait(self._sources, timeout=left):
+                try:
+                    self._buf.append(c.recv())
+                except (EOFError, OSError):
+                    self._sources.remove(c)
 
     def event(self, tag: str, value: Any = None) -> None:
-        self._events.put((self.name, "event", (tag, value)))
+        self._to_parent.send(("event", (tag, value)))
 
 
-def _rank_main(name, fn, env, to_peer, from_peer, events, kwargs):
+def _rank_main(name, fn, env, to_peer, from_peer, from_parent, to_parent, kwargs):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent dumps a hung rank's stacks
     os.environ.update(env)  # before the engine reads it (at Endpoint creation)
-    ch = Chan(name, to_peer, from_peer, events)
+    ch = Chan(name, to_peer, from_peer, from_parent, to_parent)
     try:
         res = fn(ch, **kwargs)
     except BaseException as e:  # noqa: BLE001
-        events.put((name, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        to_parent.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     else:
-        events.put((name, "ok", res))
+        to_parent.send(("ok", res))
+
+
+def _pipe():
+    return CTX.Pipe(duplex=False)  # (reader, writer)
 
 
 # --------------------------------------------------------------------------
 # the parent's side
 class Pair:
-    """Two ranks, 'server' and 'client', with queues both ways.
+    """Ranks 'server' and 'client' (or a single rank, see run_one), with
+    pipes both ways between them and to/from the parent.
 
     env applies to both ranks (on top of BASE_ENV); server_env / client_env
     to one.  Use as a context manager: on exit every rank still alive is
     killed and joined (bounded)."""
 
-    def __init__(self, server: Callable, client: Callable, *, env: dict | None = None,
+    def __init__(self, server: Callable, client: Callable | None, *, env: dict | None = None,
                  server_env: dict | None = None, client_env: dict | None = None,
                  server_kwargs: dict | None = None, client_kwargs: dict | None = None):
-        self.events = CTX.Queue()
-        # keep the queues referenced: a child unpickles them after start() returns
-        self._queues = s2c, c2s = CTX.Queue(), CTX.Queue()
         common = {**BASE_ENV, **(env or {})}
-        self.procs = {
-            "server": CTX.Process(target=_rank_main, name="uccl-test-server", daemon=True,
-                                  args=("server", server, {**common, **(server_env or {})},
-                                        s2c, c2s, self.events, server_kwargs or {})),
-            "client": CTX.Process(target=_rank_main, name="uccl-test-client", daemon=True,
-                                  args=("client", client, {**common, **(client_env or {})},
-                                        c2s, s2c, self.events, client_kwargs or {})),
-        }
+        names = ["server"] + (["client"] if client is not None else [])
+        peer = {n: _pipe() for n in names}          # peer[n]: messages *to* rank n from its peer
+        self._from_parent = {n: _pipe() for n in names}
+        self._to_parent = {n: _pipe() for n in names}
+        fns = {"server": server, "client": client}
+        envs = {"server": server_env, "client": client_env}
+        kws = {"server": server_kwargs, "client": client_kwargs}
+        other = {"server": "client", "client": "server"}
+        self.procs = {}
+        for n in names:
+            to_peer = peer[other[n]][1] if other[n] in peer else _pipe()[1]
+            self.procs[n] = CTX.Process(
+                target=_rank_main, name=f"uccl-test-{n}", daemon=True,
+                args=(n, fns[n], {**common, **(envs[n] or {})}, to_peer, peer[n][0],
+                      self._from_parent[n][0], self._to_parent[n][1], kws[n] or {}))
+        self._keep = peer  # referenced until the children have unpickled them
         self._results: dict[str, tuple[str, Any]] = {}
         self._events: list[tuple[str, str, Any]] = []
 
@@ -170,22 +200,38 @@ class Pair:
             p.join(10)
 
     def _pump(self, deadline: float) -> bool:
-        """Move one message from the event queue into our buffers; False once
-        the deadline passed."""
+        """Take what the ranks have sent the parent (waiting at most 0.2 s);
+        False once the deadline passed."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        try:
-            name, kind, value = self.events.get(timeout=min(left, 0.2))
-        except queue.Empty:
-            return True
-        if kind == "event":
-            self._events.append((name, value[0], value[1]))
-        else:
-            self._results[name] = (kind, value)
+        readers = {self._to_parent[n][0]: n for n in self.procs}
+        for c in mp_connection.wait(list(readers), timeout=min(left, 0.2)):
+            try:
+                kind, value = c.recv()
+            except (EOFError, OSError):
+                continue
+            n = readers[c]
+            if kind == "event":
+                self._events.append((n, value[0], value[1]))
+            else:
+                self._results[n] = (kind, value)
         return True
 
+    def _dump_stacks(self) -> None:
+        """Ask every live rank to print its Python stacks (to the captured stderr)."""
+        alive = [p for p in self.procs.values() if p.is_alive()]
+        for p in alive:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        if alive:
+            time.sleep(0.5)
+
     def _fail(self, why: str) -> None:
+        if "hung" in why or "did not report" in why:
+            self._dump_stacks()
         self.close()
         errs = "\n".join(f"--- {n} failed:\n{v}" for n, (k, v) in self._results.items() if k == "err")
         pytest.fail(f"{why}\n{errs}", pytrace=False)
@@ -205,10 +251,8 @@ class Pair:
                 self._fail(f"{name} did not report {tag!r} within {timeout} s")
 
     def tell(self, name: str, tag: str, value: Any = None) -> None:
-        """Put a message where rank `name` reads its peer's messages (use
-        once the peer is gone, or for a rank that expects the parent)."""
-        s2c, c2s = self._queues
-        (c2s if name == "server" else s2c).put((tag, value))
+        """Send rank `name` a message it reads with ch.recv(tag)."""
+        self._from_parent[name][1].send((tag, value))
 
     def kill(self, name: str) -> None:
         """SIGKILL one rank and reap it."""
@@ -221,13 +265,13 @@ class Pair:
         """The return value of rank `name` (bounded wait); its exception fails the test."""
         deadline = time.monotonic() + timeout
         while name not in self._results:
-            if not self.procs[name].is_alive() and self.procs[name].exitcode is not None:
-                # drain what it may have queued right before exiting
-                end = time.monotonic() + 2
+            p = self.procs[name]
+            if not p.is_alive():
+                end = time.monotonic() + 1  # take what it sent right before exiting
                 while name not in self._results and self._pump(end):
                     pass
                 if name not in self._results:
-                    self._fail(f"{name} died (exit code {self.procs[name].exitcode}) without a result")
+                    self._fail(f"{name} died (exit code {p.exitcode}) without a result")
                 break
             if not self._pump(deadline):
                 self._fail(f"{name} hung: no result within {timeout} s (killed)")
@@ -253,21 +297,5 @@ def run_pair(server: Callable, client: Callable, *, timeout: float = 60.0, **kw)
 
 def run_one(fn: Callable, *, env: dict | None = None, timeout: float = 30.0, **kwargs) -> Any:
     """Run a single rank (no peer) in its own process; returns its result."""
-    events = CTX.Queue()
-    q1, q2 = CTX.Queue(), CTX.Queue()
-    p = CTX.Process(target=_rank_main, daemon=True,
-                    args=("solo", fn, {**BASE_ENV, **(env or {})}, q1, q2, events, kwargs))
-    p.start()
-    try:
-        _name, kind, value = events.get(timeout=timeout)
-    except queue.Empty:
-        p.kill()
-        p.join(10)
-        pytest.fail(f"the rank hung: no result within {timeout} s (killed)", pytrace=False)
-    p.join(10)
-    if p.is_alive():
-        p.kill()
-        p.join(10)
-    if kind == "err":
-        pytest.fail(f"the rank raised:\n{value}", pytrace=False)
-    return value
+    with Pair(fn, None, env=env, server_kwargs=kwargs) as pair:
+        return pair.result("server", timeout)

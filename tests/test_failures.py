@@ -98,7 +98,7 @@ def test_sender_killed_after_posting(transport):
 # --------------------------------------------------------------------------
 # the receiver dies while the sender waits; the target dies before a write
 def _doomed_receiver(ch):
-    _accept(ch, 60)
+    ep, conn = _accept(ch, 60)  # keep ep referenced: the process must die with it open
     ch.event("ready")
     time.sleep(120)
 
