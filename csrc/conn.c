@@ -670,7 +670,10 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
         if (st == UCCL_OK)
             complete(c, r, UCCL_OK, NULL);
         else
-            complete(c, r, st == UCCL_ERR_ACCESS || st == UCCL_ERR_NOTFOUND ? st : UCCL_ERR_IO,
+            /* Refused by the target (unknown window, wrong token, out of
+             * range): a transfer failure here, whatever the target's reason. */
+            complete(c, r, st == UCCL_ERR_ACCESS || st == UCCL_ERR_NOTFOUND ? UCCL_ERR_ACCESS
+                                                                            : UCCL_ERR_IO,
                      "the peer refused the %s of %zu bytes on connection %llu: %s",
                      r->op == UCCL_OP_WRITE ? "write" : "read", r->len,
                      (unsigned long long)c->id, uccl_status_str(st));

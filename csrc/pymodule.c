@@ -28,6 +28,13 @@ typedef struct {
 
 static struct PyModuleDef engine_module;
 
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 static modstate *state_of(PyObject *module) { return (modstate *)PyModule_GetState(module); }
 
 /* Raise the exception that fits status, with the engine's message. */
@@ -335,14 +342,15 @@ static PyObject *Endpoint_accept(PyObject *op, PyObject *args, PyObject *kw)
     double t = timeout_arg(self, timeout, &err);
     if (err)
         return NULL;
-    double waited = 0;
+    uint64_t deadline = mono_ns() + (uint64_t)(t * 1e9);
     for (;;) {
-        uint64_t id = 0;
+        uint64_t id = 0, now = mono_ns();
         char ip[46] = "";
         int gpu = -1, rc;
-        uint64_t slice = SLICE_NS;
-        if ((t - waited) * 1e9 < (double)slice)
-            slice = (uint64_t)((t - waited) * 1e9);
+        if (now >= deadline)
+            return raise_status(self->module, UCCL_ERR_TIMEOUT,
+                                "accept() timed out: no peer connected");
+        uint64_t slice = deadline - now < SLICE_NS ? deadline - now : SLICE_NS;
         uccl_ep_t *ep = self->ep;
         ep_enter(self);
         Py_BEGIN_ALLOW_THREADS
@@ -353,9 +361,6 @@ static PyObject *Endpoint_accept(PyObject *op, PyObject *args, PyObject *kw)
             return Py_BuildValue("(OsiK)", Py_True, ip, gpu, (unsigned long long)id);
         if (rc != UCCL_INPROGRESS)
             return fail(self, rc);
-        waited += (double)slice / 1e9;
-        if (waited >= t)
-            return raise_status(self->module, UCCL_ERR_TIMEOUT, "accept() timed out: no peer connected");
         if (PyErr_CheckSignals())
             return NULL;
         if (check_ep(self))
@@ -447,13 +452,6 @@ static PyObject *Endpoint_post(PyObject *op_, PyObject *args)
     if (rc)
         return fail(self, rc);
     return PyLong_FromUnsignedLongLong(id);
-}
-
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static PyObject *wait_xfer(EndpointObject *self, uint64_t id, double timeout_s)

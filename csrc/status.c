@@ -22,10 +22,14 @@ const char *uccl_status_str(int status)
 
 int uccl__err(int status, const char *fmt, ...)
 {
+    /* Format aside first: callers often pass uccl_last_error() itself as an
+     * argument ("...: %s"), and formatting a buffer into itself is undefined. */
+    char msg[UCCL_ERRMSG_MAX];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tls_errmsg, sizeof(tls_errmsg), fmt, ap);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    memcpy(tls_errmsg, msg, sizeof(msg));
     return status;
 }
 
@@ -36,5 +40,7 @@ const char *uccl_last_error(void)
 
 void uccl__set_last_error(const char *msg)
 {
-    snprintf(tls_errmsg, sizeof(tls_errmsg), "%s", msg ? msg : "");
+    char tmp[UCCL_ERRMSG_MAX];
+    snprintf(tmp, sizeof(tmp), "%s", msg ? msg : "");
+    memcpy(tls_errmsg, tmp, sizeof(tmp));
 }

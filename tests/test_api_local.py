@@ -44,9 +44,6 @@ def test_parse_metadata_rejects_wrong_length():
         Endpoint.parse_metadata(b"garbage")
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: wire.c re-formats uccl_last_error() into "
-                   "itself (uccl__err(..., \"%s\", uccl_last_error())), so a bad-magic "
-                   "metadata/fifo_item error message is lost ('invalid argument')")
 def test_parse_metadata_rejects_garbage_with_a_reason():
     """192 bytes of garbage raise ValueError whose message says what was wrong
     (the metadata's magic), not a bare 'invalid argument'."""
@@ -206,3 +203,79 @@ def test_buffer_checks():
             ep.send_tensor(1, 1, a.T)
         with pytest.raises(ValueError, match="contiguous"):
             ep.advertise_tensor(1, 1, t.t())
+
+
+def _free_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_connect_bad_arguments(endpoints):
+    """connect() with an unparsable IP or an out-of-range port raises
+    ValueError at once; vector calls with lists of the wrong length raise
+    ValueError naming num_iovs."""
+    ep = endpoints()
+    with pytest.raises(ValueError, match="256.1.1.1"):
+        ep.connect("256.1.1.1", -1, remote_port=1234)
+    with pytest.raises(ValueError, match="70000"):
+        ep.connect("127.0.0.1", -1, remote_port=70000)
+    with pytest.raises(ValueError, match="num_iovs"):
+        ep.sendv(1, [1], [0], [0, 1], 1)
+    with pytest.raises(ValueError, match="num_iovs"):
+        ep.readv(1, [1, 2], [0, 0], [1, 1], [bytes(64)], 2)
+    with pytest.raises(ValueError, match="num_iovs"):
+        ep.advertisev(1, [1], [0], [1], -1)
+
+
+def test_connect_to_closed_port_raises(endpoints):
+    """connect() to a port nobody listens on raises UcclError (connection
+    refused) within the endpoint's timeout, never hangs."""
+    import time
+
+    ep = endpoints(timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(UcclError, match="refused"):
+        ep.connect("127.0.0.1", -1, remote_port=_free_port())
+    assert time.monotonic() - t0 < 1.5 + 1.0
+
+
+def _silent_listener_connect(endpoints):
+    import socket
+    import time
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(4)  # accepts at the TCP level, never answers the handshake
+    try:
+        ep = endpoints(timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(UcclTimeoutError) as ei:
+            ep.connect("127.0.0.1", -1, remote_port=lst.getsockname()[1])
+        return ei.value, time.monotonic() - t0
+    finally:
+        lst.close()
+
+
+def test_connect_to_silent_listener_times_out(endpoints):
+    """connect() to a socket that accepts but never answers the handshake
+    raises UcclTimeoutError after about timeout_s (1 s)."""
+    err, elapsed = _silent_listener_connect(endpoints)
+    assert 0.9 <= elapsed < 2.5, elapsed
+
+
+def test_handshake_timeout_message_is_clean(endpoints):
+    """The handshake-timeout message names the peer once and says what
+    happened; it carries no stale text from an earlier error."""
+    import socket
+
+    ep = endpoints(timeout_s=1.0)
+    with pytest.raises(UcclError, match="refused"):   # leaves 'Connection refused' behind
+        ep.connect("127.0.0.1", -1, remote_port=_free_port())
+    err, _ = _silent_listener_connect(endpoints)
+    msg = str(err)
+    assert msg.count("handshake with") == 1 and "refused" not in msg, msg

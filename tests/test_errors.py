@@ -253,9 +253,6 @@ def test_tampered_fifo_item(transport):
         assert c[k] is not None, f"{k}: the tampered descriptor was accepted"
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a target's refusal of a bad token comes back "
-                   "as UCCL_ERR_NOTFOUND (conn.c OPDONE keeps NOTFOUND) and is raised as "
-                   "ValueError ('...: unknown identifier') instead of UcclError")
 def test_tampered_fifo_token_raises_uccl_error():
     """The initiator's error for a token the target refuses is a UcclError
     (a transfer refused by the peer, not a local caller mistake), for both
@@ -264,3 +261,44 @@ def test_tampered_fifo_token_raises_uccl_error():
                     client_kwargs={"tamper": True}, timeout=60)
     for k in ("write_token", "read_token"):
         assert c[k] and c[k]["uccl"], f"{k}: expected UcclError, got {c[k]['type']}: {c[k]['msg']}"
+
+
+# --------------------------------------------------------------------------
+# a descriptor dies with the registration behind it
+def _dereg_target(ch):
+    ep, conn = _accept(ch)
+    win = poisoned(N, guard=0)
+    mr = ep.reg(addr(win), N)[1]
+    ch.send("fifo", ep.advertise(conn, mr, addr(win), N)[1])
+    ch.recv("have_fifo")
+    assert ep.dereg(mr) is True
+    ch.send("deregistered")
+    ch.recv("tried")
+    return all_poison(win)
+
+
+def _dereg_initiator(ch):
+    ep, conn = _connect(ch)
+    fifo = ch.recv("fifo")
+    ch.send("have_fifo")
+    src = rand_bytes(N, 8)
+    dst = poisoned(N)
+    smr, dmr = ep.reg(addr(src), N)[1], ep.reg(addr(dst), dst.nbytes)[1]
+    ch.recv("deregistered")
+    out = {"write": catch(ep.write, conn, smr, addr(src), N, fifo),
+           "read": catch(ep.read, conn, dmr, addr(dst), N, fifo)}
+    out["dst_untouched"] = all_poison(dst)
+    ch.send("tried")
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm-cma"])
+def test_fifo_item_dies_with_dereg(transport):
+    """Once the target deregisters the mr behind an advertised window, write
+    and read through the old fifo_item both raise on the initiator and touch
+    neither the target's (poisoned) window nor the initiator's buffer."""
+    env, _ = TRANSPORTS[transport]
+    untouched, c = run_pair(_dereg_target, _dereg_initiator, env=env, timeout=60)
+    assert c["write"] is not None and c["read"] is not None, c
+    assert untouched, "a write through a stale descriptor landed in deregistered memory"
+    assert c["dst_untouched"]

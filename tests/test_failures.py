@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from _harness import MiB, TRANSPORT_NAMES, TRANSPORTS, Pair, addr, catch, rand_bytes, run_one, run_pair
+from _harness import (MiB, TRANSPORT_NAMES, TRANSPORTS, Pair, addr, all_poison, catch, poisoned,
+                      rand_bytes, run_one, run_pair)
 
 BIG = 64 * MiB
 SURVIVOR_TIMEOUT = 10.0   # the survivor's timeout_s; peer death must be noticed well before
@@ -197,11 +198,15 @@ def test_peer_close_fails_pending_recv():
 def _silent_peer(ch):
     from uccl_collective.p2p import Endpoint
 
-    ep = Endpoint(port=0, timeout_s=60)
+    ep = Endpoint(port=0, timeout_s=5)
     port = ch.recv("port")
     conns = [ep.connect("127.0.0.1", -1, remote_port=port)[1] for _ in range(2)]
-    ch.recv("done", timeout=30)
-    return len(set(conns))
+    ch.recv("timed_out", timeout=30)
+    # too late: the receiver gave up on connection 2, so this must not land
+    data = rand_bytes(4097, 9)
+    late = catch(ep.send, conns[1], ep.reg(addr(data), 4097)[1], addr(data), 4097)
+    ch.send("late_sent")
+    return len(set(conns)), late
 
 
 def _timeout_receiver(ch):
@@ -216,23 +221,32 @@ def _timeout_receiver(ch):
     buf = np.empty(BIG, np.uint8)
     mr = ep.reg(addr(buf), BIG)[1]
     blocking = catch(ep.recv, c1, mr, addr(buf), BIG)           # endpoint timeout_s = 2
-    ok, t = ep.recv_async(c2, mr, addr(buf), BIG)
+    small = poisoned(4097)
+    smr = ep.reg(addr(small), small.nbytes)[1]
+    ok, t = ep.recv_async(c2, smr, addr(small), 4097)
     waited = catch(ep.wait, t, timeout=0.5)                       # explicit timeout
-    ch.send("done")
-    return blocking, waited
+    ch.send("timed_out")
+    ch.recv("late_sent")
+    time.sleep(0.3)
+    return blocking, waited, all_poison(small)
 
 
 def test_recv_with_nobody_sending_times_out():
     """With the peer alive but sending nothing, a blocking recv raises
     UcclTimeoutError after about the endpoint's timeout_s (2 s), and
     wait(id, timeout=0.5) on a recv_async raises UcclTimeoutError after about
-    0.5 s; neither hangs."""
-    (blocking, waited), nconn = run_pair(_timeout_receiver, _silent_peer, timeout=40)
+    0.5 s; neither hangs.  The timed-out connection is failed: a message the
+    peer sends afterwards raises UcclError on the sender and never lands in
+    the receiver's (poisoned) buffer."""
+    (blocking, waited, untouched), (nconn, late) = run_pair(_timeout_receiver, _silent_peer,
+                                                            timeout=40)
     assert nconn == 2
     for err, t in ((blocking, 2.0), (waited, 0.5)):
         assert err is not None and err["timeout"], f"expected UcclTimeoutError, got {err}"
         assert err["uccl"] and isinstance(err["msg"], str)
         assert t - 0.05 <= err["elapsed"] < t + 1.5, f"timed out after {err['elapsed']:.2f} s, not ~{t} s"
+    assert untouched, "bytes sent after the receiver's wait timed out landed in its buffer"
+    assert late is not None and late["uccl"], f"a send on the timed-out connection: {late}"
 
 
 def _accept_nobody(ch, t):
@@ -242,9 +256,6 @@ def _accept_nobody(ch, t):
     return catch(ep.accept, timeout=t)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: pymodule.c Endpoint_accept truncates the last "
-                   "wait slice to 0 ns and spins forever when timeout is not a multiple of 0.1 s "
-                   "(any timeout > 0.1 s, including the endpoint default) and nobody connects")
 @pytest.mark.parametrize("timeout", [0.25, 1.0])
 def test_accept_with_nobody_connecting_times_out(timeout):
     """accept(timeout=t) with nobody connecting raises UcclTimeoutError after

@@ -314,3 +314,41 @@ def test_one_sided_all_sizes(transport):
     assert c["rasync_guard"]
     assert s["part"] == _expect("part", 0, 4097)
     assert s["part_rest"], "a 4097-byte write into an 8192-byte window touched bytes past 4097"
+
+
+# --------------------------------------------------------------------------
+# passive accept: the handshake is served without accept()
+def _passive_server(ch):
+    from uccl_collective.p2p import Endpoint
+
+    ep = Endpoint(port=0, timeout_s=10)
+    assert ep.start_passive_accept() is True
+    ch.send("meta", ep.get_metadata())
+    ch.recv("connected")
+    err = catch(ep.accept, timeout=1)
+    return err
+
+
+def _passive_client(ch):
+    from uccl_collective.p2p import Endpoint
+
+    meta = ch.recv("meta")
+    ip, port, gpu = Endpoint.parse_metadata(meta)
+    out = []
+    for _ in range(2):
+        with Endpoint(port=0, timeout_s=5) as ep:
+            t0 = time.monotonic()
+            ok, conn = ep.connect(ip, gpu, remote_port=port)
+            out.append((ok, ep.conn_transport(conn), time.monotonic() - t0))
+    ch.send("connected")
+    return out
+
+
+def test_passive_accept_serves_connections():
+    """After start_passive_accept() an endpoint completes handshakes in the
+    background: two clients connect() promptly although the server never calls
+    accept(), and accept() on it raises ValueError (not a hang)."""
+    err, conns = run_pair(_passive_server, _passive_client, timeout=40)
+    assert [(ok, tp) for ok, tp, _ in conns] == [(True, "shm-cma")] * 2
+    assert all(dt < 3 for _, _, dt in conns), conns
+    assert err and err["value"] and "passive" in err["msg"], err
