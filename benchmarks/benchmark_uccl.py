@@ -401,32 +401,33 @@ class Bench:
 
 
 # -------------------------------------------------------------------- gloo --
+def _gloo_moves(peer, src, dst, count, dual, sender):
+    """count messages to peer (or from it); with dual, both directions at once."""
+    if dual:
+        works = [dist.isend(src, dst=peer) for _ in range(count)]
+        works += [dist.irecv(dst, src=peer) for _ in range(count)]
+        for w in works:
+            w.wait()
+    elif sender:
+        for _ in range(count):
+            dist.send(src, dst=peer)
+    else:
+        for _ in range(count):
+            dist.recv(dst, src=peer)
+
+
 def gloo_batch(rank, src, dst, count, dual):
     """Gloo dist.send/recv timed like Bench.batch (ready/ack over Gloo itself)."""
     ctl = torch.zeros(1, dtype=torch.int64)
     peer = 1 - rank
     if rank == 1:
         dist.send(ctl, dst=peer)
-        if dual:
-            works = [dist.isend(src, dst=peer) for _ in range(count)]
-            works += [dist.irecv(dst, src=peer) for _ in range(count)]
-            for w in works:
-                w.wait()
-        else:
-            for _ in range(count):
-                dist.recv(dst, src=peer)
+        _gloo_moves(peer, src, dst, count, dual, sender=False)
         dist.send(ctl, dst=peer)
         return None
     dist.recv(ctl, src=peer)
     t0 = time.perf_counter()
-    if dual:
-        works = [dist.isend(src, dst=peer) for _ in range(count)]
-        works += [dist.irecv(dst, src=peer) for _ in range(count)]
-        for w in works:
-            w.wait()
-    else:
-        for _ in range(count):
-            dist.send(src, dst=peer)
+    _gloo_moves(peer, src, dst, count, dual, sender=True)
     dist.recv(ctl, src=peer)
     return time.perf_counter() - t0
 
