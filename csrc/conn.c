@@ -265,7 +265,10 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     /* Unblock everything: the service thread's recv, the transport's data
      * threads.  fds stay open until the last reference goes, so no thread
      * ever touches a reused descriptor. */
-    shutdown(c->ctrl_fd, SHUT_RDWR);
+    /* A close half-closes (our BYE is followed by a FIN; conn_close drains
+     * the rest): closing with unread bytes would send an RST, which makes
+     * the peer's kernel drop our BYE before its engine reads it. */
+    shutdown(c->ctrl_fd, status == UCCL_ERR_CLOSED ? SHUT_WR : SHUT_RDWR);
     if (c->tp && c->tp->conn_shutdown)
         c->tp->conn_shutdown(c);
     for (size_t i = 0; i < f.n; i++) {
@@ -929,6 +932,19 @@ void uccl__conn_close(struct uccl__conn *c)
         pthread_join(c->svc_thread, NULL);
         pthread_join(c->worker_thread, NULL);
         c->started = 0;
+    }
+    /* Read what the peer still sends until its FIN (it answers our BYE by
+     * closing), bounded, so that our close() sends no RST. */
+    uint64_t deadline = uccl__now_ns() + 100000000ull;
+    for (;;) {
+        uint64_t now = uccl__now_ns();
+        struct pollfd p = {.fd = c->ctrl_fd, .events = POLLIN};
+        if (now >= deadline || poll(&p, 1, (int)((deadline - now) / 1000000ull) + 1) <= 0)
+            break;
+        char sink[512];
+        ssize_t n = recv(c->ctrl_fd, sink, sizeof(sink), MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN))
+            break;
     }
     if (c->tp && c->tp->conn_destroy)
         c->tp->conn_destroy(c);

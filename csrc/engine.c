@@ -428,8 +428,8 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
                                 : (double)env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
     ep->timeout_ns = (uint64_t)(t * 1e9);
     ep->spin_ns = (uint64_t)env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
-    ep->num_streams = (unsigned)env_long("UCCL_P2P_TCP_STREAMS", 4, 1, UCCL_MAX_STREAMS, &bad);
-    ep->chunk_bytes = (size_t)env_long("UCCL_P2P_TCP_CHUNK_KB", 512, 4, 65536, &bad) * 1024;
+    ep->num_streams = (unsigned)env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
+    ep->chunk_bytes = (size_t)env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
     long base = env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
     if (bad)
         goto err_free;
