@@ -143,8 +143,17 @@ void uccl__conn_put(struct uccl__conn *c)
         close(c->ctrl_fd);
     while (c->rts_head) {
         struct uccl__rts *n = c->rts_head->next;
+        free(c->rts_head->data);
         free(c->rts_head);
         c->rts_head = n;
+    }
+    if (c->erx.rts) {
+        free(c->erx.rts->data);
+        free(c->erx.rts);
+    }
+    if (c->erx.direct) {
+        atomic_fetch_sub(&c->erx.direct->busy, 1);
+        uccl__req_put(c->erx.direct);
     }
     uccl__idmap_free(&c->inflight);
     uccl__idmap_free(&c->rx);
@@ -244,6 +253,10 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     vsnprintf(why, sizeof(why), fmt, ap);
     va_end(ap);
     int expect = 0;
+    if (atomic_load(&c->closing)) { /* e.g. the peer's EOF answering our BYE */
+        status = UCCL_ERR_CLOSED;
+        snprintf(why, sizeof(why), "the endpoint was closed");
+    }
     pthread_mutex_lock(&c->mu);
     if (!atomic_compare_exchange_strong(&c->failed, &expect, 1)) {
         pthread_mutex_unlock(&c->mu);
@@ -370,15 +383,31 @@ static void try_match(struct uccl__conn *c)
             free(rts);
             return;
         }
-        if (rts->len == r->len && r->len > 0 && !c->direct) {
+        if (rts->len == r->len && r->len > 0 && !c->direct && !rts->eager) {
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_SEND, r->seq), r);
             stream = 1;
         }
         r->remote_addr = rts->addr;
         uint64_t slen = rts->len;
+        int eager = rts->eager;
+        char *held = rts->data;
+        c->eager_held -= held ? rts->len : 0;
+        if (held && slen == r->len)
+            atomic_fetch_add(&r->busy, 1);
         free(rts);
         pthread_mutex_unlock(&c->mu);
 
+        if (eager && slen == r->len) { /* the bytes are here (in held, or already in r->buf) */
+            if (held) {
+                memcpy(r->buf, held, r->len);
+                atomic_fetch_sub(&r->busy, 1);
+            }
+            free(held);
+            send_simple(c, UCCL_MSG_FIN, r->seq, r->len, 0);
+            complete(c, r, UCCL_OK, NULL);
+            continue;
+        }
+        free(held);
         if (slen != r->len) {
             send_simple(c, UCCL_MSG_NACK, r->seq, r->len, 0);
             complete(c, r, UCCL_ERR_MISMATCH,
@@ -438,12 +467,18 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         pthread_mutex_lock(&c->mu);
         r->seq = ++c->next_send_seq;
         uccl__idmap_put(&c->inflight, key_of(KEY_SEND, r->seq), r);
+        r->eager = !c->ctrl_shm && !c->direct && r->len <= UCCL_EAGER_MAX &&
+                   c->eager_inflight < UCCL_EAGER_INFLIGHT;
+        c->eager_inflight += (unsigned)r->eager;
         pthread_mutex_unlock(&c->mu);
         m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
-                               .addr = (uint64_t)(uintptr_t)r->buf};
+                               .addr = (uint64_t)(uintptr_t)r->buf,
+                               .aux = r->eager ? UCCL_MSG_FLAG_EAGER : 0};
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
-        rc = ctrl_write(c, buf, uccl__now_ns() + c->ep->timeout_ns);
+        uint64_t deadline = uccl__now_ns() + c->ep->timeout_ns;
+        rc = r->eager ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
+                      : ctrl_write(c, buf, deadline);
         pthread_mutex_unlock(&c->ctrl_tx_mu);
         if (rc)
             uccl__conn_fail(c, UCCL_ERR_IO, "sending a control message: %s", uccl_last_error());
@@ -635,6 +670,11 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "%s for unknown message %llu",
                              m->type == UCCL_MSG_FIN ? "FIN" : "NACK", (unsigned long long)m->seq);
+        if (r->eager) {
+            pthread_mutex_lock(&c->mu);
+            c->eager_inflight--;
+            pthread_mutex_unlock(&c->mu);
+        }
         if (m->type == UCCL_MSG_FIN)
             complete(c, r, UCCL_OK, NULL);
         else
@@ -691,6 +731,73 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
     }
 }
 
+/* An eager RTS: decide where its bytes go before reading them.  Straight
+ * into the posted recv that it will match, if sizes agree; else into a
+ * held buffer, within the budget a well-behaved sender never exceeds. */
+static void eager_arrived(struct uccl__conn *c);
+
+static int eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
+{
+    if (c->is_connector || c->ctrl_shm || c->direct)
+        return uccl__err(UCCL_ERR_PROTO, "eager message on a connection that does not take them");
+    if (m->len > UCCL_EAGER_MAX)
+        return uccl__err(UCCL_ERR_PROTO, "eager message of %llu bytes (at most %u)",
+                         (unsigned long long)m->len, UCCL_EAGER_MAX);
+    struct uccl__rts *rts = calloc(1, sizeof(*rts));
+    if (!rts)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr, .eager = 1};
+    c->erx = (__typeof__(c->erx)){.rts = rts};
+    pthread_mutex_lock(&c->mu);
+    struct uccl__req *r = c->recv_head;
+    if (!c->rts_head && r && r->seq == m->seq && r->len == m->len) {
+        req_get(r);
+        atomic_fetch_add(&r->busy, 1);
+        c->erx.direct = r;
+        c->erx.dst = r->buf;
+    } else if (m->len > 0) {
+        if (c->eager_held + m->len > (size_t)UCCL_EAGER_MAX * UCCL_EAGER_INFLIGHT) {
+            pthread_mutex_unlock(&c->mu);
+            c->erx.rts = NULL;
+            free(rts);
+            return uccl__err(UCCL_ERR_PROTO, "peer sent more eager bytes than it may have in "
+                             "flight (%zu held)", c->eager_held);
+        }
+        rts->data = malloc(m->len);
+        if (!rts->data) {
+            pthread_mutex_unlock(&c->mu);
+            c->erx.rts = NULL;
+            free(rts);
+            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        }
+        c->eager_held += m->len;
+        c->erx.dst = rts->data;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (m->len == 0)
+        eager_arrived(c);
+    return UCCL_OK;
+}
+
+static void eager_arrived(struct uccl__conn *c)
+{
+    struct uccl__rts *rts = c->erx.rts;
+    struct uccl__req *direct = c->erx.direct;
+    c->erx = (__typeof__(c->erx)){0};
+    if (direct) {
+        atomic_fetch_sub(&direct->busy, 1);
+        uccl__req_put(direct);
+    }
+    pthread_mutex_lock(&c->mu);
+    if (c->rts_tail)
+        c->rts_tail->next = rts;
+    else
+        c->rts_head = rts;
+    c->rts_tail = rts;
+    pthread_mutex_unlock(&c->mu);
+    try_match(c);
+}
+
 /* Read and handle every whole message available now, without blocking.
  * Only the reader of the moment (driver or service thread) calls this.
  * Returns the number handled, or a negative status. */
@@ -710,7 +817,10 @@ static int pump(struct uccl__conn *c)
         handled++;
     }
     while (!atomic_load(&c->failed)) {
-        ssize_t n = recv(c->ctrl_fd, c->rxbuf + c->rxgot, sizeof(c->rxbuf) - c->rxgot, MSG_DONTWAIT);
+        int in_payload = c->erx.rts != NULL;
+        char *into = in_payload ? c->erx.dst + c->erx.got : (char *)c->rxbuf + c->rxgot;
+        size_t want = in_payload ? c->erx.rts->len - c->erx.got : sizeof(c->rxbuf) - c->rxgot;
+        ssize_t n = recv(c->ctrl_fd, into, want, MSG_DONTWAIT);
         if (n == 0)
             return uccl__err(UCCL_ERR_IO, "peer closed the connection");
         if (n < 0) {
@@ -720,6 +830,14 @@ static int pump(struct uccl__conn *c)
                 return handled;
             return uccl__err(UCCL_ERR_IO, "recv on control socket: %s", strerror(errno));
         }
+        if (in_payload) {
+            c->erx.got += (size_t)n;
+            if (c->erx.got == c->erx.rts->len) {
+                eager_arrived(c);
+                handled++;
+            }
+            continue;
+        }
         c->rxgot += (size_t)n;
         if (c->rxgot < sizeof(c->rxbuf))
             continue;
@@ -727,7 +845,8 @@ static int pump(struct uccl__conn *c)
         struct uccl__msg m;
         int rc = uccl__msg_decode(c->rxbuf, &m);
         if (rc == UCCL_OK)
-            rc = handle_msg(c, &m);
+            rc = m.type == UCCL_MSG_RTS && (m.aux & UCCL_MSG_FLAG_EAGER) ? eager_begin(c, &m)
+                                                                           : handle_msg(c, &m);
         if (rc)
             return rc;
         handled++;
@@ -918,6 +1037,7 @@ int uccl__conn_start(struct uccl__conn *c)
  * with the last reference. */
 void uccl__conn_close(struct uccl__conn *c)
 {
+    atomic_store(&c->closing, 1);
     if (!atomic_load(&c->failed) && c->started) {
         /* Tell the peer this is a close, not a crash; never wait long for it. */
         struct uccl__msg m = {.type = UCCL_MSG_BYE};

@@ -34,14 +34,27 @@ struct uccl__req {
     atomic_size_t got;           /* streamed bytes landed in buf */
     atomic_int busy;             /* engine threads writing into buf right now */
     int opdone;                  /* read: target reported completion */
+    int eager;                   /* send: its bytes follow the RTS */
     int polled;                  /* poll_async reported the final state */
     struct uccl__req *next;      /* conn queues (under conn->mu) */
 };
 
 struct uccl__rts {               /* an RTS that arrived before its recv was posted */
     uint64_t seq, len, addr;
+    int eager;                   /* the bytes came with it (socket control channel) */
+    char *data;                  /* eager bytes held until the recv is posted, or NULL
+                                    when they were read straight into the posted buffer */
     struct uccl__rts *next;
 };
+
+/* Eager sends: on a socket control channel a message of at most
+ * UCCL_EAGER_MAX bytes travels right after its RTS, saving the CTS round
+ * trip and the data-stream threads.  A sender keeps at most
+ * UCCL_EAGER_INFLIGHT of them unanswered, so a receiver never holds more
+ * than their product in bytes for recvs not yet posted. */
+#define UCCL_EAGER_MAX (64u << 10)
+#define UCCL_EAGER_INFLIGHT 16
+#define UCCL_MSG_FLAG_EAGER 1u
 
 struct uccl__job {               /* work for the connection's worker thread */
     int kind;
@@ -77,6 +90,7 @@ struct uccl__conn {
     pthread_cond_t cv;
     atomic_int failed;
     int peer_bye;                /* the peer closed on purpose: log quietly */
+    atomic_int closing;          /* we are closing: whatever fails next is that close */
     int fail_status;
     char fail_msg[512];
     uint64_t next_send_seq, next_recv_seq, next_op;
@@ -96,6 +110,14 @@ struct uccl__conn {
     pthread_cond_t svc_cv, drv_cv;
     uint8_t rxbuf[UCCL_MSG_SIZE];
     size_t rxgot;
+    struct {                     /* the eager payload being read (reader only) */
+        struct uccl__rts *rts;
+        char *dst;
+        struct uccl__req *direct; /* posted recv read into, busy + ref held */
+        size_t got;
+    } erx;
+    unsigned eager_inflight;     /* sender: eager sends without FIN/NACK (under mu) */
+    size_t eager_held;           /* receiver: bytes held for recvs not yet posted (under mu) */
 };
 
 struct uccl__mr {

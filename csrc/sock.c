@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -166,6 +167,37 @@ int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_n
         return uccl__err(UCCL_ERR_IO, "send(): %s", n < 0 ? strerror(errno) : "closed");
     }
     return UCCL_OK;
+}
+
+int uccl__sock_send2(int fd, const void *a, size_t alen, const void *b, size_t blen,
+                     uint64_t deadline_ns)
+{
+    struct iovec iov[2] = {{(void *)a, alen}, {(void *)b, blen}};
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = blen ? 2 : 1};
+    for (;;) {
+        ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int rc = wait_fd(fd, POLLOUT, deadline_ns);
+                if (rc)
+                    return rc;
+                continue;
+            }
+            return uccl__err(UCCL_ERR_IO, "send(): %s", strerror(errno));
+        }
+        size_t k = (size_t)n;
+        while (mh.msg_iovlen > 0 && k >= mh.msg_iov[0].iov_len) {
+            k -= mh.msg_iov[0].iov_len;
+            mh.msg_iov++;
+            mh.msg_iovlen--;
+        }
+        if (mh.msg_iovlen == 0)
+            return UCCL_OK;
+        mh.msg_iov[0].iov_base = (char *)mh.msg_iov[0].iov_base + k;
+        mh.msg_iov[0].iov_len -= k;
+    }
 }
 
 int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns)
