@@ -226,6 +226,18 @@ static void complete(struct uccl__conn *c, struct uccl__req *r, int status, cons
     uccl__req_put(r);
 }
 
+static void send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len, uint64_t aux);
+
+/* Finish r here, then tell the peer (FIN, NACK, OPDONE).  In that order: once
+ * told, the peer may close at once, and its BYE must not find r pending. */
+static void answer_after(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
+                         int status, const char *why)
+{
+    uint64_t seq = r->seq;
+    complete(c, r, status, why ? "%s" : NULL, why);
+    send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE ? (uint64_t)(int64_t)status : 0);
+}
+
 static void describe_peer(struct uccl__conn *c, char *buf, size_t len)
 {
     if (c->peer_rank >= 0)
@@ -391,33 +403,33 @@ static void try_match(struct uccl__conn *c)
         uint64_t slen = rts->len;
         int eager = rts->eager;
         char *held = rts->data;
+        int slot = rts->slot;
         c->eager_held -= held ? rts->len : 0;
-        if (held && slen == r->len)
+        if ((held || slot >= 0) && slen == r->len)
             atomic_fetch_add(&r->busy, 1);
         free(rts);
         pthread_mutex_unlock(&c->mu);
 
         if (eager && slen == r->len) { /* the bytes are here (in held, or already in r->buf) */
-            if (held) {
-                memcpy(r->buf, held, r->len);
+            if (held || slot >= 0) {
+                memcpy(r->buf, held ? held : c->tp->eager_slot(c, (unsigned)slot), r->len);
                 atomic_fetch_sub(&r->busy, 1);
             }
             free(held);
-            send_simple(c, UCCL_MSG_FIN, r->seq, r->len, 0);
-            complete(c, r, UCCL_OK, NULL);
+            answer_after(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
             continue;
         }
         free(held);
         if (slen != r->len) {
-            send_simple(c, UCCL_MSG_NACK, r->seq, r->len, 0);
-            complete(c, r, UCCL_ERR_MISMATCH,
+            char why[300];
+            snprintf(why, sizeof(why),
                      "size mismatch on connection %llu, message %llu: the sender sent %llu "
                      "bytes but this recv posted %zu bytes; nothing was written",
                      (unsigned long long)c->id, (unsigned long long)r->seq,
                      (unsigned long long)slen, r->len);
+            answer_after(c, r, UCCL_MSG_NACK, r->len, UCCL_ERR_MISMATCH, why);
         } else if (r->len == 0) {
-            send_simple(c, UCCL_MSG_FIN, r->seq, 0, 0);
-            complete(c, r, UCCL_OK, NULL);
+            answer_after(c, r, UCCL_MSG_FIN, 0, UCCL_OK, NULL);
         } else if (stream) {
             send_simple(c, UCCL_MSG_CTS, r->seq, r->len, 0);
         } else {
@@ -467,18 +479,34 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         pthread_mutex_lock(&c->mu);
         r->seq = ++c->next_send_seq;
         uccl__idmap_put(&c->inflight, key_of(KEY_SEND, r->seq), r);
-        r->eager = !c->ctrl_shm && !c->direct && r->len <= UCCL_EAGER_MAX &&
-                   c->eager_inflight < UCCL_EAGER_INFLIGHT;
+        r->eager_slot = -1;
+        if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT) {
+            if (!c->ctrl_shm && !c->direct) {
+                r->eager = 1; /* bytes follow on the socket */
+            } else if (c->ctrl_shm && c->tp->eager_slot) {
+                /* a free slot: freed by its own FIN/NACK, which may come out of order */
+                for (int i = 0; i < UCCL_EAGER_INFLIGHT && r->eager_slot < 0; i++)
+                    if (!(c->eager_slots_busy & (1u << i)))
+                        r->eager_slot = i;
+                c->eager_slots_busy |= 1u << r->eager_slot;
+                r->eager = 1;
+            }
+        }
         c->eager_inflight += (unsigned)r->eager;
         pthread_mutex_unlock(&c->mu);
+        if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
+            memcpy(c->tp->eager_slot(c, (unsigned)r->eager_slot), r->buf, r->len);
         m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
                                .addr = (uint64_t)(uintptr_t)r->buf,
-                               .aux = r->eager ? UCCL_MSG_FLAG_EAGER : 0};
+                               .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
+                               .aux = !r->eager ? 0 : r->eager_slot >= 0
+                                      ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
         uint64_t deadline = uccl__now_ns() + c->ep->timeout_ns;
-        rc = r->eager ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
-                      : ctrl_write(c, buf, deadline);
+        rc = r->eager && r->eager_slot < 0
+                 ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
+                 : ctrl_write(c, buf, deadline);
         pthread_mutex_unlock(&c->ctrl_tx_mu);
         if (rc)
             uccl__conn_fail(c, UCCL_ERR_IO, "sending a control message: %s", uccl_last_error());
@@ -534,8 +562,9 @@ void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
     atomic_fetch_sub(&r->busy, 1);
     if (got == r->len) {
         if (r->op == UCCL_OP_WRITE_TARGET)
-            send_simple(c, UCCL_MSG_OPDONE, r->seq, r->len, UCCL_OK);
-        complete(c, r, UCCL_OK, NULL);
+            answer_after(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
+        else
+            complete(c, r, UCCL_OK, NULL);
     } else if (got > r->len) {
         uccl__conn_fail(c, UCCL_ERR_PROTO, "peer sent %zu bytes for a %zu-byte transfer", got,
                         r->len);
@@ -637,10 +666,18 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
 
     switch (m->type) {
     case UCCL_MSG_RTS: {
+        int slot = -1;
+        if (m->aux & UCCL_MSG_FLAG_SLOT) {
+            if (!c->tp->eager_slot || m->offset >= UCCL_EAGER_INFLIGHT || m->len > UCCL_EAGER_MAX)
+                return uccl__err(UCCL_ERR_PROTO, "eager slot %llu / %llu bytes out of range",
+                                 (unsigned long long)m->offset, (unsigned long long)m->len);
+            slot = (int)m->offset;
+        }
         struct uccl__rts *rts = calloc(1, sizeof(*rts));
         if (!rts)
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr};
+        *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr,
+                                  .eager = slot >= 0, .slot = slot};
         pthread_mutex_lock(&c->mu);
         if (c->rts_tail)
             c->rts_tail->next = rts;
@@ -673,6 +710,8 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
         if (r->eager) {
             pthread_mutex_lock(&c->mu);
             c->eager_inflight--;
+            if (r->eager_slot >= 0)
+                c->eager_slots_busy &= ~(1u << r->eager_slot);
             pthread_mutex_unlock(&c->mu);
         }
         if (m->type == UCCL_MSG_FIN)
@@ -746,7 +785,8 @@ static int eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
     struct uccl__rts *rts = calloc(1, sizeof(*rts));
     if (!rts)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr, .eager = 1};
+    *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr, .eager = 1,
+                              .slot = -1};
     c->erx = (__typeof__(c->erx)){.rts = rts};
     pthread_mutex_lock(&c->mu);
     struct uccl__req *r = c->recv_head;
@@ -977,8 +1017,7 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
                             (unsigned long long)r->seq, uccl_last_error());
             break;
         }
-        send_simple(c, UCCL_MSG_FIN, r->seq, r->len, 0);
-        complete(c, r, UCCL_OK, NULL);
+        answer_after(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
         break;
     case JOB_PULL_WRITE:
     case JOB_PUSH_READ:

@@ -34,14 +34,16 @@ struct uccl__req {
     atomic_size_t got;           /* streamed bytes landed in buf */
     atomic_int busy;             /* engine threads writing into buf right now */
     int opdone;                  /* read: target reported completion */
-    int eager;                   /* send: its bytes follow the RTS */
+    int eager;                   /* send: its bytes follow the RTS, or sit in eager_slot */
+    int eager_slot;              /* send over shared memory: the slot it occupies, or -1 */
     int polled;                  /* poll_async reported the final state */
     struct uccl__req *next;      /* conn queues (under conn->mu) */
 };
 
 struct uccl__rts {               /* an RTS that arrived before its recv was posted */
     uint64_t seq, len, addr;
-    int eager;                   /* the bytes came with it (socket control channel) */
+    int eager;                   /* the bytes came with it (socket) or sit in a slot (shm) */
+    int slot;                    /* shared-memory eager slot, or -1 */
     char *data;                  /* eager bytes held until the recv is posted, or NULL
                                     when they were read straight into the posted buffer */
     struct uccl__rts *next;
@@ -55,6 +57,7 @@ struct uccl__rts {               /* an RTS that arrived before its recv was post
 #define UCCL_EAGER_MAX (64u << 10)
 #define UCCL_EAGER_INFLIGHT 16
 #define UCCL_MSG_FLAG_EAGER 1u
+#define UCCL_MSG_FLAG_SLOT 2u   /* eager bytes are in shared-memory slot `offset` */
 
 struct uccl__job {               /* work for the connection's worker thread */
     int kind;
@@ -117,6 +120,7 @@ struct uccl__conn {
         size_t got;
     } erx;
     unsigned eager_inflight;     /* sender: eager sends without FIN/NACK (under mu) */
+    unsigned eager_slots_busy;   /* sender, shared memory: bitmap of occupied slots (under mu) */
     size_t eager_held;           /* receiver: bytes held for recvs not yet posted (under mu) */
 };
 

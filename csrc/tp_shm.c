@@ -49,9 +49,11 @@ struct ctrl_q {
     _Alignas(64) atomic_uint head;  /* written by the consumer */
     _Alignas(64) uint8_t slot[CTRL_SLOTS][UCCL_MSG_SIZE];
 };
-/* Segment: [queue c->a][queue a->c][ring c->a][ring a->c], rings in ring mode only. */
+/* Segment: [queue c->a][queue a->c][eager slots c->a][ring c->a][ring a->c],
+ * rings in ring mode only. */
 #define CTRL_BYTES (2 * sizeof(struct ctrl_q))
-static size_t seg_bytes(int ring) { return CTRL_BYTES + (ring ? 2 * RING_DIR_BYTES : 0); }
+#define EAGER_BYTES ((size_t)UCCL_EAGER_INFLIGHT * UCCL_EAGER_MAX)
+static size_t seg_bytes(int ring) { return CTRL_BYTES + EAGER_BYTES + (ring ? 2 * RING_DIR_BYTES : 0); }
 
 struct ring_job {
     int kind;
@@ -186,7 +188,7 @@ static int map_segment(struct uccl__conn *c, struct shm_conn *s, int fd, int rin
     s->q_out = &q[c->is_connector ? 0 : 1];
     s->q_in = &q[c->is_connector ? 1 : 0];
     if (ring) {
-        char *rings = s->seg + CTRL_BYTES;
+        char *rings = s->seg + CTRL_BYTES + EAGER_BYTES;
         s->out = rings + (c->is_connector ? 0 : RING_DIR_BYTES);
         s->in = rings + (c->is_connector ? RING_DIR_BYTES : 0);
     }
@@ -372,6 +374,12 @@ static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
     return uccl__conn_send_msg(c, &cr);
 }
 
+static char *shm_eager_slot(struct uccl__conn *c, unsigned idx)
+{
+    struct shm_conn *s = c->tp_priv;
+    return s->seg + CTRL_BYTES + (size_t)idx * UCCL_EAGER_MAX;
+}
+
 static void futex_shared(atomic_uint *w, int op, unsigned val, int timeout_ms)
 {
     struct timespec ts = {timeout_ms / 1000, (long)(timeout_ms % 1000) * 1000000L};
@@ -499,6 +507,7 @@ const struct uccl__tp_ops uccl__tp_shm = {
     .ctrl_recv = shm_ctrl_recv,
     .ctrl_wait = shm_ctrl_wait,
     .ctrl_driving = shm_ctrl_driving,
+    .eager_slot = shm_eager_slot,
     .on_msg = shm_on_msg,
     .conn_shutdown = shm_conn_shutdown,
     .conn_destroy = shm_conn_destroy,

@@ -78,6 +78,12 @@ struct uccl__tp_ops {
      * need not wake the service thread, which saves a wake-up per message. */
     void (*ctrl_driving)(struct uccl__conn *c, int on);
 
+    /* Optional eager slots (same host): UCCL_EAGER_INFLIGHT slots of
+     * UCCL_EAGER_MAX bytes in shared memory, connector -> acceptor.  Returns
+     * slot `idx` of this side's outgoing (connector) or incoming (acceptor)
+     * area, or NULL if the transport has none. */
+    char *(*eager_slot)(struct uccl__conn *c, unsigned idx);
+
     /* A control message of a type conn.c does not know (UCCL_MSG_DATA /
      * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the service
      * thread; must not wait for the peer. */

@@ -1,22 +1,24 @@
-"""TCP eager path: messages of at most 64 KiB travel right behind their RTS.
+"""Eager path: messages of at most 64 KiB travel with their RTS (TCP: right
+behind it on the socket; same host: in a shared-memory slot).
 
 Proves, on real random bytes with poisoned receive buffers:
 - messages that arrive before their recv is posted are held and delivered
   intact once it is (the held-buffer path);
 - a recv posted before its message is filled straight from the socket;
 - more unanswered small messages than the eager cap (16) still all arrive:
-  the sender falls back to rendezvous past the cap, in order;
+  the sender falls back to rendezvous past the cap, in order (and, on shared
+  memory, slots are reused only once their message was answered);
 - a size mismatch on an eager message fails both sides and writes nothing.
 """
 from __future__ import annotations
 
 import time
 
-from _harness import TRANSPORTS, addr, all_poison, poisoned, rand_bytes, run_pair, sha
+import pytest
 
-TCP_ENV = TRANSPORTS["tcp"][0]
+from _harness import TRANSPORTS, TRANSPORT_NAMES, addr, all_poison, poisoned, rand_bytes, run_pair, sha
 SIZES = [0, 1, 4097, 65536] * 6      # 24 messages: past the 16-message eager cap
-LATE_SIZES = [1, 65536, 777]
+LATE_SIZES = [1, 65536, 777] * 11
 
 
 def _server(ch):
@@ -37,7 +39,7 @@ def _server(ch):
     out["early"] = [sha(b[:n]) for b, n in zip(bufs, SIZES)]
     out["early_guard"] = all(all_poison(b[n:]) for b, n in zip(bufs, SIZES))
 
-    # 2. Recvs posted first, data afterwards.
+    # 2. Recvs posted first, data afterwards (twice round the 16 slots).
     late = [poisoned(n) for n in LATE_SIZES]
     ids = []
     for b, n in zip(late, LATE_SIZES):
@@ -99,9 +101,11 @@ def _client(ch):
     return {"mismatch": mismatch}
 
 
-def test_tcp_eager_held_direct_and_past_the_cap():
-    server, client = run_pair(_server, _client, env=TCP_ENV, timeout=90)
-    assert server["tp"] == "tcp"
+@pytest.mark.parametrize("tp", TRANSPORT_NAMES)
+def test_eager_held_direct_and_past_the_cap(tp):
+    env, expect = TRANSPORTS[tp]
+    server, client = run_pair(_server, _client, env=env, timeout=90)
+    assert server["tp"] == expect
     assert server["early"] == [sha(rand_bytes(n, 10 + i)) for i, n in enumerate(SIZES)]
     assert server["early_guard"], "a held eager message wrote past its recv"
     assert server["late"] == [sha(rand_bytes(n, 50 + i)) for i, n in enumerate(LATE_SIZES)]
