@@ -35,8 +35,8 @@
 #include "sock.h"
 #include "status.h"
 
-enum { KEY_SEND = 1, KEY_OP = 2 };          /* inflight keys */
-enum { JOB_PULL_RECV = 1, JOB_PULL_WRITE, JOB_PUSH_READ };
+enum { KEY_SEND = 1, KEY_OP = 2, KEY_LENT = 3 }; /* inflight keys (LENT: a direct read's window) */
+enum { JOB_PULL_RECV = 1, JOB_PULL_WRITE, JOB_PULL_READ };
 
 static uint64_t key_of(int kind, uint64_t id) { return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1)); }
 static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
@@ -64,6 +64,7 @@ static void req_get(struct uccl__req *r) { atomic_fetch_add(&r->refs, 1); }
 void uccl__req_put(struct uccl__req *r)
 {
     if (r && atomic_fetch_sub(&r->refs, 1) == 1) {
+        uccl__ep_release_hold(r->conn->ep, r->hold);
         uccl__conn_put(r->conn);
         free(r);
     }
@@ -200,7 +201,8 @@ static void complete(struct uccl__conn *c, struct uccl__req *r, int status, cons
     }
     pthread_mutex_lock(&c->mu);
     int held = uccl__idmap_del(&c->pending, ptr_key(r)) != NULL;
-    uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(KEY_SEND, r->seq) : key_of(KEY_OP, r->seq);
+    uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(KEY_SEND, r->seq)
+                : r->op == UCCL_OP_READ_TARGET ? key_of(KEY_LENT, r->seq) : key_of(KEY_OP, r->seq);
     if (uccl__idmap_get(&c->inflight, k1) == r)
         uccl__idmap_del(&c->inflight, k1);
     int dk = r->op == UCCL_OP_RECV ? UCCL_DATA_SEND : r->op == UCCL_OP_READ ? UCCL_DATA_READ
@@ -335,23 +337,45 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j);
 /* The connection this thread is driving, if any (see uccl__conn_drive). */
 static _Thread_local struct uccl__conn *tls_driving;
 
-static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const struct uccl__msg *m,
-                     void *dst)
+/* A job that will write into r's buffer marks it busy from now on, so a
+ * waiter that gives up cannot return between queueing and copying. */
+static int writes_req(int kind) { return kind == JOB_PULL_RECV || kind == JOB_PULL_READ; }
+
+static void job_done(struct uccl__conn *c, struct uccl__job *j)
 {
+    if (j->busy_held)
+        atomic_fetch_sub(&j->req->busy, 1);
+    j->busy_held = 0;
+    uccl__ep_release_hold(c->ep, j->hold);
+    j->hold = NULL;
+}
+
+static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const struct uccl__msg *m,
+                     void *dst, struct uccl__mr *hold)
+{
+    int busy = r && writes_req(kind);
+    if (busy)
+        atomic_fetch_add(&r->busy, 1);
     if (tls_driving == c) { /* the waiting caller copies itself: no handoff */
-        struct uccl__job j = {.kind = kind, .req = r, .dst = dst};
+        struct uccl__job j = {.kind = kind, .req = r, .dst = dst, .hold = hold, .busy_held = busy};
         if (m)
             j.msg = *m;
-        run_job(c, &j);
+        if (!atomic_load(&c->failed))
+            run_job(c, &j);
+        job_done(c, &j);
         return;
     }
     struct uccl__job *j = calloc(1, sizeof(*j));
     if (!j) {
+        struct uccl__job tmp = {.kind = kind, .req = r, .hold = hold, .busy_held = busy};
+        job_done(c, &tmp);
         uccl__conn_fail(c, UCCL_ERR_NOMEM, "out of memory queueing a copy");
         return;
     }
     j->kind = kind;
     j->req = r;
+    j->hold = hold;
+    j->busy_held = busy;
     if (r)
         req_get(r);
     if (m)
@@ -433,7 +457,7 @@ static void try_match(struct uccl__conn *c)
         } else if (stream) {
             send_simple(c, UCCL_MSG_CTS, r->seq, r->len, 0);
         } else {
-            push_job(c, JOB_PULL_RECV, r, NULL, NULL);
+            push_job(c, JOB_PULL_RECV, r, NULL, NULL, NULL);
         }
     }
 }
@@ -618,6 +642,18 @@ static struct uccl__req *inflight_get(struct uccl__conn *c, int k, uint64_t id, 
     return r;
 }
 
+/* A target-side request: holds the region from dereg() while it runs. */
+static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
+                                    const struct uccl__msg *m, struct uccl__mr *hold)
+{
+    struct uccl__req *t = uccl__req_new(op, c, local, m->len);
+    if (t) {
+        t->seq = m->seq;
+        t->hold = hold;
+    }
+    return t;
+}
+
 static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
 {
     int st = UCCL_OK;
@@ -632,26 +668,42 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         return;
     }
     char *local = (char *)w->addr + m->offset;
+    struct uccl__mr *hold = w->mr;
     free(w);
     if (m->len == 0) {
+        uccl__ep_release_hold(c->ep, hold);
         send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
-    } else if (c->direct) {
-        push_job(c, m->type == UCCL_MSG_WREQ ? JOB_PULL_WRITE : JOB_PUSH_READ, NULL, m, local);
-    } else if (m->type == UCCL_MSG_RREQ) {
-        stream_out(c, UCCL_DATA_READ, m->seq, local, m->len, NULL);
-    } else {
-        struct uccl__req *t = uccl__req_new(UCCL_OP_WRITE_TARGET, c, local, m->len);
-        if (!t) {
-            send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)UCCL_ERR_NOMEM);
-            return;
-        }
-        t->seq = m->seq;
-        pthread_mutex_lock(&c->mu);
-        uccl__idmap_put(&c->pending, ptr_key(t), t); /* takes over the creation reference */
-        uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t);
-        pthread_mutex_unlock(&c->mu);
-        send_simple(c, UCCL_MSG_GO, m->seq, m->len, 0);
+        return;
     }
+    if (c->direct && m->type == UCCL_MSG_WREQ) { /* we pull the bytes into our window */
+        push_job(c, JOB_PULL_WRITE, NULL, m, local, hold);
+        return;
+    }
+    struct uccl__req *t = target_req(c, m->type == UCCL_MSG_WREQ ? UCCL_OP_WRITE_TARGET
+                                                                 : UCCL_OP_READ_TARGET,
+                                     local, m, hold);
+    if (!t) {
+        uccl__ep_release_hold(c->ep, hold);
+        send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)UCCL_ERR_NOMEM);
+        return;
+    }
+    if (m->type == UCCL_MSG_RREQ && !c->direct) { /* stream it; the job keeps t (and the hold) */
+        stream_out(c, UCCL_DATA_READ, m->seq, local, m->len, t);
+        uccl__req_put(t);
+        return;
+    }
+    /* Streamed write (bytes land in t), or direct read (the initiator pulls from
+     * our window and says RDONE): t waits in pending, failed with the connection. */
+    pthread_mutex_lock(&c->mu);
+    uccl__idmap_put(&c->pending, ptr_key(t), t); /* takes over the creation reference */
+    if (m->type == UCCL_MSG_WREQ)
+        uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t);
+    else
+        uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t);
+    pthread_mutex_unlock(&c->mu);
+    struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
+                           .addr = m->type == UCCL_MSG_RREQ ? (uint64_t)(uintptr_t)local : 0};
+    uccl__conn_send_msg(c, &go);
 }
 
 static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
@@ -660,8 +712,9 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
     /* Each type is legal in one direction only: the connector sends RTS,
      * WREQ, RREQ; the acceptor answers. */
     int from_connector = m->type == UCCL_MSG_RTS || m->type == UCCL_MSG_WREQ ||
-                         m->type == UCCL_MSG_RREQ;
-    if (m->type <= UCCL_MSG_OPDONE && from_connector == c->is_connector)
+                         m->type == UCCL_MSG_RREQ || m->type == UCCL_MSG_RDONE;
+    if ((m->type <= UCCL_MSG_OPDONE || m->type == UCCL_MSG_RDONE) &&
+        from_connector == c->is_connector)
         return uccl__err(UCCL_ERR_PROTO, "control message type %u sent the wrong way", m->type);
 
     switch (m->type) {
@@ -734,13 +787,27 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     case UCCL_MSG_GO:
         r = inflight_get(c, KEY_OP, m->seq, 0);
-        if (!r || r->op != UCCL_OP_WRITE || m->len != r->len) {
+        if (!r || m->len != r->len || (r->op == UCCL_OP_READ) != (c->direct != 0) ||
+            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ)) {
             if (r)
                 uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "GO for unknown write %llu",
+            return uccl__err(UCCL_ERR_PROTO, "GO for unknown operation %llu",
                              (unsigned long long)m->seq);
         }
-        stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
+        if (r->op == UCCL_OP_WRITE) {
+            stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
+        } else { /* direct read: we pull into our own buffer (tracked as busy) */
+            r->remote_addr = m->addr;
+            push_job(c, JOB_PULL_READ, r, NULL, NULL, NULL);
+        }
+        uccl__req_put(r);
+        return UCCL_OK;
+    case UCCL_MSG_RDONE:
+        r = inflight_get(c, KEY_LENT, m->seq, 1);
+        if (!r)
+            return uccl__err(UCCL_ERR_PROTO, "RDONE for unknown read %llu",
+                             (unsigned long long)m->seq);
+        complete(c, r, UCCL_OK, NULL);
         uccl__req_put(r);
         return UCCL_OK;
     case UCCL_MSG_OPDONE: {
@@ -838,6 +905,26 @@ static void eager_arrived(struct uccl__conn *c)
     try_match(c);
 }
 
+/* Let go of a half-read eager payload (the connection failed).  Only the
+ * reader of the moment calls this, as only it writes there. */
+static void erx_drop(struct uccl__conn *c)
+{
+    struct uccl__rts *rts = c->erx.rts;
+    struct uccl__req *direct = c->erx.direct;
+    c->erx = (__typeof__(c->erx)){0};
+    if (direct) {
+        atomic_fetch_sub(&direct->busy, 1);
+        uccl__req_put(direct);
+    }
+    if (rts) {
+        pthread_mutex_lock(&c->mu);
+        c->eager_held -= rts->data ? rts->len : 0;
+        pthread_mutex_unlock(&c->mu);
+        free(rts->data);
+        free(rts);
+    }
+}
+
 /* Read and handle every whole message available now, without blocking.
  * Only the reader of the moment (driver or service thread) calls this.
  * Returns the number handled, or a negative status. */
@@ -927,10 +1014,16 @@ static void *service_main(void *arg)
                 char b;
                 ssize_t n = recv(c->ctrl_fd, &b, 1, MSG_DONTWAIT);
                 pthread_mutex_lock(&c->mu);
-                int driving = c->driver;
+                int mine = !c->driver;
+                c->svc_reading |= mine;
                 pthread_mutex_unlock(&c->mu);
-                if (!driving)
-                    pump(c); /* drain what the peer said before it went */
+                if (mine) { /* drain what the peer said before it went (its BYE) */
+                    pump(c);
+                    pthread_mutex_lock(&c->mu);
+                    c->svc_reading = 0;
+                    pthread_cond_broadcast(&c->drv_cv);
+                    pthread_mutex_unlock(&c->mu);
+                }
                 uccl__conn_fail(c, UCCL_ERR_IO, "%s", n == 0 ? "peer closed the connection"
                                 : "unexpected bytes on the control socket");
                 break;
@@ -946,15 +1039,23 @@ static void *service_main(void *arg)
         c->svc_reading = 1;
         pthread_mutex_unlock(&c->mu);
         int rc = pump(c);
+        if (rc < 0)
+            pump_failed(c, rc);
+        if (atomic_load(&c->failed))
+            erx_drop(c); /* still the reader */
         pthread_mutex_lock(&c->mu);
         c->svc_reading = 0;
         pthread_cond_broadcast(&c->drv_cv);
         pthread_mutex_unlock(&c->mu);
-        if (rc < 0) {
-            pump_failed(c, rc);
+        if (rc < 0)
             break;
-        }
     }
+    /* Leaving: drop a half-read payload unless a driver reads (it drops it). */
+    pthread_mutex_lock(&c->mu);
+    int mine = !c->driver;
+    pthread_mutex_unlock(&c->mu);
+    if (mine)
+        erx_drop(c);
     return NULL;
 }
 
@@ -989,6 +1090,10 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
             break;
     }
     tls_driving = NULL;
+    if (rc < 0)
+        pump_failed(c, rc);
+    if (atomic_load(&c->failed))
+        erx_drop(c); /* still the reader */
     pthread_mutex_lock(&c->mu);
     c->driver = 0;
     if (c->ctrl_shm)
@@ -996,8 +1101,6 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
     if (c->pending.live > 0) /* still waiting for answers: the service thread takes over */
         pthread_cond_signal(&c->svc_cv);
     pthread_mutex_unlock(&c->mu);
-    if (rc < 0)
-        pump_failed(c, rc);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -1009,20 +1112,20 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
     struct uccl__req *r = j->req;
     switch (j->kind) {
     case JOB_PULL_RECV:
-        atomic_fetch_add(&r->busy, 1);
+    case JOB_PULL_READ:
         rc = c->tp->pull(c, r->buf, r->remote_addr, r->len);
-        atomic_fetch_sub(&r->busy, 1);
         if (rc) {
-            uccl__conn_fail(c, rc, "copying message %llu from the sender: %s",
+            uccl__conn_fail(c, rc, "copying %s %llu from the peer: %s",
+                            j->kind == JOB_PULL_RECV ? "message" : "read",
                             (unsigned long long)r->seq, uccl_last_error());
             break;
         }
-        answer_after(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
+        job_done(c, j); /* done writing into r: only then may it complete */
+        answer_after(c, r, j->kind == JOB_PULL_RECV ? UCCL_MSG_FIN : UCCL_MSG_RDONE, r->len,
+                     UCCL_OK, NULL);
         break;
     case JOB_PULL_WRITE:
-    case JOB_PUSH_READ:
-        rc = j->kind == JOB_PULL_WRITE ? c->tp->pull(c, j->dst, j->msg.addr, j->msg.len)
-                                       : c->tp->push(c, j->dst, j->msg.addr, j->msg.len);
+        rc = c->tp->pull(c, j->dst, j->msg.addr, j->msg.len);
         if (rc)
             LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
                      uccl_last_error());
@@ -1049,6 +1152,7 @@ static void *worker_main(void *arg)
             break; /* failed and drained */
         if (!atomic_load(&c->failed))
             run_job(c, j);
+        job_done(c, j);
         if (j->req)
             uccl__req_put(j->req);
         free(j);
@@ -1058,18 +1162,22 @@ static void *worker_main(void *arg)
 
 int uccl__conn_start(struct uccl__conn *c)
 {
-    int rc = c->tp->conn_start ? c->tp->conn_start(c) : UCCL_OK;
-    if (rc)
-        return rc;
-    if (pthread_create(&c->svc_thread, NULL, service_main, c))
-        return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
-    if (pthread_create(&c->worker_thread, NULL, worker_main, c)) {
-        uccl__conn_fail(c, UCCL_ERR_NOMEM, "pthread_create failed");
+    /* Under mu against a close racing the start: either the close sees
+     * started and joins, or the start sees failed and starts nothing. */
+    pthread_mutex_lock(&c->mu);
+    int rc = atomic_load(&c->failed) ? uccl__err(UCCL_ERR_CLOSED, "the endpoint was closed")
+           : c->tp->conn_start ? c->tp->conn_start(c) : UCCL_OK;
+    if (rc == UCCL_OK && pthread_create(&c->svc_thread, NULL, service_main, c))
+        rc = uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
+    if (rc == UCCL_OK && pthread_create(&c->worker_thread, NULL, worker_main, c)) {
+        atomic_store(&c->failed, 1);
+        pthread_mutex_unlock(&c->mu);
         pthread_join(c->svc_thread, NULL);
         return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
     }
-    c->started = 1;
-    return UCCL_OK;
+    c->started = rc == UCCL_OK;
+    pthread_mutex_unlock(&c->mu);
+    return rc;
 }
 
 /* Endpoint close: fail what is pending, stop the threads.  The memory goes
@@ -1087,6 +1195,8 @@ void uccl__conn_close(struct uccl__conn *c)
         pthread_mutex_unlock(&c->ctrl_tx_mu);
     }
     uccl__conn_fail(c, UCCL_ERR_CLOSED, "the endpoint was closed");
+    pthread_mutex_lock(&c->mu); /* pairs with conn_start */
+    pthread_mutex_unlock(&c->mu);
     if (c->started) {
         pthread_join(c->svc_thread, NULL);
         pthread_join(c->worker_thread, NULL);

@@ -24,6 +24,11 @@ static const struct uccl__tp_ops *const tp_registry[UCCL_TP_COUNT] = {
 };
 static const char *const tp_names[UCCL_TP_COUNT] = {"auto", "tcp", "shm", "ipc", "rdma"};
 
+/* A finished transfer keeps answering until release(); once its success
+ * has been reported, the table keeps only this marker, not the request. */
+static const char done_marker;
+#define DONE_MARK ((void *)&done_marker)
+
 #define HANDSHAKE_NS (10ull * 1000000000ull) /* a peer gets this long to say hello */
 #define MAX_PENDING 64
 #define DEFAULT_BASE_PORT 28500
@@ -130,11 +135,27 @@ struct uccl__window *uccl__ep_window_check(struct uccl__ep *ep, uint64_t conn_id
                               (unsigned long long)len, w->len, (unsigned long long)window);
     } else if ((copy = malloc(sizeof(*copy))) != NULL) {
         *copy = *w;
+        copy->mr = uccl__idmap_get(&ep->mrs, w->mr_id); /* present: dereg drops windows first */
+        if (copy->mr)
+            copy->mr->inflight++;
     } else {
         *status_p = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     }
     pthread_mutex_unlock(&ep->mu);
     return copy;
+}
+
+void uccl__ep_release_hold(struct uccl__ep *ep, struct uccl__mr *mr)
+{
+    if (!mr)
+        return;
+    pthread_mutex_lock(&ep->mu);
+    if (--mr->inflight == 0) {
+        pthread_cond_broadcast(&ep->cv);
+        if (mr->dead && !mr->waiting)
+            free(mr);
+    }
+    pthread_mutex_unlock(&ep->mu);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -169,6 +190,8 @@ static void send_ack(int fd, const struct uccl__ep *ep, int status, struct uccl_
     ack->gpu_idx = ep->gpu_idx;
     ack->rank = -1;
     ack->listen_port = (uint32_t)ep->port;
+    ack->probe_addr = (uint64_t)(uintptr_t)&ep->probe_word;
+    ack->probe_cookie = ep->probe_word;
     snprintf(ack->host_id, sizeof(ack->host_id), "%s", ep->host_id);
     uint8_t buf[UCCL_HELLO_SIZE];
     uccl__hello_encode(ack, buf);
@@ -274,6 +297,14 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
         send_ack(p->fd, ep, UCCL_ERR_UNAVAIL, NULL);
         return 0;
     }
+    pthread_mutex_lock(&ep->mu);
+    int dup = uccl__idmap_get(&ep->incomplete, h.conn_token) != NULL;
+    pthread_mutex_unlock(&ep->mu);
+    if (dup || h.conn_token == 0) {
+        LOG_WARN("refused connection from %s: its token is in use", p->name);
+        send_ack(p->fd, ep, UCCL_ERR_PROTO, NULL);
+        return 0;
+    }
     struct uccl__conn *c = uccl__conn_new(ep, 0, p->fd);
     if (!c) {
         send_ack(p->fd, ep, UCCL_ERR_NOMEM, NULL);
@@ -374,7 +405,11 @@ static void *listener_main(void *arg)
         for (unsigned i = 0; i < npend;) {
             struct pending *p = &pend[i];
             int done = 0, keep = 0;
-            if (pfd[i + 2].revents && pfd[i + 2].fd == p->fd) {
+            if (now > p->deadline) { /* trickling counts as silence */
+                LOG_WARN("dropped connection from %s: no complete handshake within %llu s",
+                         p->name, (unsigned long long)(HANDSHAKE_NS / 1000000000ull));
+                done = 1;
+            } else if (pfd[i + 2].revents && pfd[i + 2].fd == p->fd) {
                 ssize_t r = recv(p->fd, p->buf + p->got, sizeof(p->buf) - p->got, 0);
                 if (r > 0) {
                     p->got += (size_t)r;
@@ -387,10 +422,6 @@ static void *listener_main(void *arg)
                              "after %zu bytes", p->name, p->got);
                     done = 1;
                 }
-            } else if (now > p->deadline) {
-                LOG_WARN("dropped connection from %s: no handshake within %llu s", p->name,
-                         (unsigned long long)(HANDSHAKE_NS / 1000000000ull));
-                done = 1;
             }
             if (done) {
                 if (!keep)
@@ -426,6 +457,8 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
 
     double t = o->timeout_s > 0 ? o->timeout_s
                                 : (double)env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
+    if (t > 365.0 * 86400) /* beyond a year means "forever"; keep the ns count finite */
+        t = 365.0 * 86400;
     ep->timeout_ns = (uint64_t)(t * 1e9);
     ep->spin_ns = (uint64_t)env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
     ep->num_streams = (unsigned)env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
@@ -535,7 +568,8 @@ static void put_req_entry(uint64_t k, void *v, void *arg)
 {
     (void)k;
     (void)arg;
-    uccl__req_put(v);
+    if (v != (void *)arg)
+        uccl__req_put(v);
 }
 
 static void free_entry(uint64_t k, void *v, void *arg)
@@ -579,7 +613,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     if (!ep)
         return;
     uccl_ep_close(ep);
-    uccl__idmap_each(&ep->reqs, put_req_entry, NULL);
+    uccl__idmap_each(&ep->reqs, put_req_entry, DONE_MARK);
     struct uccl__conn **v = calloc(ep->conns.live + 1, sizeof(*v)), **p = v;
     size_t n = ep->conns.live;
     if (v)
@@ -599,7 +633,6 @@ void uccl_ep_destroy(uccl_ep_t *ep)
         free(ep->remotes);
         ep->remotes = r;
     }
-    free(ep->retired);
     if (ep->listen_fd >= 0)
         close(ep->listen_fd);
     if (ep->wake_pipe[0] >= 0) {
@@ -896,7 +929,7 @@ int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p)
         return uccl__err(UCCL_ERR_INVALID, "cannot register %zu bytes at address 0", len);
     if (addr + len < addr)
         return uccl__err(UCCL_ERR_INVALID, "region 0x%zx + %zu wraps around", (size_t)addr, len);
-    struct uccl__mr *mr = malloc(sizeof(*mr));
+    struct uccl__mr *mr = calloc(1, sizeof(*mr));
     if (!mr)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     pthread_mutex_lock(&ep->mu);
@@ -921,6 +954,18 @@ static void match_window(uint64_t k, void *v, void *arg)
         s->ids[s->n++] = k;
 }
 
+static void fail_conn_ids(struct uccl__ep *ep, const uint64_t *ids, unsigned n, uint64_t mr_id)
+{
+    for (unsigned i = 0; i < n; i++) {
+        struct uccl__conn *c = conn_lookup(ep, ids[i]);
+        if (c) {
+            uccl__conn_fail(c, UCCL_ERR_TIMEOUT, "region %llu was deregistered while the peer "
+                            "was still reading or writing it", (unsigned long long)mr_id);
+            uccl__conn_put(c);
+        }
+    }
+}
+
 int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr_id)
 {
     pthread_mutex_lock(&ep->mu);
@@ -930,17 +975,50 @@ int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr_id)
         return uccl__err(UCCL_ERR_NOTFOUND, "unknown mr_id %llu (never registered, or "
                          "already deregistered)", (unsigned long long)mr_id);
     }
-    /* Its advertised windows die with it: a peer can no longer reach it. */
+    /* Its advertised windows die with it: no new peer access can start. */
     struct win_sweep s = {.mr = mr_id};
+    uint64_t conns[256];
+    unsigned nconns = 0;
     do {
         s.n = 0;
         uccl__idmap_each(&ep->windows, match_window, &s);
-        for (unsigned i = 0; i < s.n; i++)
-            free(uccl__idmap_del(&ep->windows, s.ids[i]));
+        for (unsigned i = 0; i < s.n; i++) {
+            struct uccl__window *w = uccl__idmap_del(&ep->windows, s.ids[i]);
+            if (w && nconns < 256)
+                conns[nconns++] = w->conn_id;
+            free(w);
+        }
     } while (s.n == 256);
+    /* Accesses already under way finish first: after dereg() returns, no
+     * peer touches this memory.  If they do not finish within the timeout,
+     * their connections are failed, which stops them. */
+    mr->dead = 1;
+    mr->waiting = 1;
+    int rc = UCCL_OK;
+    for (int round = 0; mr->inflight > 0 && round < 2; round++) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t wait_ns = round == 0 ? ep->timeout_ns : 5000000000ull;
+        uint64_t t = (uint64_t)ts.tv_nsec + wait_ns;
+        ts.tv_sec += (time_t)(t / 1000000000ull);
+        ts.tv_nsec = (long)(t % 1000000000ull);
+        while (mr->inflight > 0)
+            if (pthread_cond_timedwait(&ep->cv, &ep->mu, &ts) == ETIMEDOUT)
+                break;
+        if (mr->inflight > 0 && round == 0) {
+            pthread_mutex_unlock(&ep->mu);
+            fail_conn_ids(ep, conns, nconns, mr_id);
+            pthread_mutex_lock(&ep->mu);
+        }
+    }
+    mr->waiting = 0;
+    if (mr->inflight > 0) /* the last release frees it */
+        rc = uccl__err(UCCL_ERR_TIMEOUT, "dereg(%llu): %d peer accesses did not stop",
+                       (unsigned long long)mr_id, mr->inflight);
+    else
+        free(mr);
     pthread_mutex_unlock(&ep->mu);
-    free(mr);
-    return UCCL_OK;
+    return rc;
 }
 
 /* Under ep->mu: is [ptr, ptr + len) inside registered region mr_id? */
@@ -1069,11 +1147,12 @@ out:
     return rc;
 }
 
+/* The request behind xfer (with a reference), DONE_MARK, or NULL. */
 static struct uccl__req *req_lookup(struct uccl__ep *ep, uint64_t xfer)
 {
     pthread_mutex_lock(&ep->mu);
     struct uccl__req *r = uccl__idmap_get(&ep->reqs, xfer);
-    if (r)
+    if (r && r != DONE_MARK)
         atomic_fetch_add(&r->refs, 1);
     pthread_mutex_unlock(&ep->mu);
     if (!r)
@@ -1082,29 +1161,16 @@ static struct uccl__req *req_lookup(struct uccl__ep *ep, uint64_t xfer)
     return r;
 }
 
-/* A finished transfer was reported: remember it, evicting the oldest
- * reported one past UCCL_RETIRED_MAX so fire-and-forget users stay bounded. */
-static void retire(struct uccl__ep *ep, struct uccl__req *r)
+
+static void mark_done(struct uccl__ep *ep, struct uccl__req *r)
 {
-    uint64_t evict = 0;
     pthread_mutex_lock(&ep->mu);
-    if (!r->polled && r->id) {
-        r->polled = 1;
-        if (!ep->retired)
-            ep->retired = calloc(UCCL_RETIRED_MAX, sizeof(uint64_t));
-        if (ep->retired) {
-            if (ep->retired_len == UCCL_RETIRED_MAX) {
-                evict = ep->retired[ep->retired_head];
-                ep->retired_head = (ep->retired_head + 1) % UCCL_RETIRED_MAX;
-                ep->retired_len--;
-            }
-            ep->retired[(ep->retired_head + ep->retired_len++) % UCCL_RETIRED_MAX] = r->id;
-        }
-    }
-    struct uccl__req *old = evict ? uccl__idmap_del(&ep->reqs, evict) : NULL;
+    int swap = uccl__idmap_get(&ep->reqs, r->id) == r;
+    if (swap)
+        uccl__idmap_put(&ep->reqs, r->id, DONE_MARK);
     pthread_mutex_unlock(&ep->mu);
-    if (old)
-        uccl__req_put(old);
+    if (swap)
+        uccl__req_put(r); /* the table's reference */
 }
 
 /* The outcome of a finished request; waits for engine threads to leave its
@@ -1112,12 +1178,11 @@ static void retire(struct uccl__ep *ep, struct uccl__req *r)
 static int outcome(struct uccl__ep *ep, struct uccl__req *r)
 {
     if (atomic_load(&r->state) == UCCL_REQ_DONE) {
-        retire(ep, r);
+        mark_done(ep, r);
         return UCCL_OK;
     }
     for (int i = 0; atomic_load(&r->busy) > 0 && i < 100000; i++)
         usleep(50);
-    retire(ep, r);
     return uccl__err(r->status, "%s", r->msg);
 }
 
@@ -1126,8 +1191,16 @@ int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p)
     struct uccl__req *r = req_lookup(ep, xfer);
     if (!r)
         return UCCL_ERR_NOTFOUND;
+    if (r == DONE_MARK) {
+        *done_p = 1;
+        return UCCL_OK;
+    }
     unsigned s = atomic_load(&r->state);
     int rc = UCCL_OK;
+    /* A failed transfer whose buffer an engine thread is still leaving
+     * reads as not done yet: poll never waits. */
+    if (s == UCCL_REQ_FAILED && atomic_load(&r->busy) > 0)
+        s = UCCL_REQ_PENDING;
     if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
         rc = outcome(ep, r);
     if (rc == UCCL_OK)
@@ -1141,6 +1214,8 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
     struct uccl__req *r = req_lookup(ep, xfer);
     if (!r)
         return UCCL_ERR_NOTFOUND;
+    if (r == DONE_MARK)
+        return UCCL_OK;
     uint64_t now = uccl__now_ns();
     uint64_t wait = deadline_ns > now ? deadline_ns - now : 0;
     if (wait > slice_ns)
@@ -1165,12 +1240,36 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
 int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer)
 {
     pthread_mutex_lock(&ep->mu);
-    struct uccl__req *r = uccl__idmap_del(&ep->reqs, xfer);
+    struct uccl__req *r = uccl__idmap_get(&ep->reqs, xfer);
+    if (r && r != DONE_MARK &&
+        (atomic_load(&r->state) == UCCL_REQ_PENDING || atomic_load(&r->busy) > 0)) {
+        pthread_mutex_unlock(&ep->mu);
+        /* Releasing would let the bytes land in a buffer its owner believes free. */
+        return uccl__err(UCCL_ERR_INVALID, "transfer_id %llu is still in flight: wait for it "
+                         "(or close the endpoint) before releasing it", (unsigned long long)xfer);
+    }
+    if (r)
+        uccl__idmap_del(&ep->reqs, xfer);
     pthread_mutex_unlock(&ep->mu);
     if (!r)
         return uccl__err(UCCL_ERR_NOTFOUND, "unknown transfer_id %llu (never issued, or "
                          "released)", (unsigned long long)xfer);
-    /* Its id may still sit in the retired ring; evicting a missing id is a no-op. */
+    if (r != DONE_MARK)
+        uccl__req_put(r);
+    return UCCL_OK;
+}
+
+int uccl_ep_abort(uccl_ep_t *ep, uint64_t xfer, const char *why)
+{
+    struct uccl__req *r = req_lookup(ep, xfer);
+    if (!r || r == DONE_MARK)
+        return r ? UCCL_OK : UCCL_ERR_NOTFOUND;
+    if (atomic_load(&r->state) == UCCL_REQ_PENDING)
+        uccl__conn_fail(r->conn, UCCL_ERR_IO, "transfer %llu abandoned: %s",
+                        (unsigned long long)xfer, why);
+    uccl__req_wait(r, 1000000000ull);
+    for (int i = 0; atomic_load(&r->busy) > 0 && i < 100000; i++)
+        usleep(50);
     uccl__req_put(r);
     return UCCL_OK;
 }

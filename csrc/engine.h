@@ -14,7 +14,8 @@
 #include "wire.h"
 
 enum { UCCL_OP_SEND = 1, UCCL_OP_RECV, UCCL_OP_WRITE, UCCL_OP_READ,
-       UCCL_OP_WRITE_TARGET /* internal: the target side of a streamed write */ };
+       UCCL_OP_WRITE_TARGET, /* internal: the target side of a streamed write */
+       UCCL_OP_READ_TARGET   /* internal: the target side of a read */ };
 enum { UCCL_REQ_PENDING = 0, UCCL_REQ_DONE = 1, UCCL_REQ_FAILED = 2 };
 
 struct uccl__req {
@@ -27,6 +28,7 @@ struct uccl__req {
     uint64_t seq;                /* message seq (send/recv) or one-sided op id */
     uint64_t remote_addr;        /* peer's address for direct movers */
     struct uccl__fifo_item fifo; /* one-sided target */
+    struct uccl__mr *hold;       /* target side: the region kept from dereg() while this runs */
     atomic_uint state;           /* UCCL_REQ_*, also the futex word waiters sleep on */
     atomic_int sleepers;         /* waiters in futex_wait: finish wakes only if > 0 */
     int status;
@@ -64,6 +66,8 @@ struct uccl__job {               /* work for the connection's worker thread */
     struct uccl__req *req;       /* holds a reference */
     struct uccl__msg msg;
     void *dst;                   /* validated local target (one-sided direct) */
+    struct uccl__mr *hold;       /* region kept from dereg() until the job is done */
+    int busy_held;               /* the job counts in req->busy (it will write there) */
     struct uccl__job *next;
 };
 
@@ -128,16 +132,19 @@ struct uccl__mr {
     uint64_t id;
     uintptr_t addr;
     size_t len;
+    int inflight;                /* one-sided operations of peers touching it (ep->mu) */
+    int dead;                    /* deregistered: freed when inflight drops to 0 ... */
+    int waiting;                 /* ... by dereg() itself while it waits, else by the last release */
 };
 
 struct uccl__window {
     uint64_t id, token, conn_id, mr_id;
     uintptr_t addr;
     size_t len;
+    struct uccl__mr *mr;         /* in a window_check result: the hold to release */
 };
 
 #define UCCL_ACCEPTQ_MAX 1024
-#define UCCL_RETIRED_MAX 65536
 
 struct uccl__ep {
     pthread_mutex_t mu;
@@ -159,8 +166,6 @@ struct uccl__ep {
     struct uccl__idmap conns, mrs, reqs, windows, incomplete;
     uint64_t acceptq[UCCL_ACCEPTQ_MAX];
     unsigned acceptq_head, acceptq_len;
-    uint64_t *retired;           /* ring of polled-done transfer ids, oldest evicted */
-    unsigned retired_head, retired_len;
     struct uccl__remote *remotes; /* add_remote_endpoint cache */
     volatile uint64_t probe_word; /* CMA probe: peers read this to test access */
     int wake_pipe[2];
@@ -172,10 +177,13 @@ struct uccl__ep {
 uint64_t uccl__random64(void);
 /* Connector side: open extra socket `index` of connection c (HELLO_STREAM). */
 int uccl__ep_open_stream(struct uccl__conn *c, unsigned index, uint64_t deadline_ns, int *fd_p);
-/* Returns a malloc'd copy of the window if the request is allowed. */
+/* If the request is allowed: a copy of the window (caller frees), whose
+ * region is held from dereg() until uccl__ep_release_hold(ep, copy->mr). */
 struct uccl__window *uccl__ep_window_check(struct uccl__ep *ep, uint64_t conn_id,
                                            uint64_t window, uint64_t token, uint64_t offset,
                                            uint64_t len, int *status_p);
+
+void uccl__ep_release_hold(struct uccl__ep *ep, struct uccl__mr *mr);
 
 /* ---- requests (conn.c) ---- */
 struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len);

@@ -326,7 +326,7 @@ static double timeout_arg(EndpointObject *self, PyObject *timeout, int *err)
         PyErr_Format(PyExc_ValueError, "timeout must be >= 0 seconds, got %R", timeout);
         *err = 1;
     }
-    return t;
+    return t > 365.0 * 86400 ? 365.0 * 86400 : t; /* "forever", kept finite in ns */
 }
 
 static PyObject *Endpoint_accept(PyObject *op, PyObject *args, PyObject *kw)
@@ -413,7 +413,13 @@ static PyObject *Endpoint_dereg(PyObject *op, PyObject *args)
     uint64_t mr;
     if (!PyArg_ParseTuple(args, "O&", to_u64, &mr) || check_ep(self))
         return NULL;
-    int rc = uccl_ep_dereg(self->ep, mr);
+    int rc;
+    uccl_ep_t *ep = self->ep;
+    ep_enter(self); /* waits for peers' accesses in flight to stop */
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_ep_dereg(ep, mr);
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc)
         return fail(self, rc);
     Py_RETURN_TRUE;
@@ -531,8 +537,18 @@ static PyObject *Endpoint_transfer(PyObject *op_, PyObject *args)
         Py_DECREF(res);
         res = wait_xfer(self, id, now < deadline ? (double)(deadline - now) / 1e9 : 0.0);
     }
-    if (self->ep)
-        uccl_ep_release(self->ep, id);
+    if (self->ep) {
+        if (!res) { /* interrupted (Ctrl-C) or failed: nothing may land after we return */
+            uccl_ep_t *ep = self->ep;
+            ep_enter(self);
+            Py_BEGIN_ALLOW_THREADS
+            uccl_ep_abort(ep, id, "the blocking call was interrupted");
+            Py_END_ALLOW_THREADS
+            ep_leave(self);
+        }
+        if (self->ep)
+            uccl_ep_release(self->ep, id);
+    }
     return res;
 }
 

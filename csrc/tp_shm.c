@@ -242,18 +242,35 @@ static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     int ring = ack->shm_mode == 1;
     c->direct = !ring;
+    if (c->direct) {
+        /* Reads are pulled by this side (the initiator copies into its own
+         * buffer), so CMA must work this way round too. */
+        uint64_t cookie = 0;
+        struct iovec l = {&cookie, sizeof(cookie)};
+        struct iovec r = {(void *)(uintptr_t)ack->probe_addr, sizeof(cookie)};
+        ssize_t n = process_vm_readv((pid_t)ack->pid, &l, 1, &r, 1, 0);
+        if (n != (ssize_t)sizeof(cookie) || cookie != ack->probe_cookie)
+            return uccl__err(UCCL_ERR_UNAVAIL, "the peer chose CMA, but reading pid %u with "
+                             "process_vm_readv fails here (%s); set UCCL_P2P_SHM_MODE=ring",
+                             ack->pid, n < 0 ? strerror(errno) : "probe mismatch");
+    }
+    /* Only a name of our own scheme: a peer must not make us open (and
+     * unlink) some other shared-memory object of this user. */
+    if (strncmp(ack->shm_name, "uccl-", 5) != 0)
+        return uccl__err(UCCL_ERR_PROTO, "peer named shared segment '%s'", ack->shm_name);
     snprintf(s->name, sizeof(s->name), "/%s", ack->shm_name);
-    int fd = shm_open(s->name, O_RDWR | O_CLOEXEC, 0);
+    int fd = shm_open(s->name, O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
     if (fd < 0)
         return uccl__err(UCCL_ERR_UNAVAIL, "shm_open(%s): %s", s->name, strerror(errno));
     struct stat st;
     int rc = UCCL_OK;
-    if (fstat(fd, &st) < 0 || (size_t)st.st_size != seg_bytes(ring))
-        rc = uccl__err(UCCL_ERR_PROTO, "shared segment %s has the wrong size", s->name);
+    if (fstat(fd, &st) < 0 || (size_t)st.st_size != seg_bytes(ring) || st.st_uid != geteuid())
+        rc = uccl__err(UCCL_ERR_PROTO, "shared segment %s has the wrong size or owner", s->name);
     if (rc == UCCL_OK)
         rc = map_segment(c, s, fd, ring);
     close(fd);
-    shm_unlink(s->name); /* both sides have it mapped: nothing is left behind */
+    if (rc == UCCL_OK)
+        shm_unlink(s->name); /* both sides have it mapped: nothing is left behind */
     return rc;
 }
 
@@ -471,10 +488,6 @@ static void shm_conn_destroy(struct uccl__conn *c)
         free(j);
     }
     s->tail = NULL;
-    if (s->seg) {
-        munmap(s->seg, s->seg_len);
-        s->seg = NULL;
-    }
     if (s->owner) {
         shm_unlink(s->name); /* in case the peer never opened it */
         s->owner = 0;
@@ -487,6 +500,11 @@ static void shm_free(struct uccl__conn *c)
     if (!s)
         return;
     shm_conn_destroy(c);
+    /* Unmapped only with the last reference: a caller still driving the
+     * connection (it holds a request, hence the connection) may touch the
+     * queues until it notices the failure. */
+    if (s->seg)
+        munmap(s->seg, s->seg_len);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

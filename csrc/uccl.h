@@ -58,9 +58,12 @@ int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p);
  * UCCL_INPROGRESS: the slice passed; past the deadline the transfer's
  * connection is failed (nothing may land later) and UCCL_ERR_TIMEOUT returned. */
 int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t slice_ns);
-/* Forget a transfer id (its state is kept until then, or until 65536 newer
- * finished transfers have been polled). */
+/* Forget a finished transfer id (its answer is kept until then).  A
+ * transfer still in flight cannot be released (UCCL_ERR_INVALID). */
 int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer);
+/* Give up on a pending transfer (e.g. its caller was interrupted): its
+ * connection fails, and this returns once nothing can land in its buffer. */
+int uccl_ep_abort(uccl_ep_t *ep, uint64_t xfer, const char *why);
 
 int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr, size_t len,
                       uint8_t *out, size_t out_len);

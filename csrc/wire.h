@@ -56,12 +56,14 @@ enum {
     UCCL_MSG_FIN = 4,     /* receiver: pulled the message, sender may complete */
     UCCL_MSG_WREQ = 5,    /* initiator: write len bytes into window at offset */
     UCCL_MSG_RREQ = 6,    /* initiator: read len bytes of window at offset */
-    UCCL_MSG_GO = 7,      /* target: write accepted, push the bytes */
+    UCCL_MSG_GO = 7,      /* target: write accepted, push the bytes; or (direct
+                             read) pull len bytes from addr, then RDONE */
     UCCL_MSG_OPDONE = 8,  /* target: one-sided op finished (aux = status) */
     UCCL_MSG_DATA = 9,    /* shm ring: a chunk sits in slot aux */
     UCCL_MSG_CREDIT = 10, /* shm ring: slot aux is free again */
     UCCL_MSG_BYE = 11,    /* either side: closing on purpose (not a crash) */
-    UCCL_MSG_TYPE_MAX = 11,
+    UCCL_MSG_RDONE = 12,  /* initiator: finished pulling a read (the target may let go) */
+    UCCL_MSG_TYPE_MAX = 12,
 };
 
 #define UCCL_MSG_SIZE 64

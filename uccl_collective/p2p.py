@@ -109,21 +109,26 @@ class Endpoint(_engine.Endpoint):
 
     def _vector(self, name, op, conn_id, mr_ids, ptrs, sizes, num_iovs, fifos=None) -> bool:
         _lists(name, num_iovs, mr_ids, ptrs, sizes, *([fifos] if fifos is not None else []))
-        ids = []
+        ids, first_error = [], None
         try:
             for i in range(num_iovs):
-                if fifos is None:
-                    ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i]))
-                else:
-                    ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i], fifos[i]))
-            for t in ids:
+                extra = () if fifos is None else (fifos[i],)
+                ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i], *extra))
+        except Exception as e:  # later iovs are not posted; wait for those that were
+            first_error = e
+        # Every posted iov is waited for, even after an error, so that no byte
+        # lands in these buffers once this returns.
+        for t in ids:
+            try:
                 self.wait(t)
-        finally:
-            for t in ids:
-                try:
-                    self.release(t)
-                except ValueError:
-                    pass
+            except Exception as e:
+                first_error = first_error or e
+            try:
+                self.release(t)
+            except ValueError:
+                pass
+        if first_error is not None:
+            raise first_error
         return True
 
     def sendv(self, conn_id, mr_id_list, ptr_list, size_list, num_iovs) -> bool:
