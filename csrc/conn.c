@@ -1,21 +1,29 @@
 /* The per-connection protocol, identical for every transport.
  *
  * Two-sided (connector sends, acceptor receives; k-th send matches k-th recv):
- *   sender -> RTS{seq, len, addr}
+ *   sender -> RTS{seq, len, addr}  (eager, len <= 64 KiB: the bytes come with
+ *                                   it, behind it on a socket or in a slot)
  *   receiver, once a recv is posted and the RTS is in:
  *     sizes differ      -> NACK{seq, len = posted size}; both sides fail with
  *                          the two sizes, nothing is written
+ *     eager             -> copy, FIN
  *     direct transport  -> pull len bytes from addr into the recv buffer, FIN
  *     stream transport  -> CTS{seq}; the sender streams the bytes; every chunk
- *                          is checked against the posted buffer on arrival
+ *                          is checked against the posted buffer on arrival; FIN
+ *   The sender completes on FIN (or fails on NACK).
  * One-sided (connector initiates against a window the acceptor advertised):
  *   WREQ/RREQ{op, window, token, offset, len, addr}; the target checks the
- *   window (its connection, token, range) and either copies itself (direct)
- *   or answers GO (write) / streams the bytes (read); OPDONE{op, status}
- *   reports the end or the refusal.
- * The side that copies with a direct transport is always the acceptor: it
- * writes only into memory it has itself checked (a posted recv, or its own
- * window) or into the initiator's registered buffer that it was asked to fill.
+ *   window (its connection, token, range) and holds its region from dereg():
+ *     direct write  -> the target pulls into its window, OPDONE{status}
+ *     direct read   -> GO{addr}: the initiator pulls into its buffer, RDONE
+ *     streamed write-> GO; the initiator streams; the target OPDONEs at the end
+ *     streamed read -> the target streams; the initiator completes on the bytes
+ *   A refusal is OPDONE{error}.
+ * A process only ever writes into its own memory, and only from its own
+ * threads, which count themselves in the request's `busy`: after a transfer
+ * failed or timed out and its waiter returned, nothing lands in its buffer.
+ * Every party finishes its own request before it answers the peer, since
+ * the peer may close at once and its BYE must not find that request pending.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -585,8 +593,12 @@ void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
     size_t got = atomic_fetch_add(&r->got, len) + len;
     atomic_fetch_sub(&r->busy, 1);
     if (got == r->len) {
+        /* A streamed send completes on our FIN, not when its bytes left the
+         * sender: the FIN is ordered before any BYE we may send next. */
         if (r->op == UCCL_OP_WRITE_TARGET)
             answer_after(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
+        else if (r->op == UCCL_OP_RECV)
+            answer_after(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
         else
             complete(c, r, UCCL_OK, NULL);
     } else if (got > r->len) {
@@ -605,11 +617,9 @@ void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r)
 
 void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status)
 {
-    struct uccl__req *r = cookie;
+    struct uccl__req *r = cookie; /* a send completes on the receiver's FIN */
     if (status != UCCL_OK)
         uccl__conn_fail(c, status, "streaming data: %s", uccl_last_error());
-    else if (r && r->op == UCCL_OP_SEND)
-        complete(c, r, UCCL_OK, NULL);
     if (r)
         uccl__req_put(r);
 }
@@ -742,7 +752,7 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     }
     case UCCL_MSG_CTS:
-        r = inflight_get(c, KEY_SEND, m->seq, 1);
+        r = inflight_get(c, KEY_SEND, m->seq, 0); /* stays until FIN */
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
                              (unsigned long long)m->seq);
