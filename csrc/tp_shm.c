@@ -93,19 +93,26 @@ static int shm_available(void)
     return UCCL_OK;
 }
 
+/* Copied in pieces so that a connection failed meanwhile (timeout, close)
+ * stops the copy within one piece: its waiter is waiting for us to leave. */
+#define CMA_PIECE (64u << 20)
+
 static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t len, int write)
 {
     size_t done = 0;
     while (done < len) {
-        struct iovec l = {(char *)local + done, len - done};
-        struct iovec r = {(void *)(uintptr_t)(remote + done), len - done};
+        if (atomic_load(&c->failed))
+            return uccl__err(UCCL_ERR_IO, "connection failed during the copy");
+        size_t n0 = len - done < CMA_PIECE ? len - done : CMA_PIECE;
+        struct iovec l = {(char *)local + done, n0};
+        struct iovec r = {(void *)(uintptr_t)(remote + done), n0};
         ssize_t n = write ? process_vm_writev((pid_t)c->peer_pid, &l, 1, &r, 1, 0)
                           : process_vm_readv((pid_t)c->peer_pid, &l, 1, &r, 1, 0);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             return uccl__err(UCCL_ERR_IO, "%s of %zu bytes at 0x%llx in pid %u: %s",
-                             write ? "process_vm_writev" : "process_vm_readv", len - done,
+                             write ? "process_vm_writev" : "process_vm_readv", n0,
                              (unsigned long long)(remote + done), c->peer_pid, strerror(errno));
         }
         if (n == 0)
