@@ -322,6 +322,20 @@ class Bench:
     def pingpong(self, size, count):
         """Per-round-trip times in seconds (rank 0); ping on fwd, pong on bwd."""
         times = []
+        if not self.args.async_api and self.args.num_iovs == 1:
+            # Plain blocking calls: resolve the arguments once, so the timed
+            # loop is the public API calls themselves, as in ucx_perftest.
+            send, recv = self.ep.send, self.ep.recv
+            s = (self.mr["src"], self.src.data_ptr(), size)
+            d = (self.mr["dst"], self.dst.data_ptr(), size)
+            first, second = ((send, self.fwd, s), (recv, self.bwd, d)) if self.rank == 0 \
+                else ((recv, self.fwd, d), (send, self.bwd, s))
+            for _ in range(count):
+                t0 = time.perf_counter()
+                first[0](first[1], *first[2])
+                second[0](second[1], *second[2])
+                times.append(time.perf_counter() - t0)
+            return times
         for _ in range(count):
             t0 = time.perf_counter()
             if self.rank == 0:
