@@ -470,6 +470,19 @@ static void try_match(struct uccl__conn *c)
     }
 }
 
+/* An announced message joins the queue; match it if its recv is posted. */
+static void queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
+{
+    pthread_mutex_lock(&c->mu);
+    if (c->rts_tail)
+        c->rts_tail->next = rts;
+    else
+        c->rts_head = rts;
+    c->rts_tail = rts;
+    pthread_mutex_unlock(&c->mu);
+    try_match(c);
+}
+
 /* ------------------------------------------------------------------------- */
 /* posting (user threads)                                                     */
 
@@ -741,14 +754,7 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
         *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr,
                                   .eager = slot >= 0, .slot = slot};
-        pthread_mutex_lock(&c->mu);
-        if (c->rts_tail)
-            c->rts_tail->next = rts;
-        else
-            c->rts_head = rts;
-        c->rts_tail = rts;
-        pthread_mutex_unlock(&c->mu);
-        try_match(c);
+        queue_rts(c, rts);
         return UCCL_OK;
     }
     case UCCL_MSG_CTS:
@@ -896,7 +902,9 @@ static int eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
     return UCCL_OK;
 }
 
-static void eager_arrived(struct uccl__conn *c)
+/* End the reader's eager payload: stop writing into the posted recv, if
+ * that is where it went, and hand back its RTS.  Reader only. */
+static struct uccl__rts *erx_take(struct uccl__conn *c)
 {
     struct uccl__rts *rts = c->erx.rts;
     struct uccl__req *direct = c->erx.direct;
@@ -905,27 +913,19 @@ static void eager_arrived(struct uccl__conn *c)
         atomic_fetch_sub(&direct->busy, 1);
         uccl__req_put(direct);
     }
-    pthread_mutex_lock(&c->mu);
-    if (c->rts_tail)
-        c->rts_tail->next = rts;
-    else
-        c->rts_head = rts;
-    c->rts_tail = rts;
-    pthread_mutex_unlock(&c->mu);
-    try_match(c);
+    return rts;
+}
+
+static void eager_arrived(struct uccl__conn *c)
+{
+    queue_rts(c, erx_take(c));
 }
 
 /* Let go of a half-read eager payload (the connection failed).  Only the
  * reader of the moment calls this, as only it writes there. */
 static void erx_drop(struct uccl__conn *c)
 {
-    struct uccl__rts *rts = c->erx.rts;
-    struct uccl__req *direct = c->erx.direct;
-    c->erx = (__typeof__(c->erx)){0};
-    if (direct) {
-        atomic_fetch_sub(&direct->busy, 1);
-        uccl__req_put(direct);
-    }
+    struct uccl__rts *rts = erx_take(c);
     if (rts) {
         pthread_mutex_lock(&c->mu);
         c->eager_held -= rts->data ? rts->len : 0;
