@@ -432,6 +432,7 @@ static void try_match(struct uccl__conn *c)
             stream = 1;
         }
         r->remote_addr = rts->addr;
+        r->remote_key = rts->key;
         uint64_t slen = rts->len;
         int eager = rts->eager;
         char *held = rts->data;
@@ -542,7 +543,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
             memcpy(c->tp->eager_slot(c, (unsigned)r->eager_slot), r->buf, r->len);
         m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
-                               .addr = (uint64_t)(uintptr_t)r->buf,
+                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->key_for_peer,
                                .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
                                .aux = !r->eager ? 0 : r->eager_slot >= 0
                                       ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
@@ -566,7 +567,8 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
                                .seq = r->seq, .len = r->len,
                                .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
-                               .token = r->fifo.token, .offset = 0};
+                               .token = r->fifo.token, .offset = 0,
+                               .aux = r->op == UCCL_OP_WRITE ? r->key_for_peer : 0};
         uccl__conn_send_msg(c, &m);
         return UCCL_OK;
     }
@@ -702,6 +704,8 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         push_job(c, JOB_PULL_WRITE, NULL, m, local, hold);
         return;
     }
+    uint64_t key_for_peer = c->direct && c->tp->mem_key && hold
+                                ? c->tp->mem_key(c, hold, (uintptr_t)local) : 0;
     struct uccl__req *t = target_req(c, m->type == UCCL_MSG_WREQ ? UCCL_OP_WRITE_TARGET
                                                                  : UCCL_OP_READ_TARGET,
                                      local, m, hold);
@@ -725,7 +729,8 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t);
     pthread_mutex_unlock(&c->mu);
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
-                           .addr = m->type == UCCL_MSG_RREQ ? (uint64_t)(uintptr_t)local : 0};
+                           .addr = m->type == UCCL_MSG_RREQ ? (uint64_t)(uintptr_t)local : 0,
+                           .token = key_for_peer};
     uccl__conn_send_msg(c, &go);
 }
 
@@ -753,7 +758,7 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
         if (!rts)
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
         *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr,
-                                  .eager = slot >= 0, .slot = slot};
+                                  .key = m->window, .eager = slot >= 0, .slot = slot};
         queue_rts(c, rts);
         return UCCL_OK;
     }
@@ -814,6 +819,7 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
             stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
         } else { /* direct read: we pull into our own buffer (tracked as busy) */
             r->remote_addr = m->addr;
+            r->remote_key = m->token;
             push_job(c, JOB_PULL_READ, r, NULL, NULL, NULL);
         }
         uccl__req_put(r);
@@ -1123,7 +1129,7 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
     switch (j->kind) {
     case JOB_PULL_RECV:
     case JOB_PULL_READ:
-        rc = c->tp->pull(c, r->buf, r->remote_addr, r->len);
+        rc = c->tp->pull(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
         if (rc) {
             uccl__conn_fail(c, rc, "copying %s %llu from the peer: %s",
                             j->kind == JOB_PULL_RECV ? "message" : "read",
@@ -1135,7 +1141,8 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
                      UCCL_OK, NULL);
         break;
     case JOB_PULL_WRITE:
-        rc = c->tp->pull(c, j->dst, j->msg.addr, j->msg.len);
+        rc = c->tp->pull(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,
+                         j->msg.aux, j->msg.len);
         if (rc)
             LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
                      uccl_last_error());

@@ -145,17 +145,27 @@ struct uccl__window *uccl__ep_window_check(struct uccl__ep *ep, uint64_t conn_id
     return copy;
 }
 
+/* A region no peer can reach any more: undo each transport's registration. */
+static void mr_free(struct uccl__ep *ep, struct uccl__mr *mr)
+{
+    for (int i = 0; i < UCCL_TP_COUNT; i++)
+        if (tp_registry[i] && tp_registry[i]->mem_dereg && mr->tp_priv[i])
+            tp_registry[i]->mem_dereg(ep, mr);
+    free(mr);
+}
+
 void uccl__ep_release_hold(struct uccl__ep *ep, struct uccl__mr *mr)
 {
     if (!mr)
         return;
     pthread_mutex_lock(&ep->mu);
-    if (--mr->inflight == 0) {
+    int last = --mr->inflight == 0;
+    if (last)
         pthread_cond_broadcast(&ep->cv);
-        if (mr->dead && !mr->waiting)
-            free(mr);
-    }
+    int gone = last && mr->dead && !mr->waiting;
     pthread_mutex_unlock(&ep->mu);
+    if (gone)
+        mr_free(ep, mr);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -579,6 +589,12 @@ static void free_entry(uint64_t k, void *v, void *arg)
     free(v);
 }
 
+static void free_mr_entry(uint64_t k, void *v, void *arg)
+{
+    (void)k;
+    mr_free(arg, v);
+}
+
 void uccl_ep_close(uccl_ep_t *ep)
 {
     pthread_mutex_lock(&ep->mu);
@@ -621,7 +637,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     for (size_t i = 0; v && i < n; i++)
         uccl__conn_put(v[i]);
     free(v);
-    uccl__idmap_each(&ep->mrs, free_entry, NULL);
+    uccl__idmap_each(&ep->mrs, free_mr_entry, ep);
     uccl__idmap_each(&ep->windows, free_entry, NULL);
     uccl__idmap_free(&ep->conns);
     uccl__idmap_free(&ep->reqs);
@@ -932,14 +948,22 @@ int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p)
     struct uccl__mr *mr = calloc(1, sizeof(*mr));
     if (!mr)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    pthread_mutex_lock(&ep->mu);
-    mr->id = ++ep->next_mr_id;
+    rc = UCCL_OK;
     mr->addr = addr;
     mr->len = len;
+    for (int i = 0; i < UCCL_TP_COUNT && rc == UCCL_OK; i++)
+        if (tp_registry[i] && tp_registry[i]->mem_reg && tp_registry[i]->available() == UCCL_OK)
+            rc = tp_registry[i]->mem_reg(ep, mr);
+    if (rc) {
+        mr_free(ep, mr);
+        return rc;
+    }
+    pthread_mutex_lock(&ep->mu);
+    mr->id = ++ep->next_mr_id;
     rc = uccl__idmap_put(&ep->mrs, mr->id, mr);
     pthread_mutex_unlock(&ep->mu);
     if (rc) {
-        free(mr);
+        mr_free(ep, mr);
         return rc;
     }
     *mr_p = mr->id;
@@ -1012,12 +1036,13 @@ int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr_id)
         }
     }
     mr->waiting = 0;
-    if (mr->inflight > 0) /* the last release frees it */
+    int stopped = mr->inflight == 0;
+    if (!stopped) /* the last release frees it */
         rc = uccl__err(UCCL_ERR_TIMEOUT, "dereg(%llu): %d peer accesses did not stop",
                        (unsigned long long)mr_id, mr->inflight);
-    else
-        free(mr);
     pthread_mutex_unlock(&ep->mu);
+    if (stopped)
+        mr_free(ep, mr);
     return rc;
 }
 
@@ -1113,15 +1138,22 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
                        "accept() receives", op_name(op), (unsigned long long)conn);
         goto out;
     }
-    pthread_mutex_lock(&ep->mu);
-    rc = check_mr(ep, mr, ptr, len);
-    pthread_mutex_unlock(&ep->mu);
-    if (rc)
-        goto out;
     static const int to_req[] = {0, UCCL_OP_SEND, UCCL_OP_RECV, UCCL_OP_WRITE, UCCL_OP_READ};
     struct uccl__req *r = uccl__req_new(to_req[op], c, (void *)ptr, len);
     if (!r) {
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    pthread_mutex_lock(&ep->mu);
+    rc = check_mr(ep, mr, ptr, len);
+    if (rc == UCCL_OK) { /* the keys a direct transport will need (0 for CMA) */
+        struct uccl__mr *m = uccl__idmap_get(&ep->mrs, mr);
+        r->local_key = m->tp_key[c->tp->id];
+        r->key_for_peer = c->tp->mem_key ? c->tp->mem_key(c, m, ptr) : 0;
+    }
+    pthread_mutex_unlock(&ep->mu);
+    if (rc) {
+        uccl__req_put(r);
         goto out;
     }
     r->fifo = f;

@@ -27,6 +27,9 @@ struct uccl__req {
     size_t len;
     uint64_t seq;                /* message seq (send/recv) or one-sided op id */
     uint64_t remote_addr;        /* peer's address for direct movers */
+    uint64_t remote_key;         /* ... and its key (tp->mem_key on the peer) */
+    uint64_t local_key;          /* buf's region: mr->tp_key of this transport */
+    uint64_t key_for_peer;       /* send/write: tp->mem_key of buf, sent with its address */
     struct uccl__fifo_item fifo; /* one-sided target */
     struct uccl__mr *hold;       /* target side: the region kept from dereg() while this runs */
     atomic_uint state;           /* UCCL_REQ_*, also the futex word waiters sleep on */
@@ -43,7 +46,7 @@ struct uccl__req {
 };
 
 struct uccl__rts {               /* an RTS that arrived before its recv was posted */
-    uint64_t seq, len, addr;
+    uint64_t seq, len, addr, key;
     int eager;                   /* the bytes came with it (socket) or sit in a slot (shm) */
     int slot;                    /* shared-memory eager slot, or -1 */
     char *data;                  /* eager bytes held until the recv is posted, or NULL
@@ -66,6 +69,7 @@ struct uccl__job {               /* work for the connection's worker thread */
     struct uccl__req *req;       /* holds a reference */
     struct uccl__msg msg;
     void *dst;                   /* validated local target (one-sided direct) */
+    uint64_t dst_key;            /* its region's local key */
     struct uccl__mr *hold;       /* region kept from dereg() until the job is done */
     int busy_held;               /* the job counts in req->busy (it will write there) */
     struct uccl__job *next;
@@ -132,6 +136,8 @@ struct uccl__mr {
     uint64_t id;
     uintptr_t addr;
     size_t len;
+    uint64_t tp_key[UCCL_TP_COUNT];  /* per transport: what mem_reg made (an lkey) */
+    void *tp_priv[UCCL_TP_COUNT];
     int inflight;                /* one-sided operations of peers touching it (ep->mu) */
     int dead;                    /* deregistered: freed when inflight drops to 0 ... */
     int waiting;                 /* ... by dereg() itself while it waits, else by the last release */

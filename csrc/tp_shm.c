@@ -97,7 +97,7 @@ static int shm_available(void)
  * stops the copy within one piece: its waiter is waiting for us to leave. */
 #define CMA_PIECE (64u << 20)
 
-static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t len, int write)
+static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t len)
 {
     size_t done = 0;
     while (done < len) {
@@ -106,13 +106,12 @@ static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t l
         size_t n0 = len - done < CMA_PIECE ? len - done : CMA_PIECE;
         struct iovec l = {(char *)local + done, n0};
         struct iovec r = {(void *)(uintptr_t)(remote + done), n0};
-        ssize_t n = write ? process_vm_writev((pid_t)c->peer_pid, &l, 1, &r, 1, 0)
-                          : process_vm_readv((pid_t)c->peer_pid, &l, 1, &r, 1, 0);
+        ssize_t n = process_vm_readv((pid_t)c->peer_pid, &l, 1, &r, 1, 0);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            return uccl__err(UCCL_ERR_IO, "%s of %zu bytes at 0x%llx in pid %u: %s",
-                             write ? "process_vm_writev" : "process_vm_readv", n0,
+            return uccl__err(UCCL_ERR_IO, "process_vm_readv of %zu bytes at 0x%llx in pid %u: %s",
+                             n0,
                              (unsigned long long)(remote + done), c->peer_pid, strerror(errno));
         }
         if (n == 0)
@@ -134,42 +133,39 @@ struct half {
     char *local;
     uint64_t remote;
     size_t len;
-    int write, rc;
+    int rc;
     char err[256];
 };
 
 static void *half_main(void *arg)
 {
     struct half *h = arg;
-    h->rc = cma_copy(h->c, h->local, h->remote, h->len, h->write);
+    h->rc = cma_copy(h->c, h->local, h->remote, h->len);
     if (h->rc)
         snprintf(h->err, sizeof(h->err), "%s", uccl_last_error());
     return NULL;
 }
 
-static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, size_t len, int write)
+static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, size_t len)
 {
     pthread_t t;
     size_t lo = (len / 2) & ~(size_t)4095; /* page-aligned split */
-    struct half h = {.c = c, .local = (char *)local + lo, .remote = remote + lo, .len = len - lo,
-                     .write = write};
+    struct half h = {.c = c, .local = (char *)local + lo, .remote = remote + lo, .len = len - lo};
     if (len < SPLIT_BYTES || pthread_create(&t, NULL, half_main, &h))
-        return cma_copy(c, local, remote, len, write);
-    int rc = cma_copy(c, local, remote, lo, write);
+        return cma_copy(c, local, remote, len);
+    int rc = cma_copy(c, local, remote, lo);
     pthread_join(t, NULL);
     if (rc == UCCL_OK && h.rc)
         rc = uccl__err(h.rc, "%s", h.err);
     return rc;
 }
 
-static int shm_pull(struct uccl__conn *c, void *dst, uint64_t remote, size_t len)
+static int shm_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote,
+                    uint64_t remote_key, size_t len)
 {
-    return cma_copy_split(c, dst, remote, len, 0);
-}
-
-static int shm_push(struct uccl__conn *c, const void *src, uint64_t remote, size_t len)
-{
-    return cma_copy_split(c, (void *)src, remote, len, 1);
+    (void)local_key; /* CMA needs no keys: the kernel checks ptrace rights */
+    (void)remote_key;
+    return cma_copy_split(c, dst, remote, len);
 }
 
 static struct shm_conn *shm_new(struct uccl__conn *c)
@@ -526,7 +522,6 @@ const struct uccl__tp_ops uccl__tp_shm = {
     .conn_connected = shm_conn_connected,
     .conn_start = shm_conn_start,
     .pull = shm_pull,
-    .push = shm_push,
     .stream = shm_stream,
     .ctrl_send = shm_ctrl_send,
     .ctrl_recv = shm_ctrl_recv,

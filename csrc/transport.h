@@ -15,7 +15,17 @@
  *    which checks it against what that side posted or advertised.
  *
  * Adding a transport = one new tp_<name>.c exporting a const ops table, and
- * one line in the registry in engine.c.
+ * one line in the registry in engine.c.  How the next two map onto it:
+ *  - tp_cuda_ipc.c (GPU memory, same host): mem_reg exports a CUDA IPC
+ *    handle for the region (cuIpcGetMemHandle via cuda_loader.c) and mem_key
+ *    names it; pull opens/caches the peer's handle and cuMemcpyAsync's from
+ *    it on the copy engine, then waits for its event.  Control messages can
+ *    reuse the shared-memory queues (ctrl_*).
+ *  - tp_rdma.c (libibverbs via ibv_loader.c): conn_accept/conn_connected
+ *    exchange QP numbers and GIDs over the handshake socket; mem_reg is
+ *    ibv_reg_mr (lkey in tp_key, rkey from mem_key); pull posts an RDMA READ
+ *    and polls the CQ; ctrl_send/ctrl_recv carry control messages as SENDs
+ *    (or write-with-immediate), so no socket sits on the data path.
  */
 #ifndef UCCL_TRANSPORT_H
 #define UCCL_TRANSPORT_H
@@ -26,6 +36,8 @@
 #include "wire.h"
 
 struct uccl__conn;
+struct uccl__ep;
+struct uccl__mr;
 
 struct uccl__tp_ops {
     const char *name;
@@ -53,10 +65,27 @@ struct uccl__tp_ops {
     /* Start the transport's threads.  Never blocks. */
     int (*conn_start)(struct uccl__conn *c);
 
-    /* Direct movers (NULL, or the connection's `direct` flag clear, when the
-     * transport streams).  Blocking; run on the connection's worker thread. */
-    int (*pull)(struct uccl__conn *c, void *dst, uint64_t remote_addr, size_t len);
-    int (*push)(struct uccl__conn *c, const void *src, uint64_t remote_addr, size_t len);
+    /* Memory registration, per endpoint and region (NULL: nothing to do):
+     * RDMA registers with the device (ibv_reg_mr), CUDA IPC exports a handle.
+     * What it makes lives in mr->tp_key[id] (an lkey, say) and
+     * mr->tp_priv[id].  reg() calls it for every transport available in this
+     * process; dereg() calls mem_dereg once no peer access is in flight. */
+    int (*mem_reg)(struct uccl__ep *ep, struct uccl__mr *mr);
+    void (*mem_dereg)(struct uccl__ep *ep, struct uccl__mr *mr);
+
+    /* What a peer needs besides the address to pull from addr, inside region
+     * mr, over c (an rkey, an IPC handle id); NULL or 0 where the address is
+     * enough (CMA).  It travels with the address in RTS, WREQ or GO. */
+    uint64_t (*mem_key)(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr);
+
+    /* Direct mover (NULL, or the connection's `direct` flag clear, when the
+     * transport streams): copy len bytes from the peer's remote_addr (with its
+     * remote_key) into dst (whose region has local_key).  The protocol only
+     * ever pulls, so a process's memory is written by its own threads alone;
+     * an RDMA transport posts a READ and polls its completion here.  Blocking;
+     * runs on the connection's worker thread or a caller driving it. */
+    int (*pull)(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote_addr,
+                uint64_t remote_key, size_t len);
 
     /* Stream mover: queue len > 0 bytes for the peer, tagged (kind, id).
      * Never blocks; calls uccl__conn_tx_done(c, cookie, status) once the

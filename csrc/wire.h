@@ -67,6 +67,9 @@ enum {
 };
 
 #define UCCL_MSG_SIZE 64
+/* Field use by type, where not obvious: the peer's key for a direct pull
+ * (tp->mem_key) rides in `window` for RTS, in `aux` for WREQ, in `token`
+ * for GO; those fields are otherwise unused by those types. */
 struct uccl__msg {
     uint16_t type;
     uint64_t seq;     /* message sequence number or one-sided op id */
