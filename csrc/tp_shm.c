@@ -41,7 +41,7 @@
 /* Control messages: one single-producer/single-consumer queue per direction
  * in the shared segment.  Indices only grow; a slot is index % CTRL_SLOTS, so
  * whatever a peer writes here, we never read outside the mapping. */
-#define CTRL_SLOTS 256
+#define CTRL_SLOTS 4096 /* unanswered messages one way before a sender waits */
 struct ctrl_q {
     _Alignas(64) atomic_uint tail;  /* written by the producer */
     atomic_uint sleeping;           /* the consumer's service thread sleeps on tail (futex) */
