@@ -390,6 +390,14 @@ static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const 
         j->msg = *m;
     j->dst = dst;
     pthread_mutex_lock(&c->mu);
+    if (atomic_load(&c->failed)) { /* the worker may be gone: nobody would run it */
+        pthread_mutex_unlock(&c->mu);
+        job_done(c, j);
+        if (j->req)
+            uccl__req_put(j->req);
+        free(j);
+        return;
+    }
     if (c->job_tail)
         c->job_tail->next = j;
     else
@@ -493,6 +501,11 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
                          "%s", c->fail_msg);
     pthread_mutex_lock(&c->mu);
+    if (atomic_load(&c->failed)) { /* again under mu: conn_fail collects pending under it */
+        pthread_mutex_unlock(&c->mu);
+        return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
+                         "%s", c->fail_msg);
+    }
     int rc = uccl__idmap_put(&c->pending, ptr_key(r), r);
     if (rc) {
         pthread_mutex_unlock(&c->mu);
@@ -635,19 +648,25 @@ void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status)
     struct uccl__req *r = cookie; /* a send completes on the receiver's FIN */
     if (status != UCCL_OK)
         uccl__conn_fail(c, status, "streaming data: %s", uccl_last_error());
-    if (r)
+    if (r) {
+        atomic_fetch_sub(&r->busy, 1);
         uccl__req_put(r);
+    }
 }
 
 static int stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
                       struct uccl__req *r)
 {
-    if (r)
-        req_get(r); /* the transport's job holds it until tx_done */
+    if (r) {
+        req_get(r); /* the transport's job holds it until tx_done... */
+        atomic_fetch_add(&r->busy, 1); /* ...and reads its buffer till then */
+    }
     int rc = c->tp->stream(c, kind, id, src, len, r);
     if (rc) {
-        if (r)
+        if (r) {
+            atomic_fetch_sub(&r->busy, 1);
             uccl__req_put(r);
+        }
         uccl__conn_fail(c, rc, "queueing data: %s", uccl_last_error());
     }
     return rc;
@@ -722,12 +741,20 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     /* Streamed write (bytes land in t), or direct read (the initiator pulls from
      * our window and says RDONE): t waits in pending, failed with the connection. */
     pthread_mutex_lock(&c->mu);
-    uccl__idmap_put(&c->pending, ptr_key(t), t); /* takes over the creation reference */
-    if (m->type == UCCL_MSG_WREQ)
-        uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t);
-    else
-        uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t);
+    /* Not after conn_fail collected `pending`: t would never be failed. */
+    int ok = !atomic_load(&c->failed) &&
+             uccl__idmap_put(&c->pending, ptr_key(t), t) == UCCL_OK; /* takes the creation ref */
+    if (ok && m->type == UCCL_MSG_WREQ)
+        ok = uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t) == UCCL_OK;
+    else if (ok)
+        ok = uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t) == UCCL_OK;
+    if (!ok)
+        uccl__idmap_del(&c->pending, ptr_key(t));
     pthread_mutex_unlock(&c->mu);
+    if (!ok) {
+        uccl__req_put(t); /* releases the hold */
+        return;
+    }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
                            .addr = m->type == UCCL_MSG_RREQ ? (uint64_t)(uintptr_t)local : 0,
                            .token = key_for_peer};
@@ -815,6 +842,15 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_PROTO, "GO for unknown operation %llu",
                              (unsigned long long)m->seq);
         }
+        pthread_mutex_lock(&c->mu);
+        int again = r->go_seen;
+        r->go_seen = 1;
+        pthread_mutex_unlock(&c->mu);
+        if (again) {
+            uccl__req_put(r);
+            return uccl__err(UCCL_ERR_PROTO, "second GO for operation %llu",
+                             (unsigned long long)m->seq);
+        }
         if (r->op == UCCL_OP_WRITE) {
             stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
         } else { /* direct read: we pull into our own buffer (tracked as busy) */
@@ -838,6 +874,18 @@ static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for unknown operation %llu",
                              (unsigned long long)m->seq);
         int st = (int)(int64_t)m->aux;
+        if (st == UCCL_OK && r->op == UCCL_OP_READ && r->len > 0) {
+            /* A read of bytes ends when they are here (streamed) or pulled
+             * (direct), never on the target's word. */
+            uccl__req_put(r);
+            return uccl__err(UCCL_ERR_PROTO, "OPDONE for read %llu, which needs no OPDONE",
+                             (unsigned long long)m->seq);
+        }
+        if (st == UCCL_OK && r->op == UCCL_OP_WRITE && r->len > 0 && !c->direct && !r->go_seen) {
+            uccl__req_put(r);
+            return uccl__err(UCCL_ERR_PROTO, "OPDONE for write %llu before its GO",
+                             (unsigned long long)m->seq);
+        }
         if (st == UCCL_OK)
             complete(c, r, UCCL_OK, NULL);
         else
@@ -1129,6 +1177,8 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
     switch (j->kind) {
     case JOB_PULL_RECV:
     case JOB_PULL_READ:
+        if (atomic_load(&r->state) != UCCL_REQ_PENDING)
+            break; /* already finished or failed: its buffer is not ours to fill */
         rc = c->tp->pull(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
         if (rc) {
             uccl__conn_fail(c, rc, "copying %s %llu from the peer: %s",

@@ -1001,15 +1001,23 @@ int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr_id)
     }
     /* Its advertised windows die with it: no new peer access can start. */
     struct win_sweep s = {.mr = mr_id};
-    uint64_t conns[256];
+    uint64_t *conns = NULL; /* distinct connections that were offered it */
     unsigned nconns = 0;
     do {
         s.n = 0;
         uccl__idmap_each(&ep->windows, match_window, &s);
         for (unsigned i = 0; i < s.n; i++) {
             struct uccl__window *w = uccl__idmap_del(&ep->windows, s.ids[i]);
-            if (w && nconns < 256)
-                conns[nconns++] = w->conn_id;
+            unsigned k = 0;
+            while (w && k < nconns && conns[k] != w->conn_id)
+                k++;
+            if (w && k == nconns) {
+                uint64_t *grown = realloc(conns, (nconns + 1) * sizeof(*conns));
+                if (grown) {
+                    conns = grown;
+                    conns[nconns++] = w->conn_id;
+                }
+            }
             free(w);
         }
     } while (s.n == 256);
@@ -1036,6 +1044,7 @@ int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr_id)
         }
     }
     mr->waiting = 0;
+    free(conns);
     int stopped = mr->inflight == 0;
     if (!stopped) /* the last release frees it */
         rc = uccl__err(UCCL_ERR_TIMEOUT, "dereg(%llu): %d peer accesses did not stop",
@@ -1209,12 +1218,21 @@ static void mark_done(struct uccl__ep *ep, struct uccl__req *r)
  * buffer first, so that after an error nothing lands in it any more. */
 static int outcome(struct uccl__ep *ep, struct uccl__req *r)
 {
+    /* Done or failed, an engine thread may still be in the buffer (a peer
+     * may answer early, or a copy be ending): wait for it to leave; if it
+     * does not soon, fail the connection, which stops it. */
+    for (int i = 0; atomic_load(&r->busy) > 0 && i < 20000; i++)
+        usleep(50);
+    if (atomic_load(&r->busy) > 0) {
+        uccl__conn_fail(r->conn, UCCL_ERR_PROTO, "transfer %llu was answered while its bytes "
+                        "were still moving", (unsigned long long)r->id);
+        for (int i = 0; atomic_load(&r->busy) > 0 && i < 100000; i++)
+            usleep(50);
+    }
     if (atomic_load(&r->state) == UCCL_REQ_DONE) {
         mark_done(ep, r);
         return UCCL_OK;
     }
-    for (int i = 0; atomic_load(&r->busy) > 0 && i < 100000; i++)
-        usleep(50);
     return uccl__err(r->status, "%s", r->msg);
 }
 
@@ -1229,9 +1247,9 @@ int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p)
     }
     unsigned s = atomic_load(&r->state);
     int rc = UCCL_OK;
-    /* A failed transfer whose buffer an engine thread is still leaving
+    /* A finished transfer whose buffer an engine thread is still leaving
      * reads as not done yet: poll never waits. */
-    if (s == UCCL_REQ_FAILED && atomic_load(&r->busy) > 0)
+    if (s != UCCL_REQ_PENDING && atomic_load(&r->busy) > 0)
         s = UCCL_REQ_PENDING;
     if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
         rc = outcome(ep, r);

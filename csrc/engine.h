@@ -38,7 +38,7 @@ struct uccl__req {
     char msg[512];
     atomic_size_t got;           /* streamed bytes landed in buf */
     atomic_int busy;             /* engine threads writing into buf right now */
-    int opdone;                  /* read: target reported completion */
+    int go_seen;                 /* one-sided: the target's GO came (a second is an error) */
     int eager;                   /* send: its bytes follow the RTS, or sit in eager_slot */
     int eager_slot;              /* send over shared memory: the slot it occupies, or -1 */
     int polled;                  /* poll_async reported the final state */

@@ -321,7 +321,16 @@ static void *ring_tx_main(void *arg)
         free(j);
         pthread_mutex_lock(&s->mu);
     }
+    /* Stopped: fail what is still queued now, not at endpoint close. */
+    struct ring_job *left = s->head;
+    s->head = s->tail = NULL;
     pthread_mutex_unlock(&s->mu);
+    while (left) {
+        struct ring_job *next = left->next;
+        uccl__conn_tx_done(c, left->cookie, UCCL_ERR_CLOSED);
+        free(left);
+        left = next;
+    }
     return NULL;
 }
 

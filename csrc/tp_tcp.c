@@ -143,6 +143,22 @@ static int send_chunk(int fd, const uint8_t *hdr, const char *data, size_t len)
     return UCCL_OK;
 }
 
+/* Stopped: what was never handed out fails now, so its request (and any
+ * region it holds) is let go at once, not at endpoint close; chunks in
+ * flight account for themselves. */
+static void fail_queued(struct uccl__conn *c, struct tcp_conn *t)
+{
+    pthread_mutex_lock(&t->mu);
+    struct tcp_job *left = t->head;
+    t->head = t->tail = NULL;
+    pthread_mutex_unlock(&t->mu);
+    while (left) {
+        struct tcp_job *next = left->next;
+        account(c, left, left->len - left->next_off, 1);
+        left = next;
+    }
+}
+
 static void *tx_main(void *arg)
 {
     struct tcp_stream *s = arg;
@@ -177,6 +193,7 @@ static void *tx_main(void *arg)
         if (rc)
             break;
     }
+    fail_queued(c, t);
     return NULL;
 }
 
