@@ -117,7 +117,8 @@ struct uccl__conn {
      * a transfer on this connection "drives" it (reads and handles messages
      * itself, as UCX's caller-progress does) so an answer needs no thread
      * handoff; the service thread reads only while nobody drives. */
-    int driver, svc_reading;
+    int driver;
+    atomic_int svc_reading;      /* the service thread is in pump() (set under mu) */
     pthread_cond_t svc_cv, drv_cv;
     uint8_t rxbuf[UCCL_MSG_SIZE];
     size_t rxgot;
