@@ -37,32 +37,29 @@ ours() {  # benchmark_uccl.py args... -> the JSON field named by $FIELD of its o
 }
 summary() { python3 -c "import statistics,sys; v=[float(x) for x in sys.argv[1:]]; print(f'  median ratio {statistics.median(v):.2f}x (min {min(v):.2f}, max {max(v):.2f}, n={len(v)})')" "$@"; }
 
-echo "== same host, 256 MiB send/recv vs ucx_perftest tag_bw UCX_TLS=posix,self (GB/s)"
-r=()
-for i in $(seq "$ROUNDS"); do
-    u=$(ucx tag_bw 268435456 20 | awk '{print $2 * 1048576 / 1e9}')
-    o=$(FIELD=uccl_GBps ours --sizes 256M --iters 20 --transport shm)
-    x=$(python3 -c "print(round($o / $u, 2))"); r+=("$x")
-    printf '  round %d: ucx %.2f  uccl %.2f  ratio %sx\n' "$i" "$u" "$o" "$x"
-done
-summary "${r[@]}"
+# pairs TITLE REF_NAME REF_CMD FIELD OURS_ARGS...: ROUNDS rounds of the reference
+# command then our benchmark, printing both and their ratio (ours / reference).
+pairs() {
+    local title=$1 name=$2 ref=$3 field=$4
+    shift 4
+    echo "== $title"
+    local r=() u o x
+    for i in $(seq "$ROUNDS"); do
+        u=$(eval "$ref")
+        o=$(FIELD=$field ours "$@")
+        x=$(python3 -c "print(round($o / $u, 2))")
+        r+=("$x")
+        printf '  round %d: %s %.2f  uccl %.2f  ratio %sx\n' "$i" "$name" "$u" "$o" "$x"
+    done
+    summary "${r[@]}"
+}
 
-echo "== same host, 64 KiB one-way latency vs ucx_perftest tag_lat UCX_TLS=posix,self (us; ratio uccl/ucx)"
-r=()
-for i in $(seq "$ROUNDS"); do
-    u=$(ucx tag_lat 65536 20000 | awk '{print $1}')   # median
-    o=$(FIELD=uccl_p50_us ours --latency --sizes 64K --iters 2000 --transport shm)
-    x=$(python3 -c "print(round($o / $u, 2))"); r+=("$x")
-    printf '  round %d: ucx %.2f  uccl %.2f  ratio %sx\n' "$i" "$u" "$o" "$x"
-done
-summary "${r[@]}"
-
-echo "== TCP loopback, 256 MiB send/recv vs iperf3 one stream (GB/s)"
-r=()
-for i in $(seq "$ROUNDS"); do
-    u=$(iperf)
-    o=$(FIELD=uccl_GBps ours --sizes 256M --iters 20 --transport tcp)
-    x=$(python3 -c "print(round($o / $u, 2))"); r+=("$x")
-    printf '  round %d: iperf3 %.2f  uccl %.2f  ratio %sx\n' "$i" "$u" "$o" "$x"
-done
-summary "${r[@]}"
+pairs "same host, 256 MiB send/recv vs ucx_perftest tag_bw UCX_TLS=posix,self (GB/s)" ucx \
+    "ucx tag_bw 268435456 20 | awk '{print \$2 * 1048576 / 1e9}'" \
+    uccl_GBps --sizes 256M --iters 20 --transport shm
+pairs "same host, 64 KiB one-way latency vs ucx_perftest tag_lat UCX_TLS=posix,self (us; ratio uccl/ucx)" ucx \
+    "ucx tag_lat 65536 20000 | awk '{print \$1}'" \
+    uccl_p50_us --latency --sizes 64K --iters 2000 --transport shm
+pairs "TCP loopback, 256 MiB send/recv vs iperf3 one stream (GB/s)" iperf3 \
+    "iperf" \
+    uccl_GBps --sizes 256M --iters 20 --transport tcp
