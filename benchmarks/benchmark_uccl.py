@@ -38,6 +38,8 @@ import zlib
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from gloo_ops import gloo_pingpong  # noqa: E402 (this script's folder is on sys.path)
 from tqdm import tqdm
 
 GPU_TODO = "GPU transport lands with the CUDA IPC issue"
@@ -444,21 +446,6 @@ def gloo_batch(rank, src, dst, count, dual):
     _gloo_moves(peer, src, dst, count, dual, sender=True)
     dist.recv(ctl, src=peer)
     return time.perf_counter() - t0
-
-
-def gloo_pingpong(rank, src, dst, count):
-    times = []
-    peer = 1 - rank
-    for _ in range(count):
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(src, dst=peer)
-            dist.recv(dst, src=peer)
-        else:
-            dist.recv(dst, src=peer)
-            dist.send(src, dst=peer)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 # -------------------------------------------------------------------- main --

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_ops import gloo_pingpong  # this script's folder is on sys.path
+
 
 def free_port():
     # Ask the kernel for an unused port so repeated or parallel runs do not collide.
@@ -60,20 +62,9 @@ def worker(rank, port, args, results):
     # --- latency: ping-pong, one-way = round trip / 2 ---
     small = torch.ones(args.lat_bytes, dtype=torch.uint8)
 
-    def pingpong(n):
-        for _ in range(n):
-            if rank == 0:
-                dist.send(small, dst=peer)
-                dist.recv(small, src=peer)
-            else:
-                dist.recv(small, src=peer)
-                dist.send(small, dst=peer)
-
-    pingpong(args.lat_warmup)
+    gloo_pingpong(rank, small, small, args.lat_warmup)
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        pingpong(args.lat_iters)
-        dt = time.perf_counter() - t0
+        dt = sum(gloo_pingpong(rank, small, small, args.lat_iters))
         if rank == 0:
             results.put(("lat", args.lat_bytes, dt / args.lat_iters / 2 * 1e6))
 

@@ -1051,6 +1051,25 @@ static void pump_failed(struct uccl__conn *c, int rc)
                     uccl_last_error());
 }
 
+/* The service thread reads only while no caller drives the connection. */
+static int svc_take_token(struct uccl__conn *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int mine = !c->driver;
+    if (mine)
+        atomic_store(&c->svc_reading, 1);
+    pthread_mutex_unlock(&c->mu);
+    return mine;
+}
+
+static void svc_give_token(struct uccl__conn *c)
+{
+    pthread_mutex_lock(&c->mu);
+    atomic_store(&c->svc_reading, 0);
+    pthread_cond_broadcast(&c->drv_cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void *service_main(void *arg)
 {
     struct uccl__conn *c = arg;
@@ -1077,16 +1096,9 @@ static void *service_main(void *arg)
             if (poll(&p, 1, 0) > 0) {
                 char b;
                 ssize_t n = recv(c->ctrl_fd, &b, 1, MSG_DONTWAIT);
-                pthread_mutex_lock(&c->mu);
-                int mine = !c->driver;
-                c->svc_reading |= mine;
-                pthread_mutex_unlock(&c->mu);
-                if (mine) { /* drain what the peer said before it went (its BYE) */
+                if (svc_take_token(c)) { /* drain what the peer said before it went (its BYE) */
                     pump(c);
-                    pthread_mutex_lock(&c->mu);
-                    c->svc_reading = 0;
-                    pthread_cond_broadcast(&c->drv_cv);
-                    pthread_mutex_unlock(&c->mu);
+                    svc_give_token(c);
                 }
                 uccl__conn_fail(c, UCCL_ERR_IO, "%s", n == 0 ? "peer closed the connection"
                                 : "unexpected bytes on the control socket");
@@ -1095,31 +1107,22 @@ static void *service_main(void *arg)
         } else if (poll(&p, 1, 100) <= 0) {
             continue;
         }
-        pthread_mutex_lock(&c->mu);
-        if (c->driver) {
-            pthread_mutex_unlock(&c->mu);
+        if (!svc_take_token(c))
             continue;
-        }
-        c->svc_reading = 1;
-        pthread_mutex_unlock(&c->mu);
         int rc = pump(c);
         if (rc < 0)
             pump_failed(c, rc);
         if (atomic_load(&c->failed))
             erx_drop(c); /* still the reader */
-        pthread_mutex_lock(&c->mu);
-        c->svc_reading = 0;
-        pthread_cond_broadcast(&c->drv_cv);
-        pthread_mutex_unlock(&c->mu);
+        svc_give_token(c);
         if (rc < 0)
             break;
     }
     /* Leaving: drop a half-read payload unless a driver reads (it drops it). */
-    pthread_mutex_lock(&c->mu);
-    int mine = !c->driver;
-    pthread_mutex_unlock(&c->mu);
-    if (mine)
+    if (svc_take_token(c)) {
         erx_drop(c);
+        svc_give_token(c);
+    }
     return NULL;
 }
 

@@ -146,29 +146,6 @@ static int wait_fd(int fd, short events, uint64_t deadline_ns)
     }
 }
 
-int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns)
-{
-    const char *p = buf;
-    while (len > 0) {
-        ssize_t n = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n > 0) {
-            p += n;
-            len -= (size_t)n;
-            continue;
-        }
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int rc = wait_fd(fd, POLLOUT, deadline_ns);
-            if (rc)
-                return rc;
-            continue;
-        }
-        return uccl__err(UCCL_ERR_IO, "send(): %s", n < 0 ? strerror(errno) : "closed");
-    }
-    return UCCL_OK;
-}
-
 int uccl__sock_send2(int fd, const void *a, size_t alen, const void *b, size_t blen,
                      uint64_t deadline_ns)
 {
@@ -198,6 +175,11 @@ int uccl__sock_send2(int fd, const void *a, size_t alen, const void *b, size_t b
         mh.msg_iov[0].iov_base = (char *)mh.msg_iov[0].iov_base + k;
         mh.msg_iov[0].iov_len -= k;
     }
+}
+
+int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns)
+{
+    return uccl__sock_send2(fd, buf, len, NULL, 0, deadline_ns);
 }
 
 int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns)

@@ -38,9 +38,3 @@ const char *uccl_last_error(void)
     return tls_errmsg;
 }
 
-void uccl__set_last_error(const char *msg)
-{
-    char tmp[UCCL_ERRMSG_MAX];
-    snprintf(tmp, sizeof(tmp), "%s", msg ? msg : "");
-    memcpy(tls_errmsg, tmp, sizeof(tmp));
-}

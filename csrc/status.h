@@ -41,8 +41,4 @@ int uccl__err(int status, const char *fmt, ...)
 /* The last message recorded on this thread ("" if none). */
 const char *uccl_last_error(void);
 
-/* Copy a message into this thread's buffer (used to move an error recorded on
- * an engine thread to the thread that waits for the request). */
-void uccl__set_last_error(const char *msg);
-
 #endif

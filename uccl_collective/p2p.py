@@ -11,7 +11,6 @@ reads and writes; the side that accepts receives and advertises.
 from __future__ import annotations
 
 import atexit
-import os
 import weakref
 from typing import Any, Sequence
 
@@ -198,8 +197,3 @@ class Endpoint(_engine.Endpoint):
 
     def read_tensor(self, conn_id: int, mr_id: int, t, fifo_item: bytes) -> bool:
         return self.read(conn_id, mr_id, *buffer_of(t), fifo_item)
-
-
-def transport_from_env() -> str:
-    """The transport UCCL_P2P_TRANSPORT asks for ('auto' if unset)."""
-    return os.environ.get("UCCL_P2P_TRANSPORT", "auto") or "auto"
