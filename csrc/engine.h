@@ -41,7 +41,6 @@ struct uccl__req {
     int go_seen;                 /* one-sided: the target's GO came (a second is an error) */
     int eager;                   /* send: its bytes follow the RTS, or sit in eager_slot */
     int eager_slot;              /* send over shared memory: the slot it occupies, or -1 */
-    int polled;                  /* poll_async reported the final state */
     struct uccl__req *next;      /* conn queues (under conn->mu) */
 };
 
@@ -69,7 +68,6 @@ struct uccl__job {               /* work for the connection's worker thread */
     struct uccl__req *req;       /* holds a reference */
     struct uccl__msg msg;
     void *dst;                   /* validated local target (one-sided direct) */
-    uint64_t dst_key;            /* its region's local key */
     struct uccl__mr *hold;       /* region kept from dereg() until the job is done */
     int busy_held;               /* the job counts in req->busy (it will write there) */
     struct uccl__job *next;
