@@ -64,9 +64,9 @@ static long env_long(const char *name, long dflt, long lo, long hi, int *bad)
     return v;
 }
 
-static void read_host_id(char *buf, size_t len)
+static void read_host_id(const char *given, char *buf, size_t len)
 {
-    const char *env = getenv("UCCL_P2P_HOST_ID");
+    const char *env = given ? given : getenv("UCCL_P2P_HOST_ID");
     if (env && *env) {
         snprintf(buf, len, "%s", env);
         return;
@@ -198,7 +198,7 @@ static void send_ack(int fd, const struct uccl__ep *ep, int status, struct uccl_
     ack->status = status;
     ack->pid = (uint32_t)getpid();
     ack->gpu_idx = ep->gpu_idx;
-    ack->rank = -1;
+    ack->rank = ep->rank;
     ack->listen_port = (uint32_t)ep->port;
     ack->probe_addr = (uint64_t)(uintptr_t)&ep->probe_word;
     ack->probe_cookie = ep->probe_word;
@@ -463,7 +463,13 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     pthread_cond_init(&ep->cv, NULL);
     ep->gpu_idx = o->gpu_idx;
     ep->probe_word = uccl__random64();
-    read_host_id(ep->host_id, sizeof(ep->host_id));
+    ep->rank = o->rank;
+    if (o->host_id && (!o->host_id[0] || strlen(o->host_id) >= sizeof(ep->host_id))) {
+        uccl__err(UCCL_ERR_INVALID, "host id '%s': expected 1..%zu characters", o->host_id,
+                  sizeof(ep->host_id) - 1);
+        goto err_free;
+    }
+    read_host_id(o->host_id, ep->host_id, sizeof(ep->host_id));
 
     double t = o->timeout_s > 0 ? o->timeout_s
                                 : (double)env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
@@ -713,7 +719,7 @@ static void fill_hello(struct uccl__conn *c, int type, struct uccl__hello *h)
     snprintf(h->host_id, sizeof(h->host_id), "%s", ep->host_id);
     h->pid = (uint32_t)getpid();
     h->gpu_idx = ep->gpu_idx;
-    h->rank = c->peer_rank; /* set by the caller to this side's rank */
+    h->rank = ep->rank;
     h->transport = (uint32_t)ep->forced_tp;
     h->num_streams = c->num_streams;
     h->conn_token = c->token;
@@ -770,7 +776,7 @@ int uccl__ep_open_stream(struct uccl__conn *c, unsigned index, uint64_t deadline
     return UCCL_OK;
 }
 
-int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int rank,
+int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int expect_rank,
                     const uint8_t *secret, size_t secret_len, uint64_t *conn_p)
 {
     int rc = check_open(ep), fd = -1;
@@ -800,7 +806,7 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
     c->token = uccl__random64();
     c->num_streams = ep->num_streams;
     c->chunk_bytes = ep->chunk_bytes;
-    c->peer_rank = rank;
+    c->peer_rank = -1;
     c->peer_port = port;
     c->peer_gpu = remote_gpu;
     c->secret_len = (uint32_t)secret_len;
@@ -811,6 +817,12 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
     rc = handshake(c, fd, UCCL_HELLO_CONN, 0, deadline, &ack);
     if (rc)
         goto err_conn;
+    if (expect_rank >= 0 && ack.rank != expect_rank) {
+        rc = uccl__err(UCCL_ERR_MISMATCH, "%s:%d is rank %d, but rank %d was expected there "
+                       "(a stale or foreign endpoint on that port?)", ip, port, (int)ack.rank,
+                       expect_rank);
+        goto err_conn;
+    }
     c->peer_rank = ack.rank;
     c->peer_pid = ack.pid;
     c->peer_gpu = ack.gpu_idx;
@@ -935,6 +947,16 @@ int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len)
 
 /* ------------------------------------------------------------------------- */
 /* memory                                                                     */
+
+int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p)
+{
+    struct uccl__conn *c = conn_lookup(ep, conn);
+    if (!c)
+        return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
+    *rank_p = c->peer_rank;
+    uccl__conn_put(c);
+    return UCCL_OK;
+}
 
 int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p)
 {

@@ -156,6 +156,7 @@ struct uccl__ep {
     pthread_cond_t cv;
     int closed;
     int listen_fd, port, gpu_idx;
+    int rank;                    /* sent in handshakes (-1: none) */
     char ip[46];
     char host_id[UCCL_HOSTID_MAX];
     uint8_t secret[UCCL_SECRET_MAX];

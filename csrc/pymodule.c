@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coll.h"
 #include "uccl.h"
 #include "wire.h"
 
@@ -21,6 +22,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     uccl_ep_t *ep;
+    uccl_comm_t *comm;       /* collectives (_comm_init), owned with the engine */
     PyObject *module;        /* strong ref: where the exceptions live */
     int inflight;            /* calls running without the GIL (ep_enter/ep_leave) */
     int closed;
@@ -109,23 +111,33 @@ static void ep_leave(EndpointObject *self)
 {
     if (--self->inflight == 0 && self->closed && self->ep) {
         uccl_ep_t *ep = self->ep;
+        uccl_comm_t *comm = self->comm;
         self->ep = NULL;
+        self->comm = NULL;
         Py_BEGIN_ALLOW_THREADS
+        uccl_comm_destroy(comm);
         uccl_ep_destroy(ep);
         Py_END_ALLOW_THREADS
     }
 }
 
-/* Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1) */
+/* Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1,
+ *          rank=-1, host_id=None) */
 static int Endpoint_init(PyObject *op, PyObject *args, PyObject *kw)
 {
     EndpointObject *self = (EndpointObject *)op;
-    static char *kwlist[] = {"local_gpu_idx", "num_cpus", "timeout_s", "secret", "port", NULL};
+    static char *kwlist[] = {"local_gpu_idx", "num_cpus", "timeout_s", "secret", "port", "rank",
+                             "host_id", NULL};
     PyObject *gpu = Py_None, *timeout = Py_None, *secret = Py_None;
-    int num_cpus = 4, port = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Oi$OOi", kwlist, &gpu, &num_cpus, &timeout,
-                                     &secret, &port))
+    int num_cpus = 4, port = -1, rank = -1;
+    const char *host_id = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Oi$OOiiz", kwlist, &gpu, &num_cpus, &timeout,
+                                     &secret, &port, &rank, &host_id))
         return -1;
+    if (rank < -1) {
+        PyErr_Format(PyExc_ValueError, "rank must be -1 (none) or >= 0, got %d", rank);
+        return -1;
+    }
     if (self->ep) {
         PyErr_SetString(PyExc_RuntimeError, "Endpoint.__init__ called twice");
         return -1;
@@ -147,7 +159,8 @@ static int Endpoint_init(PyObject *op, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_TypeError, "Endpoint: cannot find the _engine module");
         return -1;
     }
-    struct uccl_ep_opts o = {.gpu_idx = -1, .num_cpus = num_cpus, .port = port};
+    struct uccl_ep_opts o = {.gpu_idx = -1, .num_cpus = num_cpus, .port = port, .rank = rank,
+                             .host_id = host_id};
     if (gpu != Py_None) {
         long g = PyLong_AsLong(gpu);
         if (g == -1 && PyErr_Occurred())
@@ -206,8 +219,10 @@ static PyObject *Endpoint_close(PyObject *op, PyObject *unused)
     self->closed = 1;
     uccl_ep_t *ep = self->ep;
     ep_enter(self);
+    uccl_comm_t *comm = self->comm;
     Py_BEGIN_ALLOW_THREADS
     uccl_ep_close(ep); /* wakes every waiter; memory stays until the last leaves */
+    uccl_comm_shutdown(comm);
     Py_END_ALLOW_THREADS
     ep_leave(self);
     Py_RETURN_NONE;
@@ -391,6 +406,19 @@ static PyObject *Endpoint_conn_transport(PyObject *op, PyObject *args)
     if (rc)
         return fail(self, rc);
     return PyUnicode_FromString(buf);
+}
+
+static PyObject *Endpoint_conn_peer_rank(PyObject *op, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op;
+    uint64_t conn;
+    if (!PyArg_ParseTuple(args, "O&", to_u64, &conn) || check_ep(self))
+        return NULL;
+    int rank;
+    int rc = uccl_ep_conn_peer_rank(self->ep, conn, &rank);
+    if (rc)
+        return fail(self, rc);
+    return PyLong_FromLong(rank);
 }
 
 static PyObject *Endpoint_reg(PyObject *op, PyObject *args)
@@ -597,6 +625,250 @@ static PyObject *Endpoint_advertise(PyObject *op, PyObject *args)
     return res;
 }
 
+/* ------------------------------------------------------------------------- */
+/* collectives (coll.h): used by uccl_collective.collective                   */
+
+static int check_comm(EndpointObject *self)
+{
+    if (check_ep(self))
+        return -1;
+    if (!self->comm) {
+        PyErr_SetString(PyExc_ValueError, "no communicator: call _comm_init first");
+        return -1;
+    }
+    return 0;
+}
+
+static int conn_list(PyObject *seq, int size, uint64_t *out, const char *what)
+{
+    Py_ssize_t n = PySequence_Size(seq);
+    if (n < 0)
+        return -1;
+    if (n != size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd entries for world size %d", what, n, size);
+        return -1;
+    }
+    for (int i = 0; i < size; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        int ok = item && to_u64(item, &out[i]);
+        Py_XDECREF(item);
+        if (!ok)
+            return -1;
+    }
+    return 0;
+}
+
+/* _comm_init(rank, size, send_conns, recv_conns) */
+static PyObject *Endpoint_comm_init(PyObject *op, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op;
+    int rank, size;
+    PyObject *sends, *recvs;
+    if (!PyArg_ParseTuple(args, "iiOO", &rank, &size, &sends, &recvs) || check_ep(self))
+        return NULL;
+    if (self->comm) {
+        PyErr_SetString(PyExc_ValueError, "this endpoint already has a communicator");
+        return NULL;
+    }
+    if (size < 1 || size > 65536) {
+        PyErr_Format(PyExc_ValueError, "world size %d (expected 1..65536)", size);
+        return NULL;
+    }
+    uint64_t *sc = PyMem_Calloc((size_t)size, sizeof(uint64_t));
+    uint64_t *rc_ = PyMem_Calloc((size_t)size, sizeof(uint64_t));
+    PyObject *res = NULL;
+    if (!sc || !rc_) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (conn_list(sends, size, sc, "send_conns") || conn_list(recvs, size, rc_, "recv_conns"))
+        goto out;
+    int rc = uccl_comm_create(self->ep, rank, size, sc, rc_, &self->comm);
+    if (rc) {
+        fail(self, rc);
+        goto out;
+    }
+    res = Py_True;
+    Py_INCREF(res);
+out:
+    PyMem_Free(sc);
+    PyMem_Free(rc_);
+    return res;
+}
+
+/* (ptr, len, mr) */
+static int parse_buf(PyObject *t, struct uccl_coll_buf *b)
+{
+    unsigned long long ptr, mr;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(t, "KnK", &ptr, &len, &mr))
+        return -1;
+    if (len < 0) {
+        PyErr_Format(PyExc_ValueError, "buffer length %zd < 0", len);
+        return -1;
+    }
+    *b = (struct uccl_coll_buf){.ptr = (uintptr_t)ptr, .len = (size_t)len, .mr = mr};
+    return 0;
+}
+
+/* _comm_p2p([(op, peer, (ptr, len, mr)), ...]) -> op_id */
+static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *arg)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    if (check_comm(self))
+        return NULL;
+    Py_ssize_t n = PySequence_Size(arg);
+    if (n < 0)
+        return NULL;
+    struct uccl_coll_p2p *ops = PyMem_Calloc((size_t)(n ? n : 1), sizeof(*ops));
+    PyObject *res = NULL;
+    if (!ops) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b, *item = PySequence_GetItem(arg, i);
+        int ok = item && PyArg_ParseTuple(item, "iiO", &ops[i].op, &ops[i].peer, &b) &&
+                 parse_buf(b, &ops[i].buf) == 0;
+        Py_XDECREF(item);
+        if (!ok)
+            goto out;
+    }
+    uint64_t id;
+    int rc = uccl_comm_p2p(self->comm, ops, (int)n, &id);
+    if (rc) {
+        fail(self, rc);
+        goto out;
+    }
+    res = PyLong_FromUnsignedLongLong(id);
+out:
+    PyMem_Free(ops);
+    return res;
+}
+
+/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo) -> op_id */
+static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    PyObject *sendt, *recvl;
+    int algo;
+    if (!PyArg_ParseTuple(args, "OOi", &sendt, &recvl, &algo) || check_comm(self))
+        return NULL;
+    struct uccl_coll_buf send;
+    if (parse_buf(sendt, &send))
+        return NULL;
+    Py_ssize_t n = PySequence_Size(recvl);
+    if (n < 0)
+        return NULL;
+    struct uccl_coll_buf *recv = PyMem_Calloc((size_t)(n ? n : 1), sizeof(*recv));
+    PyObject *res = NULL;
+    if (!recv) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(recvl, i);
+        int ok = item && parse_buf(item, &recv[i]) == 0;
+        Py_XDECREF(item);
+        if (!ok)
+            goto out;
+    }
+    int size;
+    uccl_comm_size(self->comm, &size);
+    if (n != size) {
+        PyErr_Format(PyExc_ValueError, "%zd receive buffers for world size %d", n, size);
+        goto out;
+    }
+    uint64_t id;
+    int rc = uccl_comm_allgather(self->comm, &send, recv, algo, &id);
+    if (rc) {
+        fail(self, rc);
+        goto out;
+    }
+    res = PyLong_FromUnsignedLongLong(id);
+out:
+    PyMem_Free(recv);
+    return res;
+}
+
+/* Finished (done or failed): forget it, and raise if it failed. */
+static PyObject *comm_finish(EndpointObject *self, uint64_t id, int rc)
+{
+    PyObject *res = rc == UCCL_OK ? Py_True : fail(self, rc);
+    Py_XINCREF(res);
+    if (self->comm)
+        uccl_comm_release(self->comm, id);
+    return res;
+}
+
+/* _comm_wait(op_id, timeout=None) -> True; forgets the operation once finished */
+static PyObject *Endpoint_comm_wait(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    uint64_t id;
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "O&|O", to_u64, &id, &timeout) || check_comm(self))
+        return NULL;
+    int err;
+    double t = timeout_arg(self, timeout, &err);
+    if (err)
+        return NULL;
+    uint64_t deadline = mono_ns() + (uint64_t)(t * 1e9);
+    for (;;) {
+        int rc;
+        uccl_comm_t *cm = self->comm;
+        ep_enter(self);
+        Py_BEGIN_ALLOW_THREADS
+        rc = uccl_comm_wait(cm, id, deadline, SLICE_NS);
+        Py_END_ALLOW_THREADS
+        ep_leave(self);
+        if (rc != UCCL_INPROGRESS)
+            return comm_finish(self, id, rc);
+        if (PyErr_CheckSignals() || check_comm(self)) {
+            /* Interrupted: stop the operation, so nothing lands after we return. */
+            if (self->comm) {
+                PyObject *et, *ev, *tb;
+                PyErr_Fetch(&et, &ev, &tb);
+                cm = self->comm;
+                ep_enter(self);
+                Py_BEGIN_ALLOW_THREADS
+                uccl_comm_wait(cm, id, 0, SLICE_NS * 50);
+                Py_END_ALLOW_THREADS
+                ep_leave(self);
+                if (self->comm)
+                    uccl_comm_release(self->comm, id);
+                PyErr_Restore(et, ev, tb);
+            }
+            return NULL;
+        }
+    }
+}
+
+/* _comm_test(op_id) -> bool; forgets the operation once finished */
+static PyObject *Endpoint_comm_test(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    uint64_t id;
+    if (!PyArg_ParseTuple(args, "O&", to_u64, &id) || check_comm(self))
+        return NULL;
+    int done = 0;
+    int rc = uccl_comm_test(self->comm, id, &done);
+    if (rc == UCCL_OK && !done)
+        Py_RETURN_FALSE;
+    return comm_finish(self, id, rc);
+}
+
+/* _comm_pick_algo(algo, chunk_bytes) -> the algorithm auto resolves to */
+static PyObject *Endpoint_comm_pick_algo(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    int algo;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "in", &algo, &chunk) || check_comm(self))
+        return NULL;
+    return PyLong_FromLong(uccl_comm_pick_algo(self->comm, algo, (size_t)(chunk < 0 ? 0 : chunk)));
+}
+
 static PyObject *Endpoint_get_timeout(PyObject *op, void *closure)
 {
     (void)closure;
@@ -626,6 +898,8 @@ static PyMethodDef Endpoint_methods[] = {
      "Accept connections in the background; accept() is then not used."},
     {"conn_transport", Endpoint_conn_transport, METH_VARARGS,
      "conn_transport(conn_id) -> 'tcp' | 'shm-cma' | 'shm-ring'"},
+    {"conn_peer_rank", Endpoint_conn_peer_rank, METH_VARARGS,
+     "conn_peer_rank(conn_id) -> the rank the peer gave in its handshake (-1: none)"},
     {"reg", Endpoint_reg, METH_VARARGS, "reg(ptr, size) -> (True, mr_id)"},
     {"dereg", Endpoint_dereg, METH_VARARGS, "dereg(mr_id) -> True"},
     {"_post", Endpoint_post, METH_VARARGS, "_post(op, conn_id, mr_id, ptr, size, fifo=None) -> id"},
@@ -636,6 +910,17 @@ static PyMethodDef Endpoint_methods[] = {
     {"release", Endpoint_release, METH_VARARGS, "release(transfer_id): forget a finished id"},
     {"advertise", Endpoint_advertise, METH_VARARGS,
      "advertise(conn_id, mr_id, addr, len) -> (True, fifo_item)"},
+    {"_comm_init", Endpoint_comm_init, METH_VARARGS,
+     "_comm_init(rank, size, send_conns, recv_conns): the communicator over these connections"},
+    {"_comm_p2p", Endpoint_comm_p2p, METH_O, "_comm_p2p([(op, peer, (ptr, len, mr))]) -> op_id"},
+    {"_comm_allgather", Endpoint_comm_allgather, METH_VARARGS,
+     "_comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo) -> op_id"},
+    {"_comm_wait", Endpoint_comm_wait, METH_VARARGS,
+     "_comm_wait(op_id, timeout=None) -> True; raises if it failed; forgets it"},
+    {"_comm_test", Endpoint_comm_test, METH_VARARGS,
+     "_comm_test(op_id) -> done; raises if it failed; forgets it once finished"},
+    {"_comm_pick_algo", Endpoint_comm_pick_algo, METH_VARARGS,
+     "_comm_pick_algo(algo, chunk_bytes) -> algorithm"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -712,7 +997,10 @@ static int module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "OP_WRITE", UCCL_XFER_WRITE) < 0 ||
         PyModule_AddIntConstant(m, "OP_READ", UCCL_XFER_READ) < 0 ||
         PyModule_AddIntConstant(m, "METADATA_SIZE", UCCL_META_SIZE) < 0 ||
-        PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0)
+        PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "AG_AUTO", UCCL_AG_AUTO) < 0 ||
+        PyModule_AddIntConstant(m, "AG_DIRECT", UCCL_AG_DIRECT) < 0 ||
+        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0)
         return -1;
     return 0;
 }

@@ -18,6 +18,9 @@ struct uccl_ep_opts {
     const char *secret;      /* NULL: UCCL_P2P_SECRET if set, else none */
     size_t secret_len;
     int port;                /* < 0: base port + gpu index, else ephemeral; 0: ephemeral */
+    int rank;                /* this endpoint's rank in its job, sent in every handshake; -1: none */
+    const char *host_id;     /* NULL: UCCL_P2P_HOST_ID, else the kernel's boot id.  Ends
+                                with equal ids may use same-host transports. */
 };
 
 enum { UCCL_XFER_SEND = 1, UCCL_XFER_RECV, UCCL_XFER_WRITE, UCCL_XFER_READ };
@@ -34,8 +37,9 @@ int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port
 void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
 
-/* Connect (the new connection sends).  port < 0: base port + remote_gpu. */
-int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int rank,
+/* Connect (the new connection sends).  port < 0: base port + remote_gpu.
+ * expect_rank >= 0: refuse (UCCL_ERR_MISMATCH) a peer whose rank differs. */
+int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int expect_rank,
                     const uint8_t *secret, size_t secret_len, uint64_t *conn_p);
 /* Connect from metadata; the same metadata gives the same connection. */
 int uccl_ep_connect_meta(uccl_ep_t *ep, const uint8_t *meta, size_t meta_len, uint64_t *conn_p);
@@ -45,6 +49,8 @@ int uccl_ep_accept(uccl_ep_t *ep, uint64_t timeout_ns, uint64_t *conn_p, char ip
 int uccl_ep_set_passive(uccl_ep_t *ep);
 /* Name of the transport a connection uses ("tcp", "shm-cma", "shm-ring"). */
 int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len);
+/* The rank the peer of a connection gave in its handshake (-1: none). */
+int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p);
 
 int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p);
 int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr);

@@ -1,0 +1,739 @@
+/* Collectives over the engine (coll.h): a per-communicator queue run in
+ * order by one worker thread, over the engine's public transfer calls
+ * (which sit on transport.h).  Direct allgather posts every chunk at once;
+ * the ring forwards each piece of a chunk as soon as it has arrived, so a
+ * rank's receive from the left and send to the right overlap. */
+#define _GNU_SOURCE
+#include "coll.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "idmap.h"
+#include "log.h"
+#include "sock.h"
+
+#define WORKER_SLICE_NS 20000000ull /* the worker looks at abort requests this often */
+#define PIECE_MIN (512u << 10)
+#define PIECE_MAX (16u << 20)
+
+enum { OP_P2P = 1, OP_ALLGATHER };
+enum { ST_QUEUED = 0, ST_RUNNING, ST_POSTED, ST_DONE, ST_FAILED };
+
+struct xlist {                   /* transfers an operation posted, in order */
+    uint64_t *id;
+    int n, cap, waited;          /* waited: ids [0, waited) are finished and released */
+};
+
+struct op {
+    uint64_t id;
+    int kind, state, algo;
+    int status;
+    char msg[512];
+    int abort;                   /* a waiter gave up (under cm->mu) */
+    int collecting;              /* p2p: one waiter is collecting the transfers */
+    int n;                       /* p2p: number of entries */
+    struct uccl_coll_p2p *p2p;
+    struct uccl_coll_buf send;
+    struct uccl_coll_buf *recv;  /* allgather: size entries */
+    uint64_t *tmp_mr;            /* registrations made for this operation */
+    int ntmp;
+    uint64_t deadline;
+    struct xlist x;
+    struct op *next;
+};
+
+struct uccl__comm {
+    uccl_ep_t *ep;
+    int rank, size;
+    uint64_t *send_conn, *recv_conn;
+    size_t piece;                /* UCCL_COLL_PIECE_KB, or 0: chosen per chunk */
+    pthread_mutex_t mu;          /* everything below */
+    pthread_cond_t cv;           /* queue and operation state changes */
+    struct op *qhead, *qtail;
+    struct uccl__idmap ops;
+    uint64_t next_id;
+    int failed, fail_status;
+    char fail_msg[512];
+    int stop, worker_started;
+    pthread_t worker;
+};
+
+static int set_err(int status, char *msg, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int set_err(int status, char *msg, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, len, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static void op_free(struct op *o)
+{
+    if (!o)
+        return;
+    free(o->p2p);
+    free(o->recv);
+    free(o->tmp_mr);
+    free(o->x.id);
+    free(o);
+}
+
+/* ------------------------------------------------------------------------- */
+/* creation                                                                   */
+
+int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_conns,
+                     const uint64_t *recv_conns, uccl_comm_t **comm_p)
+{
+    if (size < 1 || rank < 0 || rank >= size)
+        return uccl__err(UCCL_ERR_INVALID, "rank %d of world size %d", rank, size);
+    struct uccl__comm *cm = calloc(1, sizeof(*cm));
+    if (!cm)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    cm->send_conn = calloc((size_t)size, sizeof(uint64_t));
+    cm->recv_conn = calloc((size_t)size, sizeof(uint64_t));
+    if (!cm->send_conn || !cm->recv_conn) {
+        free(cm->send_conn);
+        free(cm->recv_conn);
+        free(cm);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    memcpy(cm->send_conn, send_conns, (size_t)size * sizeof(uint64_t));
+    memcpy(cm->recv_conn, recv_conns, (size_t)size * sizeof(uint64_t));
+    cm->send_conn[rank] = cm->recv_conn[rank] = 0;
+    cm->ep = ep;
+    cm->rank = rank;
+    cm->size = size;
+    const char *env = getenv("UCCL_COLL_PIECE_KB");
+    if (env && *env) {
+        char *end;
+        long kb = strtol(env, &end, 10);
+        if (*end || kb < 4 || kb > (1L << 22)) {
+            free(cm->send_conn);
+            free(cm->recv_conn);
+            free(cm);
+            return uccl__err(UCCL_ERR_INVALID, "UCCL_COLL_PIECE_KB=%s: expected 4..4194304", env);
+        }
+        cm->piece = (size_t)kb << 10;
+    }
+    pthread_mutex_init(&cm->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&cm->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    *comm_p = cm;
+    return UCCL_OK;
+}
+
+void uccl_comm_size(const uccl_comm_t *cm, int *size_p) { *size_p = cm->size; }
+
+int uccl_comm_pick_algo(const uccl_comm_t *cm, int algo, size_t chunk)
+{
+    if (algo != UCCL_AG_AUTO)
+        return algo;
+    /* Both move (n-1) chunks per rank.  Direct keeps every connection busy
+     * at once, which suits a few peers; beyond that the ring's one stream per
+     * neighbour contends less (and crosses each node boundary once). */
+    return cm->size > 4 && chunk >= (256u << 10) ? UCCL_AG_RING : UCCL_AG_DIRECT;
+}
+
+/* ------------------------------------------------------------------------- */
+/* running an operation (worker thread)                                        */
+
+static int xlist_push(struct xlist *x, uint64_t id)
+{
+    if (x->n == x->cap) {
+        int cap = x->cap ? x->cap * 2 : 16;
+        uint64_t *p = realloc(x->id, (size_t)cap * sizeof(*p));
+        if (!p)
+            return UCCL_ERR_NOMEM;
+        x->id = p;
+        x->cap = cap;
+    }
+    x->id[x->n++] = id;
+    return UCCL_OK;
+}
+
+static int reg_tmp(struct uccl__comm *cm, struct op *o, struct uccl_coll_buf *b)
+{
+    if (b->mr)
+        return UCCL_OK;
+    int rc = uccl_ep_reg(cm->ep, b->ptr, b->len, &b->mr);
+    if (rc == UCCL_OK)
+        o->tmp_mr[o->ntmp++] = b->mr;
+    return rc;
+}
+
+static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
+                const struct uccl_coll_buf *b, size_t off, size_t len)
+{
+    uint64_t conn = kind == UCCL_XFER_SEND ? cm->send_conn[peer] : cm->recv_conn[peer];
+    uint64_t id;
+    int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, &id);
+    if (rc)
+        return set_err(rc, o->msg, sizeof(o->msg), "%s %s rank %d: %s",
+                       kind == UCCL_XFER_SEND ? "send to" : "recv from",
+                       o->kind == OP_P2P ? "p2p" : "allgather", peer, uccl_last_error());
+    if (xlist_push(&o->x, id)) {
+        uccl_ep_abort(cm->ep, id, "out of memory");
+        uccl_ep_release(cm->ep, id);
+        return set_err(UCCL_ERR_NOMEM, o->msg, sizeof(o->msg), "out of memory");
+    }
+    return UCCL_OK;
+}
+
+static int aborted(struct uccl__comm *cm, struct op *o)
+{
+    pthread_mutex_lock(&cm->mu);
+    int a = o->abort || cm->stop;
+    pthread_mutex_unlock(&cm->mu);
+    return a;
+}
+
+static int abandoned(struct op *o)
+{
+    return set_err(UCCL_ERR_TIMEOUT, o->msg, sizeof(o->msg), "allgather abandoned: its caller "
+                   "gave up (timeout or interrupt) or the communicator was shut down");
+}
+
+/* Wait for transfer i of o (and every one before it) in worker slices. */
+static int wait_upto(struct uccl__comm *cm, struct op *o, int upto)
+{
+    while (o->x.waited < upto) {
+        uint64_t id = o->x.id[o->x.waited];
+        int rc = uccl_ep_wait(cm->ep, id, o->deadline, WORKER_SLICE_NS);
+        if (rc == UCCL_INPROGRESS) {
+            if (aborted(cm, o))
+                return abandoned(o);
+            continue;
+        }
+        if (rc)
+            return set_err(rc, o->msg, sizeof(o->msg), "allgather: %s", uccl_last_error());
+        uccl_ep_release(cm->ep, id);
+        o->x.waited++;
+    }
+    return UCCL_OK;
+}
+
+/* After a failure: make sure nothing lands in the operation's buffers any
+ * more, then forget its transfers and registrations. */
+static void cleanup(struct uccl__comm *cm, struct op *o, int failed)
+{
+    for (int i = o->x.waited; i < o->x.n; i++) {
+        if (failed)
+            uccl_ep_abort(cm->ep, o->x.id[i], o->msg);
+        uccl_ep_release(cm->ep, o->x.id[i]);
+    }
+    o->x.waited = o->x.n;
+    for (int i = 0; i < o->ntmp; i++)
+        uccl_ep_dereg(cm->ep, o->tmp_mr[i]);
+    o->ntmp = 0;
+}
+
+static size_t piece_for(const struct uccl__comm *cm, size_t len)
+{
+    if (cm->piece)
+        return cm->piece;
+    size_t p = len / 4;
+    p = p < PIECE_MIN ? PIECE_MIN : p > PIECE_MAX ? PIECE_MAX : p;
+    return (p + 4095) & ~(size_t)4095;
+}
+
+/* Post chunk b as pieces (at least one, so an empty chunk is still matched
+ * and a length mismatch shows). */
+static int post_pieces(struct uccl__comm *cm, struct op *o, int kind, int peer,
+                       const struct uccl_coll_buf *b)
+{
+    size_t p = piece_for(cm, b->len), off = 0;
+    do {
+        size_t len = b->len - off < p ? b->len - off : p;
+        int rc = post(cm, o, kind, peer, b, off, len);
+        if (rc)
+            return rc;
+        off += len;
+    } while (off < b->len);
+    return UCCL_OK;
+}
+
+static void copy_own(struct uccl__comm *cm, struct op *o)
+{
+    struct uccl_coll_buf *own = &o->recv[cm->rank];
+    if (own->ptr != o->send.ptr && o->send.len)
+        memmove((void *)own->ptr, (const void *)o->send.ptr, o->send.len);
+}
+
+static int run_allgather(struct uccl__comm *cm, struct op *o)
+{
+    int n = cm->size, me = cm->rank, rc;
+    rc = reg_tmp(cm, o, &o->send);
+    for (int r = 0; r < n && rc == UCCL_OK; r++)
+        if (r != me)
+            rc = reg_tmp(cm, o, &o->recv[r]);
+    if (rc)
+        return set_err(rc, o->msg, sizeof(o->msg), "allgather: %s", uccl_last_error());
+
+    if (o->algo == UCCL_AG_DIRECT) {
+        /* Staggered so that the ranks do not all start with rank 0. */
+        for (int i = 1; i < n; i++)
+            if ((rc = post(cm, o, UCCL_XFER_RECV, (me - i + n) % n, &o->recv[(me - i + n) % n],
+                           0, o->recv[(me - i + n) % n].len)))
+                return rc;
+        for (int i = 1; i < n; i++)
+            if ((rc = post(cm, o, UCCL_XFER_SEND, (me + i) % n, &o->send, 0, o->send.len)))
+                return rc;
+        copy_own(cm, o);
+        return wait_upto(cm, o, o->x.n);
+    }
+
+    /* Ring: step s receives chunk (me-1-s) from the left and, from the
+     * second step on, forwards the chunk received in the step before. */
+    int left = (me - 1 + n) % n, right = (me + 1) % n;
+    if (n == 1) {
+        copy_own(cm, o);
+        return UCCL_OK;
+    }
+    for (int s = 0; s < n - 1; s++)
+        if ((rc = post_pieces(cm, o, UCCL_XFER_RECV, left, &o->recv[(me - 1 - s + 2 * n) % n])))
+            return rc;
+    if ((rc = post_pieces(cm, o, UCCL_XFER_SEND, right, &o->send)))
+        return rc;
+    copy_own(cm, o);
+    /* Waiting in posting order: receives first, in order; the sends posted
+     * so far finish meanwhile and are collected at the end. */
+    int rx = 0;
+    for (int s = 0; s < n - 2; s++) {
+        const struct uccl_coll_buf *b = &o->recv[(me - 1 - s + 2 * n) % n];
+        size_t p = piece_for(cm, b->len), off = 0;
+        do {
+            size_t len = b->len - off < p ? b->len - off : p;
+            /* wait for receive number rx without releasing the ones behind it */
+            for (;;) {
+                rc = uccl_ep_wait(cm->ep, o->x.id[rx], o->deadline, WORKER_SLICE_NS);
+                if (rc != UCCL_INPROGRESS)
+                    break;
+                if (aborted(cm, o)) {
+                    rc = abandoned(o);
+                    goto out;
+                }
+            }
+            if (rc) {
+                rc = set_err(rc, o->msg, sizeof(o->msg), "ring allgather, step %d: %s", s,
+                             uccl_last_error());
+                goto out;
+            }
+            rx++;
+            if ((rc = post(cm, o, UCCL_XFER_SEND, right, b, off, len)))
+                goto out;
+            off += len;
+        } while (off < b->len);
+    }
+    rc = wait_upto(cm, o, o->x.n);
+out:
+    return rc;
+}
+
+static int run_p2p(struct uccl__comm *cm, struct op *o)
+{
+    for (int i = 0; i < o->n; i++) {
+        struct uccl_coll_p2p *e = &o->p2p[i];
+        int rc = reg_tmp(cm, o, &e->buf);
+        if (rc)
+            return set_err(rc, o->msg, sizeof(o->msg), "p2p: %s", uccl_last_error());
+        if ((rc = post(cm, o, e->op, e->peer, &e->buf, 0, e->buf.len)))
+            return rc;
+    }
+    return UCCL_OK;
+}
+
+static void fail_comm(struct uccl__comm *cm, int status, const char *msg)
+{
+    if (cm->failed)
+        return;
+    cm->failed = 1;
+    cm->fail_status = status;
+    snprintf(cm->fail_msg, sizeof(cm->fail_msg), "%s", msg);
+}
+
+/* Under cm->mu: an operation that will never run. */
+static void fail_queued(struct op *o, int status, const char *why, const char *detail)
+{
+    o->state = ST_FAILED;
+    o->status = status;
+    snprintf(o->msg, sizeof(o->msg), "%s%.300s%s", why, detail, *detail ? ")" : "");
+}
+
+/* Under cm->mu: take o out of the queue. */
+static void unlink_queued(struct uccl__comm *cm, struct op *o)
+{
+    struct op **pp = &cm->qhead, *prev = NULL;
+    while (*pp && *pp != o) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp)
+        return;
+    *pp = o->next;
+    if (cm->qtail == o)
+        cm->qtail = prev;
+    o->next = NULL;
+}
+
+static void *worker_main(void *arg)
+{
+    struct uccl__comm *cm = arg;
+    pthread_mutex_lock(&cm->mu);
+    for (;;) {
+        while (!cm->stop && !cm->qhead)
+            pthread_cond_wait(&cm->cv, &cm->mu);
+        if (cm->stop)
+            break;
+        struct op *o = cm->qhead;
+        cm->qhead = o->next;
+        if (!cm->qhead)
+            cm->qtail = NULL;
+        if (o->state == ST_FAILED) /* abandoned while queued */
+            continue;
+        if (cm->failed || o->abort) {
+            fail_queued(o, cm->failed ? cm->fail_status : UCCL_ERR_TIMEOUT,
+                        "not run: an earlier operation on this communicator failed (",
+                        cm->failed ? cm->fail_msg : "abandoned");
+            pthread_cond_broadcast(&cm->cv);
+            continue;
+        }
+        o->state = ST_RUNNING;
+        o->deadline = uccl__now_ns() + uccl_ep_timeout_ns(cm->ep);
+        pthread_mutex_unlock(&cm->mu);
+
+        int rc = o->kind == OP_P2P ? run_p2p(cm, o) : run_allgather(cm, o);
+        if (rc || o->kind == OP_ALLGATHER)
+            cleanup(cm, o, rc != UCCL_OK);
+
+        pthread_mutex_lock(&cm->mu);
+        if (rc) {
+            o->status = rc;
+            o->state = ST_FAILED;
+            fail_comm(cm, rc, o->msg);
+        } else {
+            o->state = o->kind == OP_P2P ? ST_POSTED : ST_DONE;
+        }
+        pthread_cond_broadcast(&cm->cv);
+    }
+    for (struct op *o = cm->qhead; o; o = o->next)
+        if (o->state != ST_FAILED)
+            fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
+    cm->qhead = cm->qtail = NULL;
+    pthread_cond_broadcast(&cm->cv);
+    pthread_mutex_unlock(&cm->mu);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------- */
+/* submission                                                                 */
+
+static int submit(struct uccl__comm *cm, struct op *o, uint64_t *op_p)
+{
+    pthread_mutex_lock(&cm->mu);
+    int rc = UCCL_OK;
+    if (cm->stop)
+        rc = uccl__err(UCCL_ERR_CLOSED, "the communicator is shut down");
+    else if (cm->failed)
+        rc = uccl__err(cm->fail_status, "an earlier operation on this communicator failed, so "
+                       "its ranks no longer agree on what comes next: %s", cm->fail_msg);
+    if (rc == UCCL_OK && !cm->worker_started) {
+        if (pthread_create(&cm->worker, NULL, worker_main, cm))
+            rc = uccl__err(UCCL_ERR_IO, "pthread_create: %s", strerror(errno));
+        else
+            cm->worker_started = 1;
+    }
+    if (rc == UCCL_OK) {
+        o->id = ++cm->next_id;
+        rc = uccl__idmap_put(&cm->ops, o->id, o);
+    }
+    if (rc) {
+        pthread_mutex_unlock(&cm->mu);
+        op_free(o);
+        return rc;
+    }
+    if (cm->qtail)
+        cm->qtail->next = o;
+    else
+        cm->qhead = o;
+    cm->qtail = o;
+    pthread_cond_broadcast(&cm->cv);
+    pthread_mutex_unlock(&cm->mu);
+    *op_p = o->id;
+    return UCCL_OK;
+}
+
+static int check_buf(const struct uccl_coll_buf *b, const char *what, int r)
+{
+    if (!b->ptr && b->len)
+        return uccl__err(UCCL_ERR_INVALID, "%s %d: %zu bytes at address 0", what, r, b->len);
+    if (b->ptr + b->len < b->ptr)
+        return uccl__err(UCCL_ERR_INVALID, "%s %d: 0x%zx + %zu wraps around", what, r,
+                         (size_t)b->ptr, b->len);
+    return UCCL_OK;
+}
+
+static int check_peer(const struct uccl__comm *cm, int peer, int kind)
+{
+    if (peer < 0 || peer >= cm->size || peer == cm->rank)
+        return uccl__err(UCCL_ERR_INVALID, "peer rank %d: expected another rank in 0..%d (this "
+                         "is rank %d)", peer, cm->size - 1, cm->rank);
+    uint64_t conn = kind == UCCL_XFER_SEND ? cm->send_conn[peer] : cm->recv_conn[peer];
+    if (!conn)
+        return uccl__err(UCCL_ERR_INVALID, "rank %d is not reached through this engine (same "
+                         "host with use_copy_engine_for_intra=False?)", peer);
+    return UCCL_OK;
+}
+
+int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, uint64_t *op_p)
+{
+    if (n < 1)
+        return uccl__err(UCCL_ERR_INVALID, "an empty batch of %d operations", n);
+    for (int i = 0; i < n; i++) {
+        if (ops[i].op != UCCL_XFER_SEND && ops[i].op != UCCL_XFER_RECV)
+            return uccl__err(UCCL_ERR_INVALID, "operation %d: kind %d is neither send nor recv",
+                             i, ops[i].op);
+        int rc = check_peer(cm, ops[i].peer, ops[i].op);
+        if (rc == UCCL_OK)
+            rc = check_buf(&ops[i].buf, "operation", i);
+        if (rc)
+            return rc;
+    }
+    struct op *o = calloc(1, sizeof(*o));
+    if (o) {
+        o->p2p = malloc((size_t)n * sizeof(*ops));
+        o->tmp_mr = calloc((size_t)n, sizeof(uint64_t));
+    }
+    if (!o || !o->p2p || !o->tmp_mr) {
+        op_free(o);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    memcpy(o->p2p, ops, (size_t)n * sizeof(*ops));
+    o->kind = OP_P2P;
+    o->n = n;
+    return submit(cm, o, op_p);
+}
+
+int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
+                        const struct uccl_coll_buf *recv, int algo, uint64_t *op_p)
+{
+    int n = cm->size, me = cm->rank, rc;
+    if (algo != UCCL_AG_AUTO && algo != UCCL_AG_DIRECT && algo != UCCL_AG_RING)
+        return uccl__err(UCCL_ERR_INVALID, "allgather algorithm %d (expected auto, direct or "
+                         "ring)", algo);
+    if ((rc = check_buf(send, "send buffer of rank", me)))
+        return rc;
+    for (int r = 0; r < n; r++)
+        if ((rc = check_buf(&recv[r], "receive buffer for rank", r)))
+            return rc;
+    if (recv[me].len != send->len)
+        return uccl__err(UCCL_ERR_INVALID, "the receive buffer for this rank (%d) has %zu "
+                         "bytes but the send buffer has %zu", me, recv[me].len, send->len);
+    algo = uccl_comm_pick_algo(cm, algo, send->len);
+    for (int r = 0; r < n; r++) {
+        if (r == me)
+            continue;
+        int needed = algo == UCCL_AG_DIRECT || r == (me + 1) % n || r == (me - 1 + n) % n;
+        if (needed && (cm->send_conn[r] == 0 || cm->recv_conn[r] == 0))
+            return uccl__err(UCCL_ERR_INVALID, "allgather needs rank %d, which this engine does "
+                             "not reach (same host with use_copy_engine_for_intra=False?)", r);
+    }
+    struct op *o = calloc(1, sizeof(*o));
+    if (o) {
+        o->recv = malloc((size_t)n * sizeof(*recv));
+        o->tmp_mr = calloc((size_t)n + 1, sizeof(uint64_t));
+    }
+    if (!o || !o->recv || !o->tmp_mr) {
+        op_free(o);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    memcpy(o->recv, recv, (size_t)n * sizeof(*recv));
+    o->send = *send;
+    o->kind = OP_ALLGATHER;
+    o->algo = algo;
+    return submit(cm, o, op_p);
+}
+
+/* ------------------------------------------------------------------------- */
+/* waiting                                                                    */
+
+/* p2p: wait for the posted transfers (one collector at a time). */
+static int collect(struct uccl__comm *cm, struct op *o, uint64_t deadline, uint64_t until)
+{
+    while (o->x.waited < o->x.n) {
+        uint64_t now = uccl__now_ns();
+        uint64_t slice = until > now ? until - now : 0;
+        int rc = uccl_ep_wait(cm->ep, o->x.id[o->x.waited], deadline, slice);
+        if (rc == UCCL_INPROGRESS)
+            return rc;
+        if (rc) {
+            set_err(rc, o->msg, sizeof(o->msg), "%s", uccl_last_error());
+            cleanup(cm, o, 1);
+            return rc;
+        }
+        uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
+        o->x.waited++;
+    }
+    cleanup(cm, o, 0);
+    return UCCL_OK;
+}
+
+static struct timespec abs_mono(uint64_t ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull),
+                          .tv_nsec = (long)(ns % 1000000000ull)};
+    return ts;
+}
+
+int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t slice)
+{
+    pthread_mutex_lock(&cm->mu);
+    struct op *o = uccl__idmap_get(&cm->ops, id);
+    if (!o) {
+        pthread_mutex_unlock(&cm->mu);
+        return uccl__err(UCCL_ERR_NOTFOUND, "unknown operation %llu (never issued, or released)",
+                         (unsigned long long)id);
+    }
+    uint64_t now = uccl__now_ns();
+    uint64_t until = now + slice < deadline ? now + slice : deadline;
+    int rc;
+    for (;;) {
+        if (o->state == ST_DONE) {
+            rc = UCCL_OK;
+            break;
+        }
+        if (o->state == ST_FAILED) {
+            rc = uccl__err(o->status, "%s", o->msg);
+            break;
+        }
+        if (o->state == ST_POSTED && !o->collecting) {
+            o->collecting = 1;
+            pthread_mutex_unlock(&cm->mu);
+            rc = collect(cm, o, deadline, until);
+            pthread_mutex_lock(&cm->mu);
+            o->collecting = 0;
+            if (rc == UCCL_OK) {
+                o->state = ST_DONE;
+            } else if (rc != UCCL_INPROGRESS) {
+                o->state = ST_FAILED;
+                o->status = rc;
+                fail_comm(cm, rc, o->msg);
+            }
+            pthread_cond_broadcast(&cm->cv);
+            if (rc == UCCL_INPROGRESS && uccl__now_ns() >= until)
+                break;
+            continue;
+        }
+        now = uccl__now_ns();
+        if (now >= deadline) {
+            /* Give up: a queued operation never runs; a running one is
+             * stopped by the worker, which returns once nothing can land. */
+            o->abort = 1;
+            if (o->state == ST_QUEUED) {
+                unlink_queued(cm, o);
+                fail_queued(o, UCCL_ERR_TIMEOUT, "timed out while queued behind earlier "
+                            "operations", "");
+                fail_comm(cm, UCCL_ERR_TIMEOUT, o->msg);
+            }
+            pthread_cond_broadcast(&cm->cv);
+            struct timespec ts = abs_mono(now + 2000000000ull);
+            pthread_cond_timedwait(&cm->cv, &cm->mu, &ts);
+            continue;
+        }
+        if (now >= until) {
+            rc = UCCL_INPROGRESS;
+            break;
+        }
+        struct timespec ts = abs_mono(until);
+        pthread_cond_timedwait(&cm->cv, &cm->mu, &ts);
+    }
+    pthread_mutex_unlock(&cm->mu);
+    return rc;
+}
+
+int uccl_comm_test(uccl_comm_t *cm, uint64_t id, int *done_p)
+{
+    int rc = uccl_comm_wait(cm, id, UINT64_MAX, 0);
+    if (rc == UCCL_INPROGRESS) {
+        *done_p = 0;
+        return UCCL_OK;
+    }
+    if (rc == UCCL_OK)
+        *done_p = 1;
+    return rc;
+}
+
+int uccl_comm_release(uccl_comm_t *cm, uint64_t id)
+{
+    pthread_mutex_lock(&cm->mu);
+    struct op *o = uccl__idmap_get(&cm->ops, id);
+    int rc = UCCL_OK;
+    if (!o)
+        rc = uccl__err(UCCL_ERR_NOTFOUND, "unknown operation %llu", (unsigned long long)id);
+    else if (o->state != ST_DONE && o->state != ST_FAILED)
+        rc = uccl__err(UCCL_ERR_INVALID, "operation %llu is still in flight: wait for it first",
+                       (unsigned long long)id);
+    else if (o->collecting)
+        rc = uccl__err(UCCL_ERR_INVALID, "operation %llu is being waited on",
+                       (unsigned long long)id);
+    else
+        uccl__idmap_del(&cm->ops, id);
+    pthread_mutex_unlock(&cm->mu);
+    if (rc == UCCL_OK)
+        op_free(o);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------- */
+/* shutdown                                                                   */
+
+void uccl_comm_shutdown(uccl_comm_t *cm)
+{
+    if (!cm)
+        return;
+    pthread_mutex_lock(&cm->mu);
+    int join = cm->worker_started && !cm->stop;
+    cm->stop = 1;
+    pthread_cond_broadcast(&cm->cv);
+    pthread_mutex_unlock(&cm->mu);
+    if (join)
+        pthread_join(cm->worker, NULL);
+    pthread_mutex_lock(&cm->mu);
+    for (struct op *o = cm->qhead; o; o = o->next)
+        if (o->state != ST_FAILED)
+            fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
+    cm->qhead = cm->qtail = NULL;
+    pthread_cond_broadcast(&cm->cv);
+    pthread_mutex_unlock(&cm->mu);
+}
+
+static void free_op_cb(uint64_t id, void *val, void *arg)
+{
+    (void)id;
+    (void)arg;
+    op_free(val);
+}
+
+void uccl_comm_destroy(uccl_comm_t *cm)
+{
+    if (!cm)
+        return;
+    uccl_comm_shutdown(cm);
+    uccl__idmap_each(&cm->ops, free_op_cb, NULL);
+    uccl__idmap_free(&cm->ops);
+    pthread_mutex_destroy(&cm->mu);
+    pthread_cond_destroy(&cm->cv);
+    free(cm->send_conn);
+    free(cm->recv_conn);
+    free(cm);
+}
