@@ -1,0 +1,520 @@
+"""CollectiveContext: the UCCL collective API over this package's C engine.
+
+Bootstraps through torch.distributed (or any c10d Store): every rank publishes
+its endpoint address and node, then all pairs connect in parallel, each peer
+identified by its rank in the handshake.  The collectives themselves (the
+ordered queue, allgather direct and ring, the ring step) run in C (coll.c);
+Python validates the tensors and dispatches.
+
+Routing: a peer on another node always goes through this engine (TCP).  A
+peer on this node goes through this engine (shared memory) when
+``use_copy_engine_for_intra=True``, otherwise through torch.distributed, as
+upstream does.  Nodes are told apart by UCCL_NODE_ID, else torchrun's node
+rank (GROUP_RANK) on top of the kernel's boot id, so two "nodes" that share
+one kernel (network namespaces) still use TCP between them.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _engine
+from .p2p import Endpoint, UcclError, UcclTimeoutError
+
+__all__ = [
+    "CollectiveContext", "Handle", "P2POp", "init_collective", "get_collective",
+    "finalize_collective", "register_tensor", "deregister_tensor", "send", "recv", "isend",
+    "irecv", "test", "wait", "wait_all", "batch_isend_irecv", "sendrecv", "allgather",
+    "iallgather", "allgatherv", "iallgatherv", "UcclError", "UcclTimeoutError",
+]
+
+_ALGOS = {"auto": _engine.AG_AUTO, "direct": _engine.AG_DIRECT, "ring": _engine.AG_RING}
+_SEND, _RECV = _engine.OP_SEND, _engine.OP_RECV
+_context_seq = itertools.count()   # every rank creates contexts in the same order
+
+
+def node_id() -> str:
+    """This process's node: UCCL_NODE_ID, else host id (+ torchrun's node rank)."""
+    explicit = os.environ.get("UCCL_NODE_ID")
+    if explicit:
+        return explicit
+    base = os.environ.get("UCCL_P2P_HOST_ID")
+    if not base:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                base = f.read().strip()
+        except OSError:
+            base = os.uname().nodename
+    group_rank = os.environ.get("GROUP_RANK")
+    return f"{base}/node{group_rank}" if group_rank is not None else base
+
+
+def _engine_host_id(node: str) -> str:
+    """The engine's host id holds at most 63 characters: hash longer node ids."""
+    if len(node) <= 63:
+        return node
+    import hashlib
+    return hashlib.sha256(node.encode()).hexdigest()[:63]
+
+
+def _tensor_buf(t: Any, what: str) -> tuple[int, int]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: tensor is not contiguous (shape={tuple(t.shape)}, "
+                         f"stride={tuple(t.stride())}); call .contiguous() first")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: tensor is on {t.device}; this engine moves CPU tensors "
+                         "(the GPU transport is not part of this build)")
+    return int(t.data_ptr()), int(t.numel() * t.element_size())
+
+
+class Handle:
+    """An operation in flight: engine operations and/or torch.distributed works.
+
+    test() never blocks; wait() blocks (timeout in seconds, default the
+    context's) and raises the operation's error.  Both may be called again
+    after completion."""
+
+    __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "__weakref__")
+
+    def __init__(self, ep: Endpoint | None, ops: Sequence[int] = (), works: Sequence = (),
+                 keep: Any = None):
+        self._ep, self._ops, self._works = ep, list(ops), list(works)
+        self._done, self._error, self._keep = False, None, keep
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._done, self._error, self._keep = True, error, None
+        self._ops, self._works = [], []
+
+    def test(self) -> bool:
+        if self._done:
+            if self._error:
+                raise self._error
+            return True
+        try:
+            while self._ops:
+                if not self._ep._comm_test(self._ops[0]):
+                    return False
+                self._ops.pop(0)
+            while self._works:
+                if not self._works[0].is_completed():
+                    return False
+                self._works.pop(0).wait()
+        except BaseException as e:
+            self._drain()
+            self._finish(e)
+            raise
+        self._finish(None)
+        return True
+
+    def _drain(self) -> None:
+        """After an error: wait out the rest, so nothing lands after we return."""
+        for op in self._ops:
+            try:
+                self._ep._comm_wait(op)
+            except BaseException:
+                pass
+        for w in self._works:
+            try:
+                w.wait()
+            except BaseException:
+                pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done:
+            if self._error:
+                raise self._error
+            return True
+        try:
+            while self._ops:
+                self._ep._comm_wait(self._ops[0], timeout)
+                self._ops.pop(0)
+            while self._works:
+                self._works.pop(0).wait()
+        except BaseException as e:
+            self._drain()
+            self._finish(e)
+            raise
+        self._finish(None)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.test()
+
+
+class P2POp:
+    """One entry of batch_isend_irecv: op is "send"/"recv" or isend/irecv."""
+
+    __slots__ = ("op", "tensor", "peer")
+
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int):
+        name = op if isinstance(op, str) else getattr(op, "__name__", None)
+        if name in ("send", "isend"):
+            self.op = "send"
+        elif name in ("recv", "irecv"):
+            self.op = "recv"
+        else:
+            raise ValueError(f"P2POp: op must be 'send', 'recv', isend or irecv, got {op!r}")
+        self.tensor, self.peer = tensor, peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
+
+
+class CollectiveContext:
+    """CollectiveContext(local_gpu_idx=None, use_copy_engine_for_intra=False, num_cpus=4)
+
+    Needs torch.distributed initialised (any backend), or ``store``, ``rank``
+    and ``world_size`` given (how the "uccl" process group bootstraps).
+    ``timeout_s`` bounds every blocking call (default UCCL_P2P_TIMEOUT_S or
+    300 s); ``group`` is the torch.distributed group same-node traffic uses
+    when use_copy_engine_for_intra=False (default: the world)."""
+
+    def __init__(self, local_gpu_idx: int | None = None, use_copy_engine_for_intra: bool = False,
+                 num_cpus: int = 4, *, timeout_s: float | None = None, store: Any = None,
+                 rank: int | None = None, world_size: int | None = None, group: Any = None):
+        if local_gpu_idx is None:
+            local_gpu_idx = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_gpu_idx < 0:
+            raise ValueError(f"local_gpu_idx must be >= 0, got {local_gpu_idx}")
+        if num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
+        self.local_gpu_idx = local_gpu_idx
+        self.use_copy_engine_for_intra = bool(use_copy_engine_for_intra)
+        self.num_cpus = num_cpus
+        self.timeout_s = timeout_s
+        self._store, self._group = store, group
+        self.rank = rank
+        self.world_size = world_size
+        self.ep: Endpoint | None = None
+        self._engine_peer: list[bool] = []
+        self._regs: dict[int, tuple[int, int, int]] = {}
+        self.setup_seconds: float | None = None
+        self.transports: dict[int, str] = {}
+
+    # -- setup ---------------------------------------------------------------
+    def init(self) -> "CollectiveContext":
+        import time
+        if self.ep is not None:
+            raise ValueError("this CollectiveContext is already initialised")
+        t0 = time.perf_counter()
+        store = self._store
+        if store is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("CollectiveContext needs torch.distributed initialised first "
+                                   "(dist.init_process_group(...)), or store/rank/world_size")
+            store = dist.distributed_c10d._get_default_store()
+            self.rank = dist.get_rank(self._group)
+            self.world_size = dist.get_world_size(self._group)
+        if self.rank is None or self.world_size is None:
+            raise ValueError("with a store, give rank and world_size too")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
+        store = dist.PrefixStore(f"uccl_collective/ctx{next(_context_seq)}/", store)
+        n, me = self.world_size, self.rank
+
+        secret = os.environ.get("UCCL_P2P_SECRET")
+        if not secret:  # a per-job secret, handed out through the store
+            if me == 0:
+                store.set("secret", secrets.token_hex(16))
+            secret = store.get("secret").decode()
+        node = node_id()
+        self.ep = Endpoint(self.local_gpu_idx, self.num_cpus, timeout_s=self.timeout_s,
+                           secret=secret, port=0, rank=me, host_id=_engine_host_id(node))
+        try:
+            self._connect_all(store, node, secret)
+        except BaseException:
+            self.ep.close()
+            self.ep = None
+            raise
+        self.setup_seconds = time.perf_counter() - t0
+        return self
+
+    def _connect_all(self, store, node: str, secret: str) -> None:
+        n, me, ep = self.world_size, self.rank, self.ep
+        ip, port = ep.address()
+        store.set(f"meta/{me}", json.dumps({"ip": ip, "port": port, "node": node}))
+        metas = [json.loads(store.get(f"meta/{r}")) for r in range(n)]
+        self.nodes = [m["node"] for m in metas]
+        self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
+                                          self.nodes[r] != node) for r in range(n)]
+        peers = [r for r in range(n) if self._engine_peer[r]]
+        send_conns, recv_conns = [0] * n, [0] * n
+
+        def connect(r: int) -> int:
+            return ep.connect(metas[r]["ip"], 0, metas[r]["port"], r)[1]
+
+        if peers:
+            with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
+                for r, conn in zip(peers, pool.map(connect, peers)):
+                    send_conns[r] = conn
+        for _ in peers:
+            _ok, peer_ip, _gpu, conn = ep.accept()
+            r = ep.conn_peer_rank(conn)
+            if not (0 <= r < n) or not self._engine_peer[r] or recv_conns[r]:
+                raise UcclError(f"rank {me}: unexpected connection from {peer_ip} claiming rank "
+                                f"{r} (expected one from each of ranks {peers})")
+            recv_conns[r] = conn
+        for r in peers:
+            self.transports[r] = ep.conn_transport(send_conns[r])
+        ep._comm_init(me, n, send_conns, recv_conns)
+
+    def _ep(self) -> Endpoint:
+        if self.ep is None:
+            raise ValueError("CollectiveContext is not initialised (call init()) or finalized")
+        return self.ep
+
+    def finalize(self) -> None:
+        if self.ep is not None:
+            self.ep.close()
+            self.ep = None
+            self._regs.clear()
+
+    def __enter__(self) -> "CollectiveContext":
+        if self.ep is None:
+            self.init()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finalize()
+
+    # -- registration ----------------------------------------------------------
+    def register_tensor(self, t: torch.Tensor) -> int:
+        ptr, size = _tensor_buf(t, "register_tensor")
+        if ptr in self._regs:
+            return self._regs[ptr][2]
+        mr = self._ep().reg(ptr, size)[1]
+        self._regs[ptr] = (ptr, size, mr)
+        return mr
+
+    def deregister_tensor(self, t: torch.Tensor) -> bool:
+        ptr, _ = _tensor_buf(t, "deregister_tensor")
+        reg = self._regs.pop(ptr, None)
+        if reg is None:
+            return False
+        self._ep().dereg(reg[2])
+        return True
+
+    def _buf(self, t: torch.Tensor, what: str) -> tuple[int, int, int]:
+        """(ptr, nbytes, mr): mr of a registered region holding it, else 0."""
+        ptr, size = _tensor_buf(t, what)
+        for base, length, mr in self._regs.values():
+            if base <= ptr and ptr + size <= base + length:
+                return ptr, size, mr
+        return ptr, size, 0
+
+    def _check_peer(self, peer: int, what: str) -> int:
+        if not isinstance(peer, int) or isinstance(peer, bool):
+            raise TypeError(f"{what}: peer rank must be an int, got {type(peer).__name__}")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"{what}: peer rank {peer} is not another rank in "
+                             f"0..{self.world_size - 1} (this is rank {self.rank})")
+        return peer
+
+    # -- point to point --------------------------------------------------------
+    def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str) -> Handle:
+        ep = self._ep()
+        engine, works, keep = [], [], []
+        for kind, t, peer in entries:
+            self._check_peer(peer, what)
+            if self._engine_peer[peer]:
+                engine.append((_SEND if kind == "send" else _RECV, peer, self._buf(t, what)))
+            else:
+                _tensor_buf(t, what)
+                fn = dist.isend if kind == "send" else dist.irecv
+                works.append(fn(t, peer, group=self._group))
+            keep.append(t)
+        ops = [ep._comm_p2p(engine)] if engine else []
+        return Handle(ep, ops, works, keep)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        return self._p2p([("send", tensor, dst)], "isend")
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        return self._p2p([("recv", tensor, src)], "irecv")
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.isend(tensor, dst).wait(self.timeout_s)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self.irecv(tensor, src).wait(self.timeout_s)
+
+    def test(self, handle: Handle) -> bool:
+        return handle.test()
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> bool:
+        return handle.wait(timeout)
+
+    def wait_all(self, handles: Iterable[Handle], timeout: float | None = None) -> bool:
+        first = None
+        for h in list(handles):
+            try:
+                h.wait(timeout)
+            except BaseException as e:  # wait for the rest, then raise the first
+                first = first or e
+        if first is not None:
+            raise first
+        return True
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Posts every op at once (in order); returns one handle per op."""
+        ops = list(ops)
+        for i, o in enumerate(ops):
+            if not isinstance(o, P2POp):
+                raise TypeError(f"batch_isend_irecv: entry {i} is {type(o).__name__}, "
+                                "not a P2POp")
+        if not ops:
+            return []
+        h = self._p2p([(o.op, o.tensor, o.peer) for o in ops], "batch_isend_irecv")
+        return [h] * len(ops)
+
+    def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor,
+                 src: int) -> None:
+        """One ring step: send to dst and receive from src at once."""
+        self._p2p([("send", send_tensor, dst), ("recv", recv_tensor, src)],
+                  "sendrecv").wait(self.timeout_s)
+
+    # -- allgather -------------------------------------------------------------
+    def _recv_chunks(self, send_tensor: torch.Tensor, recv: Any, what: str,
+                     uneven: bool) -> list[torch.Tensor]:
+        n = self.world_size
+        if not isinstance(send_tensor, torch.Tensor):
+            raise TypeError(f"{what}: send_tensor must be a torch.Tensor, got "
+                            f"{type(send_tensor).__name__}")
+        if isinstance(recv, torch.Tensor):
+            if uneven:
+                raise TypeError(f"{what}: recv_list must be a list of {n} tensors")
+            if recv.dtype != send_tensor.dtype:
+                raise ValueError(f"{what}: recv dtype {recv.dtype} != send dtype "
+                                 f"{send_tensor.dtype}")
+            if recv.numel() != n * send_tensor.numel():
+                raise ValueError(f"{what}: recv has {recv.numel()} elements; world_size {n} x "
+                                 f"send's {send_tensor.numel()} = {n * send_tensor.numel()} "
+                                 "expected")
+            _tensor_buf(recv, what)
+            return list(recv.reshape(-1).chunk(n)) if send_tensor.numel() else \
+                [recv.reshape(-1)[:0]] * n
+        if not isinstance(recv, (list, tuple)):
+            raise TypeError(f"{what}: recv must be a tensor or a list of {n} tensors, got "
+                            f"{type(recv).__name__}")
+        if len(recv) != n:
+            raise ValueError(f"{what}: {len(recv)} receive tensors for world_size {n}")
+        for r, t in enumerate(recv):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: recv[{r}] is {type(t).__name__}, not a tensor")
+            if t.dtype != send_tensor.dtype:
+                raise ValueError(f"{what}: recv[{r}] dtype {t.dtype} != send dtype "
+                                 f"{send_tensor.dtype}")
+            if not uneven and t.numel() != send_tensor.numel():
+                raise ValueError(f"{what}: recv[{r}] has {t.numel()} elements, send has "
+                                 f"{send_tensor.numel()} (use allgatherv for uneven chunks)")
+        if recv[self.rank].numel() != send_tensor.numel():
+            raise ValueError(f"{what}: recv[{self.rank}] (this rank's chunk) has "
+                             f"{recv[self.rank].numel()} elements, send has "
+                             f"{send_tensor.numel()}")
+        return list(recv)
+
+    def _iallgather(self, send_tensor, recv, algorithm: str, what: str, uneven: bool) -> Handle:
+        ep = self._ep()
+        if algorithm not in _ALGOS:
+            raise ValueError(f"{what}: algorithm must be 'auto', 'direct' or 'ring', got "
+                             f"{algorithm!r}")
+        chunks = self._recv_chunks(send_tensor, recv, what, uneven)
+        send = self._buf(send_tensor, what)
+        bufs = [self._buf(c, what) for c in chunks]
+        n, me = self.world_size, self.rank
+        algo = ep._comm_pick_algo(_ALGOS[algorithm], send[1])
+        keep = (send_tensor, recv, chunks)
+        if all(self._engine_peer[r] for r in range(n) if r != me):
+            return Handle(ep, [ep._comm_allgather(send, bufs, algo)], (), keep)
+        # Some peers go through torch.distributed (same node, copy engine off).
+        if chunks[me].data_ptr() != send_tensor.data_ptr():
+            chunks[me].copy_(send_tensor.reshape(-1).view_as(chunks[me]))
+        if algo == _engine.AG_DIRECT:
+            entries = [("recv", chunks[r], r) for r in range(n) if r != me]
+            entries += [("send", send_tensor, r) for r in range(n) if r != me]
+            return self._p2p(entries, what)
+        # Ring with mixed hops: one step at a time (synchronous).
+        left, right = (me - 1) % n, (me + 1) % n
+        for s in range(n - 1):
+            out_c, in_c = chunks[(me - s) % n], chunks[(me - s - 1) % n]
+            self._p2p([("send", out_c, right), ("recv", in_c, left)], what).wait(self.timeout_s)
+        return Handle(ep)
+
+    def iallgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> Handle:
+        return self._iallgather(send_tensor, recv, algorithm, "iallgather", uneven=False)
+
+    def allgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> None:
+        self.iallgather(send_tensor, recv, algorithm).wait(self.timeout_s)
+
+    def iallgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
+                    algorithm: str = "auto") -> Handle:
+        return self._iallgather(send_tensor, recv_list, algorithm, "iallgatherv", uneven=True)
+
+    def allgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
+                   algorithm: str = "auto") -> None:
+        self.iallgatherv(send_tensor, recv_list, algorithm).wait(self.timeout_s)
+
+    def transport_to(self, peer: int) -> str:
+        """'tcp', 'shm-cma', 'shm-ring' or 'torch.distributed'."""
+        self._check_peer(peer, "transport_to")
+        return self.transports.get(peer, "torch.distributed")
+
+
+# -- the default context and module-level wrappers ------------------------------
+_default: CollectiveContext | None = None
+_default_lock = threading.Lock()
+
+
+def init_collective(local_gpu_idx: int | None = None, use_copy_engine_for_intra: bool = False,
+                    num_cpus: int = 4, **kwargs) -> CollectiveContext:
+    global _default
+    with _default_lock:
+        if _default is not None:
+            raise RuntimeError("init_collective() was already called; finalize_collective() first")
+        ctx = CollectiveContext(local_gpu_idx, use_copy_engine_for_intra, num_cpus, **kwargs)
+        ctx.init()
+        _default = ctx
+        return ctx
+
+
+def get_collective() -> CollectiveContext:
+    if _default is None:
+        raise RuntimeError("no collective context: call init_collective() first")
+    return _default
+
+
+def finalize_collective() -> None:
+    global _default
+    with _default_lock:
+        if _default is not None:
+            _default.finalize()
+            _default = None
+
+
+def _wrap(name: str) -> Callable:
+    def fn(*args, **kwargs):
+        return getattr(get_collective(), name)(*args, **kwargs)
+    fn.__name__ = name
+    fn.__doc__ = f"{name}(...) on the default context (see CollectiveContext.{name})."
+    return fn
+
+
+register_tensor = _wrap("register_tensor")
+deregister_tensor = _wrap("deregister_tensor")
+send, recv = _wrap("send"), _wrap("recv")
+isend, irecv = _wrap("isend"), _wrap("irecv")
+test, wait, wait_all = _wrap("test"), _wrap("wait"), _wrap("wait_all")
+batch_isend_irecv = _wrap("batch_isend_irecv")
+sendrecv = _wrap("sendrecv")
+allgather, iallgather = _wrap("allgather"), _wrap("iallgather")
+allgatherv, iallgatherv = _wrap("allgatherv"), _wrap("iallgatherv")
