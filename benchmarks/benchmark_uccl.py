@@ -25,10 +25,7 @@ ranks, so a transfer that moves wrong bytes never gets a number.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
-import re
 import secrets
 import statistics
 import sys
@@ -39,7 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gloo_ops import gloo_pingpong  # noqa: E402 (this script's folder is on sys.path)
+from bench_common import parse_sizes, pretty, write_results  # noqa: E402 (this folder is on sys.path)
+from gloo_ops import gloo_pingpong  # noqa: E402
 from tqdm import tqdm
 
 GPU_TODO = "GPU transport lands with the CUDA IPC issue"
@@ -48,29 +46,6 @@ CTL_BYTES = 8  # ready / ack messages
 
 
 # --------------------------------------------------------------- arguments --
-def parse_size(text: str) -> int:
-    # Binary units, as upstream's sweep (1K = 1024); "64K", "64KB", "64KiB" all work.
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4096, 64K, 1M, 256M, 1G")
-    n = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return n
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
-
-
-def pretty(n: int) -> str:
-    for unit, shift in (("GB", 30), ("MB", 20), ("KB", 10)):
-        if n >= 1 << shift:
-            v = n / (1 << shift)
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n} B"
-
-
 def get_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -528,16 +503,8 @@ def main():
         rows.append(row)
         dist.barrier()  # phases of consecutive sizes never overlap
 
-    if lead and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "torch": torch.__version__,
-                       "results": rows}, f, indent=2)
-    if lead and args.csv:
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+    if lead:
+        write_results(rows, args)
     dist.barrier()  # the peer must not close its endpoint while a transfer is pending here
     b.close()
     dist.destroy_process_group()

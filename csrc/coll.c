@@ -7,6 +7,7 @@
 #include "coll.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -35,8 +36,12 @@ struct op {
     int kind, state, algo;
     int status;
     char msg[512];
-    int abort;                   /* a waiter gave up (under cm->mu) */
+    atomic_int abort;            /* a waiter gave up: whoever runs it stops it */
+    int async;                   /* nobody waits at once: the worker runs it */
     int collecting;              /* p2p: one waiter is collecting the transfers */
+    int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 waiting */
+    struct fwd { int c, rx; size_t off, len; } *fwd; /* ring: forward after receive rx */
+    int nfwd;
     int n;                       /* p2p: number of entries */
     struct uccl_coll_p2p *p2p;
     struct uccl_coll_buf send;
@@ -55,7 +60,10 @@ struct uccl__comm {
     size_t piece;                /* UCCL_COLL_PIECE_KB, or 0: chosen per chunk */
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;           /* queue and operation state changes */
+    pthread_cond_t work_cv;      /* the worker: async work may be runnable */
     struct op *qhead, *qtail;
+    struct op *cur;              /* the operation started and not finished (at most one) */
+    int executing;               /* a thread is advancing cur (the execution token) */
     struct uccl__idmap ops;
     uint64_t next_id;
     int failed, fail_status;
@@ -83,6 +91,7 @@ static void op_free(struct op *o)
     free(o->recv);
     free(o->tmp_mr);
     free(o->x.id);
+    free(o->fwd);
     free(o);
 }
 
@@ -128,6 +137,7 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&cm->cv, &ca);
+    pthread_cond_init(&cm->work_cv, &ca);
     pthread_condattr_destroy(&ca);
     *comm_p = cm;
     return UCCL_OK;
@@ -175,12 +185,13 @@ static int reg_tmp(struct uccl__comm *cm, struct op *o, struct uccl_coll_buf *b)
 static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
                 const struct uccl_coll_buf *b, size_t off, size_t len)
 {
-    uint64_t conn = kind == UCCL_XFER_SEND ? cm->send_conn[peer] : cm->recv_conn[peer];
+    uint64_t conn = (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_SEND ? cm->send_conn[peer]
+                                                                    : cm->recv_conn[peer];
     uint64_t id;
     int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, &id);
     if (rc)
         return set_err(rc, o->msg, sizeof(o->msg), "%s %s rank %d: %s",
-                       kind == UCCL_XFER_SEND ? "send to" : "recv from",
+                       (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_SEND ? "send to" : "recv from",
                        o->kind == OP_P2P ? "p2p" : "allgather", peer, uccl_last_error());
     if (xlist_push(&o->x, id)) {
         uccl_ep_abort(cm->ep, id, "out of memory");
@@ -190,37 +201,10 @@ static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
     return UCCL_OK;
 }
 
-static int aborted(struct uccl__comm *cm, struct op *o)
+static const char *what(const struct op *o)
 {
-    pthread_mutex_lock(&cm->mu);
-    int a = o->abort || cm->stop;
-    pthread_mutex_unlock(&cm->mu);
-    return a;
-}
-
-static int abandoned(struct op *o)
-{
-    return set_err(UCCL_ERR_TIMEOUT, o->msg, sizeof(o->msg), "allgather abandoned: its caller "
-                   "gave up (timeout or interrupt) or the communicator was shut down");
-}
-
-/* Wait for transfer i of o (and every one before it) in worker slices. */
-static int wait_upto(struct uccl__comm *cm, struct op *o, int upto)
-{
-    while (o->x.waited < upto) {
-        uint64_t id = o->x.id[o->x.waited];
-        int rc = uccl_ep_wait(cm->ep, id, o->deadline, WORKER_SLICE_NS);
-        if (rc == UCCL_INPROGRESS) {
-            if (aborted(cm, o))
-                return abandoned(o);
-            continue;
-        }
-        if (rc)
-            return set_err(rc, o->msg, sizeof(o->msg), "allgather: %s", uccl_last_error());
-        uccl_ep_release(cm->ep, id);
-        o->x.waited++;
-    }
-    return UCCL_OK;
+    return o->kind == OP_P2P ? "p2p" : o->algo == UCCL_AG_RING ? "ring allgather"
+                                                              : "direct allgather";
 }
 
 /* After a failure: make sure nothing lands in the operation's buffers any
@@ -247,17 +231,25 @@ static size_t piece_for(const struct uccl__comm *cm, size_t len)
     return (p + 4095) & ~(size_t)4095;
 }
 
-/* Post chunk b as pieces (at least one, so an empty chunk is still matched
- * and a length mismatch shows). */
-static int post_pieces(struct uccl__comm *cm, struct op *o, int kind, int peer,
-                       const struct uccl_coll_buf *b)
+/* Post chunk c (this rank's own when c < 0) as pieces: at least one, so an
+ * empty chunk is still matched and a length mismatch shows.  With fwd, also
+ * record each piece as a forward to make once it has arrived. */
+static int post_pieces(struct uccl__comm *cm, struct op *o, int kind, int peer, int c, int fwd)
 {
+    const struct uccl_coll_buf *b = c < 0 ? &o->send : &o->recv[c];
     size_t p = piece_for(cm, b->len), off = 0;
     do {
         size_t len = b->len - off < p ? b->len - off : p;
         int rc = post(cm, o, kind, peer, b, off, len);
         if (rc)
             return rc;
+        if (fwd) {
+            struct fwd *f = realloc(o->fwd, (size_t)(o->nfwd + 1) * sizeof(*f));
+            if (!f)
+                return set_err(UCCL_ERR_NOMEM, o->msg, sizeof(o->msg), "out of memory");
+            o->fwd = f;
+            f[o->nfwd++] = (struct fwd){.c = c, .rx = o->x.n - 1, .off = off, .len = len};
+        }
         off += len;
     } while (off < b->len);
     return UCCL_OK;
@@ -270,86 +262,97 @@ static void copy_own(struct uccl__comm *cm, struct op *o)
         memmove((void *)own->ptr, (const void *)o->send.ptr, o->send.len);
 }
 
-static int run_allgather(struct uccl__comm *cm, struct op *o)
+/* Phase 0: registrations and every transfer that can be posted now. */
+static int start_op(struct uccl__comm *cm, struct op *o)
 {
-    int n = cm->size, me = cm->rank, rc;
+    int n = cm->size, me = cm->rank, rc = UCCL_OK;
+    if (o->kind == OP_P2P) {
+        for (int i = 0; i < o->n && rc == UCCL_OK; i++) {
+            struct uccl_coll_p2p *e = &o->p2p[i];
+            if ((rc = reg_tmp(cm, o, &e->buf)))
+                return set_err(rc, o->msg, sizeof(o->msg), "p2p: %s", uccl_last_error());
+            rc = post(cm, o, e->op, e->peer, &e->buf, 0, e->buf.len);
+        }
+        return rc;
+    }
     rc = reg_tmp(cm, o, &o->send);
     for (int r = 0; r < n && rc == UCCL_OK; r++)
         if (r != me)
             rc = reg_tmp(cm, o, &o->recv[r]);
     if (rc)
         return set_err(rc, o->msg, sizeof(o->msg), "allgather: %s", uccl_last_error());
-
+    /* Sends first, so that peers can start pulling; then this rank's own
+     * chunk; then the receives.  A caller that waits at once posts them
+     * "blocking": a peer's announcement already in is pulled right here,
+     * on this thread, instead of being handed to the connection's worker. */
+    int rflag = o->async ? 0 : UCCL_XFER_BLOCKING;
     if (o->algo == UCCL_AG_DIRECT) {
-        /* Staggered so that the ranks do not all start with rank 0. */
-        for (int i = 1; i < n; i++)
-            if ((rc = post(cm, o, UCCL_XFER_RECV, (me - i + n) % n, &o->recv[(me - i + n) % n],
-                           0, o->recv[(me - i + n) % n].len)))
-                return rc;
-        for (int i = 1; i < n; i++)
-            if ((rc = post(cm, o, UCCL_XFER_SEND, (me + i) % n, &o->send, 0, o->send.len)))
-                return rc;
-        copy_own(cm, o);
-        return wait_upto(cm, o, o->x.n);
+        /* Staggered, so that the ranks do not all start with rank 0. */
+        for (int i = 1; i < n && rc == UCCL_OK; i++)
+            rc = post(cm, o, UCCL_XFER_SEND, (me + i) % n, &o->send, 0, o->send.len);
+        if (rc == UCCL_OK)
+            copy_own(cm, o);
+        for (int i = 1; i < n && rc == UCCL_OK; i++) {
+            int r = (me - i + n) % n;
+            rc = post(cm, o, UCCL_XFER_RECV | rflag, r, &o->recv[r], 0, o->recv[r].len);
+        }
+        return rc;
     }
-
-    /* Ring: step s receives chunk (me-1-s) from the left and, from the
-     * second step on, forwards the chunk received in the step before. */
-    int left = (me - 1 + n) % n, right = (me + 1) % n;
     if (n == 1) {
         copy_own(cm, o);
         return UCCL_OK;
     }
-    for (int s = 0; s < n - 1; s++)
-        if ((rc = post_pieces(cm, o, UCCL_XFER_RECV, left, &o->recv[(me - 1 - s + 2 * n) % n])))
-            return rc;
-    if ((rc = post_pieces(cm, o, UCCL_XFER_SEND, right, &o->send)))
-        return rc;
-    copy_own(cm, o);
-    /* Waiting in posting order: receives first, in order; the sends posted
-     * so far finish meanwhile and are collected at the end. */
-    int rx = 0;
-    for (int s = 0; s < n - 2; s++) {
-        const struct uccl_coll_buf *b = &o->recv[(me - 1 - s + 2 * n) % n];
-        size_t p = piece_for(cm, b->len), off = 0;
-        do {
-            size_t len = b->len - off < p ? b->len - off : p;
-            /* wait for receive number rx without releasing the ones behind it */
-            for (;;) {
-                rc = uccl_ep_wait(cm->ep, o->x.id[rx], o->deadline, WORKER_SLICE_NS);
-                if (rc != UCCL_INPROGRESS)
-                    break;
-                if (aborted(cm, o)) {
-                    rc = abandoned(o);
-                    goto out;
-                }
-            }
-            if (rc) {
-                rc = set_err(rc, o->msg, sizeof(o->msg), "ring allgather, step %d: %s", s,
-                             uccl_last_error());
-                goto out;
-            }
-            rx++;
-            if ((rc = post(cm, o, UCCL_XFER_SEND, right, b, off, len)))
-                goto out;
-            off += len;
-        } while (off < b->len);
-    }
-    rc = wait_upto(cm, o, o->x.n);
-out:
+    /* Ring: step s receives chunk me-1-s from the left; the chunks of steps
+     * 0..n-3 are forwarded to the right piece by piece as they arrive. */
+    int left = (me - 1 + n) % n, right = (me + 1) % n;
+    rc = post_pieces(cm, o, UCCL_XFER_SEND, right, -1, 0);
+    if (rc == UCCL_OK)
+        copy_own(cm, o);
+    for (int s = 0; s < n - 1 && rc == UCCL_OK; s++)
+        rc = post_pieces(cm, o, UCCL_XFER_RECV | rflag, left, (me - 1 - s + 2 * n) % n,
+                         s < n - 2);
     return rc;
 }
 
-static int run_p2p(struct uccl__comm *cm, struct op *o)
+/* Wait for transfer i of o until `until`. */
+static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t until)
 {
-    for (int i = 0; i < o->n; i++) {
-        struct uccl_coll_p2p *e = &o->p2p[i];
-        int rc = reg_tmp(cm, o, &e->buf);
-        if (rc)
-            return set_err(rc, o->msg, sizeof(o->msg), "p2p: %s", uccl_last_error());
-        if ((rc = post(cm, o, e->op, e->peer, &e->buf, 0, e->buf.len)))
+    uint64_t now = uccl__now_ns();
+    int rc = uccl_ep_wait(cm->ep, o->x.id[i], o->deadline, until > now ? until - now : 0);
+    if (rc == UCCL_INPROGRESS || rc == UCCL_OK)
+        return rc;
+    return set_err(rc, o->msg, sizeof(o->msg), "%s: %s", what(o), uccl_last_error());
+}
+
+/* Advance o (the caller holds the execution token) until it is finished
+ * (p2p: posted) or `until` passes: UCCL_OK, UCCL_INPROGRESS or an error. */
+static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
+{
+    int rc;
+    if (o->phase == 0) {
+        if ((rc = start_op(cm, o)))
             return rc;
+        o->phase = 1;
+        if (o->kind == OP_P2P)
+            return UCCL_OK; /* its waiters collect the transfers */
     }
+    if (o->phase == 1) {
+        int right = (cm->rank + 1) % cm->size;
+        for (; o->cursor < o->nfwd; o->cursor++) {
+            const struct fwd *f = &o->fwd[o->cursor];
+            if ((rc = wait_one(cm, o, f->rx, until)))
+                return rc;
+            if ((rc = post(cm, o, UCCL_XFER_SEND, right, &o->recv[f->c], f->off, f->len)))
+                return rc;
+        }
+        o->phase = 2;
+    }
+    for (; o->x.waited < o->x.n; o->x.waited++) {
+        if ((rc = wait_one(cm, o, o->x.waited, until)))
+            return rc;
+        uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
+    }
+    cleanup(cm, o, 0);
     return UCCL_OK;
 }
 
@@ -386,37 +389,53 @@ static void unlink_queued(struct uccl__comm *cm, struct op *o)
     o->next = NULL;
 }
 
-static void *worker_main(void *arg)
+/* Under cm->mu: may the calling thread advance o now?  Operations start
+ * strictly in order and one at a time, so posts reach every connection in
+ * the order all ranks issued them. */
+static int runnable(const struct uccl__comm *cm, const struct op *o)
 {
-    struct uccl__comm *cm = arg;
-    pthread_mutex_lock(&cm->mu);
-    for (;;) {
-        while (!cm->stop && !cm->qhead)
-            pthread_cond_wait(&cm->cv, &cm->mu);
-        if (cm->stop)
-            break;
-        struct op *o = cm->qhead;
-        cm->qhead = o->next;
-        if (!cm->qhead)
-            cm->qtail = NULL;
-        if (o->state == ST_FAILED) /* abandoned while queued */
-            continue;
-        if (cm->failed || o->abort) {
-            fail_queued(o, cm->failed ? cm->fail_status : UCCL_ERR_TIMEOUT,
+    return !cm->executing && (cm->cur == o || (!cm->cur && cm->qhead == o));
+}
+
+/* Under cm->mu, o runnable: take the execution token for it (starting it if
+ * queued).  0: it must not run (an earlier operation failed), and is failed. */
+static int take(struct uccl__comm *cm, struct op *o)
+{
+    if (!cm->cur) {
+        unlink_queued(cm, o);
+        if (cm->failed || cm->stop) {
+            fail_queued(o, cm->stop ? UCCL_ERR_CLOSED : cm->fail_status,
                         "not run: an earlier operation on this communicator failed (",
-                        cm->failed ? cm->fail_msg : "abandoned");
+                        cm->stop ? "shut down" : cm->fail_msg);
             pthread_cond_broadcast(&cm->cv);
-            continue;
+            pthread_cond_signal(&cm->work_cv);
+            return 0;
         }
+        cm->cur = o;
         o->state = ST_RUNNING;
         o->deadline = uccl__now_ns() + uccl_ep_timeout_ns(cm->ep);
-        pthread_mutex_unlock(&cm->mu);
+    }
+    cm->executing = 1;
+    return 1;
+}
 
-        int rc = o->kind == OP_P2P ? run_p2p(cm, o) : run_allgather(cm, o);
-        if (rc || o->kind == OP_ALLGATHER)
-            cleanup(cm, o, rc != UCCL_OK);
-
-        pthread_mutex_lock(&cm->mu);
+/* Under cm->mu with the token for o: advance it until `until` without the
+ * lock, then give the token back.  An abandoned operation is stopped here. */
+static int run_slice(struct uccl__comm *cm, struct op *o, uint64_t until)
+{
+    int stop = cm->stop;
+    pthread_mutex_unlock(&cm->mu);
+    int rc = atomic_load(&o->abort) || stop ? UCCL_INPROGRESS : advance(cm, o, until);
+    if (rc == UCCL_INPROGRESS && (atomic_load(&o->abort) || stop))
+        rc = set_err(stop ? UCCL_ERR_CLOSED : UCCL_ERR_TIMEOUT, o->msg, sizeof(o->msg),
+                     "%s abandoned: %s", what(o), stop ? "the communicator was shut down"
+                     : "its caller gave up (timeout or interrupt)");
+    if (rc != UCCL_OK && rc != UCCL_INPROGRESS)
+        cleanup(cm, o, 1);
+    pthread_mutex_lock(&cm->mu);
+    cm->executing = 0;
+    if (rc != UCCL_INPROGRESS) {
+        cm->cur = NULL;
         if (rc) {
             o->status = rc;
             o->state = ST_FAILED;
@@ -424,13 +443,27 @@ static void *worker_main(void *arg)
         } else {
             o->state = o->kind == OP_P2P ? ST_POSTED : ST_DONE;
         }
-        pthread_cond_broadcast(&cm->cv);
     }
-    for (struct op *o = cm->qhead; o; o = o->next)
-        if (o->state != ST_FAILED)
-            fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
-    cm->qhead = cm->qtail = NULL;
     pthread_cond_broadcast(&cm->cv);
+    pthread_cond_signal(&cm->work_cv);
+    return rc;
+}
+
+/* The worker advances only operations nobody waits on (async ones); a
+ * blocking call's caller advances its own, with no thread handoff. */
+static void *worker_main(void *arg)
+{
+    struct uccl__comm *cm = arg;
+    pthread_mutex_lock(&cm->mu);
+    while (!cm->stop) {
+        struct op *o = cm->cur ? cm->cur : cm->qhead;
+        if (!o || cm->executing || !o->async) {
+            pthread_cond_wait(&cm->work_cv, &cm->mu);
+            continue;
+        }
+        if (take(cm, o))
+            run_slice(cm, o, uccl__now_ns() + WORKER_SLICE_NS);
+    }
     pthread_mutex_unlock(&cm->mu);
     return NULL;
 }
@@ -438,7 +471,7 @@ static void *worker_main(void *arg)
 /* ------------------------------------------------------------------------- */
 /* submission                                                                 */
 
-static int submit(struct uccl__comm *cm, struct op *o, uint64_t *op_p)
+static int submit(struct uccl__comm *cm, struct op *o, int async, uint64_t *op_p)
 {
     pthread_mutex_lock(&cm->mu);
     int rc = UCCL_OK;
@@ -447,7 +480,7 @@ static int submit(struct uccl__comm *cm, struct op *o, uint64_t *op_p)
     else if (cm->failed)
         rc = uccl__err(cm->fail_status, "an earlier operation on this communicator failed, so "
                        "its ranks no longer agree on what comes next: %s", cm->fail_msg);
-    if (rc == UCCL_OK && !cm->worker_started) {
+    if (rc == UCCL_OK && async && !cm->worker_started) {
         if (pthread_create(&cm->worker, NULL, worker_main, cm))
             rc = uccl__err(UCCL_ERR_IO, "pthread_create: %s", strerror(errno));
         else
@@ -462,14 +495,18 @@ static int submit(struct uccl__comm *cm, struct op *o, uint64_t *op_p)
         op_free(o);
         return rc;
     }
+    o->async = async;
     if (cm->qtail)
         cm->qtail->next = o;
     else
         cm->qhead = o;
     cm->qtail = o;
-    pthread_cond_broadcast(&cm->cv);
-    pthread_mutex_unlock(&cm->mu);
     *op_p = o->id;
+    /* Nothing ahead of it: post what can be posted now, on this thread. */
+    if (async && runnable(cm, o) && take(cm, o))
+        run_slice(cm, o, 0);
+    pthread_cond_signal(&cm->work_cv);
+    pthread_mutex_unlock(&cm->mu);
     return UCCL_OK;
 }
 
@@ -521,11 +558,11 @@ int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, uint6
     memcpy(o->p2p, ops, (size_t)n * sizeof(*ops));
     o->kind = OP_P2P;
     o->n = n;
-    return submit(cm, o, op_p);
+    return submit(cm, o, 1, op_p);
 }
 
 int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
-                        const struct uccl_coll_buf *recv, int algo, uint64_t *op_p)
+                        const struct uccl_coll_buf *recv, int algo, int async, uint64_t *op_p)
 {
     int n = cm->size, me = cm->rank, rc;
     if (algo != UCCL_AG_AUTO && algo != UCCL_AG_DIRECT && algo != UCCL_AG_RING)
@@ -561,7 +598,7 @@ int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
     o->send = *send;
     o->kind = OP_ALLGATHER;
     o->algo = algo;
-    return submit(cm, o, op_p);
+    return submit(cm, o, async, op_p);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -635,26 +672,34 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
             continue;
         }
         now = uccl__now_ns();
-        if (now >= deadline) {
-            /* Give up: a queued operation never runs; a running one is
-             * stopped by the worker, which returns once nothing can land. */
-            o->abort = 1;
-            if (o->state == ST_QUEUED) {
+        if (now >= deadline && o->state != ST_POSTED) {
+            /* Give up: a queued operation never runs; a started one is
+             * stopped by whoever advances it next (us, if nobody does). */
+            atomic_store(&o->abort, 1);
+            if (o->state == ST_QUEUED && cm->qhead != o) {
                 unlink_queued(cm, o);
                 fail_queued(o, UCCL_ERR_TIMEOUT, "timed out while queued behind earlier "
                             "operations", "");
                 fail_comm(cm, UCCL_ERR_TIMEOUT, o->msg);
+                pthread_cond_broadcast(&cm->cv);
+                continue;
             }
-            pthread_cond_broadcast(&cm->cv);
-            struct timespec ts = abs_mono(now + 2000000000ull);
-            pthread_cond_timedwait(&cm->cv, &cm->mu, &ts);
+        }
+        if ((o->state == ST_QUEUED || o->state == ST_RUNNING) && runnable(cm, o)) {
+            if (take(cm, o))
+                run_slice(cm, o, until);
+            if (uccl__now_ns() >= until && o->state != ST_DONE && o->state != ST_FAILED &&
+                o->state != ST_POSTED) {
+                rc = UCCL_INPROGRESS;
+                break;
+            }
             continue;
         }
-        if (now >= until) {
+        if (now >= until && now < deadline) {
             rc = UCCL_INPROGRESS;
             break;
         }
-        struct timespec ts = abs_mono(until);
+        struct timespec ts = abs_mono(now >= until ? now + 2000000ull : until);
         pthread_cond_timedwait(&cm->cv, &cm->mu, &ts);
     }
     pthread_mutex_unlock(&cm->mu);
@@ -704,11 +749,17 @@ void uccl_comm_shutdown(uccl_comm_t *cm)
     pthread_mutex_lock(&cm->mu);
     int join = cm->worker_started && !cm->stop;
     cm->stop = 1;
+    pthread_cond_broadcast(&cm->work_cv);
     pthread_cond_broadcast(&cm->cv);
     pthread_mutex_unlock(&cm->mu);
     if (join)
         pthread_join(cm->worker, NULL);
     pthread_mutex_lock(&cm->mu);
+    /* A waiter still advancing cur sees stop at its next slice. */
+    while (cm->executing)
+        pthread_cond_wait(&cm->cv, &cm->mu);
+    if (cm->cur && take(cm, cm->cur))
+        run_slice(cm, cm->cur, 0); /* stops it: nothing lands in its buffers afterwards */
     for (struct op *o = cm->qhead; o; o = o->next)
         if (o->state != ST_FAILED)
             fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
@@ -733,6 +784,7 @@ void uccl_comm_destroy(uccl_comm_t *cm)
     uccl__idmap_free(&cm->ops);
     pthread_mutex_destroy(&cm->mu);
     pthread_cond_destroy(&cm->cv);
+    pthread_cond_destroy(&cm->work_cv);
     free(cm->send_conn);
     free(cm->recv_conn);
     free(cm);

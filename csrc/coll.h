@@ -4,8 +4,9 @@
  *
  * Every rank must issue the same operations in the same order, as with
  * NCCL: messages on a connection are matched in the order they are posted.
- * So each communicator runs its operations strictly in submission order on
- * one worker thread; a caller waits for the operation it submitted.  The
+ * So each communicator starts its operations strictly in submission order,
+ * one at a time.  An operation is advanced by the thread that waits for it
+ * (no handoff), or by a worker thread while nobody waits (async calls).  The
  * first operation that fails poisons the communicator (NCCL's rule): later
  * ones fail at once with its reason, since their peers can no longer agree
  * on what comes next. */
@@ -50,9 +51,11 @@ void uccl_comm_destroy(uccl_comm_t *cm);
 int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, uint64_t *op_p);
 /* Allgather: send (this rank's chunk) to every rank; recv[r] receives rank
  * r's chunk (recv[r].len must be what rank r sends: a mismatch fails the
- * receiver).  recv[rank] may be send itself (in place) or a copy target. */
+ * receiver).  recv[rank] may be send itself (in place) or a copy target.
+ * async 0: the caller waits at once and advances it itself (no thread
+ * handoff); 1: the worker thread advances it while nobody waits. */
 int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
-                        const struct uccl_coll_buf *recv, int algo, uint64_t *op_p);
+                        const struct uccl_coll_buf *recv, int algo, int async, uint64_t *op_p);
 
 /* UCCL_OK: done; UCCL_INPROGRESS: the slice passed; past the deadline the
  * operation is aborted (nothing lands in its buffers after this returns)

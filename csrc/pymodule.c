@@ -735,7 +735,13 @@ static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *arg)
             goto out;
     }
     uint64_t id;
-    int rc = uccl_comm_p2p(self->comm, ops, (int)n, &id);
+    int rc;
+    uccl_comm_t *cm = self->comm;
+    ep_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_comm_p2p(cm, ops, (int)n, &id);
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc) {
         fail(self, rc);
         goto out;
@@ -746,13 +752,13 @@ out:
     return res;
 }
 
-/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo) -> op_id */
+/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async) -> op_id */
 static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
 {
     EndpointObject *self = (EndpointObject *)op_;
     PyObject *sendt, *recvl;
-    int algo;
-    if (!PyArg_ParseTuple(args, "OOi", &sendt, &recvl, &algo) || check_comm(self))
+    int algo, async = 0;
+    if (!PyArg_ParseTuple(args, "OOi|p", &sendt, &recvl, &algo, &async) || check_comm(self))
         return NULL;
     struct uccl_coll_buf send;
     if (parse_buf(sendt, &send))
@@ -780,7 +786,13 @@ static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
         goto out;
     }
     uint64_t id;
-    int rc = uccl_comm_allgather(self->comm, &send, recv, algo, &id);
+    int rc;
+    uccl_comm_t *cm = self->comm;
+    ep_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_comm_allgather(cm, &send, recv, algo, async, &id);
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc) {
         fail(self, rc);
         goto out;
@@ -914,7 +926,7 @@ static PyMethodDef Endpoint_methods[] = {
      "_comm_init(rank, size, send_conns, recv_conns): the communicator over these connections"},
     {"_comm_p2p", Endpoint_comm_p2p, METH_O, "_comm_p2p([(op, peer, (ptr, len, mr))]) -> op_id"},
     {"_comm_allgather", Endpoint_comm_allgather, METH_VARARGS,
-     "_comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo) -> op_id"},
+     "_comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False) -> op_id"},
     {"_comm_wait", Endpoint_comm_wait, METH_VARARGS,
      "_comm_wait(op_id, timeout=None) -> True; raises if it failed; forgets it"},
     {"_comm_test", Endpoint_comm_test, METH_VARARGS,

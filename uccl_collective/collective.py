@@ -220,7 +220,7 @@ class CollectiveContext:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
         store = dist.PrefixStore(f"uccl_collective/ctx{next(_context_seq)}/", store)
-        n, me = self.world_size, self.rank
+        me = self.rank
 
         secret = os.environ.get("UCCL_P2P_SECRET")
         if not secret:  # a per-job secret, handed out through the store
@@ -423,7 +423,8 @@ class CollectiveContext:
                              f"{send_tensor.numel()}")
         return list(recv)
 
-    def _iallgather(self, send_tensor, recv, algorithm: str, what: str, uneven: bool) -> Handle:
+    def _iallgather(self, send_tensor, recv, algorithm: str, what: str, uneven: bool,
+                    async_op: bool = True) -> Handle:
         ep = self._ep()
         if algorithm not in _ALGOS:
             raise ValueError(f"{what}: algorithm must be 'auto', 'direct' or 'ring', got "
@@ -435,7 +436,7 @@ class CollectiveContext:
         algo = ep._comm_pick_algo(_ALGOS[algorithm], send[1])
         keep = (send_tensor, recv, chunks)
         if all(self._engine_peer[r] for r in range(n) if r != me):
-            return Handle(ep, [ep._comm_allgather(send, bufs, algo)], (), keep)
+            return Handle(ep, [ep._comm_allgather(send, bufs, algo, async_op)], (), keep)
         # Some peers go through torch.distributed (same node, copy engine off).
         if chunks[me].data_ptr() != send_tensor.data_ptr():
             chunks[me].copy_(send_tensor.reshape(-1).view_as(chunks[me]))
@@ -454,7 +455,9 @@ class CollectiveContext:
         return self._iallgather(send_tensor, recv, algorithm, "iallgather", uneven=False)
 
     def allgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> None:
-        self.iallgather(send_tensor, recv, algorithm).wait(self.timeout_s)
+        # async_op=False: this thread advances the operation itself (no handoff).
+        self._iallgather(send_tensor, recv, algorithm, "allgather", False,
+                         async_op=False).wait(self.timeout_s)
 
     def iallgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                     algorithm: str = "auto") -> Handle:
@@ -462,7 +465,8 @@ class CollectiveContext:
 
     def allgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                    algorithm: str = "auto") -> None:
-        self.iallgatherv(send_tensor, recv_list, algorithm).wait(self.timeout_s)
+        self._iallgather(send_tensor, recv_list, algorithm, "allgatherv", True,
+                         async_op=False).wait(self.timeout_s)
 
     def transport_to(self, peer: int) -> str:
         """'tcp', 'shm-cma', 'shm-ring' or 'torch.distributed'."""

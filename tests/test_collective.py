@@ -1,0 +1,900 @@
+"""uccl_collective.collective (API.md section 2) with real multi-rank jobs.
+
+One job per world size (2, 3, 4, 5): spawned processes, Gloo on loopback for the
+bootstrap and as the reference, the default context made by
+init_collective(use_copy_engine_for_intra=True) ("ce": same-host peers through
+this engine) plus a second CollectiveContext(use_copy_engine_for_intra=False)
+("td": same-host peers through torch.distributed).  Every rank runs the same
+plan of cases in the same order and returns one verdict per case; each case is
+then its own pytest test (``test_case[ws3-ce-ag-ring-float32-4097-list]``).
+
+Every case: random bytes from a seed (never the poison byte), receive buffers
+poisoned with a guard tail, the result compared bitwise with the expected
+bytes and with Gloo's dist.all_gather on the same inputs.  All communication
+of a case happens before its checks, so a failed check cannot leave ranks out
+of step.  The parent waits with a deadline, then dumps the stacks of the ranks
+still running, kills them and fails naming them.
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from multiprocessing import connection as mp_connection
+
+import pytest
+
+CTX = mp.get_context("spawn")
+WORLD_SIZES = (2, 3, 4, 5)
+POISON = 0xA5
+GUARD = 256                  # bytes past every receive buffer that must stay POISON
+MiB = 1 << 20
+JOB_TIMEOUT = 80.0           # a whole world-size job, parent side
+CTX_TIMEOUT = 20.0           # timeout_s of the contexts the cases use
+KILL_TIMEOUT_S = 5.0         # timeout_s of the contexts in the peer-killed job
+DTYPES = ("float32", "bfloat16", "int64", "uint8")
+ALGOS = ("direct", "ring", "auto")
+SIZES = (0, 1, 4097)
+BIG_ALGO = {2: "direct", 3: "ring", 4: "auto", 5: "auto"}  # 16 MiB per rank, once per job
+
+
+# ----------------------------------------------------------------------------
+# the plan: the same list in the parent (test ids) and in every rank
+def _plan(ws: int) -> list[tuple[str, str, dict]]:
+    cases: list[tuple[str, str, dict]] = [("no-init", "no_init", {}), ("info", "info", {})]
+    for cx in ("ce", "td"):
+        for algo in ALGOS:
+            for dt in DTYPES:
+                for n in SIZES:
+                    for form in ("tensor", "list"):
+                        if cx == "td" and form == "list" and n != 4097:
+                            continue
+                        cases.append((f"{cx}-ag-{algo}-{dt}-{n}-{form}", "ag",
+                                      dict(cx=cx, api="allgather", algo=algo, dt=dt, n=n,
+                                           form=form)))
+            for form in ("inplace-tensor", "inplace-list"):
+                for dt, n in (("float32", 4097), ("bfloat16", 1), ("uint8", 4097)):
+                    cases.append((f"{cx}-ag-{algo}-{dt}-{n}-{form}", "ag",
+                                  dict(cx=cx, api="allgather", algo=algo, dt=dt, n=n, form=form)))
+            for form in ("tensor", "list"):
+                cases.append((f"{cx}-iag-{algo}-int64-4097-{form}", "ag",
+                              dict(cx=cx, api="iallgather", algo=algo, dt="int64", n=4097,
+                                   form=form)))
+            for lens in ("zero", "mixed"):
+                for dt in DTYPES:
+                    cases.append((f"{cx}-agv-{algo}-{dt}-{lens}", "agv",
+                                  dict(cx=cx, api="allgatherv", algo=algo, dt=dt, lens=lens,
+                                       inplace=False)))
+                cases.append((f"{cx}-iagv-{algo}-float32-{lens}", "agv",
+                              dict(cx=cx, api="iallgatherv", algo=algo, dt="float32", lens=lens,
+                                   inplace=False)))
+                cases.append((f"{cx}-agv-{algo}-bfloat16-{lens}-inplace", "agv",
+                              dict(cx=cx, api="allgatherv", algo=algo, dt="bfloat16", lens=lens,
+                                   inplace=True)))
+        for dt in DTYPES:
+            for n in SIZES:
+                cases.append((f"{cx}-sendrecv-{dt}-{n}", "star", dict(cx=cx, dt=dt, n=n)))
+                cases.append((f"{cx}-isend-irecv-{dt}-{n}", "a2a", dict(cx=cx, dt=dt, n=n)))
+            for style in ("str", "fn"):
+                cases.append((f"{cx}-batch-{style}-{dt}", "batch", dict(cx=cx, dt=dt, n=4097,
+                                                                         style=style)))
+            cases.append((f"{cx}-ringstep-{dt}-4097", "ring_step", dict(cx=cx, dt=dt, n=4097)))
+        cases.append((f"{cx}-ringstep-uint8-0", "ring_step", dict(cx=cx, dt="uint8", n=0)))
+        cases.append((f"{cx}-register", "register", dict(cx=cx)))
+        cases.append((f"{cx}-test-polls-to-true", "test_poll", dict(cx=cx)))
+        for err in ("recv-size", "dtype", "algo", "peer", "noncontig"):
+            cases.append((f"{cx}-err-{err}", "err_" + err.replace("-", "_"), dict(cx=cx)))
+        cases.append((f"{cx}-usable-after-errors", "ag",
+                      dict(cx=cx, api="allgather", algo="auto", dt="float32", n=4097,
+                           form="tensor")))
+    cases.append((f"ce-ag-{BIG_ALGO[ws]}-uint8-16MiB-tensor", "ag",
+                  dict(cx="ce", api="allgather", algo=BIG_ALGO[ws], dt="uint8", n=16 * MiB,
+                       form="tensor")))
+    if ws == 2:
+        cases.append(("ce-ringstep-float32-16MiB", "ring_step",
+                      dict(cx="ce", dt="float32", n=4 * MiB)))
+    if ws == 3:
+        cases.append(("td-ag-ring-float32-16MiB-list", "ag",
+                      dict(cx="td", api="allgather", algo="ring", dt="float32", n=4 * MiB,
+                           form="list")))
+    if ws == 2:
+        cases.append(("ce-wait-timeout", "wait_timeout", dict(cx="ce")))
+        cases.append(("td-wait-timeout", "wait_timeout", dict(cx="td")))
+    # last for the td context: a bad batch must not leave half of it posted
+    cases.append(("td-err-batch-posts-nothing", "err_batch_partial", dict(cx="td")))
+    cases.append(("ce-err-batch-posts-nothing", "err_batch_partial", dict(cx="ce")))
+    # last of all: failures that poison a communicator, each in its own context
+    cases.append(("mismatch-allgatherv-direct", "mismatch_agv", dict(algo="direct", delta=1)))
+    cases.append(("mismatch-allgatherv-ring", "mismatch_agv", dict(algo="ring", delta=-1)))
+    cases.append(("mismatch-p2p-recv-size", "mismatch_p2p", {}))
+    cases.append(("init-twice-and-finalize", "finalize", {}))
+    return cases
+
+
+# ----------------------------------------------------------------------------
+# rank side helpers
+def _dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def _gen(seed: int, n: int, dt):
+    """n elements of dtype dt from random bytes; no byte equals POISON."""
+    import torch
+    dt = _dtype(dt) if isinstance(dt, str) else dt
+    esz = torch.empty(0, dtype=dt).element_size()
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (n * esz,), dtype=torch.uint8, generator=g)
+    b[b == POISON] = 0x5A
+    return b.view(dt)
+
+
+def _poisoned(n: int, dt):
+    """(tensor of n elements, its backing bytes incl. a guard tail), all POISON."""
+    import torch
+    dt = _dtype(dt) if isinstance(dt, str) else dt
+    esz = torch.empty(0, dtype=dt).element_size()
+    back = torch.full((n * esz + GUARD,), POISON, dtype=torch.uint8)
+    return back[:n * esz].view(dt), back
+
+
+def _bytes(t):
+    import torch
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(got, exp, what: str) -> None:
+    """Bitwise equality, with a useful message."""
+    import torch
+    assert got.dtype == exp.dtype, f"{what}: dtype {got.dtype} != {exp.dtype}"
+    assert got.numel() == exp.numel(), f"{what}: {got.numel()} elements != {exp.numel()}"
+    a, b = _bytes(got), _bytes(exp)
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero().reshape(-1)
+        npois = int((a == POISON).sum())
+        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} bytes differ (first at byte "
+                             f"{int(bad[0])}: got {int(a[bad[0]])} want {int(b[bad[0]])}); "
+                             f"{npois} bytes still POISON")
+
+
+def _guard_ok(back, nbytes: int, what: str) -> None:
+    tail = back[nbytes:]
+    assert bool((tail == POISON).all()), f"{what}: bytes written past the end of the buffer"
+
+
+def _seed(i: int, src: int, dst: int = 0) -> int:
+    return 1_000_003 * (i + 1) + 1009 * src + dst
+
+
+def _raises(fn, exc, *needles):
+    """fn() must raise exc (or a subclass) whose message contains every needle."""
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        for nd in needles:
+            assert str(nd) in msg, f"{exc.__name__} message {msg!r} does not mention {nd!r}"
+        return e
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"expected {exc.__name__}, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"expected {exc.__name__}, nothing was raised")
+
+
+def _finish(api, h, cx, bound: float = 10.0):
+    """Complete handle h: on the copy-engine context by polling test() until
+    True (bounded); on the torch.distributed one test() is called once (it must
+    not raise) and wait() completes it -- polling test() there is its own case,
+    test-polls-to-true.  Then wait() and test() must keep answering True."""
+    if cx == "ce":
+        deadline = time.monotonic() + bound
+        while not api.test(h):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"test(handle) still False after {bound} s")
+            time.sleep(0.0005)
+    else:
+        assert api.test(h) in (True, False)
+    assert api.wait(h) is True
+    assert api.test(h) is True and api.wait(h) is True
+
+
+class _R:
+    """What a rank needs to run a case."""
+
+    def __init__(self, me, ws, ctxs):
+        from uccl_collective import collective
+        self.me, self.ws, self.ctxs, self.C = me, ws, ctxs, collective
+        self.left, self.right = (me - 1) % ws, (me + 1) % ws
+
+    def api(self, cx):
+        # the copy-engine context is the default one: use the module-level wrappers
+        return self.C if cx == "ce" else self.ctxs[cx]
+
+
+def _gloo_allgather(t, ws):
+    import torch
+    import torch.distributed as dist
+    outs = [torch.empty_like(t) for _ in range(ws)]
+    dist.all_gather(outs, t.clone())
+    return outs
+
+
+# ----------------------------------------------------------------------------
+# the cases
+def _case_no_init(R, i, p):
+    pass  # run before init, see _suite
+
+
+def _case_info(R, i, p):
+    ce, td = R.ctxs["ce"], R.ctxs["td"]
+    assert R.C.get_collective() is ce
+    for c in (ce, td):
+        assert (c.rank, c.world_size) == (R.me, R.ws), (c.rank, c.world_size)
+    assert ce.local_gpu_idx == R.me, f"LOCAL_RANK={R.me} but local_gpu_idx={ce.local_gpu_idx}"
+    assert td.local_gpu_idx == 0, td.local_gpu_idx  # given explicitly
+    for r in range(R.ws):
+        if r == R.me:
+            continue
+        assert ce.transport_to(r) == "shm-cma", (r, ce.transport_to(r))
+        assert td.transport_to(r) == "torch.distributed", (r, td.transport_to(r))
+    _raises(lambda: ce.transport_to(R.me), ValueError, "peer rank")
+    _raises(lambda: td.transport_to(R.ws), ValueError, "peer rank")
+
+
+def _case_ag(R, i, p):
+    import torch
+    me, ws, n, dt, form = R.me, R.ws, p["n"], p["dt"], p["form"]
+    api = R.api(p["cx"])
+    exps = [_gen(_seed(i, r), n, dt) for r in range(ws)]
+    send = exps[me].clone()
+    esz = send.element_size()
+    if form in ("tensor", "inplace-tensor"):
+        recv, back = _poisoned(ws * n, dt)
+        chunks, backs = [recv[r * n:(r + 1) * n] for r in range(ws)], None
+        arg = recv
+    else:
+        made = [_poisoned(n, dt) for _ in range(ws)]
+        chunks, backs = [m[0] for m in made], [m[1] for m in made]
+        arg = chunks if form == "list" else tuple(chunks)
+    src = send
+    if form.startswith("inplace"):
+        chunks[me].copy_(send)
+        src = chunks[me]      # a view of this rank's chunk of the output
+    if p["api"] == "allgather":
+        assert api.allgather(src, arg, algorithm=p["algo"]) is None
+    else:
+        _finish(api, api.iallgather(src, arg, p["algo"]), p["cx"])
+    ref = _gloo_allgather(send, ws)
+    for r in range(ws):
+        _same(chunks[r], exps[r], f"chunk of rank {r} vs the data rank {r} sent")
+        _same(chunks[r], ref[r], f"chunk of rank {r} vs Gloo all_gather")
+    if backs is None:
+        _guard_ok(back, ws * n * esz, "recv")
+    else:
+        for r in range(ws):
+            _guard_ok(backs[r], n * esz, f"recv[{r}]")
+    if not form.startswith("inplace"):
+        _same(send, exps[me], "send tensor (must not change)")
+
+
+def _lens(kind, ws):
+    if kind == "zero":
+        return [0 if r == 1 else 4097 + 61 * r for r in range(ws)]
+    return [(r * r * 37) % 11 for r in range(ws)]   # 0, 4, 5, 3, 9
+
+
+def _case_agv(R, i, p):
+    import torch
+    me, ws, dt = R.me, R.ws, p["dt"]
+    api = R.api(p["cx"])
+    lens = _lens(p["lens"], ws)
+    exps = [_gen(_seed(i, r), lens[r], dt) for r in range(ws)]
+    send = exps[me].clone()
+    made = [_poisoned(lens[r], dt) for r in range(ws)]
+    recv = [m[0] for m in made]
+    src = send
+    if p["inplace"]:
+        recv[me].copy_(send)
+        src = recv[me]
+    if p["api"] == "allgatherv":
+        assert api.allgatherv(src, recv, algorithm=p["algo"]) is None
+    else:
+        _finish(api, api.iallgatherv(src, recv, p["algo"]), p["cx"])
+    # Gloo reference: pad every chunk to the longest, gather, cut back
+    m = max(max(lens), 1)
+    padded = torch.zeros(m, dtype=_dtype(dt))
+    padded[:lens[me]] = send
+    ref = _gloo_allgather(padded, ws)
+    esz = send.element_size()
+    for r in range(ws):
+        _same(recv[r], exps[r], f"recv[{r}] ({lens[r]} elements) vs the data rank {r} sent")
+        _same(recv[r], ref[r][:lens[r]], f"recv[{r}] vs Gloo")
+        _guard_ok(made[r][1], lens[r] * esz, f"recv[{r}]")
+
+
+def _case_star(R, i, p):
+    """Blocking send/recv (dst=/src= keywords): rank 0 to each rank, then back."""
+    me, ws, n, dt = R.me, R.ws, p["n"], p["dt"]
+    api = R.api(p["cx"])
+    got = {}
+    if me == 0:
+        for r in range(1, ws):
+            assert api.send(_gen(_seed(i, 0, r), n, dt), dst=r) is None
+        for r in range(1, ws):
+            got[r] = _poisoned(n, dt)
+            assert api.recv(got[r][0], src=r) is None
+    else:
+        got[0] = _poisoned(n, dt)
+        api.recv(got[0][0], src=0)
+        api.send(_gen(_seed(i, me, 0), n, dt), dst=0)
+    for r, (t, back) in got.items():
+        _same(t, _gen(_seed(i, r, me), n, dt), f"recv from rank {r}")
+        _guard_ok(back, t.numel() * t.element_size(), f"recv from rank {r}")
+
+
+def _case_a2a(R, i, p):
+    """isend/irecv to and from every rank; test() polled, wait(), wait_all()."""
+    me, ws, n, dt = R.me, R.ws, p["n"], p["dt"]
+    api = R.api(p["cx"])
+    bufs, sends, hs = {}, [], []
+    for r in range(ws):
+        if r != me:
+            bufs[r] = _poisoned(n, dt)
+            hs.append(api.irecv(bufs[r][0], src=r))
+    for r in range(ws):
+        if r != me:
+            sends.append(_gen(_seed(i, me, r), n, dt))
+            hs.append(api.isend(sends[-1], dst=r))
+    _finish(api, hs[0], p["cx"])
+    assert api.wait(hs[1]) is True
+    assert api.wait_all(hs[2:]) is True
+    assert all(api.test(h) is True for h in hs), "test() after completion must stay True"
+    assert all(api.wait(h) is True for h in hs), "wait() after completion must stay True"
+    for r, (t, back) in bufs.items():
+        _same(t, _gen(_seed(i, r, me), n, dt), f"irecv from rank {r}")
+        _guard_ok(back, t.numel() * t.element_size(), f"irecv from rank {r}")
+    for k, r in enumerate(r for r in range(ws) if r != me):
+        _same(sends[k], _gen(_seed(i, me, r), n, dt), f"isend buffer to {r} (must not change)")
+
+
+def _case_batch(R, i, p):
+    """batch_isend_irecv: send to right and left, receive from left and right."""
+    me, ws, n, dt = R.me, R.ws, p["n"], p["dt"]
+    api, C = R.api(p["cx"]), R.C
+    S, Rv = ("send", "recv") if p["style"] == "str" else (C.isend, C.irecv)
+    a, c = _gen(_seed(i, me, 0), n, dt), _gen(_seed(i, me, 1), n, dt)
+    (b, bb), (d, db) = _poisoned(n, dt), _poisoned(n, dt)
+    ops = [C.P2POp(S, a, R.right), C.P2POp(Rv, b, R.left), C.P2POp(S, c, R.left),
+           C.P2POp(Rv, d, R.right)]
+    assert [o.op for o in ops] == ["send", "recv", "send", "recv"]
+    hs = api.batch_isend_irecv(ops)
+    assert len(hs) == len(ops), f"{len(hs)} handles for {len(ops)} ops"
+    assert api.wait_all(hs) is True
+    assert api.batch_isend_irecv([]) == []
+    _same(b, _gen(_seed(i, R.left, 0), n, dt), "recv from left (its send to the right)")
+    _same(d, _gen(_seed(i, R.right, 1), n, dt), "recv from right (its send to the left)")
+    _guard_ok(bb, b.numel() * b.element_size(), "recv from left")
+    _guard_ok(db, d.numel() * d.element_size(), "recv from right")
+
+
+def _case_ring_step(R, i, p):
+    me, n, dt = R.me, p["n"], p["dt"]
+    api = R.api(p["cx"])
+    s = _gen(_seed(i, me), n, dt)
+    r, back = _poisoned(n, dt)
+    assert api.sendrecv(s, R.right, r, R.left) is None
+    _same(r, _gen(_seed(i, R.left), n, dt), "sendrecv from the left")
+    _guard_ok(back, r.numel() * r.element_size(), "sendrecv recv")
+    # keyword form, the other way round
+    r2, back2 = _poisoned(n, dt)
+    api.sendrecv(send_tensor=s, dst=R.left, recv_tensor=r2, src=R.right)
+    _same(r2, _gen(_seed(i, R.right), n, dt), "sendrecv from the right")
+    _guard_ok(back2, r2.numel() * r2.element_size(), "sendrecv recv (2)")
+
+
+def _case_test_poll(R, i, p):
+    """Polling test() alone (no wait()) must see isend, irecv and iallgather
+    finish.  Bounded at 2 s; wait() then completes them either way."""
+    me, ws, n = R.me, R.ws, 4097
+    api = R.api(p["cx"])
+    s = _gen(_seed(i, me), n, "float32")
+    r, back = _poisoned(n, "float32")
+    ag, agb = _poisoned(n * ws, "float32")
+    hs = {"irecv": api.irecv(r, src=R.left), "isend": api.isend(s, dst=R.right),
+          "iallgather(direct)": api.iallgather(s, ag, "direct")}
+    pending, end = dict(hs), time.monotonic() + 2.0
+    while pending and time.monotonic() < end:
+        for k, h in list(pending.items()):
+            if api.test(h):
+                del pending[k]
+        time.sleep(0.001)
+    assert api.wait_all(hs.values()) is True
+    _same(r, _gen(_seed(i, R.left), n, "float32"), "irecv")
+    for q in range(ws):
+        _same(ag[q * n:(q + 1) * n], _gen(_seed(i, q), n, "float32"), f"iallgather chunk {q}")
+    assert not pending, (f"test() never returned True within 2 s for {sorted(pending)}, "
+                         "although wait() then completed them at once")
+
+
+def _case_wait_timeout(R, i, p):
+    """wait(h, timeout=1) on an irecv nobody sends to must raise
+    UcclTimeoutError after about 1 s.  Own context (and for td its own Gloo
+    group, timeout 8 s) since a timed-out communicator is poisoned."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from uccl_collective import UcclTimeoutError
+    from uccl_collective.collective import CollectiveContext
+    group = None
+    if p["cx"] == "td":
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=8))
+    ctx = CollectiveContext(use_copy_engine_for_intra=p["cx"] == "ce", timeout_s=1.0,
+                            group=group).init()
+    try:
+        err, el = None, 0.0
+        if R.me == 0:
+            h = ctx.irecv(torch.empty(100), src=1)
+            t0 = time.monotonic()
+            try:
+                ctx.wait(h, timeout=1.0)
+            except Exception as e:  # noqa: BLE001
+                err = e
+            el = time.monotonic() - t0
+        dist.barrier()
+        if R.me == 0:
+            assert err is not None, "wait() returned though nothing was sent"
+            assert isinstance(err, UcclTimeoutError), f"{type(err).__name__}: {err}"
+            assert el < 3.0, f"wait(timeout=1) took {el:.1f} s"
+    finally:
+        if p["cx"] == "ce":
+            ctx.finalize()   # (td: its endpoint has no peers; left for process exit)
+
+
+def _case_register(R, i, p):
+    import torch
+    me, ws, n = R.me, R.ws, 4097
+    api = R.api(p["cx"])
+    ctx = R.ctxs[p["cx"]]
+    exps = [_gen(_seed(i, r), n, "float32") for r in range(ws)]
+    big = torch.full((ws * n * 4 + 3 * n * 4 + GUARD,), POISON, dtype=torch.uint8)
+    mr = api.register_tensor(big)
+    assert isinstance(mr, int) and not isinstance(mr, bool), repr(mr)
+    assert api.register_tensor(big) == mr, "registering the same tensor again must reuse it"
+    send = exps[me].clone()
+    smr = api.register_tensor(send)
+    assert isinstance(smr, int) and smr != mr
+    # allgather into a sub-range of the registered region
+    recv = big[:ws * n * 4].view(torch.float32)
+    api.allgather(send, recv, algorithm="ring")
+    ref = _gloo_allgather(send, ws)
+    for r in range(ws):
+        _same(recv[r * n:(r + 1) * n], exps[r], f"registered recv, chunk {r}")
+        _same(recv[r * n:(r + 1) * n], ref[r], f"registered recv, chunk {r} vs Gloo")
+    # a ring step between two other sub-ranges of it
+    s2 = big[ws * n * 4:(ws + 1) * n * 4].view(torch.float32)
+    s2.copy_(_gen(_seed(i, me, 7), n, "float32"))
+    r2 = big[(ws + 1) * n * 4:(ws + 2) * n * 4].view(torch.float32)
+    api.sendrecv(s2, R.right, r2, R.left)
+    _same(r2, _gen(_seed(i, R.left, 7), n, "float32"), "sendrecv in registered memory")
+    assert bool((big[(ws + 2) * n * 4:] == POISON).all()), "bytes past the used sub-ranges"
+    assert api.deregister_tensor(big) is True
+    assert api.deregister_tensor(big) is False, "deregistering twice must return False"
+    assert api.deregister_tensor(send) is True
+    assert api.deregister_tensor(torch.zeros(3)) is False
+    assert not ctx._regs, f"registrations left: {ctx._regs}"
+    # the same buffers, unregistered now, still work
+    big[:ws * n * 4].fill_(POISON)
+    api.allgather(send, recv, algorithm="direct")
+    for r in range(ws):
+        _same(recv[r * n:(r + 1) * n], exps[r], f"after deregister, chunk {r}")
+
+
+def _case_err_recv_size(R, i, p):
+    import torch
+    api, ws, me = R.api(p["cx"]), R.ws, R.me
+    s = torch.zeros(10)
+    _raises(lambda: api.allgather(s, torch.zeros(10 * ws + 1)), ValueError, str(10 * ws + 1),
+            "elements")
+    _raises(lambda: api.allgather(s, torch.zeros(10 * ws - 1)), ValueError, "elements")
+    _raises(lambda: api.iallgather(s, torch.zeros(10)), ValueError, "elements")
+    bad = [torch.zeros(10) for _ in range(ws)]
+    bad[R.right] = torch.zeros(11)
+    _raises(lambda: api.allgather(s, bad), ValueError, "11")
+    _raises(lambda: api.allgather(s, [torch.zeros(10)] * (ws + 1)), ValueError, str(ws + 1))
+    own = [torch.zeros(10) for _ in range(ws)]
+    own[me] = torch.zeros(9)   # allgatherv: this rank's own chunk must match send
+    _raises(lambda: api.allgatherv(s, own), ValueError, "9")
+
+
+def _case_err_dtype(R, i, p):
+    import torch
+    api, ws = R.api(p["cx"]), R.ws
+    s = torch.zeros(10)
+    _raises(lambda: api.allgather(s, torch.zeros(10 * ws, dtype=torch.int32)), ValueError,
+            "dtype", "int32")
+    lst = [torch.zeros(10) for _ in range(ws)]
+    lst[R.left] = torch.zeros(10, dtype=torch.bfloat16)
+    _raises(lambda: api.allgather(s, lst), ValueError, "dtype", "bfloat16")
+    _raises(lambda: api.allgatherv(s, lst), ValueError, "dtype")
+
+
+def _case_err_algo(R, i, p):
+    import torch
+    api, ws = R.api(p["cx"]), R.ws
+    s, r = torch.zeros(10), torch.zeros(10 * ws)
+    _raises(lambda: api.allgather(s, r, algorithm="tree"), ValueError, "'tree'")
+    _raises(lambda: api.iallgather(s, r, "Ring"), ValueError, "'Ring'")
+    _raises(lambda: api.allgatherv(s, list(r.chunk(ws)), algorithm=""), ValueError, "algorithm")
+
+
+def _case_err_peer(R, i, p):
+    import torch
+    api, ws, me, C = R.api(p["cx"]), R.ws, R.me, R.C
+    t = torch.zeros(10)
+    for bad in (ws, ws + 7, -1, me):
+        _raises(lambda: api.send(t, dst=bad), ValueError, f"peer rank {bad}")
+        _raises(lambda: api.recv(t, src=bad), ValueError, f"peer rank {bad}")
+        _raises(lambda: api.isend(t, bad), ValueError, f"peer rank {bad}")
+        _raises(lambda: api.irecv(t, bad), ValueError, f"peer rank {bad}")
+        _raises(lambda: api.sendrecv(t, bad, torch.zeros(10), R.left), ValueError,
+                f"peer rank {bad}")
+        _raises(lambda: api.batch_isend_irecv([C.P2POp("recv", t, bad)]), ValueError,
+                f"peer rank {bad}")
+    _raises(lambda: api.send(t, dst=float(R.right)), TypeError, "int")
+    _raises(lambda: C.P2POp("bcast", t, R.right), ValueError, "'bcast'")
+
+
+def _case_err_noncontig(R, i, p):
+    import torch
+    api, ws, C = R.api(p["cx"]), R.ws, R.C
+    nc = torch.zeros(20)[::2]
+    assert not nc.is_contiguous()
+    _raises(lambda: api.send(nc, dst=R.right), ValueError, "contiguous")
+    _raises(lambda: api.irecv(nc, R.left), ValueError, "contiguous")
+    _raises(lambda: api.isend(nc, R.left), ValueError, "contiguous")
+    _raises(lambda: api.allgather(nc, torch.zeros(10 * ws)), ValueError, "contiguous")
+    recv_nc = torch.zeros(10, ws).t()     # (ws, 10), not contiguous
+    _raises(lambda: api.allgather(torch.zeros(10), recv_nc), ValueError, "contiguous")
+    lst = [torch.zeros(10) for _ in range(ws)]
+    lst[R.right] = torch.zeros(20)[::2]
+    _raises(lambda: api.allgatherv(torch.zeros(10), lst), ValueError, "contiguous")
+    _raises(lambda: api.register_tensor(nc), ValueError, "contiguous")
+    _raises(lambda: api.batch_isend_irecv([C.P2POp("send", nc, R.right)]), ValueError,
+            "contiguous")
+
+
+def _case_err_batch_partial(R, i, p):
+    """A batch with a bad entry after a good one must raise and post nothing:
+    afterwards a fresh exchange with the same peers gets the fresh data."""
+    import torch
+    api, C, n = R.api(p["cx"]), R.C, 1000
+    stray = _gen(_seed(i, R.me, 1), n, "int64")
+    _raises(lambda: api.batch_isend_irecv([C.P2POp("send", stray, R.right),
+                                           C.P2POp("recv", _poisoned(n, "int64")[0], R.ws)]),
+            ValueError, f"peer rank {R.ws}")
+    _raises(lambda: api.batch_isend_irecv([C.P2POp("send", stray, R.right),
+                                           C.P2POp("recv", _poisoned(2 * n, "int64")[0][::2],
+                                                   R.left)]),
+            ValueError, "contiguous")
+    fresh = _gen(_seed(i, R.me, 2), n, "int64")
+    got, back = _poisoned(n, "int64")
+    api.sendrecv(fresh, R.right, got, R.left)
+    msgs = []
+    if torch.equal(_bytes(got), _bytes(_gen(_seed(i, R.left, 1), n, "int64"))):
+        msgs.append("received the send of a batch that raised (it was posted anyway)")
+        # drain what is still in flight (bounded), so later cases stay in step
+        for _ in range(2):
+            h = api.irecv(_poisoned(n, "int64")[0], src=R.left)
+            end = time.monotonic() + 3
+            while not api.test(h) and time.monotonic() < end:
+                time.sleep(0.001)
+    assert not msgs, "; ".join(msgs)
+    _same(got, _gen(_seed(i, R.left, 2), n, "int64"), "fresh sendrecv after a rejected batch")
+
+
+def _case_mismatch_agv(R, i, p):
+    """Rank 0 expects rank 1's chunk one element longer (direct) / shorter (ring)
+    than rank 1 sends: rank 0 must raise, naming the size mismatch; the others
+    must finish (either way) within the bound.  In its own context."""
+    import torch.distributed as dist
+    from uccl_collective import UcclError
+    from uccl_collective.collective import CollectiveContext
+    me, ws = R.me, R.ws
+    ctx = CollectiveContext(use_copy_engine_for_intra=True, timeout_s=5).init()
+    try:
+        lens = [100 + 3 * r for r in range(ws)]
+        send = _gen(_seed(i, me), lens[me], "float32")
+        want = list(lens)
+        if me == 0:
+            want[1] += p["delta"]
+        recv = [_poisoned(want[r], "float32")[0] for r in range(ws)]
+        t0 = time.monotonic()
+        err = None
+        try:
+            ctx.allgatherv(send, recv, algorithm=p["algo"])
+        except Exception as e:  # noqa: BLE001
+            err = e
+        el = time.monotonic() - t0
+        dist.barrier()
+        if me == 0:
+            assert err is not None, "rank 0 posted a wrong length for rank 1 and did not raise"
+            assert isinstance(err, UcclError), f"{type(err).__name__}: {err}"
+            assert "mismatch" in str(err) or "bytes" in str(err), str(err)
+            assert el < 10, f"took {el:.1f} s"
+            # the communicator is poisoned now: the next operation says so at once
+            t1 = time.monotonic()
+            e2 = _raises(lambda: ctx.allgather(send, _poisoned(lens[0] * ws, "float32")[0]),
+                         UcclError)
+            assert time.monotonic() - t1 < 2, "a poisoned communicator must refuse at once"
+            assert "earlier" in str(e2), str(e2)
+        else:
+            assert el < 12, f"rank {me} took {el:.1f} s ({err!r})"
+        if me != 0 and me != 1 and p["algo"] == "direct":
+            assert err is None, f"rank {me} is not involved but raised {err!r}"
+    finally:
+        ctx.finalize()
+
+
+def _case_mismatch_p2p(R, i, p):
+    import torch.distributed as dist
+    from uccl_collective import UcclError
+    from uccl_collective.collective import CollectiveContext
+    me = R.me
+    ctx = CollectiveContext(use_copy_engine_for_intra=True, timeout_s=5).init()
+    try:
+        err = None
+        try:
+            if me == 1:
+                ctx.send(_gen(1, 100, "float32"), 0)
+            elif me == 0:
+                ctx.recv(_poisoned(101, "float32")[0], 1)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        dist.barrier()
+        if me == 0:
+            assert isinstance(err, UcclError), f"recv of the wrong size: {err!r}"
+            assert "mismatch" in str(err) and "400" in str(err) and "404" in str(err), str(err)
+    finally:
+        ctx.finalize()
+
+
+def _case_finalize(R, i, p):
+    import torch
+    C, ce = R.C, R.ctxs["ce"]
+    _raises(lambda: C.init_collective(use_copy_engine_for_intra=True), RuntimeError,
+            "already")
+    assert C.get_collective() is ce
+    C.finalize_collective()
+    _raises(C.get_collective, RuntimeError, "init_collective")
+    _raises(lambda: C.allgather(torch.zeros(1), torch.zeros(R.ws)), RuntimeError)
+    _raises(lambda: ce.allgather(torch.zeros(1), torch.zeros(R.ws)), ValueError,
+            "not initialised")
+    C.finalize_collective()   # a second time is harmless
+    R.ctxs["td"].finalize()
+    with R.ctxs["td"]:
+        pass                   # re-initialised by the context manager, then finalized
+    assert R.ctxs["td"].ep is None
+
+
+CASES = {name[len("_case_"):]: fn for name, fn in list(globals().items())
+         if name.startswith("_case_")}
+
+
+# ----------------------------------------------------------------------------
+# a rank
+def _rank_entry(target, rank, ws, port, out, kwargs):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.environ.update({"UCCL_SOCKET_IFNAME": "lo", "UCCL_P2P_LOG_LEVEL": "ERROR",
+                       "GLOO_SOCKET_IFNAME": "lo", "LOCAL_RANK": str(rank)})
+    try:
+        res = target(rank, ws, port, **kwargs)
+    except BaseException as e:  # noqa: BLE001
+        out.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    else:
+        out.send(("ok", res))
+    out.close()
+    os._exit(0)   # no teardown that could wait on a peer
+
+
+def _init_gloo(rank, ws, port):
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ws, timeout=datetime.timedelta(seconds=60))
+
+
+def _suite(rank, ws, port):
+    import torch
+    from uccl_collective import collective
+    from uccl_collective.collective import CollectiveContext
+
+    torch.set_num_threads(1)
+    verdicts: dict[str, str | None] = {}
+    # before any init: no default context, and a context cannot bootstrap
+    try:
+        _raises(collective.get_collective, RuntimeError, "init_collective")
+        _raises(lambda: collective.allgather(torch.zeros(1), torch.zeros(ws)), RuntimeError)
+        _raises(lambda: collective.register_tensor(torch.zeros(1)), RuntimeError)
+        _raises(lambda: CollectiveContext().init(), RuntimeError, "init_process_group")
+        _raises(lambda: CollectiveContext().allgather(torch.zeros(1), torch.zeros(ws)),
+                ValueError, "not initialised")
+        verdicts["no-init"] = None
+    except Exception as e:  # noqa: BLE001
+        verdicts["no-init"] = f"{type(e).__name__}: {e}"
+    _init_gloo(rank, ws, port)
+    ce = collective.init_collective(use_copy_engine_for_intra=True, timeout_s=CTX_TIMEOUT)
+    td = CollectiveContext(0, use_copy_engine_for_intra=False, timeout_s=CTX_TIMEOUT).init()
+    R = _R(rank, ws, {"ce": ce, "td": td})
+    times = {}
+    for i, (name, kind, params) in enumerate(_plan(ws)):
+        if name in verdicts:
+            continue
+        t0 = time.monotonic()
+        try:
+            CASES[kind](R, i, params)
+            verdicts[name] = None
+        except Exception as e:  # noqa: BLE001
+            tb = traceback.format_exc(limit=-3)
+            verdicts[name] = f"{type(e).__name__}: {e}\n{tb}"
+        times[name] = time.monotonic() - t0
+        if os.environ.get("TRACE_CASES"):
+            print(f"r{rank} {name} {times[name]:.3f} {'ok' if verdicts[name] is None else verdicts[name][:300]}", flush=True)
+    return {"verdicts": verdicts, "times": times}
+
+
+def _killed_peer(rank, ws, port, victim):
+    """Two contexts (timeout_s=5); a good allgather on each; then the victim
+    exits and the survivors run allgather (direct on one, ring on the other)
+    and a recv from the victim on a third."""
+    import torch
+    import torch.distributed as dist
+    from uccl_collective import UcclError, UcclTimeoutError, collective
+    from uccl_collective.collective import CollectiveContext
+
+    _init_gloo(rank, ws, port)
+    a = collective.init_collective(use_copy_engine_for_intra=True, timeout_s=KILL_TIMEOUT_S)
+    b = CollectiveContext(use_copy_engine_for_intra=True, timeout_s=KILL_TIMEOUT_S).init()
+    c = CollectiveContext(use_copy_engine_for_intra=True, timeout_s=KILL_TIMEOUT_S).init()
+    n = 1 << 16
+    for ctx, algo in ((a, "direct"), (b, "ring")):
+        recv, _ = _poisoned(n * ws, "float32")
+        ctx.allgather(_gen(rank, n, "float32"), recv, algorithm=algo)
+        for r in range(ws):
+            _same(recv[r * n:(r + 1) * n], _gen(r, n, "float32"), f"warm-up {algo}, chunk {r}")
+    dist.barrier()
+    if rank == victim:
+        os._exit(0)
+    out = {}
+    for name, fn in (
+            ("allgather-direct", lambda: a.allgather(_gen(rank, n, "float32"),
+                                                     _poisoned(n * ws, "float32")[0],
+                                                     algorithm="direct")),
+            ("allgather-ring", lambda: b.allgather(_gen(rank, n, "float32"),
+                                                   _poisoned(n * ws, "float32")[0],
+                                                   algorithm="ring")),
+            ("recv", lambda: c.recv(torch.empty(n), src=victim))):
+        t0 = time.monotonic()
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(type=type(e).__name__, msg=str(e),
+                             ok_type=isinstance(e, (UcclError, UcclTimeoutError)),
+                             elapsed=time.monotonic() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# the parent
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(target, ws, *, timeout=JOB_TIMEOUT, expect_exit=(), **kwargs):
+    """Run target(rank, ws, port, **kwargs) in ws spawned ranks; {rank: result}.
+    Ranks in expect_exit may exit without a result.  Fails the test naming any
+    rank that raised, died, or did not finish within `timeout` (then killed)."""
+    port = _free_port()
+    pipes = [CTX.Pipe(duplex=False) for _ in range(ws)]
+    procs = [CTX.Process(target=_rank_entry, name=f"uccl-coll-rank{r}", daemon=True,
+                         args=(target, r, ws, port, pipes[r][1], kwargs)) for r in range(ws)]
+    for p in procs:
+        p.start()
+    for _, w in pipes:
+        w.close()
+    results: dict[int, tuple[str, object]] = {}
+    gone: set[int] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(gone) < ws:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            live = {pipes[r][0]: r for r in range(ws) if r not in results and r not in gone}
+            for c in mp_connection.wait(list(live), timeout=min(left, 0.5)):
+                r = live[c]
+                try:
+                    results[r] = c.recv()
+                except (EOFError, OSError):
+                    gone.add(r)   # exited without a result
+        pending = [r for r in range(ws) if r not in results and r not in gone]
+        if pending:
+            for r in pending:
+                try:
+                    os.kill(procs[r].pid, signal.SIGUSR1)   # stacks to the captured stderr
+                except OSError:
+                    pass
+            time.sleep(0.5)
+            pytest.fail(f"world size {ws}: rank(s) {pending} hung: no result within "
+                        f"{timeout:.0f} s (killed)", pytrace=False)
+        for r in sorted(gone):
+            procs[r].join(5)
+            if r not in expect_exit:
+                pytest.fail(f"world size {ws}: rank {r} died (exit code {procs[r].exitcode}) "
+                            "without a result", pytrace=False)
+        errs = [f"--- rank {r}:\n{v}" for r, (k, v) in sorted(results.items()) if k == "err"]
+        if errs:
+            pytest.fail(f"world size {ws}: rank(s) raised outside any case\n" + "\n".join(errs),
+                        pytrace=False)
+        return {r: v for r, (k, v) in results.items()}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+
+
+_JOBS: dict[int, tuple[bool, object]] = {}
+
+
+def _suite_results(ws):
+    """One job per world size, shared by all its cases (a failed job fails them all)."""
+    if ws not in _JOBS:
+        t0 = time.monotonic()
+        try:
+            res = _launch(_suite, ws)
+            _JOBS[ws] = (True, res)
+        except pytest.fail.Exception as e:
+            _JOBS[ws] = (False, str(e))
+        print(f"[world size {ws}: job took {time.monotonic() - t0:.1f} s]")
+    ok, val = _JOBS[ws]
+    if not ok:
+        pytest.fail(val, pytrace=False)
+    return val
+
+
+@pytest.mark.parametrize("ws,case", [pytest.param(ws, name, id=f"ws{ws}-{name}")
+                                     for ws in WORLD_SIZES for name, _, _ in _plan(ws)])
+def test_case(ws, case):
+    res = _suite_results(ws)
+    bad = []
+    for r in range(ws):
+        v = res[r]["verdicts"]
+        if case not in v:
+            bad.append(f"rank {r}: case did not run")
+        elif v[case] is not None:
+            bad.append(f"rank {r}: {v[case]}")
+    assert not bad, f"world size {ws}, {case}:\n" + "\n".join(bad)
+
+
+def test_killed_peer_makes_survivors_raise():
+    """Rank 2 of 3 exits (os._exit) right before an allgather; the survivors'
+    allgather (direct and ring) and recv from it raise UcclError or
+    UcclTimeoutError within about timeout_s=5."""
+    res = _launch(_killed_peer, 3, timeout=60, expect_exit={2}, victim=2)
+    assert set(res) == {0, 1}, f"results from ranks {sorted(res)}"
+    for r in (0, 1):
+        for op, out in res[r].items():
+            assert out is not None, f"rank {r}: {op} returned normally with its peer dead"
+            assert out["ok_type"], f"rank {r}: {op} raised {out['type']}: {out['msg']}"
+            assert out["msg"], f"rank {r}: {op}: empty message"
+            assert out["elapsed"] < KILL_TIMEOUT_S + 5, \
+                f"rank {r}: {op} took {out['elapsed']:.1f} s (timeout_s={KILL_TIMEOUT_S})"
