@@ -948,6 +948,8 @@ int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len)
 /* ------------------------------------------------------------------------- */
 /* memory                                                                     */
 
+void uccl_ep_set_spin_ns(uccl_ep_t *ep, uint64_t ns) { ep->spin_ns = ns; }
+
 int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p)
 {
     struct uccl__conn *c = conn_lookup(ep, conn);

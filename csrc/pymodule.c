@@ -408,6 +408,21 @@ static PyObject *Endpoint_conn_transport(PyObject *op, PyObject *args)
     return PyUnicode_FromString(buf);
 }
 
+/* _set_spin_us(us): how long waiters poll before sleeping (before any transfer) */
+static PyObject *Endpoint_set_spin_us(PyObject *op, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op;
+    double us;
+    if (!PyArg_ParseTuple(args, "d", &us) || check_ep(self))
+        return NULL;
+    if (!(us >= 0 && us <= 1e6)) {
+        PyErr_Format(PyExc_ValueError, "spin must be 0..1000000 us, got %g", us);
+        return NULL;
+    }
+    uccl_ep_set_spin_ns(self->ep, (uint64_t)(us * 1000));
+    Py_RETURN_NONE;
+}
+
 static PyObject *Endpoint_conn_peer_rank(PyObject *op, PyObject *args)
 {
     EndpointObject *self = (EndpointObject *)op;
@@ -910,6 +925,8 @@ static PyMethodDef Endpoint_methods[] = {
      "Accept connections in the background; accept() is then not used."},
     {"conn_transport", Endpoint_conn_transport, METH_VARARGS,
      "conn_transport(conn_id) -> 'tcp' | 'shm-cma' | 'shm-ring'"},
+    {"_set_spin_us", Endpoint_set_spin_us, METH_VARARGS,
+     "_set_spin_us(us): how long waiters poll before sleeping (call before transfers)"},
     {"conn_peer_rank", Endpoint_conn_peer_rank, METH_VARARGS,
      "conn_peer_rank(conn_id) -> the rank the peer gave in its handshake (-1: none)"},
     {"reg", Endpoint_reg, METH_VARARGS, "reg(ptr, size) -> (True, mr_id)"},

@@ -36,6 +36,10 @@ int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len);
 int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p);
 void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
+/* How long a waiter polls before it sleeps (UCCL_P2P_SPIN_US).  Call before
+ * any transfer; 0 suits more busy threads than cores, where polling only
+ * takes the core from the peer being waited for. */
+void uccl_ep_set_spin_ns(uccl_ep_t *ep, uint64_t ns);
 
 /* Connect (the new connection sends).  port < 0: base port + remote_gpu.
  * expect_rank >= 0: refuse (UCCL_ERR_MISMATCH) a peer whose rank differs. */

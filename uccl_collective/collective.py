@@ -247,6 +247,12 @@ class CollectiveContext:
         self.nodes = [m["node"] for m in metas]
         self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
                                           self.nodes[r] != node) for r in range(n)]
+        self.local_world_size = self.nodes.count(node)
+        if "UCCL_P2P_SPIN_US" not in os.environ and self.local_world_size > (os.cpu_count() or 1):
+            # More ranks than cores: a polling waiter only keeps the peer it
+            # waits for off the core (measured: 4 ranks on 2 cores, 1 MiB
+            # allgather 1.5 ms with 200 us of polling, 0.85 ms with none).
+            ep._set_spin_us(0)
         peers = [r for r in range(n) if self._engine_peer[r]]
         send_conns, recv_conns = [0] * n, [0] * n
 
