@@ -58,6 +58,7 @@ struct uccl__comm {
     int rank, size;
     uint64_t *send_conn, *recv_conn;
     size_t piece;                /* UCCL_COLL_PIECE_KB, or 0: chosen per chunk */
+    uint64_t poll_ns;            /* UCCL_COLL_POLL_US: a waiter polls this long first */
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;           /* queue and operation state changes */
     pthread_cond_t work_cv;      /* the worker: async work may be runnable */
@@ -131,6 +132,19 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
             return uccl__err(UCCL_ERR_INVALID, "UCCL_COLL_PIECE_KB=%s: expected 4..4194304", env);
         }
         cm->piece = (size_t)kb << 10;
+    }
+    cm->poll_ns = 200000;
+    env = getenv("UCCL_COLL_POLL_US");
+    if (env && *env) {
+        char *end;
+        long us = strtol(env, &end, 10);
+        if (*end || us < 0 || us > 1000000) {
+            free(cm->send_conn);
+            free(cm->recv_conn);
+            free(cm);
+            return uccl__err(UCCL_ERR_INVALID, "UCCL_COLL_POLL_US=%s: expected 0..1000000", env);
+        }
+        cm->poll_ns = (uint64_t)us * 1000;
     }
     pthread_mutex_init(&cm->mu, NULL);
     pthread_condattr_t ca;
@@ -314,14 +328,30 @@ static int start_op(struct uccl__comm *cm, struct op *o)
     return rc;
 }
 
-/* Wait for transfer i of o until `until`. */
+/* Wait for transfer i of o until `until`.  First this thread polls every
+ * connection the operation still waits on (arrivals handled and copied
+ * right here, with no connection thread to wake); then it sleeps on i. */
 static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t until)
 {
     uint64_t now = uccl__now_ns();
+    if (until > now && o->x.n > o->x.waited)
+        uccl_ep_progress(cm->ep, o->x.id + o->x.waited, o->x.n - o->x.waited,
+                         until - now < cm->poll_ns ? until - now : cm->poll_ns);
+    now = uccl__now_ns();
     int rc = uccl_ep_wait(cm->ep, o->x.id[i], o->deadline, until > now ? until - now : 0);
     if (rc == UCCL_INPROGRESS || rc == UCCL_OK)
         return rc;
-    return set_err(rc, o->msg, sizeof(o->msg), "%s: %s", what(o), uccl_last_error());
+    set_err(rc, o->msg, sizeof(o->msg), "%s: %s", what(o), uccl_last_error());
+    /* The precise cause first: a size mismatch detected by another of our
+     * transfers makes the peer give up, which fails this one less clearly
+     * ("peer closed"); report the mismatch. */
+    for (int k = o->x.waited; k < o->x.n && rc != UCCL_ERR_MISMATCH; k++) {
+        int done = 0;
+        if (k != i && uccl_ep_poll(cm->ep, o->x.id[k], &done) == UCCL_ERR_MISMATCH)
+            rc = set_err(UCCL_ERR_MISMATCH, o->msg, sizeof(o->msg), "%s: %s", what(o),
+                         uccl_last_error());
+    }
+    return rc;
 }
 
 /* Advance o (the caller holds the execution token) until it is finished

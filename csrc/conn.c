@@ -1128,14 +1128,14 @@ static void *service_main(void *arg)
 
 /* Drive c from the calling thread until r finishes or budget_ns passes.
  * Returns at once if another thread already drives c. */
-void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns)
+int uccl__conn_drive_begin(struct uccl__conn *c)
 {
     if (!c->started || tls_driving)
-        return;
+        return 0;
     pthread_mutex_lock(&c->mu);
     if (c->driver || atomic_load(&c->failed)) {
         pthread_mutex_unlock(&c->mu);
-        return;
+        return 0;
     }
     c->driver = 1; /* from now on the service thread starts no new pump() */
     pthread_mutex_unlock(&c->mu);
@@ -1154,22 +1154,23 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
     }
     if (c->ctrl_shm)
         c->tp->ctrl_driving(c, 1);
+    return 1;
+}
+
+int uccl__conn_drive_pump(struct uccl__conn *c)
+{
+    if (atomic_load(&c->failed))
+        return -1;
     tls_driving = c;
-    uint64_t start = uccl__now_ns();
-    int rc = 0;
-    for (unsigned i = 0;; i++) {
-        unsigned s = atomic_load(&r->state);
-        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED || atomic_load(&c->failed))
-            break;
-        rc = pump(c);
-        if (rc < 0)
-            break;
-        if ((i & 15) == 15 && uccl__now_ns() - start > budget_ns)
-            break;
-    }
+    int rc = pump(c);
     tls_driving = NULL;
     if (rc < 0)
         pump_failed(c, rc);
+    return rc;
+}
+
+void uccl__conn_drive_end(struct uccl__conn *c)
+{
     if (atomic_load(&c->failed))
         erx_drop(c); /* still the reader */
     pthread_mutex_lock(&c->mu);
@@ -1179,6 +1180,21 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
     if (c->pending.live > 0) /* still waiting for answers: the service thread takes over */
         pthread_cond_signal(&c->svc_cv);
     pthread_mutex_unlock(&c->mu);
+}
+
+void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns)
+{
+    if (!uccl__conn_drive_begin(c))
+        return;
+    uint64_t start = uccl__now_ns();
+    for (unsigned i = 0;; i++) {
+        unsigned s = atomic_load(&r->state);
+        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED || uccl__conn_drive_pump(c) < 0)
+            break;
+        if ((i & 15) == 15 && uccl__now_ns() - start > budget_ns)
+            break;
+    }
+    uccl__conn_drive_end(c);
 }
 
 /* ------------------------------------------------------------------------- */

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1309,6 +1310,55 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
         rc = outcome(ep, r);
     uccl__req_put(r);
     return rc;
+}
+
+#define PROGRESS_MAX 64 /* connections driven at once by uccl_ep_progress */
+
+static int req_finished(struct uccl__req *r)
+{
+    return r == DONE_MARK || (atomic_load(&r->state) != UCCL_REQ_PENDING &&
+                              atomic_load(&r->busy) == 0);
+}
+
+int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, uint64_t budget_ns)
+{
+    struct uccl__req *reqs[PROGRESS_MAX];
+    struct uccl__conn *conns[PROGRESS_MAX];
+    int nr = 0, nc = 0, done = 0;
+    for (int i = 0; i < n && nr < PROGRESS_MAX; i++) {
+        struct uccl__req *r = req_lookup(ep, xfers[i]);
+        if (!r || r == DONE_MARK || req_finished(r)) {
+            if (r && r != DONE_MARK)
+                uccl__req_put(r);
+            done++;
+            continue;
+        }
+        reqs[nr++] = r;
+        int seen = 0;
+        for (int k = 0; k < nc && !seen; k++)
+            seen = conns[k] == r->conn;
+        if (!seen && uccl__conn_drive_begin(r->conn))
+            conns[nc++] = r->conn;
+    }
+    uint64_t start = uccl__now_ns();
+    int left = nr;
+    while (left > 0 && nc > 0) {
+        for (int k = 0; k < nc; k++)
+            uccl__conn_drive_pump(conns[k]);
+        left = 0;
+        for (int i = 0; i < nr; i++)
+            left += !req_finished(reqs[i]);
+        if (left == 0 || uccl__now_ns() - start >= budget_ns)
+            break;
+        sched_yield();
+    }
+    for (int k = 0; k < nc; k++)
+        uccl__conn_drive_end(conns[k]);
+    for (int i = 0; i < nr; i++) {
+        done += req_finished(reqs[i]);
+        uccl__req_put(reqs[i]);
+    }
+    return done;
 }
 
 int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer)

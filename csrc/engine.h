@@ -211,6 +211,12 @@ int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m);
  * triggers may run on the calling thread. */
 int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking);
 void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns);
+/* The pieces of uccl__conn_drive, for a thread that drives several
+ * connections at once: begin (1: this thread is now c's reader), pump
+ * (handle what has arrived; < 0: c failed), end. */
+int uccl__conn_drive_begin(struct uccl__conn *c);
+int uccl__conn_drive_pump(struct uccl__conn *c);
+void uccl__conn_drive_end(struct uccl__conn *c);
 
 /* Stream receive path, called by transports for each arriving chunk:
  * begin validates (kind, id, offset, len) against what this side posted and

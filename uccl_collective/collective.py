@@ -20,7 +20,8 @@ import json
 import os
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -78,11 +79,13 @@ def _tensor_buf(t: Any, what: str) -> tuple[int, int]:
 
 
 class Handle:
-    """An operation in flight: engine operations and/or torch.distributed works.
+    """An operation in flight: engine operations and/or torch.distributed works
+    (watched through Futures).
 
     test() never blocks; wait() blocks (timeout in seconds, default the
     context's) and raises the operation's error.  Both may be called again
-    after completion."""
+    after completion.  A torch.distributed part that times out cannot be
+    cancelled (torch offers no way): its Gloo timeout still bounds it."""
 
     __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "__weakref__")
 
@@ -106,9 +109,9 @@ class Handle:
                     return False
                 self._ops.pop(0)
             while self._works:
-                if not self._works[0].is_completed():
+                if not self._works[0].done():
                     return False
-                self._works.pop(0).wait()
+                self._works.pop(0).result()
         except BaseException as e:
             self._drain()
             self._finish(e)
@@ -116,16 +119,18 @@ class Handle:
         self._finish(None)
         return True
 
-    def _drain(self) -> None:
-        """After an error: wait out the rest, so nothing lands after we return."""
+    def _drain(self, works: bool = True) -> None:
+        """After an error: wait out the rest, so nothing lands after we return
+        (torch.distributed works are left alone after a timeout: they cannot be
+        cancelled, and waiting would defeat the timeout)."""
         for op in self._ops:
             try:
                 self._ep._comm_wait(op)
             except BaseException:
                 pass
-        for w in self._works:
+        for w in self._works if works else ():
             try:
-                w.wait()
+                w.result()
             except BaseException:
                 pass
 
@@ -139,9 +144,14 @@ class Handle:
                 self._ep._comm_wait(self._ops[0], timeout)
                 self._ops.pop(0)
             while self._works:
-                self._works.pop(0).wait()
+                try:
+                    self._works[0].result(timeout)
+                except FutureTimeout:
+                    raise UcclTimeoutError(f"torch.distributed transfer not done after {timeout} s "
+                                           "(it stays posted until Gloo's own timeout)") from None
+                self._works.pop(0)
         except BaseException as e:
-            self._drain()
+            self._drain(works=not isinstance(e, UcclTimeoutError))
             self._finish(e)
             raise
         self._finish(None)
@@ -199,6 +209,7 @@ class CollectiveContext:
         self._engine_peer: list[bool] = []
         self._regs: dict[int, tuple[int, int, int]] = {}
         self.setup_seconds: float | None = None
+        self._waiter: ThreadPoolExecutor | None = None
         self.transports: dict[int, str] = {}
 
     # -- setup ---------------------------------------------------------------
@@ -280,6 +291,9 @@ class CollectiveContext:
         return self.ep
 
     def finalize(self) -> None:
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False, cancel_futures=True)
+            self._waiter = None
         if self.ep is not None:
             self.ep.close()
             self.ep = None
@@ -329,18 +343,25 @@ class CollectiveContext:
     # -- point to point --------------------------------------------------------
     def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str) -> Handle:
         ep = self._ep()
-        engine, works, keep = [], [], []
-        for kind, t, peer in entries:
+        for kind, t, peer in entries:  # everything is checked before anything is posted
             self._check_peer(peer, what)
+            _tensor_buf(t, what)
+        engine, works = [], []
+        for kind, t, peer in entries:
             if self._engine_peer[peer]:
                 engine.append((_SEND if kind == "send" else _RECV, peer, self._buf(t, what)))
             else:
-                _tensor_buf(t, what)
                 fn = dist.isend if kind == "send" else dist.irecv
                 works.append(fn(t, peer, group=self._group))
-            keep.append(t)
         ops = [ep._comm_p2p(engine)] if engine else []
-        return Handle(ep, ops, works, keep)
+        return Handle(ep, ops, [self._watch(w) for w in works], [t for _, t, _ in entries])
+
+    def _watch(self, work) -> Future:
+        """A Future done when a torch.distributed Work is: Gloo's p2p works
+        report is_completed() only once waited for, so a thread waits."""
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uccl-dist-wait")
+        return self._waiter.submit(work.wait)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         return self._p2p([("send", tensor, dst)], "isend")
