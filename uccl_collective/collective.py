@@ -258,6 +258,7 @@ class CollectiveContext:
         self.nodes = [m["node"] for m in metas]
         self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
                                           self.nodes[r] != node) for r in range(n)]
+        self._engine_only = all(self._engine_peer[r] for r in range(n) if r != me)
         self.local_world_size = self.nodes.count(node)
         if "UCCL_P2P_SPIN_US" not in os.environ and self.local_world_size > (os.cpu_count() or 1):
             # More ranks than cores: a polling waiter only keeps the peer it
@@ -327,7 +328,7 @@ class CollectiveContext:
     def _buf(self, t: torch.Tensor, what: str) -> tuple[int, int, int]:
         """(ptr, nbytes, mr): mr of a registered region holding it, else 0."""
         ptr, size = _tensor_buf(t, what)
-        for base, length, mr in self._regs.values():
+        for base, length, mr in self._regs.values() if self._regs else ():
             if base <= ptr and ptr + size <= base + length:
                 return ptr, size, mr
         return ptr, size, 0
@@ -450,50 +451,80 @@ class CollectiveContext:
                              f"{send_tensor.numel()}")
         return list(recv)
 
+    def _flat_bufs(self, send_tensor, recv, what: str):
+        """Fast path for the common form (recv one tensor): the chunks'
+        (ptr, len, mr) computed from one check of each tensor."""
+        n = self.world_size
+        if not isinstance(send_tensor, torch.Tensor):
+            raise TypeError(f"{what}: send_tensor must be a torch.Tensor, got "
+                            f"{type(send_tensor).__name__}")
+        if recv.dtype != send_tensor.dtype:
+            raise ValueError(f"{what}: recv dtype {recv.dtype} != send dtype {send_tensor.dtype}")
+        if recv.numel() != n * send_tensor.numel():
+            raise ValueError(f"{what}: recv has {recv.numel()} elements; world_size {n} x "
+                             f"send's {send_tensor.numel()} = {n * send_tensor.numel()} expected")
+        send = self._buf(send_tensor, what)
+        base, total, mr = self._buf(recv, what)
+        size = send[1]
+        return send, [(base + r * size, size, mr) for r in range(n)]
+
     def _iallgather(self, send_tensor, recv, algorithm: str, what: str, uneven: bool,
-                    async_op: bool = True) -> Handle:
+                    async_op: bool = True):
+        """Posts the allgather; returns (engine op id, None) when the engine
+        runs all of it, else (None, Handle) for the mixed-route forms."""
         ep = self._ep()
-        if algorithm not in _ALGOS:
+        algo = _ALGOS.get(algorithm)
+        if algo is None:
             raise ValueError(f"{what}: algorithm must be 'auto', 'direct' or 'ring', got "
                              f"{algorithm!r}")
+        n, me = self.world_size, self.rank
+        engine_only = self._engine_only
+        if engine_only and not uneven and isinstance(recv, torch.Tensor):
+            send, bufs = self._flat_bufs(send_tensor, recv, what)
+            return ep._comm_allgather(send, bufs, algo, async_op), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
         bufs = [self._buf(c, what) for c in chunks]
-        n, me = self.world_size, self.rank
-        algo = ep._comm_pick_algo(_ALGOS[algorithm], send[1])
-        keep = (send_tensor, recv, chunks)
-        if all(self._engine_peer[r] for r in range(n) if r != me):
-            return Handle(ep, [ep._comm_allgather(send, bufs, algo, async_op)], (), keep)
+        if engine_only:
+            return ep._comm_allgather(send, bufs, algo, async_op), None
         # Some peers go through torch.distributed (same node, copy engine off).
+        algo = ep._comm_pick_algo(algo, send[1])
         if chunks[me].data_ptr() != send_tensor.data_ptr():
             chunks[me].copy_(send_tensor.reshape(-1).view_as(chunks[me]))
         if algo == _engine.AG_DIRECT:
             entries = [("recv", chunks[r], r) for r in range(n) if r != me]
             entries += [("send", send_tensor, r) for r in range(n) if r != me]
-            return self._p2p(entries, what)
+            return None, self._p2p(entries, what)
         # Ring with mixed hops: one step at a time (synchronous).
         left, right = (me - 1) % n, (me + 1) % n
         for s in range(n - 1):
             out_c, in_c = chunks[(me - s) % n], chunks[(me - s - 1) % n]
             self._p2p([("send", out_c, right), ("recv", in_c, left)], what).wait(self.timeout_s)
-        return Handle(ep)
+        return None, Handle(ep)
+
+    def _run_allgather(self, send_tensor, recv, algorithm, what, uneven) -> None:
+        # Blocking: this thread advances the operation itself (no handoff).
+        op, handle = self._iallgather(send_tensor, recv, algorithm, what, uneven, False)
+        if handle is not None:
+            handle.wait(self.timeout_s)
+        else:
+            self.ep._comm_wait(op, self.timeout_s)
 
     def iallgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> Handle:
-        return self._iallgather(send_tensor, recv, algorithm, "iallgather", uneven=False)
+        op, handle = self._iallgather(send_tensor, recv, algorithm, "iallgather", False)
+        return handle or Handle(self.ep, [op], (), (send_tensor, recv))
 
     def allgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> None:
-        # async_op=False: this thread advances the operation itself (no handoff).
-        self._iallgather(send_tensor, recv, algorithm, "allgather", False,
-                         async_op=False).wait(self.timeout_s)
+        self._run_allgather(send_tensor, recv, algorithm, "allgather", False)
 
     def iallgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                     algorithm: str = "auto") -> Handle:
-        return self._iallgather(send_tensor, recv_list, algorithm, "iallgatherv", uneven=True)
+        op, handle = self._iallgather(send_tensor, recv_list, algorithm, "iallgatherv", True)
+        return handle or Handle(self.ep, [op], (), (send_tensor, recv_list))
 
     def allgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                    algorithm: str = "auto") -> None:
-        self._iallgather(send_tensor, recv_list, algorithm, "allgatherv", True,
-                         async_op=False).wait(self.timeout_s)
+        self._run_allgather(send_tensor, recv_list, algorithm, "allgatherv", True)
 
     def transport_to(self, peer: int) -> str:
         """'tcp', 'shm-cma', 'shm-ring' or 'torch.distributed'."""
