@@ -1,8 +1,9 @@
-/* Collectives over the engine (coll.h): a per-communicator queue run in
- * order by one worker thread, over the engine's public transfer calls
+/* Collectives over the engine (coll.h): a per-communicator queue started
+ * in order and advanced by the waiting caller (or, for async calls, one
+ * worker thread), over the engine's public transfer calls
  * (which sit on transport.h).  Direct allgather posts every chunk at once;
- * the ring forwards each piece of a chunk as soon as it has arrived, so a
- * rank's receive from the left and send to the right overlap. */
+ * the ring (two of them, in opposite directions) forwards each piece of a
+ * chunk as soon as it has arrived, so a rank's receives and sends overlap. */
 #define _GNU_SOURCE
 #include "coll.h"
 
@@ -40,7 +41,7 @@ struct op {
     int async;                   /* nobody waits at once: the worker runs it */
     int collecting;              /* p2p: one waiter is collecting the transfers */
     int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 waiting */
-    struct fwd { int c, rx; size_t off, len; } *fwd; /* ring: forward after receive rx */
+    struct fwd { int c, rx, to; size_t off, len; } *fwd; /* ring: forward after receive rx */
     int nfwd;
     int n;                       /* p2p: number of entries */
     struct uccl_coll_p2p *p2p;
@@ -255,28 +256,43 @@ static size_t piece_for(const struct uccl__comm *cm, size_t len)
     return (p + 4095) & ~(size_t)4095;
 }
 
-/* Post chunk c (this rank's own when c < 0) as pieces: at least one, so an
- * empty chunk is still matched and a length mismatch shows.  With fwd, also
- * record each piece as a forward to make once it has arrived. */
-static int post_pieces(struct uccl__comm *cm, struct op *o, int kind, int peer, int c, int fwd)
+/* Post bytes [off, off + len) of chunk c (this rank's own when c < 0) as
+ * pieces: at least one, so an empty region is still matched and a length
+ * mismatch shows.  With to >= 0, also record each piece as a forward to that
+ * rank, made once the piece has arrived. */
+static int post_pieces(struct uccl__comm *cm, struct op *o, int kind, int peer, int c,
+                       size_t off, size_t len, int to)
 {
     const struct uccl_coll_buf *b = c < 0 ? &o->send : &o->recv[c];
-    size_t p = piece_for(cm, b->len), off = 0;
+    size_t p = piece_for(cm, len), end = off + len;
     do {
-        size_t len = b->len - off < p ? b->len - off : p;
-        int rc = post(cm, o, kind, peer, b, off, len);
+        size_t n = end - off < p ? end - off : p;
+        int rc = post(cm, o, kind, peer, b, off, n);
         if (rc)
             return rc;
-        if (fwd) {
+        if (to >= 0) {
             struct fwd *f = realloc(o->fwd, (size_t)(o->nfwd + 1) * sizeof(*f));
             if (!f)
                 return set_err(UCCL_ERR_NOMEM, o->msg, sizeof(o->msg), "out of memory");
             o->fwd = f;
-            f[o->nfwd++] = (struct fwd){.c = c, .rx = o->x.n - 1, .off = off, .len = len};
+            f[o->nfwd++] = (struct fwd){.c = c, .rx = o->x.n - 1, .to = to, .off = off, .len = n};
         }
-        off += len;
-    } while (off < b->len);
+        off += n;
+    } while (off < end);
     return UCCL_OK;
+}
+
+/* The ring runs two rings at once: the first part of every chunk travels
+ * clockwise, the rest counter-clockwise, so each rank copies from both
+ * neighbours at once (twice the copies in flight of one ring) and every link
+ * carries traffic both ways.  Small chunks (and 2 ranks) go one way only. */
+#define BIDIR_MIN (1u << 20)
+
+static size_t clockwise_part(const struct uccl__comm *cm, size_t len)
+{
+    if (cm->size < 3 || len < BIDIR_MIN)
+        return len;
+    return ((len / 2) + 4095) & ~(size_t)4095;
 }
 
 static void copy_own(struct uccl__comm *cm, struct op *o)
@@ -326,15 +342,27 @@ static int start_op(struct uccl__comm *cm, struct op *o)
         copy_own(cm, o);
         return UCCL_OK;
     }
-    /* Ring: step s receives chunk me-1-s from the left; the chunks of steps
-     * 0..n-3 are forwarded to the right piece by piece as they arrive. */
+    /* Ring: at step s the clockwise ring receives chunk me-1-s from the left
+     * and the counter-clockwise one chunk me+1+s from the right; the chunks
+     * of steps 0..n-3 are passed on piece by piece as they arrive. */
     int left = (me - 1 + n) % n, right = (me + 1) % n;
-    rc = post_pieces(cm, o, UCCL_XFER_SEND, right, -1, 0);
+    size_t h = clockwise_part(cm, o->send.len);
+    rc = post_pieces(cm, o, UCCL_XFER_SEND, right, -1, 0, h, -1);
+    if (rc == UCCL_OK && n > 2)
+        rc = post_pieces(cm, o, UCCL_XFER_SEND, left, -1, h, o->send.len - h, -1);
     if (rc == UCCL_OK)
         copy_own(cm, o);
-    for (int s = 0; s < n - 1 && rc == UCCL_OK; s++)
-        rc = post_pieces(cm, o, UCCL_XFER_RECV | rflag, left, (me - 1 - s + 2 * n) % n,
-                         s < n - 2);
+    for (int s = 0; s < n - 1 && rc == UCCL_OK; s++) {
+        int cw = (me - 1 - s + 2 * n) % n, ccw = (me + 1 + s) % n;
+        size_t hc = clockwise_part(cm, o->recv[cw].len);
+        rc = post_pieces(cm, o, UCCL_XFER_RECV | rflag, left, cw, 0, hc,
+                         s < n - 2 ? right : -1);
+        if (rc == UCCL_OK && n > 2) {
+            size_t hcc = clockwise_part(cm, o->recv[ccw].len);
+            rc = post_pieces(cm, o, UCCL_XFER_RECV | rflag, right, ccw, hcc,
+                             o->recv[ccw].len - hcc, s < n - 2 ? left : -1);
+        }
+    }
     return rc;
 }
 
@@ -377,12 +405,11 @@ static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
             return UCCL_OK; /* its waiters collect the transfers */
     }
     if (o->phase == 1) {
-        int right = (cm->rank + 1) % cm->size;
         for (; o->cursor < o->nfwd; o->cursor++) {
             const struct fwd *f = &o->fwd[o->cursor];
             if ((rc = wait_one(cm, o, f->rx, until)))
                 return rc;
-            if ((rc = post(cm, o, UCCL_XFER_SEND, right, &o->recv[f->c], f->off, f->len)))
+            if ((rc = post(cm, o, UCCL_XFER_SEND, f->to, &o->recv[f->c], f->off, f->len)))
                 return rc;
         }
         o->phase = 2;

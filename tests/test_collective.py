@@ -94,6 +94,14 @@ def _plan(ws: int) -> list[tuple[str, str, dict]]:
     cases.append((f"ce-ag-{BIG_ALGO[ws]}-uint8-16MiB-tensor", "ag",
                   dict(cx="ce", api="allgather", algo=BIG_ALGO[ws], dt="uint8", n=16 * MiB,
                        form="tensor")))
+    # Chunks of 1 MiB and more take both ring directions (halves, with an
+    # odd length so the split is not page-aligned) and several pieces.
+    cases.append(("ce-ag-ring-float32-2MiB+3-tensor", "ag",
+                  dict(cx="ce", api="allgather", algo="ring", dt="float32",
+                       n=(2 * MiB) // 4 + 3, form="tensor")))
+    cases.append(("ce-agv-ring-uint8-big-uneven", "agv",
+                  dict(cx="ce", api="allgatherv", algo="ring", dt="uint8", lens="big",
+                       inplace=False)))
     if ws == 2:
         cases.append(("ce-ringstep-float32-16MiB", "ring_step",
                       dict(cx="ce", dt="float32", n=4 * MiB)))
@@ -283,6 +291,8 @@ def _case_ag(R, i, p):
 
 
 def _lens(kind, ws):
+    if kind == "big":  # around the 1 MiB two-direction threshold, odd, one empty
+        return [0 if r == 1 else MiB + 4097 * r - 1 for r in range(ws)]
     if kind == "zero":
         return [0 if r == 1 else 4097 + 61 * r for r in range(ws)]
     return [(r * r * 37) % 11 for r in range(ws)]   # 0, 4, 5, 3, 9
