@@ -29,6 +29,7 @@ enum { ST_QUEUED = 0, ST_RUNNING, ST_POSTED, ST_DONE, ST_FAILED };
 
 struct xlist {                   /* transfers an operation posted, in order */
     uint64_t *id;
+    char *recv;                  /* recv[i]: transfer i is a receive */
     int n, cap, waited;          /* waited: ids [0, waited) are finished and released */
 };
 
@@ -40,7 +41,7 @@ struct op {
     atomic_int abort;            /* a waiter gave up: whoever runs it stops it */
     int async;                   /* nobody waits at once: the worker runs it */
     int collecting;              /* p2p: one waiter is collecting the transfers */
-    int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 waiting */
+    int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 receives, 3 all */
     struct fwd { int c, rx, to; size_t off, len; } *fwd; /* ring: forward after receive rx */
     int nfwd;
     int n;                       /* p2p: number of entries */
@@ -94,6 +95,7 @@ static void op_free(struct op *o)
     free(o->recv);
     free(o->tmp_mr);
     free(o->x.id);
+    free(o->x.recv);
     free(o->fwd);
     free(o);
 }
@@ -183,16 +185,20 @@ int uccl_comm_pick_algo(const uccl_comm_t *cm, int algo, size_t chunk)
 /* ------------------------------------------------------------------------- */
 /* running an operation (worker thread)                                        */
 
-static int xlist_push(struct xlist *x, uint64_t id)
+static int xlist_push(struct xlist *x, uint64_t id, int recv)
 {
     if (x->n == x->cap) {
         int cap = x->cap ? x->cap * 2 : 16;
         uint64_t *p = realloc(x->id, (size_t)cap * sizeof(*p));
-        if (!p)
+        if (p)
+            x->id = p;
+        char *q = p ? realloc(x->recv, (size_t)cap) : NULL;
+        if (!q)
             return UCCL_ERR_NOMEM;
-        x->id = p;
+        x->recv = q;
         x->cap = cap;
     }
+    x->recv[x->n] = (char)recv;
     x->id[x->n++] = id;
     return UCCL_OK;
 }
@@ -218,7 +224,7 @@ static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
         return set_err(rc, o->msg, sizeof(o->msg), "%s %s rank %d: %s",
                        (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_SEND ? "send to" : "recv from",
                        o->kind == OP_P2P ? "p2p" : "allgather", peer, uccl_last_error());
-    if (xlist_push(&o->x, id)) {
+    if (xlist_push(&o->x, id, (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_RECV)) {
         uccl_ep_abort(cm->ep, id, "out of memory");
         uccl_ep_release(cm->ep, id);
         return set_err(UCCL_ERR_NOMEM, o->msg, sizeof(o->msg), "out of memory");
@@ -372,9 +378,17 @@ static int start_op(struct uccl__comm *cm, struct op *o)
 static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t until)
 {
     uint64_t now = uccl__now_ns();
-    if (until > now && o->x.n > o->x.waited)
-        uccl_ep_progress(cm->ep, o->x.id + o->x.waited, o->x.n - o->x.waited,
+    if (until > now && o->x.n > o->x.waited) {
+        /* transfer i first: the polling ends once it is finished */
+        uint64_t ids[64];
+        int k = 0;
+        ids[k++] = o->x.id[i];
+        for (int j = o->x.waited; j < o->x.n && k < 64; j++)
+            if (j != i)
+                ids[k++] = o->x.id[j];
+        uccl_ep_progress(cm->ep, ids, k, 0,
                          until - now < cm->poll_ns ? until - now : cm->poll_ns);
+    }
     now = uccl__now_ns();
     int rc = uccl_ep_wait(cm->ep, o->x.id[i], o->deadline, until > now ? until - now : 0);
     if (rc == UCCL_INPROGRESS || rc == UCCL_OK)
@@ -413,6 +427,16 @@ static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
                 return rc;
         }
         o->phase = 2;
+        o->cursor = o->x.waited;
+    }
+    /* Receives first: they need this rank (or its threads) to copy, while a
+     * send only waits for the peer's answer.  Waiting on a send first would
+     * leave arrivals on the other connections to their service threads. */
+    if (o->phase == 2) {
+        for (; o->cursor < o->x.n; o->cursor++)
+            if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, until)))
+                return rc;
+        o->phase = 3;
     }
     for (; o->x.waited < o->x.n; o->x.waited++) {
         if ((rc = wait_one(cm, o, o->x.waited, until)))

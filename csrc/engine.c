@@ -1320,19 +1320,23 @@ static int req_finished(struct uccl__req *r)
                               atomic_load(&r->busy) == 0);
 }
 
-int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, uint64_t budget_ns)
+int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, int all,
+                     uint64_t budget_ns)
 {
     struct uccl__req *reqs[PROGRESS_MAX];
     struct uccl__conn *conns[PROGRESS_MAX];
-    int nr = 0, nc = 0, done = 0;
+    int nr = 0, nc = 0, done = 0, first_pending = 0;
     for (int i = 0; i < n && nr < PROGRESS_MAX; i++) {
         struct uccl__req *r = req_lookup(ep, xfers[i]);
         if (!r || r == DONE_MARK || req_finished(r)) {
             if (r && r != DONE_MARK)
                 uccl__req_put(r);
             done++;
+            if (i == 0 && !all)
+                return done; /* the one that matters is finished already */
             continue;
         }
+        first_pending |= i == 0;
         reqs[nr++] = r;
         int seen = 0;
         for (int k = 0; k < nc && !seen; k++)
@@ -1348,7 +1352,8 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, uint64_t budge
         left = 0;
         for (int i = 0; i < nr; i++)
             left += !req_finished(reqs[i]);
-        if (left == 0 || uccl__now_ns() - start >= budget_ns)
+        if (left == 0 || (!all && first_pending && req_finished(reqs[0])) ||
+            uccl__now_ns() - start >= budget_ns)
             break;
         sched_yield();
     }
