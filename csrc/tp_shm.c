@@ -126,10 +126,10 @@ static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t l
  * waits.  Large copies are split over threads: on a small machine (up to 4
  * cores) into halves past 16 MiB, so both cores work (a thread start costs
  * ~30 us, a 16 MiB copy ~1 ms); on a larger one into parts of at least
- * 2 MiB, up to 4, because a single core's copy rate (5-9 GB/s) is far below
+ * 1 MiB, up to 4, because a single core's copy rate (5-9 GB/s) is far below
  * the memory's, and a ring allgather has only one copy per rank at a time. */
 #define SPLIT_BYTES_SMALL (16u << 20)
-#define PART_BYTES_LARGE (2u << 20)
+#define PART_BYTES_LARGE (1u << 20)
 #define MAX_PARTS 4
 
 struct part {
