@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "pool.h"
 #include "log.h"
 #include "sock.h"
 #include "status.h"
@@ -651,6 +652,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     uccl__idmap_free(&ep->mrs);
     uccl__idmap_free(&ep->windows);
     uccl__idmap_free(&ep->incomplete);
+    uccl__pool_free(ep->copy_pool); /* every connection is gone: no copy runs */
     while (ep->remotes) {
         struct uccl__remote *r = ep->remotes->next;
         free(ep->remotes);
@@ -950,6 +952,19 @@ int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len)
 /* memory                                                                     */
 
 void uccl_ep_set_spin_ns(uccl_ep_t *ep, uint64_t ns) { ep->spin_ns = ns; }
+
+struct uccl__pool *uccl__ep_copy_pool(struct uccl__ep *ep)
+{
+    pthread_mutex_lock(&ep->mu);
+    if (!ep->copy_pool && !ep->closed) {
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        int helpers = ncpu <= 4 ? 1 : (int)(ncpu / 2 < 8 ? ncpu / 2 : 8) - 1;
+        ep->copy_pool = uccl__pool_new(helpers);
+    }
+    struct uccl__pool *p = ep->copy_pool;
+    pthread_mutex_unlock(&ep->mu);
+    return p;
+}
 
 int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p)
 {

@@ -174,6 +174,7 @@ struct uccl__ep {
     unsigned acceptq_head, acceptq_len;
     struct uccl__remote *remotes; /* add_remote_endpoint cache */
     volatile uint64_t probe_word; /* CMA probe: peers read this to test access */
+    struct uccl__pool *copy_pool; /* helpers splitting large copies (made at first use) */
     int wake_pipe[2];
     pthread_t listener;
     int listener_started;
@@ -190,6 +191,9 @@ struct uccl__window *uccl__ep_window_check(struct uccl__ep *ep, uint64_t conn_id
                                            uint64_t len, int *status_p);
 
 void uccl__ep_release_hold(struct uccl__ep *ep, struct uccl__mr *mr);
+/* The endpoint's copy helpers (pool.h), started at the first call: one on a
+ * machine of up to 4 cores, else min(8, cores / 2) - 1.  NULL if none. */
+struct uccl__pool *uccl__ep_copy_pool(struct uccl__ep *ep);
 
 /* ---- requests (conn.c) ---- */
 struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len);

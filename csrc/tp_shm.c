@@ -27,9 +27,11 @@
 #include <sched.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 #include "engine.h"
+#include "pool.h"
 #include "log.h"
 #include "sock.h"
 #include "status.h"
@@ -123,74 +125,65 @@ static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t l
 }
 
 /* One copy runs at memory speed on one core; while it runs, the peer only
- * waits.  Large copies are split over threads: on a small machine (up to 4
- * cores) into halves past 16 MiB, so both cores work (a thread start costs
- * ~30 us, a 16 MiB copy ~1 ms); on a larger one into parts of at least
- * 1 MiB, up to 4, because a single core's copy rate (5-9 GB/s) is far below
- * the memory's, and a ring allgather has only one copy per rank at a time. */
+ * waits.  So a large copy is split into parts run by the endpoint's copy
+ * helpers (pool.h) and the calling thread: on a small machine (up to 4
+ * cores) into halves past 16 MiB, so both cores work; on a larger one into
+ * parts of at least 256 KiB, as many as there are helpers, because one
+ * core copies at 5-9 GB/s, far below what the memory can do, and a thread
+ * that waits for several transfers copies them one after the other. */
 #define SPLIT_BYTES_SMALL (16u << 20)
-#define PART_BYTES_LARGE (1u << 20)
-#define MAX_PARTS 4
+#define PART_BYTES_LARGE (256u << 10)
+#define MAX_PARTS 16
 
-struct part {
+struct split {
     struct uccl__conn *c;
     char *local;
     uint64_t remote;
-    size_t len;
-    int rc;
-    char err[256];
+    size_t len, step;
+    int parts;
+    int rc[MAX_PARTS];
+    char err[256];               /* the first failure's message */
+    atomic_int failed;
 };
 
-static void *part_main(void *arg)
+static void copy_part(void *arg, int i)
 {
-    struct part *h = arg;
-    h->rc = cma_copy(h->c, h->local, h->remote, h->len);
-    if (h->rc)
-        snprintf(h->err, sizeof(h->err), "%s", uccl_last_error());
-    return NULL;
+    struct split *s = arg;
+    size_t off = s->step * (size_t)i, end = i == s->parts - 1 ? s->len : off + s->step;
+    s->rc[i] = cma_copy(s->c, s->local + off, s->remote + off, end - off);
+    if (s->rc[i] && atomic_fetch_add(&s->failed, 1) == 0)
+        snprintf(s->err, sizeof(s->err), "%s", uccl_last_error());
 }
 
-static int copy_parts(size_t len)
+static int copy_parts(struct uccl__pool *pool, size_t len)
 {
-    static int ncpu;
+    static int ncpu; /* the same value for every thread that computes it */
     if (!ncpu) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         ncpu = n > 0 ? (int)n : 1;
     }
+    int width = uccl__pool_width(pool);
     if (ncpu <= 4)
-        return len >= SPLIT_BYTES_SMALL ? 2 : 1;
+        return len >= SPLIT_BYTES_SMALL && width > 1 ? 2 : 1;
     size_t parts = len / PART_BYTES_LARGE;
-    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : (int)parts;
+    return parts < 1 ? 1 : parts > (size_t)width ? width : (int)parts;
 }
 
 static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, size_t len)
 {
-    int parts = copy_parts(len);
-    if (parts == 1)
+    struct uccl__pool *pool = uccl__ep_copy_pool(c->ep);
+    int parts = copy_parts(pool, len);
+    if (parts <= 1)
         return cma_copy(c, local, remote, len);
-    struct part h[MAX_PARTS];
-    pthread_t t[MAX_PARTS];
-    int started[MAX_PARTS] = {0};
-    size_t step = (len / (size_t)parts) & ~(size_t)4095; /* page-aligned parts */
-    for (int i = 1; i < parts; i++) {
-        size_t off = step * (size_t)i, end = i == parts - 1 ? len : off + step;
-        h[i] = (struct part){.c = c, .local = (char *)local + off, .remote = remote + off,
-                             .len = end - off};
-        started[i] = pthread_create(&t[i], NULL, part_main, &h[i]) == 0;
-    }
-    int rc = cma_copy(c, local, remote, step);
-    for (int i = 1; i < parts; i++) {
-        if (started[i]) {
-            pthread_join(t[i], NULL);
-        } else { /* no thread: copy that part here */
-            h[i].rc = cma_copy(c, h[i].local, h[i].remote, h[i].len);
-            if (h[i].rc)
-                snprintf(h[i].err, sizeof(h[i].err), "%s", uccl_last_error());
-        }
-        if (rc == UCCL_OK && h[i].rc)
-            rc = uccl__err(h[i].rc, "%s", h[i].err);
-    }
-    return rc;
+    if (parts > MAX_PARTS)
+        parts = MAX_PARTS;
+    struct split s = {.c = c, .local = local, .remote = remote, .len = len, .parts = parts,
+                      .step = (len / (size_t)parts) & ~(size_t)4095}; /* page-aligned */
+    uccl__pool_run(pool, parts, copy_part, &s);
+    for (int i = 0; i < parts; i++)
+        if (s.rc[i])
+            return uccl__err(s.rc[i], "%s", s.err);
+    return UCCL_OK;
 }
 
 static int shm_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote,
