@@ -128,11 +128,11 @@ static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t l
  * waits.  So a large copy is split into parts run by the endpoint's copy
  * helpers (pool.h) and the calling thread: on a small machine (up to 4
  * cores) into halves past 16 MiB, so both cores work; on a larger one into
- * parts of at least 256 KiB, as many as there are helpers, because one
+ * parts of at least 1 MiB, as many as there are helpers, because one
  * core copies at 5-9 GB/s, far below what the memory can do, and a thread
  * that waits for several transfers copies them one after the other. */
 #define SPLIT_BYTES_SMALL (16u << 20)
-#define PART_BYTES_LARGE (256u << 10)
+#define PART_BYTES_LARGE (1u << 20)
 #define MAX_PARTS 16
 
 struct split {
