@@ -98,22 +98,25 @@ class Handle:
         self._done, self._error, self._keep = True, error, None
         self._ops, self._works = [], []
 
-    def test(self) -> bool:
+    def _settle(self, op_done: Callable, work_done: Callable) -> bool:
+        """Advance through the parts in order; False at the first unfinished
+        one.  The first error finishes the handle (after the rest is waited
+        out) and is raised now and by every later call."""
         if self._done:
             if self._error:
                 raise self._error
             return True
         try:
             while self._ops:
-                if not self._ep._comm_test(self._ops[0]):
+                if not op_done(self._ops[0]):
                     return False
                 self._ops.pop(0)
             while self._works:
-                if not self._works[0].done():
+                if not work_done(self._works[0]):
                     return False
-                self._works.pop(0).result()
+                self._works.pop(0)
         except BaseException as e:
-            self._drain()
+            self._drain(works=not isinstance(e, UcclTimeoutError))
             self._finish(e)
             raise
         self._finish(None)
@@ -134,28 +137,19 @@ class Handle:
             except BaseException:
                 pass
 
+    def test(self) -> bool:
+        return self._settle(self._ep._comm_test if self._ep else None,
+                            lambda w: w.done() and w.result() is not False)
+
     def wait(self, timeout: float | None = None) -> bool:
-        if self._done:
-            if self._error:
-                raise self._error
+        def work_done(w: Future) -> bool:
+            try:
+                w.result(timeout)
+            except FutureTimeout:
+                raise UcclTimeoutError(f"torch.distributed transfer not done after {timeout} s "
+                                       "(it stays posted until Gloo's own timeout)") from None
             return True
-        try:
-            while self._ops:
-                self._ep._comm_wait(self._ops[0], timeout)
-                self._ops.pop(0)
-            while self._works:
-                try:
-                    self._works[0].result(timeout)
-                except FutureTimeout:
-                    raise UcclTimeoutError(f"torch.distributed transfer not done after {timeout} s "
-                                           "(it stays posted until Gloo's own timeout)") from None
-                self._works.pop(0)
-        except BaseException as e:
-            self._drain(works=not isinstance(e, UcclTimeoutError))
-            self._finish(e)
-            raise
-        self._finish(None)
-        return True
+        return self._settle(lambda op: self._ep._comm_wait(op, timeout), work_done)
 
     def is_completed(self) -> bool:
         return self.test()
