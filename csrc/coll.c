@@ -41,6 +41,8 @@ struct op {
     atomic_int abort;            /* a waiter gave up: whoever runs it stops it */
     int async;                   /* nobody waits at once: the worker runs it */
     int collecting;              /* p2p: one waiter is collecting the transfers */
+    int waiters;                 /* threads inside uccl_comm_wait on it (under cm->mu) */
+    int released;                /* forgotten while waited on: the last waiter frees it */
     int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 receives, 3 all */
     struct fwd { int c, rx, to; size_t off, len; } *fwd; /* ring: forward after receive rx */
     int nfwd;
@@ -213,6 +215,8 @@ static int reg_tmp(struct uccl__comm *cm, struct op *o, struct uccl_coll_buf *b)
     return rc;
 }
 
+static const char *what(const struct op *o);
+
 static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
                 const struct uccl_coll_buf *b, size_t off, size_t len)
 {
@@ -221,9 +225,9 @@ static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
     uint64_t id;
     int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, &id);
     if (rc)
-        return set_err(rc, o->msg, sizeof(o->msg), "%s %s rank %d: %s",
+        return set_err(rc, o->msg, sizeof(o->msg), "%s: %s rank %d: %s", what(o),
                        (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_SEND ? "send to" : "recv from",
-                       o->kind == OP_P2P ? "p2p" : "allgather", peer, uccl_last_error());
+                       peer, uccl_last_error());
     if (xlist_push(&o->x, id, (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_RECV)) {
         uccl_ep_abort(cm->ep, id, "out of memory");
         uccl_ep_release(cm->ep, id);
@@ -500,8 +504,9 @@ static int take(struct uccl__comm *cm, struct op *o)
         unlink_queued(cm, o);
         if (cm->failed || cm->stop) {
             fail_queued(o, cm->stop ? UCCL_ERR_CLOSED : cm->fail_status,
-                        "not run: an earlier operation on this communicator failed (",
-                        cm->stop ? "shut down" : cm->fail_msg);
+                        cm->stop ? "not run: the communicator was shut down"
+                                 : "not run: an earlier operation on this communicator failed (",
+                        cm->stop ? "" : cm->fail_msg);
             pthread_cond_broadcast(&cm->cv);
             pthread_cond_signal(&cm->work_cv);
             return 0;
@@ -671,7 +676,12 @@ int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
     if (recv[me].len != send->len)
         return uccl__err(UCCL_ERR_INVALID, "the receive buffer for this rank (%d) has %zu "
                          "bytes but the send buffer has %zu", me, recv[me].len, send->len);
-    algo = uccl_comm_pick_algo(cm, algo, send->len);
+    /* Every rank must pick the same: decide from what all of them know
+     * alike (the largest chunk), not from this rank's own chunk. */
+    size_t largest = 0;
+    for (int r = 0; r < n; r++)
+        largest = recv[r].len > largest ? recv[r].len : largest;
+    algo = uccl_comm_pick_algo(cm, algo, largest);
     for (int r = 0; r < n; r++) {
         if (r == me)
             continue;
@@ -739,6 +749,7 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
     uint64_t now = uccl__now_ns();
     uint64_t until = now + slice < deadline ? now + slice : deadline;
     int rc;
+    o->waiters++; /* keeps o allocated while this thread sleeps (see release) */
     for (;;) {
         if (o->state == ST_DONE) {
             rc = UCCL_OK;
@@ -771,7 +782,7 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
             /* Give up: a queued operation never runs; a started one is
              * stopped by whoever advances it next (us, if nobody does). */
             atomic_store(&o->abort, 1);
-            if (o->state == ST_QUEUED && cm->qhead != o) {
+            if (o->state == ST_QUEUED && !runnable(cm, o)) { /* behind another one */
                 unlink_queued(cm, o);
                 fail_queued(o, UCCL_ERR_TIMEOUT, "timed out while queued behind earlier "
                             "operations", "");
@@ -779,6 +790,11 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
                 pthread_cond_broadcast(&cm->cv);
                 continue;
             }
+        }
+        if (now >= deadline && o->state == ST_POSTED) { /* another thread collects it */
+            rc = uccl__err(UCCL_ERR_TIMEOUT, "operation %llu: timed out while another thread "
+                           "waits for it", (unsigned long long)id);
+            break;
         }
         if ((o->state == ST_QUEUED || o->state == ST_RUNNING) && runnable(cm, o)) {
             if (take(cm, o))
@@ -797,7 +813,10 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
         struct timespec ts = abs_mono(now >= until ? now + 2000000ull : until);
         pthread_cond_timedwait(&cm->cv, &cm->mu, &ts);
     }
+    int free_it = --o->waiters == 0 && o->released;
     pthread_mutex_unlock(&cm->mu);
+    if (free_it)
+        op_free(o);
     return rc;
 }
 
@@ -823,13 +842,15 @@ int uccl_comm_release(uccl_comm_t *cm, uint64_t id)
     else if (o->state != ST_DONE && o->state != ST_FAILED)
         rc = uccl__err(UCCL_ERR_INVALID, "operation %llu is still in flight: wait for it first",
                        (unsigned long long)id);
-    else if (o->collecting)
-        rc = uccl__err(UCCL_ERR_INVALID, "operation %llu is being waited on",
-                       (unsigned long long)id);
-    else
+    int free_now = 0;
+    if (rc == UCCL_OK) {
         uccl__idmap_del(&cm->ops, id);
+        /* A thread still inside uccl_comm_wait on it frees it on leaving. */
+        o->released = 1;
+        free_now = o->waiters == 0;
+    }
     pthread_mutex_unlock(&cm->mu);
-    if (rc == UCCL_OK)
+    if (free_now)
         op_free(o);
     return rc;
 }

@@ -1314,7 +1314,9 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
     if (rc == UCCL_INPROGRESS && uccl__now_ns() >= deadline_ns) {
         /* Nothing may land in this buffer after we give up on it: fail the
          * whole connection (as NCCL aborts a communicator on timeout). */
-        uccl__conn_fail(r->conn, UCCL_ERR_TIMEOUT, "%s %llu of %zu bytes timed out after %.1f s",
+        uccl__conn_fail(r->conn, UCCL_ERR_TIMEOUT, "%s %llu of %zu bytes timed out: its wait's "
+                        "deadline passed (the endpoint's timeout is %.1f s; wait() may have "
+                        "been given a shorter one)",
                         r->op == UCCL_OP_SEND ? "send" : r->op == UCCL_OP_RECV ? "recv"
                         : r->op == UCCL_OP_WRITE ? "write" : "read",
                         (unsigned long long)xfer, r->len, (double)ep->timeout_ns / 1e9);

@@ -878,8 +878,13 @@ static PyObject *Endpoint_comm_test(PyObject *op_, PyObject *args)
     uint64_t id;
     if (!PyArg_ParseTuple(args, "O&", to_u64, &id) || check_comm(self))
         return NULL;
-    int done = 0;
-    int rc = uccl_comm_test(self->comm, id, &done);
+    int done = 0, rc;
+    uccl_comm_t *cm = self->comm;
+    ep_enter(self); /* it may start the operation (copies) or clean one up */
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_comm_test(cm, id, &done);
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
     if (rc == UCCL_OK && !done)
         Py_RETURN_FALSE;
     return comm_finish(self, id, rc);

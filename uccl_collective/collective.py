@@ -15,6 +15,7 @@ one kernel (network namespaces) still use TCP between them.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -39,7 +40,7 @@ __all__ = [
 
 _ALGOS = {"auto": _engine.AG_AUTO, "direct": _engine.AG_DIRECT, "ring": _engine.AG_RING}
 _SEND, _RECV = _engine.OP_SEND, _engine.OP_RECV
-_context_seq = itertools.count()   # every rank creates contexts in the same order
+_context_seq: dict[str, Any] = {}   # per group: members create contexts in the same order
 
 
 def node_id() -> str:
@@ -62,7 +63,6 @@ def _engine_host_id(node: str) -> str:
     """The engine's host id holds at most 63 characters: hash longer node ids."""
     if len(node) <= 63:
         return node
-    import hashlib
     return hashlib.sha256(node.encode()).hexdigest()[:63]
 
 
@@ -84,15 +84,26 @@ class Handle:
 
     test() never blocks; wait() blocks (timeout in seconds, default the
     context's) and raises the operation's error.  Both may be called again
-    after completion.  A torch.distributed part that times out cannot be
-    cancelled (torch offers no way): its Gloo timeout still bounds it."""
+    after completion.  A wait() that times out gives the operation up, as
+    NCCL aborts a communicator: its ranks no longer agree on what comes next,
+    so the context refuses later operations; poll with test() instead.  A
+    torch.distributed part that times out cannot be cancelled (torch offers
+    no way): its Gloo timeout still bounds it.  A handle dropped before its
+    operation finished hands it (and its tensors) to the context, which
+    keeps them until the operation is over."""
 
-    __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "__weakref__")
+    __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "_orphans",
+                 "__weakref__")
 
     def __init__(self, ep: Endpoint | None, ops: Sequence[int] = (), works: Sequence = (),
-                 keep: Any = None):
+                 keep: Any = None, orphans: list | None = None):
         self._ep, self._ops, self._works = ep, list(ops), list(works)
         self._done, self._error, self._keep = False, None, keep
+        self._orphans = orphans
+
+    def __del__(self):
+        if not self._done and (self._ops or self._works) and self._orphans is not None:
+            self._orphans.append((self._ep, self._ops, self._works, self._keep))
 
     def _finish(self, error: BaseException | None) -> None:
         self._done, self._error, self._keep = True, error, None
@@ -204,6 +215,7 @@ class CollectiveContext:
         self._regs: dict[int, tuple[int, int, int]] = {}
         self.setup_seconds: float | None = None
         self._waiter: ThreadPoolExecutor | None = None
+        self._orphans: list = []   # (ep, ops, works, tensors) of dropped, unfinished handles
         self.transports: dict[int, str] = {}
 
     # -- setup ---------------------------------------------------------------
@@ -220,11 +232,21 @@ class CollectiveContext:
             store = dist.distributed_c10d._get_default_store()
             self.rank = dist.get_rank(self._group)
             self.world_size = dist.get_world_size(self._group)
+            if self.rank < 0:
+                raise ValueError("CollectiveContext(group=...): this process is not a member of "
+                                 "the group")
         if self.rank is None or self.world_size is None:
             raise ValueError("with a store, give rank and world_size too")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
-        store = dist.PrefixStore(f"uccl_collective/ctx{next(_context_seq)}/", store)
+        # Keys are per group (disjoint groups share the default store) and per
+        # context: every member creates its contexts in the same order.
+        tag = "world"
+        if self._group is not None and self._store is None:
+            members = ",".join(map(str, dist.get_process_group_ranks(self._group)))
+            tag = "g" + hashlib.sha256(members.encode()).hexdigest()[:16]
+        seq = _context_seq.setdefault(tag, itertools.count())
+        store = dist.PrefixStore(f"uccl_collective/{tag}/ctx{next(seq)}/", store)
         me = self.rank
 
         secret = os.environ.get("UCCL_P2P_SECRET")
@@ -252,7 +274,12 @@ class CollectiveContext:
         self.nodes = [m["node"] for m in metas]
         self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
                                           self.nodes[r] != node) for r in range(n)]
-        self._engine_only = all(self._engine_peer[r] for r in range(n) if r != me)
+        # Whether every pair of ranks talks through this engine: the same on
+        # every rank, so all of them run the same algorithm implementation.
+        self._engine_only = self.use_copy_engine_for_intra or len(set(self.nodes)) == n
+        if not self._engine_only and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("use_copy_engine_for_intra=False sends same-node traffic through "
+                               "torch.distributed, which is not initialised")
         self.local_world_size = self.nodes.count(node)
         if "UCCL_P2P_SPIN_US" not in os.environ and self.local_world_size > (os.cpu_count() or 1):
             # More ranks than cores: a polling waiter only keeps the peer it
@@ -280,7 +307,24 @@ class CollectiveContext:
             self.transports[r] = ep.conn_transport(send_conns[r])
         ep._comm_init(me, n, send_conns, recv_conns)
 
+    def _sweep(self) -> None:
+        """Forget the dropped handles whose operations are over (their
+        tensors were kept alive until now)."""
+        for _ in range(len(self._orphans)):  # entries appended meanwhile wait for next time
+            ep, ops, works, tensors = self._orphans.pop(0)
+            try:
+                while ops and ep._comm_test(ops[0]):
+                    ops.pop(0)
+                while works and works[0].done():
+                    works.pop(0)
+            except Exception:  # failed: over; the context is poisoned and says so next
+                ops, works = [], []
+            if ops or works:
+                self._orphans.append((ep, ops, works, tensors))
+
     def _ep(self) -> Endpoint:
+        if self._orphans:
+            self._sweep()
         if self.ep is None:
             raise ValueError("CollectiveContext is not initialised (call init()) or finalized")
         return self.ep
@@ -290,9 +334,10 @@ class CollectiveContext:
             self._waiter.shutdown(wait=False, cancel_futures=True)
             self._waiter = None
         if self.ep is not None:
-            self.ep.close()
+            self.ep.close()  # fails what is pending: nothing lands in kept tensors afterwards
             self.ep = None
             self._regs.clear()
+        self._orphans.clear()
 
     def __enter__(self) -> "CollectiveContext":
         if self.ep is None:
@@ -347,9 +392,11 @@ class CollectiveContext:
                 engine.append((_SEND if kind == "send" else _RECV, peer, self._buf(t, what)))
             else:
                 fn = dist.isend if kind == "send" else dist.irecv
-                works.append(fn(t, peer, group=self._group))
+                gpeer = peer if self._group is None else dist.get_global_rank(self._group, peer)
+                works.append(fn(t, gpeer, group=self._group))
         ops = [ep._comm_p2p(engine)] if engine else []
-        return Handle(ep, ops, [self._watch(w) for w in works], [t for _, t, _ in entries])
+        return Handle(ep, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
+                      self._orphans)
 
     def _watch(self, work) -> Future:
         """A Future done when a torch.distributed Work is: Gloo's p2p works
@@ -506,7 +553,7 @@ class CollectiveContext:
 
     def iallgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> Handle:
         op, handle = self._iallgather(send_tensor, recv, algorithm, "iallgather", False)
-        return handle or Handle(self.ep, [op], (), (send_tensor, recv))
+        return handle or Handle(self.ep, [op], (), (send_tensor, recv), self._orphans)
 
     def allgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> None:
         self._run_allgather(send_tensor, recv, algorithm, "allgather", False)
@@ -514,7 +561,7 @@ class CollectiveContext:
     def iallgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                     algorithm: str = "auto") -> Handle:
         op, handle = self._iallgather(send_tensor, recv_list, algorithm, "iallgatherv", True)
-        return handle or Handle(self.ep, [op], (), (send_tensor, recv_list))
+        return handle or Handle(self.ep, [op], (), (send_tensor, recv_list), self._orphans)
 
     def allgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                    algorithm: str = "auto") -> None:
