@@ -767,13 +767,18 @@ out:
     return res;
 }
 
-/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async) -> op_id */
+static PyObject *comm_wait_loop(EndpointObject *self, uint64_t id, PyObject *timeout);
+
+/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False, timeout=None)
+ * async: -> op_id.  Blocking: submits and waits in one call (no window in
+ * which an interrupt could leave the operation unwatched) -> True. */
 static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
 {
     EndpointObject *self = (EndpointObject *)op_;
-    PyObject *sendt, *recvl;
+    PyObject *sendt, *recvl, *timeout = Py_None;
     int algo, async = 0;
-    if (!PyArg_ParseTuple(args, "OOi|p", &sendt, &recvl, &algo, &async) || check_comm(self))
+    if (!PyArg_ParseTuple(args, "OOi|pO", &sendt, &recvl, &algo, &async, &timeout) ||
+        check_comm(self))
         return NULL;
     struct uccl_coll_buf send;
     if (parse_buf(sendt, &send))
@@ -812,7 +817,7 @@ static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
         fail(self, rc);
         goto out;
     }
-    res = PyLong_FromUnsignedLongLong(id);
+    res = async ? PyLong_FromUnsignedLongLong(id) : comm_wait_loop(self, id, timeout);
 out:
     PyMem_Free(recv);
     return res;
@@ -828,14 +833,10 @@ static PyObject *comm_finish(EndpointObject *self, uint64_t id, int rc)
     return res;
 }
 
-/* _comm_wait(op_id, timeout=None) -> True; forgets the operation once finished */
-static PyObject *Endpoint_comm_wait(PyObject *op_, PyObject *args)
+/* Wait for operation id in slices (Ctrl-C works), then forget it; raise if
+ * it failed.  Interrupted, it is stopped first: nothing lands afterwards. */
+static PyObject *comm_wait_loop(EndpointObject *self, uint64_t id, PyObject *timeout)
 {
-    EndpointObject *self = (EndpointObject *)op_;
-    uint64_t id;
-    PyObject *timeout = Py_None;
-    if (!PyArg_ParseTuple(args, "O&|O", to_u64, &id, &timeout) || check_comm(self))
-        return NULL;
     int err;
     double t = timeout_arg(self, timeout, &err);
     if (err)
@@ -852,7 +853,6 @@ static PyObject *Endpoint_comm_wait(PyObject *op_, PyObject *args)
         if (rc != UCCL_INPROGRESS)
             return comm_finish(self, id, rc);
         if (PyErr_CheckSignals() || check_comm(self)) {
-            /* Interrupted: stop the operation, so nothing lands after we return. */
             if (self->comm) {
                 PyObject *et, *ev, *tb;
                 PyErr_Fetch(&et, &ev, &tb);
@@ -869,6 +869,17 @@ static PyObject *Endpoint_comm_wait(PyObject *op_, PyObject *args)
             return NULL;
         }
     }
+}
+
+/* _comm_wait(op_id, timeout=None) -> True; forgets the operation once finished */
+static PyObject *Endpoint_comm_wait(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    uint64_t id;
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "O&|O", to_u64, &id, &timeout) || check_comm(self))
+        return NULL;
+    return comm_wait_loop(self, id, timeout);
 }
 
 /* _comm_test(op_id) -> bool; forgets the operation once finished */
@@ -948,7 +959,7 @@ static PyMethodDef Endpoint_methods[] = {
      "_comm_init(rank, size, send_conns, recv_conns): the communicator over these connections"},
     {"_comm_p2p", Endpoint_comm_p2p, METH_O, "_comm_p2p([(op, peer, (ptr, len, mr))]) -> op_id"},
     {"_comm_allgather", Endpoint_comm_allgather, METH_VARARGS,
-     "_comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False) -> op_id"},
+     "_comm_allgather(send, recvs, algo, async=False, timeout=None) -> op_id (async) or True"},
     {"_comm_wait", Endpoint_comm_wait, METH_VARARGS,
      "_comm_wait(op_id, timeout=None) -> True; raises if it failed; forgets it"},
     {"_comm_test", Endpoint_comm_test, METH_VARARGS,

@@ -512,7 +512,8 @@ class CollectiveContext:
     def _iallgather(self, send_tensor, recv, algorithm: str, what: str, uneven: bool,
                     async_op: bool = True):
         """Posts the allgather; returns (engine op id, None) when the engine
-        runs all of it, else (None, Handle) for the mixed-route forms."""
+        runs all of it, else (None, Handle) for the mixed-route forms.  With
+        async_op=False the engine part is also waited for (in the same call)."""
         ep = self._ep()
         algo = _ALGOS.get(algorithm)
         if algo is None:
@@ -522,12 +523,12 @@ class CollectiveContext:
         engine_only = self._engine_only
         if engine_only and not uneven and isinstance(recv, torch.Tensor):
             send, bufs = self._flat_bufs(send_tensor, recv, what)
-            return ep._comm_allgather(send, bufs, algo, async_op), None
+            return ep._comm_allgather(send, bufs, algo, async_op, self.timeout_s), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
         bufs = [self._buf(c, what) for c in chunks]
         if engine_only:
-            return ep._comm_allgather(send, bufs, algo, async_op), None
+            return ep._comm_allgather(send, bufs, algo, async_op, self.timeout_s), None
         # Some peers go through torch.distributed (same node, copy engine off).
         algo = ep._comm_pick_algo(algo, send[1])
         if chunks[me].data_ptr() != send_tensor.data_ptr():
@@ -544,12 +545,11 @@ class CollectiveContext:
         return None, Handle(ep)
 
     def _run_allgather(self, send_tensor, recv, algorithm, what, uneven) -> None:
-        # Blocking: this thread advances the operation itself (no handoff).
-        op, handle = self._iallgather(send_tensor, recv, algorithm, what, uneven, False)
+        # Blocking: this thread advances the operation itself (no handoff),
+        # inside the one engine call that submitted it.
+        _, handle = self._iallgather(send_tensor, recv, algorithm, what, uneven, False)
         if handle is not None:
             handle.wait(self.timeout_s)
-        else:
-            self.ep._comm_wait(op, self.timeout_s)
 
     def iallgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> Handle:
         op, handle = self._iallgather(send_tensor, recv, algorithm, "iallgather", False)
