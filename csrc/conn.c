@@ -1157,11 +1157,11 @@ int uccl__conn_drive_begin(struct uccl__conn *c)
     return 1;
 }
 
-int uccl__conn_drive_pump(struct uccl__conn *c)
+int uccl__conn_drive_pump(struct uccl__conn *c, int inline_copies)
 {
     if (atomic_load(&c->failed))
         return -1;
-    tls_driving = c;
+    tls_driving = inline_copies ? c : NULL; /* NULL: copies go to the worker */
     int rc = pump(c);
     tls_driving = NULL;
     if (rc < 0)
@@ -1189,7 +1189,7 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
     uint64_t start = uccl__now_ns();
     for (unsigned i = 0;; i++) {
         unsigned s = atomic_load(&r->state);
-        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED || uccl__conn_drive_pump(c) < 0)
+        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED || uccl__conn_drive_pump(c, 1) < 0)
             break;
         if ((i & 15) == 15 && uccl__now_ns() - start > budget_ns)
             break;

@@ -1337,9 +1337,10 @@ static int req_finished(struct uccl__req *r)
                               atomic_load(&r->busy) == 0);
 }
 
-int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, int all,
+int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags,
                      uint64_t budget_ns)
 {
+    int all = (flags & UCCL_PROGRESS_ALL) != 0, inline_copies = !(flags & UCCL_PROGRESS_HANDOFF);
     struct uccl__req *reqs[PROGRESS_MAX];
     struct uccl__conn *conns[PROGRESS_MAX];
     int nr = 0, nc = 0, done = 0, first_pending = 0;
@@ -1365,7 +1366,7 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, int all,
     int left = nr;
     while (left > 0 && nc > 0) {
         for (int k = 0; k < nc; k++)
-            uccl__conn_drive_pump(conns[k]);
+            uccl__conn_drive_pump(conns[k], inline_copies);
         left = 0;
         for (int i = 0; i < nr; i++)
             left += !req_finished(reqs[i]);

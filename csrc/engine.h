@@ -217,9 +217,10 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking);
 void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns);
 /* The pieces of uccl__conn_drive, for a thread that drives several
  * connections at once: begin (1: this thread is now c's reader), pump
- * (handle what has arrived; < 0: c failed), end. */
+ * (handle what has arrived, copying on this thread when inline_copies, else
+ * handing copies to c's worker; < 0: c failed), end. */
 int uccl__conn_drive_begin(struct uccl__conn *c);
-int uccl__conn_drive_pump(struct uccl__conn *c);
+int uccl__conn_drive_pump(struct uccl__conn *c, int inline_copies);
 void uccl__conn_drive_end(struct uccl__conn *c);
 
 /* Stream receive path, called by transports for each arriving chunk:

@@ -69,12 +69,17 @@ int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p);
  * connection is failed (nothing may land later) and UCCL_ERR_TIMEOUT returned. */
 int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t slice_ns);
 /* Drive the connections of n transfers from this thread, round robin,
- * until xfers[0] is finished (every one, with all != 0) or budget_ns passes
- * (never sleeps; yields the core between rounds).  Arrivals on all of them
- * are handled here, copies included, so no connection thread has to wake.
- * Looks at the first 64 ids at most; returns how many of those it looked at
- * are finished (an unknown id counts as finished: its wait reports it). */
-int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, int all,
+ * until xfers[0] is finished (every one, with UCCL_PROGRESS_ALL) or
+ * budget_ns passes (never sleeps; yields the core between rounds).
+ * Arrivals on all of them are handled here, so no connection thread has to
+ * wake; their copies too, unless UCCL_PROGRESS_HANDOFF asks that each go to
+ * its connection's worker (several copies then run at once, for machines
+ * with cores to spare).  Looks at the first 64 ids at most; returns how many
+ * of those it looked at are finished (an unknown id counts as finished: its
+ * wait reports it). */
+#define UCCL_PROGRESS_ALL 1u
+#define UCCL_PROGRESS_HANDOFF 2u
+int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags,
                      uint64_t budget_ns);
 /* Forget a finished transfer id (its answer is kept until then).  A
  * transfer still in flight cannot be released (UCCL_ERR_INVALID). */
