@@ -135,7 +135,7 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
      * (16 cores, 4 ranks, 1 MiB: one thread copying three chunks one after
      * the other was the slowest part). */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    cm->handoff = ncpu > 4 && (long)size * 2 <= ncpu;
+    cm->handoff = ncpu > 4 && size >= 3 && (long)size * 2 <= ncpu; /* 2 ranks: one copy */
     for (int r = 0; r < size && !cm->multinode; r++) {
         char tp[32];
         cm->multinode = cm->send_conn[r] &&
