@@ -392,7 +392,8 @@ static int start_op(struct uccl__comm *cm, struct op *o)
 /* Wait for transfer i of o until `until`.  First this thread polls every
  * connection the operation still waits on (arrivals handled and copied
  * right here, with no connection thread to wake); then it sleeps on i. */
-static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t until)
+static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t deadline,
+                    uint64_t until)
 {
     uint64_t now = uccl__now_ns();
     if (until > now && o->x.n > o->x.waited) {
@@ -407,7 +408,7 @@ static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t until)
                          until - now < cm->poll_ns ? until - now : cm->poll_ns);
     }
     now = uccl__now_ns();
-    int rc = uccl_ep_wait(cm->ep, o->x.id[i], o->deadline, until > now ? until - now : 0);
+    int rc = uccl_ep_wait(cm->ep, o->x.id[i], deadline, until > now ? until - now : 0);
     if (rc == UCCL_INPROGRESS || rc == UCCL_OK)
         return rc;
     set_err(rc, o->msg, sizeof(o->msg), "%s: %s", what(o), uccl_last_error());
@@ -438,7 +439,7 @@ static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
     if (o->phase == 1) {
         for (; o->cursor < o->nfwd; o->cursor++) {
             const struct fwd *f = &o->fwd[o->cursor];
-            if ((rc = wait_one(cm, o, f->rx, until)))
+            if ((rc = wait_one(cm, o, f->rx, o->deadline, until)))
                 return rc;
             if ((rc = post(cm, o, UCCL_XFER_SEND, f->to, &o->recv[f->c], f->off, f->len)))
                 return rc;
@@ -451,12 +452,12 @@ static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
      * leave arrivals on the other connections to their service threads. */
     if (o->phase == 2) {
         for (; o->cursor < o->x.n; o->cursor++)
-            if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, until)))
+            if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, o->deadline, until)))
                 return rc;
         o->phase = 3;
     }
     for (; o->x.waited < o->x.n; o->x.waited++) {
-        if ((rc = wait_one(cm, o, o->x.waited, until)))
+        if ((rc = wait_one(cm, o, o->x.waited, o->deadline, until)))
             return rc;
         uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
     }
@@ -721,22 +722,19 @@ int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
 /* p2p: wait for the posted transfers (one collector at a time). */
 static int collect(struct uccl__comm *cm, struct op *o, uint64_t deadline, uint64_t until)
 {
-    while (o->x.waited < o->x.n) {
-        uint64_t now = uccl__now_ns();
-        uint64_t slice = until > now ? until - now : 0;
-        int rc = uccl_ep_wait(cm->ep, o->x.id[o->x.waited], deadline, slice);
-        if (rc == UCCL_INPROGRESS)
-            return rc;
-        if (rc) {
-            set_err(rc, o->msg, sizeof(o->msg), "%s", uccl_last_error());
-            cleanup(cm, o, 1);
-            return rc;
-        }
-        uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
-        o->x.waited++;
+    int rc = UCCL_OK;
+    /* Receives first (they need copying here), then all in order. */
+    for (; o->cursor < o->x.n && rc == UCCL_OK; o->cursor += rc == UCCL_OK)
+        if (o->x.recv[o->cursor])
+            rc = wait_one(cm, o, o->cursor, deadline, until);
+    for (; o->x.waited < o->x.n && rc == UCCL_OK; o->x.waited += rc == UCCL_OK) {
+        rc = wait_one(cm, o, o->x.waited, deadline, until);
+        if (rc == UCCL_OK)
+            uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
     }
-    cleanup(cm, o, 0);
-    return UCCL_OK;
+    if (rc != UCCL_INPROGRESS)
+        cleanup(cm, o, rc != UCCL_OK);
+    return rc;
 }
 
 static struct timespec abs_mono(uint64_t ns)

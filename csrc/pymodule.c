@@ -726,11 +726,16 @@ static int parse_buf(PyObject *t, struct uccl_coll_buf *b)
     return 0;
 }
 
-/* _comm_p2p([(op, peer, (ptr, len, mr)), ...]) -> op_id */
-static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *arg)
+static PyObject *comm_wait_loop(EndpointObject *self, uint64_t id, PyObject *timeout);
+
+/* _comm_p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None)
+ * -> op_id; with wait, posts and waits in one call -> True. */
+static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *args)
 {
     EndpointObject *self = (EndpointObject *)op_;
-    if (check_comm(self))
+    PyObject *arg, *timeout = Py_None;
+    int wait = 0;
+    if (!PyArg_ParseTuple(args, "O|pO", &arg, &wait, &timeout) || check_comm(self))
         return NULL;
     Py_ssize_t n = PySequence_Size(arg);
     if (n < 0)
@@ -761,7 +766,7 @@ static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *arg)
         fail(self, rc);
         goto out;
     }
-    res = PyLong_FromUnsignedLongLong(id);
+    res = wait ? comm_wait_loop(self, id, timeout) : PyLong_FromUnsignedLongLong(id);
 out:
     PyMem_Free(ops);
     return res;
@@ -957,7 +962,8 @@ static PyMethodDef Endpoint_methods[] = {
      "advertise(conn_id, mr_id, addr, len) -> (True, fifo_item)"},
     {"_comm_init", Endpoint_comm_init, METH_VARARGS,
      "_comm_init(rank, size, send_conns, recv_conns): the communicator over these connections"},
-    {"_comm_p2p", Endpoint_comm_p2p, METH_O, "_comm_p2p([(op, peer, (ptr, len, mr))]) -> op_id"},
+    {"_comm_p2p", Endpoint_comm_p2p, METH_VARARGS,
+     "_comm_p2p([(op, peer, (ptr, len, mr))], wait=False, timeout=None) -> op_id or True"},
     {"_comm_allgather", Endpoint_comm_allgather, METH_VARARGS,
      "_comm_allgather(send, recvs, algo, async=False, timeout=None) -> op_id (async) or True"},
     {"_comm_wait", Endpoint_comm_wait, METH_VARARGS,

@@ -92,7 +92,7 @@ class Handle:
     operation finished hands it (and its tensors) to the context, which
     keeps them until the operation is over."""
 
-    __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "_orphans",
+    __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "_orphans", "_lock",
                  "__weakref__")
 
     def __init__(self, ep: Endpoint | None, ops: Sequence[int] = (), works: Sequence = (),
@@ -100,6 +100,7 @@ class Handle:
         self._ep, self._ops, self._works = ep, list(ops), list(works)
         self._done, self._error, self._keep = False, None, keep
         self._orphans = orphans
+        self._lock = threading.Lock()  # one thread advances it at a time
 
     def __del__(self):
         if not self._done and (self._ops or self._works) and self._orphans is not None:
@@ -149,8 +150,13 @@ class Handle:
                 pass
 
     def test(self) -> bool:
-        return self._settle(self._ep._comm_test if self._ep else None,
-                            lambda w: w.done() and w.result() is not False)
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread is waiting for it: not known to be done yet
+        try:
+            return self._settle(self._ep._comm_test if self._ep else None,
+                                lambda w: w.done() and w.result() is not False)
+        finally:
+            self._lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         def work_done(w: Future) -> bool:
@@ -160,7 +166,8 @@ class Handle:
                 raise UcclTimeoutError(f"torch.distributed transfer not done after {timeout} s "
                                        "(it stays posted until Gloo's own timeout)") from None
             return True
-        return self._settle(lambda op: self._ep._comm_wait(op, timeout), work_done)
+        with self._lock:
+            return self._settle(lambda op: self._ep._comm_wait(op, timeout), work_done)
 
     def is_completed(self) -> bool:
         return self.test()
@@ -381,7 +388,10 @@ class CollectiveContext:
         return peer
 
     # -- point to point --------------------------------------------------------
-    def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str) -> Handle:
+    def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str,
+             blocking: bool = False) -> Handle | None:
+        """Posts the batch; a Handle, or None when blocking (then waited for:
+        engine-only batches in the one engine call that posts them)."""
         ep = self._ep()
         for kind, t, peer in entries:  # everything is checked before anything is posted
             self._check_peer(peer, what)
@@ -394,9 +404,16 @@ class CollectiveContext:
                 fn = dist.isend if kind == "send" else dist.irecv
                 gpeer = peer if self._group is None else dist.get_global_rank(self._group, peer)
                 works.append(fn(t, gpeer, group=self._group))
+        if blocking and not works:
+            ep._comm_p2p(engine, True, self.timeout_s)
+            return None
         ops = [ep._comm_p2p(engine)] if engine else []
-        return Handle(ep, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
-                      self._orphans)
+        h = Handle(ep, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
+                   self._orphans)
+        if blocking:
+            h.wait(self.timeout_s)
+            return None
+        return h
 
     def _watch(self, work) -> Future:
         """A Future done when a torch.distributed Work is: Gloo's p2p works
@@ -412,10 +429,10 @@ class CollectiveContext:
         return self._p2p([("recv", tensor, src)], "irecv")
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.isend(tensor, dst).wait(self.timeout_s)
+        self._p2p([("send", tensor, dst)], "send", blocking=True)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
-        self.irecv(tensor, src).wait(self.timeout_s)
+        self._p2p([("recv", tensor, src)], "recv", blocking=True)
 
     def test(self, handle: Handle) -> bool:
         return handle.test()
@@ -449,8 +466,8 @@ class CollectiveContext:
     def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor,
                  src: int) -> None:
         """One ring step: send to dst and receive from src at once."""
-        self._p2p([("send", send_tensor, dst), ("recv", recv_tensor, src)],
-                  "sendrecv").wait(self.timeout_s)
+        self._p2p([("send", send_tensor, dst), ("recv", recv_tensor, src)], "sendrecv",
+                  blocking=True)
 
     # -- allgather -------------------------------------------------------------
     def _recv_chunks(self, send_tensor: torch.Tensor, recv: Any, what: str,
@@ -541,7 +558,7 @@ class CollectiveContext:
         left, right = (me - 1) % n, (me + 1) % n
         for s in range(n - 1):
             out_c, in_c = chunks[(me - s) % n], chunks[(me - s - 1) % n]
-            self._p2p([("send", out_c, right), ("recv", in_c, left)], what).wait(self.timeout_s)
+            self._p2p([("send", out_c, right), ("recv", in_c, left)], what, blocking=True)
         return None, Handle(ep)
 
     def _run_allgather(self, send_tensor, recv, algorithm, what, uneven) -> None:
