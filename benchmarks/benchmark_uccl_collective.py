@@ -5,7 +5,7 @@ Launch with torchrun, e.g.
         --sizes 1M,16M,64M --compare gloo --plot allgather.png
 
 --op allgather: every rank contributes --sizes bytes (per rank); the comparison
-    is all_gather_into_tensor.  As nccl-tests: algbw = world x size / time,
+    is all_gather_into_tensor (all_gather_single where torch renamed it).  As nccl-tests: algbw = world x size / time,
     busbw = algbw x (N-1)/N.
 --op ring (or --ring): one ring step per iteration, each rank sends to the
     right and receives from the left (upstream's ring benchmark); the
@@ -121,7 +121,9 @@ class Runner:
     def gloo(self) -> None:
         a = self.args
         if a.op == "allgather":
-            dist.all_gather_into_tensor(self.y, self.x)
+            # torch 2.13 renames all_gather_into_tensor (and warns on the old name)
+            ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+            ag(self.y, self.x)
         elif a.op == "ring":
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, self.x, self.right),
                                               dist.P2POp(dist.irecv, self.y, self.left)]):
