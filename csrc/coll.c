@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/queue.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -44,7 +45,7 @@ struct op {
     int collecting;              /* p2p: one waiter is collecting the transfers */
     int waiters;                 /* threads inside uccl_comm_wait on it (under cm->mu) */
     int released;                /* forgotten while waited on: the last waiter frees it */
-    int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 receives, 3 all */
+    int phase, cursor;           /* progress: 0 post, 1 ring forwarding, 2 waiting */
     struct fwd { int c, rx, to; size_t off, len; } *fwd; /* ring: forward after receive rx */
     int nfwd;
     int n;                       /* p2p: number of entries */
@@ -55,7 +56,8 @@ struct op {
     int ntmp;
     uint64_t deadline;
     struct xlist x;
-    struct op *next;
+    TAILQ_ENTRY(op) link;        /* in the communicator's queue while queued */
+    int queued;
 };
 
 struct uccl__comm {
@@ -69,7 +71,7 @@ struct uccl__comm {
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;           /* queue and operation state changes */
     pthread_cond_t work_cv;      /* the worker: async work may be runnable */
-    struct op *qhead, *qtail;
+    TAILQ_HEAD(, op) queue;      /* submitted, not started */
     struct op *cur;              /* the operation started and not finished (at most one) */
     int executing;               /* a thread is advancing cur (the execution token) */
     struct uccl__idmap ops;
@@ -112,14 +114,21 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
 {
     if (size < 1 || rank < 0 || rank >= size)
         return uccl__err(UCCL_ERR_INVALID, "rank %d of world size %d", rank, size);
+    int bad = 0;
+    long piece_kb = uccl__env_long("UCCL_COLL_PIECE_KB", 0, 4, 1L << 22, &bad);
+    long poll_us = uccl__env_long("UCCL_COLL_POLL_US", 200, 0, 1000000, &bad);
+    if (bad)
+        return UCCL_ERR_INVALID;
     struct uccl__comm *cm = calloc(1, sizeof(*cm));
-    if (!cm)
-        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    cm->send_conn = calloc((size_t)size, sizeof(uint64_t));
-    cm->recv_conn = calloc((size_t)size, sizeof(uint64_t));
-    if (!cm->send_conn || !cm->recv_conn) {
-        free(cm->send_conn);
-        free(cm->recv_conn);
+    if (cm) {
+        cm->send_conn = calloc((size_t)size, sizeof(uint64_t));
+        cm->recv_conn = calloc((size_t)size, sizeof(uint64_t));
+    }
+    if (!cm || !cm->send_conn || !cm->recv_conn) {
+        if (cm) {
+            free(cm->send_conn);
+            free(cm->recv_conn);
+        }
         free(cm);
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     }
@@ -129,6 +138,8 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
     cm->ep = ep;
     cm->rank = rank;
     cm->size = size;
+    cm->piece = (size_t)piece_kb << 10;
+    cm->poll_ns = (uint64_t)poll_us * 1000;
     /* On a small machine the waiting thread copies every arrival itself
      * (no wake-ups; the cores are busy anyway).  With cores to spare, the
      * copies of different peers run at once on their connections' workers
@@ -142,31 +153,7 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
                         uccl_ep_conn_transport(ep, cm->send_conn[r], tp, sizeof(tp)) == UCCL_OK &&
                         strcmp(tp, "tcp") == 0;
     }
-    const char *env = getenv("UCCL_COLL_PIECE_KB");
-    if (env && *env) {
-        char *end;
-        long kb = strtol(env, &end, 10);
-        if (*end || kb < 4 || kb > (1L << 22)) {
-            free(cm->send_conn);
-            free(cm->recv_conn);
-            free(cm);
-            return uccl__err(UCCL_ERR_INVALID, "UCCL_COLL_PIECE_KB=%s: expected 4..4194304", env);
-        }
-        cm->piece = (size_t)kb << 10;
-    }
-    cm->poll_ns = 200000;
-    env = getenv("UCCL_COLL_POLL_US");
-    if (env && *env) {
-        char *end;
-        long us = strtol(env, &end, 10);
-        if (*end || us < 0 || us > 1000000) {
-            free(cm->send_conn);
-            free(cm->recv_conn);
-            free(cm);
-            return uccl__err(UCCL_ERR_INVALID, "UCCL_COLL_POLL_US=%s: expected 0..1000000", env);
-        }
-        cm->poll_ns = (uint64_t)us * 1000;
-    }
+    TAILQ_INIT(&cm->queue);
     pthread_mutex_init(&cm->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -224,20 +211,23 @@ static int reg_tmp(struct uccl__comm *cm, struct op *o, struct uccl_coll_buf *b)
     return rc;
 }
 
-static const char *what(const struct op *o);
+static const char *what(const struct op *o)
+{
+    return o->kind == OP_P2P ? "p2p" : o->algo == UCCL_AG_RING ? "ring allgather"
+                                                              : "direct allgather";
+}
 
 static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
                 const struct uccl_coll_buf *b, size_t off, size_t len)
 {
-    uint64_t conn = (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_SEND ? cm->send_conn[peer]
-                                                                    : cm->recv_conn[peer];
+    int recv = (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_RECV;
+    uint64_t conn = recv ? cm->recv_conn[peer] : cm->send_conn[peer];
     uint64_t id;
     int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, &id);
     if (rc)
         return set_err(rc, o->msg, sizeof(o->msg), "%s: %s rank %d: %s", what(o),
-                       (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_SEND ? "send to" : "recv from",
-                       peer, uccl_last_error());
-    if (xlist_push(&o->x, id, (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_RECV)) {
+                       recv ? "recv from" : "send to", peer, uccl_last_error());
+    if (xlist_push(&o->x, id, recv)) {
         uccl_ep_abort(cm->ep, id, "out of memory");
         uccl_ep_release(cm->ep, id);
         return set_err(UCCL_ERR_NOMEM, o->msg, sizeof(o->msg), "out of memory");
@@ -245,11 +235,6 @@ static int post(struct uccl__comm *cm, struct op *o, int kind, int peer,
     return UCCL_OK;
 }
 
-static const char *what(const struct op *o)
-{
-    return o->kind == OP_P2P ? "p2p" : o->algo == UCCL_AG_RING ? "ring allgather"
-                                                              : "direct allgather";
-}
 
 /* After a failure: make sure nothing lands in the operation's buffers any
  * more, then forget its transfers and registrations. */
@@ -424,6 +409,27 @@ static int wait_one(struct uccl__comm *cm, struct op *o, int i, uint64_t deadlin
     return rc;
 }
 
+/* Wait for every transfer o posted, releasing them, until `until`
+ * (resumable: cursor and x.waited say how far it got).  Receives first:
+ * they need this rank (or its threads) to copy, while a send only waits for
+ * the peer's answer; waiting on a send first would leave arrivals on the
+ * other connections to their service threads. */
+static int finish_transfers(struct uccl__comm *cm, struct op *o, uint64_t deadline,
+                            uint64_t until)
+{
+    int rc;
+    for (; o->cursor < o->x.n; o->cursor++)
+        if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, deadline, until)))
+            return rc;
+    for (; o->x.waited < o->x.n; o->x.waited++) {
+        if ((rc = wait_one(cm, o, o->x.waited, deadline, until)))
+            return rc;
+        uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
+    }
+    cleanup(cm, o, 0);
+    return UCCL_OK;
+}
+
 /* Advance o (the caller holds the execution token) until it is finished
  * (p2p: posted) or `until` passes: UCCL_OK, UCCL_INPROGRESS or an error. */
 static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
@@ -447,22 +453,7 @@ static int advance(struct uccl__comm *cm, struct op *o, uint64_t until)
         o->phase = 2;
         o->cursor = o->x.waited;
     }
-    /* Receives first: they need this rank (or its threads) to copy, while a
-     * send only waits for the peer's answer.  Waiting on a send first would
-     * leave arrivals on the other connections to their service threads. */
-    if (o->phase == 2) {
-        for (; o->cursor < o->x.n; o->cursor++)
-            if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, o->deadline, until)))
-                return rc;
-        o->phase = 3;
-    }
-    for (; o->x.waited < o->x.n; o->x.waited++) {
-        if ((rc = wait_one(cm, o, o->x.waited, o->deadline, until)))
-            return rc;
-        uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
-    }
-    cleanup(cm, o, 0);
-    return UCCL_OK;
+    return finish_transfers(cm, o, o->deadline, until);
 }
 
 static void fail_comm(struct uccl__comm *cm, int status, const char *msg)
@@ -482,20 +473,12 @@ static void fail_queued(struct op *o, int status, const char *why, const char *d
     snprintf(o->msg, sizeof(o->msg), "%s%.300s%s", why, detail, *detail ? ")" : "");
 }
 
-/* Under cm->mu: take o out of the queue. */
+/* Under cm->mu: take o out of the queue (if it is there). */
 static void unlink_queued(struct uccl__comm *cm, struct op *o)
 {
-    struct op **pp = &cm->qhead, *prev = NULL;
-    while (*pp && *pp != o) {
-        prev = *pp;
-        pp = &(*pp)->next;
-    }
-    if (!*pp)
-        return;
-    *pp = o->next;
-    if (cm->qtail == o)
-        cm->qtail = prev;
-    o->next = NULL;
+    if (o->queued)
+        TAILQ_REMOVE(&cm->queue, o, link);
+    o->queued = 0;
 }
 
 /* Under cm->mu: may the calling thread advance o now?  Operations start
@@ -503,7 +486,7 @@ static void unlink_queued(struct uccl__comm *cm, struct op *o)
  * the order all ranks issued them. */
 static int runnable(const struct uccl__comm *cm, const struct op *o)
 {
-    return !cm->executing && (cm->cur == o || (!cm->cur && cm->qhead == o));
+    return !cm->executing && (cm->cur == o || (!cm->cur && TAILQ_FIRST(&cm->queue) == o));
 }
 
 /* Under cm->mu, o runnable: take the execution token for it (starting it if
@@ -529,6 +512,18 @@ static int take(struct uccl__comm *cm, struct op *o)
     return 1;
 }
 
+/* Under cm->mu: o came to rest with rc (not UCCL_INPROGRESS). */
+static void settle(struct uccl__comm *cm, struct op *o, int rc, int ok_state)
+{
+    if (rc == UCCL_OK) {
+        o->state = ok_state;
+        return;
+    }
+    o->status = rc;
+    o->state = ST_FAILED;
+    fail_comm(cm, rc, o->msg);
+}
+
 /* Under cm->mu with the token for o: advance it until `until` without the
  * lock, then give the token back.  An abandoned operation is stopped here. */
 static int run_slice(struct uccl__comm *cm, struct op *o, uint64_t until)
@@ -546,13 +541,7 @@ static int run_slice(struct uccl__comm *cm, struct op *o, uint64_t until)
     cm->executing = 0;
     if (rc != UCCL_INPROGRESS) {
         cm->cur = NULL;
-        if (rc) {
-            o->status = rc;
-            o->state = ST_FAILED;
-            fail_comm(cm, rc, o->msg);
-        } else {
-            o->state = o->kind == OP_P2P ? ST_POSTED : ST_DONE;
-        }
+        settle(cm, o, rc, o->kind == OP_P2P ? ST_POSTED : ST_DONE);
     }
     pthread_cond_broadcast(&cm->cv);
     pthread_cond_signal(&cm->work_cv);
@@ -566,7 +555,7 @@ static void *worker_main(void *arg)
     struct uccl__comm *cm = arg;
     pthread_mutex_lock(&cm->mu);
     while (!cm->stop) {
-        struct op *o = cm->cur ? cm->cur : cm->qhead;
+        struct op *o = cm->cur ? cm->cur : TAILQ_FIRST(&cm->queue);
         if (!o || cm->executing || !o->async) {
             pthread_cond_wait(&cm->work_cv, &cm->mu);
             continue;
@@ -606,11 +595,8 @@ static int submit(struct uccl__comm *cm, struct op *o, int async, uint64_t *op_p
         return rc;
     }
     o->async = async;
-    if (cm->qtail)
-        cm->qtail->next = o;
-    else
-        cm->qhead = o;
-    cm->qtail = o;
+    TAILQ_INSERT_TAIL(&cm->queue, o, link);
+    o->queued = 1;
     *op_p = o->id;
     /* Nothing ahead of it: post what can be posted now, on this thread. */
     if (async && runnable(cm, o) && take(cm, o))
@@ -719,23 +705,6 @@ int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
 /* ------------------------------------------------------------------------- */
 /* waiting                                                                    */
 
-/* p2p: wait for the posted transfers (one collector at a time). */
-static int collect(struct uccl__comm *cm, struct op *o, uint64_t deadline, uint64_t until)
-{
-    int rc = UCCL_OK;
-    /* Receives first (they need copying here), then all in order. */
-    for (; o->cursor < o->x.n && rc == UCCL_OK; o->cursor += rc == UCCL_OK)
-        if (o->x.recv[o->cursor])
-            rc = wait_one(cm, o, o->cursor, deadline, until);
-    for (; o->x.waited < o->x.n && rc == UCCL_OK; o->x.waited += rc == UCCL_OK) {
-        rc = wait_one(cm, o, o->x.waited, deadline, until);
-        if (rc == UCCL_OK)
-            uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
-    }
-    if (rc != UCCL_INPROGRESS)
-        cleanup(cm, o, rc != UCCL_OK);
-    return rc;
-}
 
 static struct timespec abs_mono(uint64_t ns)
 {
@@ -767,18 +736,15 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
             break;
         }
         if (o->state == ST_POSTED && !o->collecting) {
-            o->collecting = 1;
+            o->collecting = 1; /* p2p: one thread collects the posted transfers */
             pthread_mutex_unlock(&cm->mu);
-            rc = collect(cm, o, deadline, until);
+            rc = finish_transfers(cm, o, deadline, until);
+            if (rc != UCCL_OK && rc != UCCL_INPROGRESS)
+                cleanup(cm, o, 1);
             pthread_mutex_lock(&cm->mu);
             o->collecting = 0;
-            if (rc == UCCL_OK) {
-                o->state = ST_DONE;
-            } else if (rc != UCCL_INPROGRESS) {
-                o->state = ST_FAILED;
-                o->status = rc;
-                fail_comm(cm, rc, o->msg);
-            }
+            if (rc != UCCL_INPROGRESS)
+                settle(cm, o, rc, ST_DONE);
             pthread_cond_broadcast(&cm->cv);
             if (rc == UCCL_INPROGRESS && uccl__now_ns() >= until)
                 break;
@@ -883,10 +849,10 @@ void uccl_comm_shutdown(uccl_comm_t *cm)
         pthread_cond_wait(&cm->cv, &cm->mu);
     if (cm->cur && take(cm, cm->cur))
         run_slice(cm, cm->cur, 0); /* stops it: nothing lands in its buffers afterwards */
-    for (struct op *o = cm->qhead; o; o = o->next)
-        if (o->state != ST_FAILED)
-            fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
-    cm->qhead = cm->qtail = NULL;
+    for (struct op *o; (o = TAILQ_FIRST(&cm->queue));) {
+        unlink_queued(cm, o);
+        fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
+    }
     pthread_cond_broadcast(&cm->cv);
     pthread_mutex_unlock(&cm->mu);
 }

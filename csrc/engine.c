@@ -50,22 +50,6 @@ uint64_t uccl__random64(void)
     return v ? v : 1;
 }
 
-static long env_long(const char *name, long dflt, long lo, long hi, int *bad)
-{
-    const char *s = getenv(name);
-    if (!s || !*s)
-        return dflt;
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) {
-        uccl__err(UCCL_ERR_INVALID, "%s=%s: expected an integer in %ld..%ld", name, s, lo, hi);
-        *bad = 1;
-        return dflt;
-    }
-    return v;
-}
-
 static void read_host_id(const char *given, char *buf, size_t len)
 {
     const char *env = given ? given : getenv("UCCL_P2P_HOST_ID");
@@ -474,14 +458,14 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     read_host_id(o->host_id, ep->host_id, sizeof(ep->host_id));
 
     double t = o->timeout_s > 0 ? o->timeout_s
-                                : (double)env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
+                                : (double)uccl__env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
     if (t > 365.0 * 86400) /* beyond a year means "forever"; keep the ns count finite */
         t = 365.0 * 86400;
     ep->timeout_ns = (uint64_t)(t * 1e9);
-    ep->spin_ns = (uint64_t)env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
-    ep->num_streams = (unsigned)env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
-    ep->chunk_bytes = (size_t)env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
-    long base = env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
+    ep->spin_ns = (uint64_t)uccl__env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
+    ep->num_streams = (unsigned)uccl__env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
+    ep->chunk_bytes = (size_t)uccl__env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
+    long base = uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
     if (bad)
         goto err_free;
 
@@ -787,7 +771,7 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
         return rc;
     if (port < 0) {
         int bad = 0;
-        port = (int)env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad) +
+        port = (int)uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad) +
                (remote_gpu > 0 ? remote_gpu : 0);
     }
     if (!secret) {

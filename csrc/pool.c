@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/queue.h>
 
 #define POOL_MAX 16
 
@@ -17,13 +18,14 @@ struct job {
     int n;
     atomic_int next;             /* the next part to claim */
     int done, users;             /* parts run; helpers inside (both under mu) */
-    struct job *next_job;
+    TAILQ_ENTRY(job) link;       /* in the pool's list while parts may be unclaimed */
+    int listed;
 };
 
 struct uccl__pool {
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv;
-    struct job *head, *tail;     /* jobs with parts not yet claimed */
+    TAILQ_HEAD(, job) jobs;      /* jobs with parts not yet claimed */
     int nthreads, stop;
     pthread_t th[POOL_MAX];
 };
@@ -37,19 +39,12 @@ static int work_on(struct job *j)
     return ran;
 }
 
-/* Under mu: unlink j from the queue if it is there. */
+/* Under mu: take j off the list if it is there. */
 static void unlink_job(struct uccl__pool *p, struct job *j)
 {
-    struct job **pp = &p->head, *prev = NULL;
-    while (*pp && *pp != j) {
-        prev = *pp;
-        pp = &(*pp)->next_job;
-    }
-    if (!*pp)
-        return;
-    *pp = j->next_job;
-    if (p->tail == j)
-        p->tail = prev;
+    if (j->listed)
+        TAILQ_REMOVE(&p->jobs, j, link);
+    j->listed = 0;
 }
 
 static void *helper_main(void *arg)
@@ -57,11 +52,11 @@ static void *helper_main(void *arg)
     struct uccl__pool *p = arg;
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->stop && !p->head)
+        while (!p->stop && TAILQ_EMPTY(&p->jobs))
             pthread_cond_wait(&p->work_cv, &p->mu);
         if (p->stop)
             break;
-        struct job *j = p->head;
+        struct job *j = TAILQ_FIRST(&p->jobs);
         if (atomic_load(&j->next) >= j->n) { /* all claimed: stop offering it */
             unlink_job(p, j);
             continue;
@@ -83,6 +78,7 @@ struct uccl__pool *uccl__pool_new(int nthreads)
     struct uccl__pool *p = calloc(1, sizeof(*p));
     if (!p)
         return NULL;
+    TAILQ_INIT(&p->jobs);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
@@ -116,18 +112,15 @@ int uccl__pool_width(const struct uccl__pool *p) { return p ? p->nthreads + 1 : 
 
 void uccl__pool_run(struct uccl__pool *p, int n, void (*fn)(void *arg, int i), void *arg)
 {
-    struct job j = {.fn = fn, .arg = arg, .n = n, .next_job = NULL};
+    struct job j = {.fn = fn, .arg = arg, .n = n};
     if (!p || p->nthreads == 0 || n <= 1) {
         for (int i = 0; i < n; i++)
             fn(arg, i);
         return;
     }
     pthread_mutex_lock(&p->mu);
-    if (p->tail)
-        p->tail->next_job = &j;
-    else
-        p->head = &j;
-    p->tail = &j;
+    TAILQ_INSERT_TAIL(&p->jobs, &j, link);
+    j.listed = 1;
     pthread_cond_broadcast(&p->work_cv);
     pthread_mutex_unlock(&p->mu);
     int ran = work_on(&j);

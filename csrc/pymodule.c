@@ -726,108 +726,6 @@ static int parse_buf(PyObject *t, struct uccl_coll_buf *b)
     return 0;
 }
 
-static PyObject *comm_wait_loop(EndpointObject *self, uint64_t id, PyObject *timeout);
-
-/* _comm_p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None)
- * -> op_id; with wait, posts and waits in one call -> True. */
-static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *args)
-{
-    EndpointObject *self = (EndpointObject *)op_;
-    PyObject *arg, *timeout = Py_None;
-    int wait = 0;
-    if (!PyArg_ParseTuple(args, "O|pO", &arg, &wait, &timeout) || check_comm(self))
-        return NULL;
-    Py_ssize_t n = PySequence_Size(arg);
-    if (n < 0)
-        return NULL;
-    struct uccl_coll_p2p *ops = PyMem_Calloc((size_t)(n ? n : 1), sizeof(*ops));
-    PyObject *res = NULL;
-    if (!ops) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b, *item = PySequence_GetItem(arg, i);
-        int ok = item && PyArg_ParseTuple(item, "iiO", &ops[i].op, &ops[i].peer, &b) &&
-                 parse_buf(b, &ops[i].buf) == 0;
-        Py_XDECREF(item);
-        if (!ok)
-            goto out;
-    }
-    uint64_t id;
-    int rc;
-    uccl_comm_t *cm = self->comm;
-    ep_enter(self);
-    Py_BEGIN_ALLOW_THREADS
-    rc = uccl_comm_p2p(cm, ops, (int)n, &id);
-    Py_END_ALLOW_THREADS
-    ep_leave(self);
-    if (rc) {
-        fail(self, rc);
-        goto out;
-    }
-    res = wait ? comm_wait_loop(self, id, timeout) : PyLong_FromUnsignedLongLong(id);
-out:
-    PyMem_Free(ops);
-    return res;
-}
-
-static PyObject *comm_wait_loop(EndpointObject *self, uint64_t id, PyObject *timeout);
-
-/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False, timeout=None)
- * async: -> op_id.  Blocking: submits and waits in one call (no window in
- * which an interrupt could leave the operation unwatched) -> True. */
-static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
-{
-    EndpointObject *self = (EndpointObject *)op_;
-    PyObject *sendt, *recvl, *timeout = Py_None;
-    int algo, async = 0;
-    if (!PyArg_ParseTuple(args, "OOi|pO", &sendt, &recvl, &algo, &async, &timeout) ||
-        check_comm(self))
-        return NULL;
-    struct uccl_coll_buf send;
-    if (parse_buf(sendt, &send))
-        return NULL;
-    Py_ssize_t n = PySequence_Size(recvl);
-    if (n < 0)
-        return NULL;
-    struct uccl_coll_buf *recv = PyMem_Calloc((size_t)(n ? n : 1), sizeof(*recv));
-    PyObject *res = NULL;
-    if (!recv) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_GetItem(recvl, i);
-        int ok = item && parse_buf(item, &recv[i]) == 0;
-        Py_XDECREF(item);
-        if (!ok)
-            goto out;
-    }
-    int size;
-    uccl_comm_size(self->comm, &size);
-    if (n != size) {
-        PyErr_Format(PyExc_ValueError, "%zd receive buffers for world size %d", n, size);
-        goto out;
-    }
-    uint64_t id;
-    int rc;
-    uccl_comm_t *cm = self->comm;
-    ep_enter(self);
-    Py_BEGIN_ALLOW_THREADS
-    rc = uccl_comm_allgather(cm, &send, recv, algo, async, &id);
-    Py_END_ALLOW_THREADS
-    ep_leave(self);
-    if (rc) {
-        fail(self, rc);
-        goto out;
-    }
-    res = async ? PyLong_FromUnsignedLongLong(id) : comm_wait_loop(self, id, timeout);
-out:
-    PyMem_Free(recv);
-    return res;
-}
-
 /* Finished (done or failed): forget it, and raise if it failed. */
 static PyObject *comm_finish(EndpointObject *self, uint64_t id, int rc)
 {
@@ -875,6 +773,112 @@ static PyObject *comm_wait_loop(EndpointObject *self, uint64_t id, PyObject *tim
         }
     }
 }
+
+/* Items of a sequence parsed into an array of n elements of elem bytes
+ * (PyMem_Free it); NULL with an exception set. */
+static void *parse_seq(PyObject *seq, size_t elem, int (*item_fn)(PyObject *, void *),
+                       Py_ssize_t *n_p)
+{
+    Py_ssize_t n = PySequence_Size(seq);
+    if (n < 0)
+        return NULL;
+    char *arr = PyMem_Calloc((size_t)(n ? n : 1), elem);
+    if (!arr)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        int ok = item && item_fn(item, arr + (size_t)i * elem) == 0;
+        Py_XDECREF(item);
+        if (!ok) {
+            PyMem_Free(arr);
+            return NULL;
+        }
+    }
+    *n_p = n;
+    return arr;
+}
+
+static int parse_buf_item(PyObject *item, void *out) { return parse_buf(item, out); }
+
+static int parse_p2p_item(PyObject *item, void *out)
+{
+    struct uccl_coll_p2p *e = out;
+    PyObject *b;
+    if (!PyArg_ParseTuple(item, "iiO", &e->op, &e->peer, &b))
+        return -1;
+    return parse_buf(b, &e->buf);
+}
+
+/* After a submission: its error, or the op id, or (wait) its outcome. */
+static PyObject *comm_submitted(EndpointObject *self, int rc, uint64_t id, int wait,
+                                PyObject *timeout)
+{
+    if (rc)
+        return fail(self, rc);
+    return wait ? comm_wait_loop(self, id, timeout) : PyLong_FromUnsignedLongLong(id);
+}
+
+/* _comm_p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None)
+ * -> op_id; with wait, posts and waits in one call -> True. */
+static PyObject *Endpoint_comm_p2p(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    PyObject *seq, *timeout = Py_None;
+    int wait = 0;
+    if (!PyArg_ParseTuple(args, "O|pO", &seq, &wait, &timeout) || check_comm(self))
+        return NULL;
+    Py_ssize_t n = 0;
+    struct uccl_coll_p2p *ops = parse_seq(seq, sizeof(*ops), parse_p2p_item, &n);
+    if (!ops)
+        return NULL;
+    uint64_t id = 0;
+    int rc;
+    uccl_comm_t *cm = self->comm;
+    ep_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_comm_p2p(cm, ops, (int)n, &id);
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
+    PyMem_Free(ops);
+    return comm_submitted(self, rc, id, wait, timeout);
+}
+
+/* _comm_allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False, timeout=None)
+ * async: -> op_id.  Blocking: submits and waits in one call (no window in
+ * which an interrupt could leave the operation unwatched) -> True. */
+static PyObject *Endpoint_comm_allgather(PyObject *op_, PyObject *args)
+{
+    EndpointObject *self = (EndpointObject *)op_;
+    PyObject *sendt, *recvl, *timeout = Py_None;
+    int algo, async = 0;
+    if (!PyArg_ParseTuple(args, "OOi|pO", &sendt, &recvl, &algo, &async, &timeout) ||
+        check_comm(self))
+        return NULL;
+    struct uccl_coll_buf send;
+    if (parse_buf(sendt, &send))
+        return NULL;
+    Py_ssize_t n = 0;
+    struct uccl_coll_buf *recv = parse_seq(recvl, sizeof(*recv), parse_buf_item, &n);
+    if (!recv)
+        return NULL;
+    int size;
+    uccl_comm_size(self->comm, &size);
+    if (n != size) {
+        PyMem_Free(recv);
+        return PyErr_Format(PyExc_ValueError, "%zd receive buffers for world size %d", n, size);
+    }
+    uint64_t id = 0;
+    int rc;
+    uccl_comm_t *cm = self->comm;
+    ep_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_comm_allgather(cm, &send, recv, algo, async, &id);
+    Py_END_ALLOW_THREADS
+    ep_leave(self);
+    PyMem_Free(recv);
+    return comm_submitted(self, rc, id, !async, timeout);
+}
+
 
 /* _comm_wait(op_id, timeout=None) -> True; forgets the operation once finished */
 static PyObject *Endpoint_comm_wait(PyObject *op_, PyObject *args)

@@ -1,7 +1,9 @@
 #include "status.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define UCCL_ERRMSG_MAX 512
@@ -38,3 +40,18 @@ const char *uccl_last_error(void)
     return tls_errmsg;
 }
 
+long uccl__env_long(const char *name, long dflt, long lo, long hi, int *bad)
+{
+    const char *s = getenv(name);
+    if (!s || !*s)
+        return dflt;
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) {
+        uccl__err(UCCL_ERR_INVALID, "%s=%s: expected an integer in %ld..%ld", name, s, lo, hi);
+        *bad = 1;
+        return dflt;
+    }
+    return v;
+}

@@ -126,8 +126,8 @@ static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t l
 
 /* One copy runs at memory speed on one core; while it runs, the peer only
  * waits.  So a large copy is split into parts run by the endpoint's copy
- * helpers (pool.h) and the calling thread: on a small machine (up to 4
- * cores) into halves past 16 MiB, so both cores work; on a larger one into
+ * helpers (pool.h) and the calling thread: on a small machine (one helper,
+ * up to 5 cores) into halves past 16 MiB, so both cores work; on a larger one into
  * parts of at least 1 MiB, as many as there are helpers, because one
  * core copies at 5-9 GB/s, far below what the memory can do, and a thread
  * that waits for several transfers copies them one after the other. */
@@ -157,13 +157,8 @@ static void copy_part(void *arg, int i)
 
 static int copy_parts(struct uccl__pool *pool, size_t len)
 {
-    static int ncpu; /* the same value for every thread that computes it */
-    if (!ncpu) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        ncpu = n > 0 ? (int)n : 1;
-    }
-    int width = uccl__pool_width(pool);
-    if (ncpu <= 4)
+    int width = uccl__pool_width(pool); /* 2 on a small machine (one helper) */
+    if (width <= 2)
         return len >= SPLIT_BYTES_SMALL && width > 1 ? 2 : 1;
     size_t parts = len / PART_BYTES_LARGE;
     return parts < 1 ? 1 : parts > (size_t)width ? width : (int)parts;

@@ -104,7 +104,7 @@ class Handle:
 
     def __del__(self):
         if not self._done and (self._ops or self._works) and self._orphans is not None:
-            self._orphans.append((self._ep, self._ops, self._works, self._keep))
+            self._orphans.append(Handle(self._ep, self._ops, self._works, self._keep))
 
     def _finish(self, error: BaseException | None) -> None:
         self._done, self._error, self._keep = True, error, None
@@ -153,7 +153,7 @@ class Handle:
         if not self._lock.acquire(blocking=False):
             return False  # another thread is waiting for it: not known to be done yet
         try:
-            return self._settle(self._ep._comm_test if self._ep else None,
+            return self._settle(self._ep._comm_test,
                                 lambda w: w.done() and w.result() is not False)
         finally:
             self._lock.release()
@@ -222,7 +222,7 @@ class CollectiveContext:
         self._regs: dict[int, tuple[int, int, int]] = {}
         self.setup_seconds: float | None = None
         self._waiter: ThreadPoolExecutor | None = None
-        self._orphans: list = []   # (ep, ops, works, tensors) of dropped, unfinished handles
+        self._orphans: list[Handle] = []   # what dropped, unfinished handles still run
         self.transports: dict[int, str] = {}
 
     # -- setup ---------------------------------------------------------------
@@ -318,16 +318,12 @@ class CollectiveContext:
         """Forget the dropped handles whose operations are over (their
         tensors were kept alive until now)."""
         for _ in range(len(self._orphans)):  # entries appended meanwhile wait for next time
-            ep, ops, works, tensors = self._orphans.pop(0)
+            h = self._orphans.pop(0)
             try:
-                while ops and ep._comm_test(ops[0]):
-                    ops.pop(0)
-                while works and works[0].done():
-                    works.pop(0)
+                if not h.test():
+                    self._orphans.append(h)
             except Exception:  # failed: over; the context is poisoned and says so next
-                ops, works = [], []
-            if ops or works:
-                self._orphans.append((ep, ops, works, tensors))
+                pass
 
     def _ep(self) -> Endpoint:
         if self._orphans:
@@ -470,25 +466,31 @@ class CollectiveContext:
                   blocking=True)
 
     # -- allgather -------------------------------------------------------------
-    def _recv_chunks(self, send_tensor: torch.Tensor, recv: Any, what: str,
-                     uneven: bool) -> list[torch.Tensor]:
+    def _check_flat(self, send_tensor, recv: torch.Tensor, what: str) -> None:
+        """recv as one tensor: send's dtype, world_size times its elements."""
         n = self.world_size
         if not isinstance(send_tensor, torch.Tensor):
             raise TypeError(f"{what}: send_tensor must be a torch.Tensor, got "
                             f"{type(send_tensor).__name__}")
+        if recv.dtype != send_tensor.dtype:
+            raise ValueError(f"{what}: recv dtype {recv.dtype} != send dtype {send_tensor.dtype}")
+        if recv.numel() != n * send_tensor.numel():
+            raise ValueError(f"{what}: recv has {recv.numel()} elements; world_size {n} x "
+                             f"send's {send_tensor.numel()} = {n * send_tensor.numel()} expected")
+
+    def _recv_chunks(self, send_tensor: torch.Tensor, recv: Any, what: str,
+                     uneven: bool) -> list[torch.Tensor]:
+        n = self.world_size
         if isinstance(recv, torch.Tensor):
             if uneven:
                 raise TypeError(f"{what}: recv_list must be a list of {n} tensors")
-            if recv.dtype != send_tensor.dtype:
-                raise ValueError(f"{what}: recv dtype {recv.dtype} != send dtype "
-                                 f"{send_tensor.dtype}")
-            if recv.numel() != n * send_tensor.numel():
-                raise ValueError(f"{what}: recv has {recv.numel()} elements; world_size {n} x "
-                                 f"send's {send_tensor.numel()} = {n * send_tensor.numel()} "
-                                 "expected")
+            self._check_flat(send_tensor, recv, what)
             _tensor_buf(recv, what)
             return list(recv.reshape(-1).chunk(n)) if send_tensor.numel() else \
                 [recv.reshape(-1)[:0]] * n
+        if not isinstance(send_tensor, torch.Tensor):
+            raise TypeError(f"{what}: send_tensor must be a torch.Tensor, got "
+                            f"{type(send_tensor).__name__}")
         if not isinstance(recv, (list, tuple)):
             raise TypeError(f"{what}: recv must be a tensor or a list of {n} tensors, got "
                             f"{type(recv).__name__}")
@@ -512,19 +514,11 @@ class CollectiveContext:
     def _flat_bufs(self, send_tensor, recv, what: str):
         """Fast path for the common form (recv one tensor): the chunks'
         (ptr, len, mr) computed from one check of each tensor."""
-        n = self.world_size
-        if not isinstance(send_tensor, torch.Tensor):
-            raise TypeError(f"{what}: send_tensor must be a torch.Tensor, got "
-                            f"{type(send_tensor).__name__}")
-        if recv.dtype != send_tensor.dtype:
-            raise ValueError(f"{what}: recv dtype {recv.dtype} != send dtype {send_tensor.dtype}")
-        if recv.numel() != n * send_tensor.numel():
-            raise ValueError(f"{what}: recv has {recv.numel()} elements; world_size {n} x "
-                             f"send's {send_tensor.numel()} = {n * send_tensor.numel()} expected")
+        self._check_flat(send_tensor, recv, what)
         send = self._buf(send_tensor, what)
-        base, total, mr = self._buf(recv, what)
+        base, _, mr = self._buf(recv, what)
         size = send[1]
-        return send, [(base + r * size, size, mr) for r in range(n)]
+        return send, [(base + r * size, size, mr) for r in range(self.world_size)]
 
     def _iallgather(self, send_tensor, recv, algorithm: str, what: str, uneven: bool,
                     async_op: bool = True):
