@@ -1096,7 +1096,17 @@ static void *service_main(void *arg)
             if (poll(&p, 1, 0) > 0) {
                 char b;
                 ssize_t n = recv(c->ctrl_fd, &b, 1, MSG_DONTWAIT);
-                if (svc_take_token(c)) { /* drain what the peer said before it went (its BYE) */
+                /* Drain what the peer said before it went (its last FIN, its
+                 * BYE): the queue and the socket are two channels, so its EOF
+                 * can overtake them.  A waiter driving the connection reads
+                 * them itself and lets go within its spin budget; wait for
+                 * it (bounded) rather than fail a transfer the peer finished. */
+                int token = svc_take_token(c);
+                for (int i = 0; !token && i < 2000 && !atomic_load(&c->failed); i++) {
+                    usleep(50);
+                    token = svc_take_token(c);
+                }
+                if (token) {
                     pump(c);
                     svc_give_token(c);
                 }

@@ -871,8 +871,12 @@ def _launch(target, ws, *, timeout=JOB_TIMEOUT, expect_exit=(), **kwargs):
                 except OSError:
                     pass
             time.sleep(0.5)
+            errs = [f"--- rank {r}:\n{v}" for r, (k, v) in sorted(results.items()) if k == "err"]
+            errs += [f"--- rank {r} exited without a result (exit code {procs[r].exitcode})"
+                     for r in sorted(gone)]
             pytest.fail(f"world size {ws}: rank(s) {pending} hung: no result within "
-                        f"{timeout:.0f} s (killed)", pytrace=False)
+                        f"{timeout:.0f} s (killed)" +
+                        ("; meanwhile\n" + "\n".join(errs) if errs else ""), pytrace=False)
         for r in sorted(gone):
             procs[r].join(5)
             if r not in expect_exit:
