@@ -196,14 +196,17 @@ class CollectiveContext:
     """CollectiveContext(local_gpu_idx=None, use_copy_engine_for_intra=False, num_cpus=4)
 
     Needs torch.distributed initialised (any backend), or ``store``, ``rank``
-    and ``world_size`` given (how the "uccl" process group bootstraps).
+    and ``world_size`` given (how the "uccl" process group bootstraps; its
+    keys then go under ``key_prefix`` when given, which must be unique to
+    the context, else under a per-process sequence number).
     ``timeout_s`` bounds every blocking call (default UCCL_P2P_TIMEOUT_S or
     300 s); ``group`` is the torch.distributed group same-node traffic uses
     when use_copy_engine_for_intra=False (default: the world)."""
 
     def __init__(self, local_gpu_idx: int | None = None, use_copy_engine_for_intra: bool = False,
                  num_cpus: int = 4, *, timeout_s: float | None = None, store: Any = None,
-                 rank: int | None = None, world_size: int | None = None, group: Any = None):
+                 rank: int | None = None, world_size: int | None = None, group: Any = None,
+                 key_prefix: str | None = None):
         if local_gpu_idx is None:
             local_gpu_idx = int(os.environ.get("LOCAL_RANK", "0"))
         if local_gpu_idx < 0:
@@ -214,7 +217,7 @@ class CollectiveContext:
         self.use_copy_engine_for_intra = bool(use_copy_engine_for_intra)
         self.num_cpus = num_cpus
         self.timeout_s = timeout_s
-        self._store, self._group = store, group
+        self._store, self._group, self._key_prefix = store, group, key_prefix
         self.rank = rank
         self.world_size = world_size
         self.ep: Endpoint | None = None
@@ -252,8 +255,11 @@ class CollectiveContext:
         if self._group is not None and self._store is None:
             members = ",".join(map(str, dist.get_process_group_ranks(self._group)))
             tag = "g" + hashlib.sha256(members.encode()).hexdigest()[:16]
-        seq = _context_seq.setdefault(tag, itertools.count())
-        store = dist.PrefixStore(f"uccl_collective/{tag}/ctx{next(seq)}/", store)
+        if self._key_prefix is None:
+            seq = _context_seq.setdefault(tag, itertools.count())
+            store = dist.PrefixStore(f"uccl_collective/{tag}/ctx{next(seq)}/", store)
+        else:  # the caller's prefix, unique to this context
+            store = dist.PrefixStore(self._key_prefix, store)
         me = self.rank
 
         secret = os.environ.get("UCCL_P2P_SECRET")

@@ -1,0 +1,245 @@
+"""Ordered execution of a process group's operations, and their Work objects.
+
+Every rank must put the same operations on its connections in the same
+order (messages on a connection match in posting order, as with NCCL).  So
+a group runs its operations as *tasks* through one FIFO: a task runs only
+after every task submitted before it has run.  A blocking call
+(``asyncOp=False``) runs its task on the calling thread, after helping the
+tasks ahead of it along: no thread handoff.  An ``async_op=True`` call
+queues its task for the group's runner thread and returns at once.
+
+A task is a Python function that posts engine operations and, for a
+collective, waits for them (a ring reduce-scatter reduces between steps).
+A point-to-point task only posts: ``batch_isend_irecv`` issues a send and
+then a receive on both ranks, so a send that waited for its receiver would
+deadlock both.  What a task leaves in flight (its ``pending`` handles) is
+waited for by ``Work.wait()``.
+
+``Work`` subclasses ``torch.distributed._Work``: torch's future-wrapping
+Work does not raise from wait() when its future failed, and a failed
+transfer must raise.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .p2p import UcclError, UcclTimeoutError
+
+
+class Task:
+    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock")
+
+    def __init__(self, fn: Callable[[], list | None] | None, result: list):
+        self.fn, self.result = fn, result
+        self.ran = False
+        self.error: BaseException | None = None
+        self.pending: list = []       # Handles the task left in flight
+        self.future: torch.futures.Future | None = None
+        self.lock = threading.Lock()  # one thread settles the pending handles
+
+    def settle_pending(self, deadline: float | None) -> bool:
+        """After the task ran: wait for (deadline) or test (None) what it
+        left in flight.  True when done, error or not."""
+        if not self.pending:
+            return True
+        if not self.lock.acquire(blocking=deadline is not None):
+            return False
+        try:
+            while self.pending and self.error is None:
+                h = self.pending[0]
+                try:
+                    if deadline is None:
+                        if not h.test():
+                            return False
+                    else:
+                        h.wait(max(deadline - time.monotonic(), 1e-3))
+                except BaseException as e:
+                    self.error = e
+                    break
+                self.pending.pop(0)
+            self.pending = []
+        finally:
+            self.lock.release()
+        self.finish_future()
+        return True
+
+    def finish_future(self) -> None:
+        fut = self.future
+        if fut is not None and not fut.done():
+            try:
+                if self.error is not None:
+                    fut.set_exception(self.error)
+                else:
+                    fut.set_result(self.result)
+            except RuntimeError:
+                pass  # completed by another thread meanwhile
+
+
+class Runner:
+    """The FIFO of one process group.  A thread holding the *token* runs the
+    head task; the runner thread takes the token only for queued async tasks
+    nobody is waiting for."""
+
+    def __init__(self, name: str, timeout_s: float):
+        self._name, self.timeout_s = name, timeout_s
+        self._q: collections.deque[Task] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed: str | None = None
+        self._thread: threading.Thread | None = None
+        self._completer: ThreadPoolExecutor | None = None
+
+    def submit(self, task: Task, run_now: bool | str, deadline: float) -> None:
+        """run_now True: run it on this thread (after those ahead of it);
+        "if-idle": only when nothing is ahead of it; False: the runner
+        thread runs it."""
+        with self._cv:
+            if self._closed:
+                raise UcclError(f"process group {self._name}: {self._closed}")
+            if run_now == "if-idle":
+                run_now = not self._busy and not self._q
+            self._q.append(task)
+            if not run_now:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                    name=f"uccl-pg-{self._name}")
+                    self._thread.start()
+                self._cv.notify_all()
+                return
+        self.drive(task, deadline)
+
+    def _run_head(self) -> None:
+        """Under the lock, token free, queue not empty: run the head task
+        without the lock."""
+        task = self._q.popleft()
+        self._busy = True
+        self._cv.release()
+        try:
+            try:
+                task.pending = list(task.fn() or ())
+            except BaseException as e:  # kept for wait(); KeyboardInterrupt included
+                task.error = e
+            task.fn = None
+        finally:
+            self._cv.acquire()
+            task.ran = True
+            self._busy = False
+            self._cv.notify_all()
+        if task.future is not None:  # someone holds its future: complete it
+            if task.pending and task.error is None:
+                self._complete_later(task)
+            else:
+                task.pending = []
+                task.finish_future()
+
+    def drive(self, task: Task, deadline: float) -> None:
+        """Return once task has run (running it and those ahead of it here
+        when the token is free); UcclTimeoutError past deadline."""
+        with self._cv:
+            while not task.ran:
+                if not self._busy and self._q:
+                    self._run_head()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UcclTimeoutError(f"process group {self._name}: operation not started "
+                                           "or not finished within the timeout")
+                self._cv.wait(min(left, 1.0))
+
+    def _loop(self) -> None:
+        with self._cv:
+            while True:
+                if self._closed and not self._q:
+                    return
+                if not self._busy and self._q:
+                    self._run_head()
+                else:
+                    self._cv.wait()
+
+    def _complete_later(self, task: Task) -> None:
+        """Under the lock: a helper thread waits out what the task left in
+        flight and completes its future (nobody may ever call wait(): a DDP
+        hook only looks at the future)."""
+        if self._completer is None:
+            self._completer = ThreadPoolExecutor(1, thread_name_prefix=f"uccl-pg-{self._name}")
+        self._completer.submit(task.settle_pending, time.monotonic() + self.timeout_s)
+
+    def future_of(self, task: Task) -> torch.futures.Future:
+        with self._cv:
+            if task.future is None:
+                task.future = torch.futures.Future()
+                if task.ran:
+                    if task.pending and task.error is None:
+                        self._complete_later(task)
+                    else:
+                        task.pending = []
+                        task.finish_future()
+                # else: whoever runs it completes the future (_run_head)
+            return task.future
+
+    def close(self, why: str) -> None:
+        """No new tasks; those queued still run (their transfers fail once
+        the endpoint is closed) so every Work settles."""
+        with self._cv:
+            self._closed = self._closed or why
+            self._cv.notify_all()
+            thread, ex = self._thread, self._completer
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        if ex is not None:
+            ex.shutdown(wait=False)
+
+
+class Work(dist._Work):
+    """A process-group operation: wait() raises its error; get_future()'s
+    value is the list of output tensors (what DDP communication hooks
+    expect)."""
+
+    def __init__(self, runner: Runner, task: Task):
+        super().__init__()
+        self._runner, self._task = runner, task
+
+    def _done(self) -> bool:
+        return self._task.ran and self._task.settle_pending(None)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        secs = secs if secs and secs > 0 else self._runner.timeout_s
+        deadline = time.monotonic() + secs
+        t = self._task
+        self._runner.drive(t, deadline)
+        t.settle_pending(deadline)
+        if t.error is not None:
+            raise t.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done()
+
+    def is_success(self) -> bool:
+        return self._done() and self._task.error is None
+
+    def exception(self) -> Any:
+        self._done()
+        return self._task.error
+
+    def result(self) -> list:
+        self.wait()
+        return self._task.result
+
+    def source_rank(self) -> int:
+        raise UcclError("source_rank: this backend has no receive-from-any-source")
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._runner.future_of(self._task)

@@ -1,0 +1,607 @@
+"""The torch.distributed backend "uccl": a ProcessGroup whose bytes move
+through this package's C engine (shared memory within a host, TCP across).
+
+``import uccl_collective`` registers it; then ``init_process_group("uccl")``
+works under torchrun and every ``dist.*`` collective returns what Gloo
+returns.  Each group (the world, every ``new_group``) has its own
+CollectiveContext, bootstrapped through the store torch hands the creator.
+
+Ordering follows NCCL: on every rank the group's operations, point-to-point
+ones included, reach a peer in the order they were issued, and are matched
+in that order (``tag`` is not used for matching).  Reductions are computed
+with torch on the receiving rank (_reduce.py).
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _reduce
+from ._reduce import R
+from ._work import Runner, Task, Work
+from .collective import CollectiveContext
+from .p2p import UcclError
+
+BACKEND_NAME = "uccl"
+_IF_IDLE = "if-idle"
+
+
+def _timeout_s(timeout: Any) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        secs = timeout.total_seconds()
+    else:
+        secs = float(timeout) if timeout is not None else 0.0
+    return secs if secs > 0 else 1800.0   # torch's default process-group timeout
+
+
+def _tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what}: {t.layout} tensors are not supported (dense tensors only)")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: tensor on {t.device}; this build of the uccl backend moves "
+                         "CPU tensors (the GPU transport is a separate issue)")
+    return t
+
+
+def _one(tensors: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ValueError(f"{what}: expected a list of exactly one tensor, got {n}")
+    return _tensor(tensors[0], what)
+
+
+def _same_dtype(ts: Sequence[torch.Tensor], dtype: torch.dtype, what: str) -> None:
+    for i, t in enumerate(ts):
+        if t.dtype != dtype:
+            raise ValueError(f"{what}: tensor {i} has dtype {t.dtype}, expected {dtype}")
+
+
+class _Staged:
+    """A contiguous stand-in for a tensor (the tensor itself when it is
+    contiguous); back() copies the result into the original."""
+
+    __slots__ = ("orig", "t")
+
+    def __init__(self, t: torch.Tensor, copy_in: bool = True):
+        self.orig = t
+        if t.is_contiguous():
+            self.t = t
+        else:
+            self.t = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+
+    def back(self) -> None:
+        if self.t is not self.orig:
+            self.orig.copy_(self.t)
+
+
+class ProcessGroupUCCL(dist.ProcessGroup):
+    """One torch.distributed group over the uccl engine (see module doc)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any):
+        super().__init__(rank, size)
+        self._timeout = _timeout_s(timeout)
+        # A generation per incarnation of this group on this store (a job may
+        # destroy and re-create its groups on one store): all members arrive.
+        gen = (store.add("uccl_pg/arrivals", 1) - 1) // size
+        self._ctx = CollectiveContext(use_copy_engine_for_intra=True, store=store, rank=rank,
+                                      world_size=size, timeout_s=self._timeout,
+                                      key_prefix=f"uccl_pg/gen{gen}/")
+        self._ctx.init()
+        self._runner = Runner(f"rank{rank}of{size}", self._timeout)
+        self._closed = False
+
+    # -- identity --------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        pass  # connections are made when the group is created
+
+    def _get_backend(self, device: Any) -> "ProcessGroupUCCL":
+        return self
+
+    @property
+    def context(self) -> CollectiveContext:
+        """The CollectiveContext this group runs on."""
+        return self._ctx
+
+    # -- task plumbing ----------------------------------------------------------
+    def _submit(self, fn: Callable[[], list | None], result: list, opts: Any = None,
+                p2p: bool = False) -> Work:
+        """Queue fn (the runner runs it in issue order).  A blocking call
+        (opts.asyncOp False) runs it here and raises its error at once."""
+        if self._closed:
+            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
+        sync = opts is not None and getattr(opts, "asyncOp", True) is False
+        task = Task(fn, result)
+        deadline = time.monotonic() + self._timeout
+        self._runner.submit(task, True if sync else (_IF_IDLE if p2p else False), deadline)
+        if sync:
+            task.settle_pending(deadline)
+            if task.error is not None:
+                raise task.error
+        return Work(self._runner, task)
+
+    # -- allgather ----------------------------------------------------------------
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        what = "all_gather"
+        inp = _one(input_tensors, what)
+        if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
+            raise ValueError(f"{what}: expected one list of output tensors")
+        outs = list(output_tensors[0])
+        n = self.size()
+        if len(outs) != n:
+            raise ValueError(f"{what}: {len(outs)} output tensors for a group of {n}")
+        for r, o in enumerate(outs):
+            _tensor(o, f"{what} output {r}")
+            if o.numel() != inp.numel():
+                raise ValueError(f"{what}: output {r} has {o.numel()} elements, the input "
+                                 f"{inp.numel()}")
+        _same_dtype(outs, inp.dtype, f"{what} outputs")
+        ctx = self._ctx
+
+        def run():
+            staged = [_Staged(o, copy_in=False) for o in outs]
+            ctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
+            for s in staged:
+                s.back()
+        return self._submit(run, output_tensors, opts)
+
+    def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
+        _tensor(out, f"{what} output")
+        _tensor(inp, f"{what} input")
+        n = self.size()
+        if out.dtype != inp.dtype:
+            raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
+        if out.numel() != n * inp.numel():
+            raise ValueError(f"{what}: output has {out.numel()} elements; group size {n} x "
+                             f"input's {inp.numel()} = {n * inp.numel()} expected")
+        ctx = self._ctx
+
+        def run():
+            s = _Staged(out, copy_in=False)
+            ctx.allgather(inp.contiguous(), s.t.reshape(-1))
+            s.back()
+        return run
+
+    def _allgather_base(self, output_tensor, input_tensor, opts=None):
+        run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
+        return self._submit(run, [output_tensor], opts)
+
+    def all_gather_single(self, output_tensor, input_tensor, opts=None):
+        return self._allgather_base(output_tensor, input_tensor, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        what = "all_gather_into_tensor (coalesced)"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        runs = [self._gather_flat(o, i, what) for o, i in zip(outputs, inputs)]
+        return self._submit(lambda: [r() for r in runs] and None, list(outputs), opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        what = "all_gather_coalesced"
+        ins = [_tensor(t, what) for t in input_list]
+        n = self.size()
+        if len(output_lists) != n:
+            raise ValueError(f"{what}: {len(output_lists)} output lists for a group of {n}")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(ins):
+                raise ValueError(f"{what}: output list {r} has {len(outs)} tensors, the input "
+                                 f"list {len(ins)}")
+            for o, i in zip(outs, ins):
+                _tensor(o, what)
+                if o.numel() != i.numel() or o.dtype != i.dtype:
+                    raise ValueError(f"{what}: output {tuple(o.shape)} {o.dtype} does not match "
+                                     f"input {tuple(i.shape)} {i.dtype}")
+        dtype = ins[0].dtype if ins else torch.uint8
+        ctx = self._ctx
+
+        def run():
+            # bytes of every input, back to back (dtypes may differ)
+            flat = torch.cat([i.contiguous().reshape(-1).view(torch.uint8) for i in ins]) \
+                if ins else torch.empty(0, dtype=torch.uint8)
+            got = torch.empty(n * flat.numel(), dtype=torch.uint8)
+            ctx.allgather(flat, got)
+            for r, outs in enumerate(output_lists):
+                off = r * flat.numel()
+                for o in outs:
+                    nb = o.numel() * o.element_size()
+                    o.copy_(got[off:off + nb].view(o.dtype).reshape(o.shape))
+                    off += nb
+        del dtype
+        return self._submit(run, output_lists, opts)
+
+    # -- reductions ---------------------------------------------------------------
+    def _reduce_fn(self, opts: Any, dtype: torch.dtype, what: str):
+        op = _reduce.op_type(opts.reduceOp if opts is not None else R.SUM)
+        _reduce.check_op(op, dtype, what)
+        return op
+
+    def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
+        """flat (contiguous 1-D) <- its reduction over the group."""
+        ctx, n, me = self._ctx, self.size(), self.rank()
+        if n > 1:
+            combine = _reduce.combiner(op, flat.dtype)
+            nbytes = flat.numel() * flat.element_size()
+            if nbytes <= _reduce.SMALL_BYTES or flat.numel() < n:
+                got = torch.empty((n, flat.numel()), dtype=flat.dtype)
+                ctx.allgather(flat, got.reshape(-1))
+                flat.copy_(got[0])
+                for r in range(1, n):   # rank order: the same on every rank
+                    combine(flat, got[r])
+            else:
+                chunk = _reduce.bounds(flat.numel(), n)
+                _reduce.ring_reduce_scatter(ctx, flat, chunk, combine)
+                mine = flat[chunk[me][0]:chunk[me][1]]
+                ctx.allgatherv(mine, [flat[s:e] for s, e in chunk])
+        if op == R.AVG:
+            _reduce.finish_avg(flat, n)
+
+    def allreduce(self, tensors, opts=None):
+        what = "all_reduce"
+        t = _one(tensors, what)
+        op = self._reduce_fn(opts, t.dtype, what)
+
+        def run():
+            s = _Staged(t)
+            self._allreduce_flat(s.t.reshape(-1), op)
+            s.back()
+        return self._submit(run, list(tensors), opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        what = "all_reduce_coalesced"
+        ts = [_tensor(t, what) for t in tensors]
+        if not ts:
+            return self._submit(lambda: None, [], opts)
+        _same_dtype(ts, ts[0].dtype, what)
+        op = self._reduce_fn(opts, ts[0].dtype, what)
+
+        def run():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            self._allreduce_flat(flat, op)
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view(t.shape))
+                off += t.numel()
+        return self._submit(run, list(tensors), opts)
+
+    def reduce(self, tensors, opts=None):
+        what = "reduce"
+        t = _one(tensors, what)
+        op = self._reduce_fn(opts, t.dtype, what)
+        root = self._root(opts.rootRank, what)
+
+        def run():
+            work = t.contiguous().clone().reshape(-1)  # only the root's tensor changes
+            self._allreduce_flat(work, op)
+            if self.rank() == root:
+                t.copy_(work.view(t.shape))
+        return self._submit(run, list(tensors), opts)
+
+    def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op: R) -> None:
+        """out <- this rank's chunk of the reduction of flat (n equal chunks;
+        flat is scratch: it is overwritten)."""
+        ctx, n, me = self._ctx, self.size(), self.rank()
+        k = out.numel()
+        chunk = [(r * k, (r + 1) * k) for r in range(n)]
+        if n > 1:
+            _reduce.ring_reduce_scatter(ctx, flat, chunk, _reduce.combiner(op, flat.dtype))
+        mine = flat[me * k:(me + 1) * k]
+        if op == R.AVG:
+            _reduce.finish_avg(mine, n)
+        out.copy_(mine.view(out.shape))
+
+    def _scatter_check(self, out, inp, what: str, op_opts) -> R:
+        _tensor(out, f"{what} output")
+        _tensor(inp, f"{what} input")
+        n = self.size()
+        if out.dtype != inp.dtype:
+            raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
+        if inp.numel() != n * out.numel():
+            raise ValueError(f"{what}: input has {inp.numel()} elements; group size {n} x "
+                             f"output's {out.numel()} = {n * out.numel()} expected")
+        return self._reduce_fn(op_opts, out.dtype, what)
+
+    def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
+        what = "reduce_scatter_tensor"
+        op = self._scatter_check(output_tensor, input_tensor, what, opts)
+        out, inp = output_tensor, input_tensor
+        return self._submit(lambda: self._reduce_scatter_flat(out, inp.reshape(-1).clone(), op),
+                            [output_tensor], opts)
+
+    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+        return self._reduce_scatter_base(output_tensor, input_tensor, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        what = "reduce_scatter_tensor (coalesced)"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        ops = [self._scatter_check(o, i, what, opts) for o, i in zip(outputs, inputs)]
+
+        def run():
+            for o, i, op in zip(outputs, inputs, ops):
+                self._reduce_scatter_flat(o, i.reshape(-1).clone(), op)
+        return self._submit(run, list(outputs), opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        what = "reduce_scatter"
+        out = _one(output_tensors, what)
+        if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
+            raise ValueError(f"{what}: expected one list of input tensors")
+        ins = [_tensor(t, f"{what} input") for t in input_tensors[0]]
+        n = self.size()
+        if len(ins) != n:
+            raise ValueError(f"{what}: {len(ins)} input tensors for a group of {n}")
+        for r, i in enumerate(ins):
+            if i.numel() != out.numel():
+                raise ValueError(f"{what}: input {r} has {i.numel()} elements, the output "
+                                 f"{out.numel()}")
+        _same_dtype(ins, out.dtype, what)
+        op = self._reduce_fn(opts, out.dtype, what)
+        return self._submit(
+            lambda: self._reduce_scatter_flat(out, torch.cat([i.reshape(-1) for i in ins]), op),
+            list(output_tensors), opts)
+
+    # -- rooted and personalised ----------------------------------------------
+    def _root(self, root: int, what: str) -> int:
+        n = self.size()
+        if not 0 <= root < n:
+            raise ValueError(f"{what}: root rank {root} is not in 0..{n - 1}")
+        return root
+
+    def broadcast(self, tensors, opts=None):
+        what = "broadcast"
+        t = _one(tensors, what)
+        root = self._root(opts.rootRank if opts is not None else 0, what)
+        if opts is not None and opts.rootTensor != 0:
+            raise ValueError(f"{what}: rootTensor {opts.rootTensor} (one tensor per rank)")
+        ctx, me, n = self._ctx, self.rank(), self.size()
+
+        def run():
+            if n == 1:
+                return
+            s = _Staged(t, copy_in=me == root)
+            if me == root:
+                ctx._p2p([("send", s.t, r) for r in range(n) if r != me], what, blocking=True)
+            else:
+                ctx._p2p([("recv", s.t, root)], what, blocking=True)
+                s.back()
+        return self._submit(run, list(tensors), opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        what = "gather"
+        inp = _one(input_tensors, what)
+        me, n = self.rank(), self.size()
+        root = self._root(opts.rootRank, what)
+        outs = []
+        if me == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != n:
+                raise ValueError(f"{what}: the root needs one list of {n} output tensors")
+            outs = [_tensor(o, f"{what} output") for o in output_tensors[0]]
+            for r, o in enumerate(outs):
+                if o.numel() != inp.numel():
+                    raise ValueError(f"{what}: output {r} has {o.numel()} elements, the input "
+                                     f"{inp.numel()}")
+            _same_dtype(outs, inp.dtype, what)
+        elif output_tensors and any(len(o) for o in output_tensors):
+            raise ValueError(f"{what}: only the root (rank {root}) takes output tensors")
+        ctx = self._ctx
+
+        def run():
+            src = inp.contiguous()
+            if me != root:
+                ctx._p2p([("send", src, root)], what, blocking=True)
+                return
+            staged = [_Staged(o, copy_in=False) for o in outs]
+            staged[me].t.copy_(src.view(staged[me].t.shape))
+            if n > 1:
+                ctx._p2p([("recv", staged[r].t, r) for r in range(n) if r != me], what,
+                         blocking=True)
+            for s in staged:
+                s.back()
+        return self._submit(run, output_tensors, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        what = "scatter"
+        out = _one(output_tensors, what)
+        me, n = self.rank(), self.size()
+        root = self._root(opts.rootRank, what)
+        ins = []
+        if me == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != n:
+                raise ValueError(f"{what}: the root needs one list of {n} input tensors")
+            ins = [_tensor(i, f"{what} input") for i in input_tensors[0]]
+            for r, i in enumerate(ins):
+                if i.numel() != out.numel():
+                    raise ValueError(f"{what}: input {r} has {i.numel()} elements, the output "
+                                     f"{out.numel()}")
+            _same_dtype(ins, out.dtype, what)
+        elif input_tensors and any(len(i) for i in input_tensors):
+            raise ValueError(f"{what}: only the root (rank {root}) takes input tensors")
+        ctx = self._ctx
+
+        def run():
+            s = _Staged(out, copy_in=False)
+            if me == root:
+                srcs = [i.contiguous() for i in ins]
+                if n > 1:
+                    ctx._p2p([("send", srcs[r], r) for r in range(n) if r != me], what,
+                             blocking=True)
+                s.t.copy_(srcs[me].view(s.t.shape))
+            else:
+                ctx._p2p([("recv", s.t, root)], what, blocking=True)
+            s.back()
+        return self._submit(run, list(output_tensors), opts)
+
+    def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str) -> None:
+        """Personalised exchange: sends[r] to rank r, recvs[r] from rank r
+        (all contiguous); this rank's own piece is copied."""
+        me, n = self.rank(), self.size()
+        recvs[me].copy_(sends[me].view(recvs[me].shape))
+        entries = [("recv", recvs[r], r) for r in range(n) if r != me]
+        entries += [("send", sends[r], r) for r in range(n) if r != me]
+        if entries:
+            self._ctx._p2p(entries, what, blocking=True)
+
+    def alltoall_base(self, output_tensor, input_tensor, output_split_sizes,
+                      input_split_sizes, opts=None):
+        what = "all_to_all_single"
+        out, inp = _tensor(output_tensor, f"{what} output"), _tensor(input_tensor, f"{what} input")
+        if out.dtype != inp.dtype:
+            raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
+        n = self.size()
+
+        def rows(t: torch.Tensor, splits: Sequence[int], side: str) -> list[tuple[int, int]]:
+            dim0 = t.shape[0] if t.dim() else 1
+            per = t.numel() // dim0 if dim0 else 0
+            splits = list(splits)
+            if not splits:
+                if dim0 % n:
+                    raise ValueError(f"{what}: {side} dim 0 ({dim0}) is not divisible by the "
+                                     f"group size {n}; give split sizes")
+                splits = [dim0 // n] * n
+            if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != dim0:
+                raise ValueError(f"{what}: {side} split sizes {splits} must be {n} non-negative "
+                                 f"sizes summing to dim 0 ({dim0})")
+            out_b, s0 = [], 0
+            for s in splits:
+                out_b.append((s0 * per, (s0 + s) * per))
+                s0 += s
+            return out_b
+
+        ob, ib = rows(out, output_split_sizes, "output"), rows(inp, input_split_sizes, "input")
+        me = self.rank()
+        if ob[me][1] - ob[me][0] != ib[me][1] - ib[me][0]:
+            raise ValueError(f"{what}: this rank sends itself {ib[me][1] - ib[me][0]} elements "
+                             f"but expects {ob[me][1] - ob[me][0]}")
+
+        def run():
+            s = _Staged(out, copy_in=False)
+            fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
+            self._exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
+            s.back()
+        return self._submit(run, [output_tensor], opts)
+
+    def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes,
+                          input_split_sizes, opts=None):
+        return self.alltoall_base(output_tensor, input_tensor, output_split_sizes,
+                                  input_split_sizes, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        what = "all_to_all"
+        n = self.size()
+        outs = [_tensor(t, f"{what} output") for t in output_tensors]
+        ins = [_tensor(t, f"{what} input") for t in input_tensors]
+        if len(outs) != n or len(ins) != n:
+            raise ValueError(f"{what}: {len(outs)} outputs and {len(ins)} inputs for a group "
+                             f"of {n}")
+        dtype = ins[0].dtype
+        _same_dtype(ins + outs, dtype, what)
+        me = self.rank()
+        if outs[me].numel() != ins[me].numel():
+            raise ValueError(f"{what}: this rank sends itself {ins[me].numel()} elements but "
+                             f"expects {outs[me].numel()}")
+
+        def run():
+            staged = [_Staged(o, copy_in=False) for o in outs]
+            self._exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
+            for s in staged:
+                s.back()
+        return self._submit(run, list(output_tensors), opts)
+
+    # -- point to point -------------------------------------------------------
+    def _peer(self, peer: int, what: str) -> int:
+        n, me = self.size(), self.rank()
+        if not 0 <= peer < n or peer == me:
+            raise ValueError(f"{what}: peer {peer} is not another rank of this group "
+                             f"(0..{n - 1}, this is {me})")
+        return peer
+
+    def send(self, tensors, dstRank, tag=0):
+        what = "send"
+        t = _one(tensors, what)
+        dst = self._peer(dstRank, what)
+        src = t.contiguous()
+
+        def run():
+            return [self._ctx._p2p([("send", src, dst)], what)]
+        return self._submit(run, list(tensors), p2p=True)
+
+    def recv(self, tensors, srcRank, tag=0):
+        what = "recv"
+        t = _one(tensors, what)
+        src = self._peer(srcRank, what)
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: the receive tensor must be contiguous "
+                             f"(shape={tuple(t.shape)}, stride={tuple(t.stride())})")
+
+        def run():
+            return [self._ctx._p2p([("recv", t, src)], what)]
+        return self._submit(run, list(tensors), p2p=True)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise UcclError("recv from any source is not supported by the uccl backend (as with "
+                        "NCCL): name the source rank")
+
+    # -- synchronisation and life cycle -----------------------------------------
+    def barrier(self, opts=None):
+        ctx, n = self._ctx, self.size()
+
+        def run():
+            if n > 1:
+                one = torch.zeros(1, dtype=torch.uint8)
+                ctx.allgather(one, torch.empty(n, dtype=torch.uint8))
+        return self._submit(run, [], opts)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        work = self.barrier(None)
+        work.wait(timeout if timeout is not None else datetime.timedelta(0))
+
+    def _shutdown(self, why: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ctx.finalize()   # fails what is in flight: every Work settles
+        self._runner.close(why)
+
+    def shutdown(self) -> None:
+        self._shutdown("shut down (destroy_process_group)")
+
+    def abort(self) -> None:
+        self._shutdown("aborted")
+
+    def __del__(self):
+        try:
+            self._shutdown("garbage collected")
+        except Exception:
+            pass
+
+
+def _create(store, rank, size, timeout) -> ProcessGroupUCCL:
+    return ProcessGroupUCCL(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register "uccl" with torch.distributed for cpu and cuda (idempotent)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
