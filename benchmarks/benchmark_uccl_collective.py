@@ -12,7 +12,14 @@ Launch with torchrun, e.g.
     comparison is batch_isend_irecv of the same two operations.
 --op sendrecv: ranks pair up (0-1, 2-3, ...); the even rank sends, or with
     --dual both send at once.
-Every size is checked end to end on random data before it is timed; each
+--backend uccl: the ops run as torch.distributed calls through the "uccl"
+    process group (init_process_group("uccl")), timed against the same call on
+    a Gloo group: --op allreduce|allgather|reduce_scatter|broadcast|alltoall.
+    Sizes are the tensor's bytes (allgather: per rank; reduce_scatter: per
+    rank's output).  busbw as nccl-tests: allreduce algbw x 2(N-1)/N,
+    allgather/reduce_scatter/alltoall algbw x (N-1)/N, broadcast algbw.
+Every size is checked end to end on random data before it is timed (uccl's
+result against Gloo's on identical inputs in --backend uccl mode); each
 timing is the slowest rank's.
 """
 from __future__ import annotations
@@ -36,7 +43,12 @@ def get_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--op", choices=["allgather", "sendrecv", "ring"], default="allgather")
+    p.add_argument("--backend", choices=["context", "uccl"], default="context",
+                   help="context: CollectiveContext calls; uccl: dist.* through the \"uccl\" "
+                        "process group")
+    p.add_argument("--op", choices=["allgather", "sendrecv", "ring", "allreduce",
+                                    "reduce_scatter", "broadcast", "alltoall"],
+                   default="allgather")
     p.add_argument("--ring", action="store_true", help="upstream's flag: same as --op ring")
     p.add_argument("--algorithm", choices=["auto", "direct", "ring"], default="auto",
                    help="allgather algorithm")
@@ -60,6 +72,11 @@ def get_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.ring:
         args.op = "ring"
+    pg_ops = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
+    if args.backend == "uccl" and args.op not in pg_ops:
+        p.error(f"--backend uccl runs {', '.join(pg_ops)}")
+    if args.backend == "context" and args.op not in ("allgather", "sendrecv", "ring"):
+        p.error(f"--op {args.op} needs --backend uccl")
     if args.device == "gpu":
         p.error("--device gpu: the GPU transport lands with the CUDA IPC issue; CPU only for now")
     if args.compare == "nccl":
@@ -146,14 +163,73 @@ class Runner:
             raise SystemExit(f"[Rank {self.rank}] {who} {self.args.op} of {pretty(size)}: wrong "
                              f"data at {bad.numel()} elements (first {bad[:4].flatten().tolist()})")
 
-    def timed(self, fn, iters: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time
-        return float(dt) / iters
+    def verify(self, size: int) -> None:
+        self.check(size, self.uccl, "uccl")
+        if self.args.compare != "none":
+            self.check(size, self.gloo, self.args.compare)
+
+
+class GroupRunner:
+    """--backend uccl: one torch.distributed call, through the "uccl" group
+    (the default group) or through a Gloo group, on the same tensors."""
+
+    def __init__(self, args, gloo_group, rank: int, world: int):
+        self.args, self.gloo_group, self.rank, self.world = args, gloo_group, rank, world
+
+    def buffers(self, size: int):
+        n, w, op = size // 4, self.world, self.args.op
+        n_in = n * w if op == "reduce_scatter" else n
+        n_out = {"allgather": n * w, "reduce_scatter": n, "alltoall": n}.get(op, 0)
+        g = torch.Generator().manual_seed(1234 + self.rank)
+        # small integers: every summation order gives the same floats, so
+        # uccl's result must equal Gloo's bit for bit
+        self.x = torch.randint(0, 64, (n_in,), generator=g).float()
+        self.y = torch.empty(n_out)
+
+    def run(self, group) -> None:
+        op, x, y = self.args.op, self.x, self.y
+        if op == "allreduce":
+            dist.all_reduce(x, group=group)
+        elif op == "allgather":
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(y, x, group=group)
+        elif op == "reduce_scatter":
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(y, x, group=group)
+        elif op == "broadcast":
+            dist.broadcast(x, 0, group=group)
+        else:
+            dist.all_to_all_single(y, x, group=group)
+
+    def uccl(self) -> None:
+        self.run(None)
+
+    def gloo(self) -> None:
+        self.run(self.gloo_group)
+
+    def verify(self, size: int) -> None:
+        x0 = self.x.clone()
+        results = []
+        for group in (None, self.gloo_group):
+            self.x.copy_(x0)
+            self.y.fill_(float("nan"))  # poison
+            self.run(group)
+            results.append((self.x.clone(), self.y.clone()))
+        self.x.copy_(x0)
+        for name, got, want in zip(("in/out tensor", "output"), results[0], results[1]):
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()
+                raise SystemExit(f"[Rank {self.rank}] uccl {self.args.op} of {pretty(size)}: "
+                                 f"{name} differs from Gloo's at {bad.numel()} elements (first "
+                                 f"{bad[:4].flatten().tolist()})")
+
+
+def timed(fn, iters: int, group=None) -> float:
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
+    return float(dt) / iters
 
 
 def bandwidths(op: str, size: int, world: int, seconds: float, dual: bool):
@@ -163,7 +239,12 @@ def bandwidths(op: str, size: int, world: int, seconds: float, dual: bool):
     if op == "allgather":
         algbw = size * world / seconds / 1e9
         return algbw, algbw * (world - 1) / world
+    if op in ("reduce_scatter", "alltoall"):
+        algbw = size * (world if op == "reduce_scatter" else 1) / seconds / 1e9
+        return algbw, algbw * (world - 1) / world
     algbw = size / seconds / 1e9
+    if op == "allreduce":
+        return algbw, algbw * 2 * (world - 1) / world
     if op == "sendrecv" and dual:
         return algbw, algbw * 2  # both directions of each pair
     return algbw, algbw
@@ -189,54 +270,77 @@ def plot(rows, args, world: int) -> None:
     fig.savefig(args.plot, dpi=120)
 
 
+def setup(args):
+    """(runner, group for the bookkeeping, header line, finalize)."""
+    timeout = timedelta(seconds=args.timeout)
+    if args.backend == "uccl":
+        import uccl_collective  # noqa: F401  registers the backend
+        t0 = time.perf_counter()
+        dist.init_process_group("uccl", timeout=timeout)
+        setup_s = time.perf_counter() - t0
+        rank, world = dist.get_rank(), dist.get_world_size()
+        gloo = dist.new_group(backend="gloo", timeout=timeout)
+        ctx = dist.group.WORLD.context
+        peers = sorted(set(ctx.transport_to(p) for p in range(world) if p != rank))
+        head = (f"[Rank 0] dist.{args.op} through the uccl process group, {world} ranks, "
+                f"peers via {'/'.join(peers)}, init_process_group {setup_s * 1e3:.1f} ms, "
+                f"torch {torch.__version__}, compare gloo")
+        return GroupRunner(args, gloo, rank, world), gloo, head, lambda: None
+    dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from uccl_collective import collective
+    ctx = collective.init_collective(use_copy_engine_for_intra=args.intra == "engine",
+                                     timeout_s=args.timeout)
+    setup_s = torch.tensor([ctx.setup_seconds], dtype=torch.float64)
+    dist.all_reduce(setup_s, op=dist.ReduceOp.MAX)
+    peers = sorted(set(ctx.transport_to(p) for p in range(world) if p != rank))
+    head = (f"[Rank 0] uccl {args.op} ({args.algorithm if args.op == 'allgather' else '-'}), "
+            f"{world} ranks, peers via {'/'.join(peers)}, setup {setup_s.item() * 1e3:.1f} ms, "
+            f"torch {torch.__version__}, compare {args.compare}")
+    return Runner(args, ctx, rank, world), None, head, collective.finalize_collective
+
+
 def main() -> None:
     args = get_args()
     os.environ.setdefault("UCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # the ranks share the host's cores with the engine's threads
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.backend == "uccl" and args.compare == "none":
+        args.compare = "gloo"   # the check compares with Gloo's result
+    r, sync, head, finalize = setup(args)
+    rank, world = r.rank, r.world
     if world < 2:
         raise SystemExit("run at least 2 processes (torchrun --nproc_per_node N)")
-    from uccl_collective import collective
-    ctx = collective.init_collective(use_copy_engine_for_intra=args.intra == "engine",
-                                     timeout_s=args.timeout)
     lead = rank == 0
-    setup = torch.tensor([ctx.setup_seconds], dtype=torch.float64)
-    dist.all_reduce(setup, op=dist.ReduceOp.MAX)
 
     def say(msg):
         if lead:
             tqdm.write(msg, file=sys.stdout)
             sys.stdout.flush()
 
-    peers = sorted(set(ctx.transport_to(p) for p in range(world) if p != rank))
-    say(f"[Rank 0] uccl {args.op} ({args.algorithm if args.op == 'allgather' else '-'}), "
-        f"{world} ranks, peers via {'/'.join(peers)}, setup {setup.item() * 1e3:.1f} ms, "
-        f"torch {torch.__version__}, compare {args.compare}")
-    r = Runner(args, ctx, rank, world)
-    label = {"allgather": "Allgather", "ring": "Ring", "sendrecv": "SendRecv"}[args.op]
+    say(head)
+    label = {"allgather": "Allgather", "ring": "Ring", "sendrecv": "SendRecv",
+             "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter",
+             "broadcast": "Broadcast", "alltoall": "AllToAll"}[args.op]
     label += " Async" if args.async_api else ""
     rows = []
     for size in tqdm(args.sizes, desc="sizes", unit="size", leave=False,
                      disable=not lead or not sys.stderr.isatty()):
         iters = args.iters or (20 if size <= 16 << 20 else 10)
         r.buffers(size)
-        r.check(size, r.uccl, "uccl")
-        if args.compare != "none":
-            r.check(size, r.gloo, args.compare)
+        r.verify(size)
         for _ in range(args.warmup):
             r.uccl()
-        t = r.timed(r.uccl, iters)
+        t = timed(r.uccl, iters, sync)
         algbw, busbw = bandwidths(args.op, size, world, t, args.dual)
-        row = {"op": args.op, "world": world, "size": size, "size_str": pretty(size),
-               "iters": iters, "uccl_us": t * 1e6, "uccl_algbw_GBps": algbw,
-               "uccl_busbw_GBps": busbw}
+        row = {"op": args.op, "backend": args.backend, "world": world, "size": size,
+               "size_str": pretty(size), "iters": iters, "uccl_us": t * 1e6,
+               "uccl_algbw_GBps": algbw, "uccl_busbw_GBps": busbw}
         say(f"[Rank 0] {label} {pretty(size)} : {algbw * 8:.2f} Gbps | {algbw:.2f} GB/s "
             f"(algbw), busbw {busbw:.2f} GB/s, {t * 1e6:.1f} us")
         if args.compare != "none":
             for _ in range(args.warmup):
                 r.gloo()
-            g = r.timed(r.gloo, iters)
+            g = timed(r.gloo, iters, sync)
             galg, gbus = bandwidths(args.op, size, world, g, args.dual)
             row.update({f"{args.compare}_us": g * 1e6, f"{args.compare}_algbw_GBps": galg,
                         f"{args.compare}_busbw_GBps": gbus, "ratio": busbw / gbus})
@@ -248,8 +352,8 @@ def main() -> None:
         if args.plot:
             plot(rows, args, world)
             say(f"[Rank 0] plot written to {args.plot}")
-    dist.barrier()  # nobody closes its endpoint while a peer still transfers
-    collective.finalize_collective()
+    dist.barrier(group=sync)  # nobody closes its endpoint while a peer still transfers
+    finalize()
     dist.destroy_process_group()
 
 

@@ -103,6 +103,25 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
+    # torch keeps a group's name on its per-device C++ backends, which a
+    # Python group has none of; DeviceMesh (FSDP2) reads it from Python.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "undefined")
+
     @property
     def supports_splitting(self) -> bool:
         return False
