@@ -15,6 +15,7 @@ identical, as torch documents for all_reduce.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -44,6 +45,25 @@ def _env_int(name: str, default: int) -> int:
 SMALL_BYTES = _env_int("UCCL_PG_SMALL_KB", 64) << 10
 #: Upper bound of a reduce-scatter piece.
 PIECE_BYTES = max(_env_int("UCCL_PG_PIECE_KB", 4096), 64) << 10
+#: Reduce-scatter pieces in flight at once.
+WINDOW = max(_env_int("UCCL_PG_WINDOW", 4), 1)
+#: Reduce-scatter algorithm: auto (the allgather's choice: direct within a
+#: host, the ring across hosts with many ranks), ring or direct.
+ALGO = os.environ.get("UCCL_PG_ALGO", "auto")
+if ALGO not in ("auto", "ring", "direct"):
+    raise ValueError(f"UCCL_PG_ALGO={ALGO!r}: use auto, ring or direct")
+
+
+def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combine: Callable,
+                   scratch_of: Callable[[int], torch.Tensor]) -> None:
+    """flat[chunk[me]] <- the reduction of that chunk over all ranks."""
+    algo = ALGO
+    if algo == "auto":
+        longest = max(e - s for s, e in chunk) * flat.element_size()
+        ring = ctx.ep._comm_pick_algo(_engine.AG_AUTO, longest) == _engine.AG_RING
+        algo = "ring" if ring else "direct"
+    fn = ring_reduce_scatter if algo == "ring" else direct_reduce_scatter
+    fn(ctx, flat, chunk, combine, scratch_of)
 
 
 def op_type(op) -> R:
@@ -80,6 +100,54 @@ def combiner(op: R, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor]
             R.BXOR: torch.Tensor.bitwise_xor_}[op]
 
 
+class Parallel:
+    """Splits one large elementwise reduction over `width` threads (torch
+    releases the GIL inside the op): on a many-core host a single thread's
+    add is what the reduce-scatter waits for.  width 1: inline."""
+
+    MIN_BYTES = 1 << 20   # below this a thread hand-off costs more than it saves
+
+    def __init__(self, width: int):
+        self.width = max(1, width)
+        self._pool = ThreadPoolExecutor(self.width - 1, thread_name_prefix="uccl-reduce") \
+            if self.width > 1 else None
+
+    def wrap(self, fn: Callable) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        if self._pool is None:
+            return fn
+
+        def run(acc: torch.Tensor, x: torch.Tensor) -> None:
+            n = acc.numel()
+            k = min(self.width, n * acc.element_size() // self.MIN_BYTES)
+            if k <= 1:
+                fn(acc, x)
+                return
+            step = (-(-n // k) + 63) // 64 * 64   # whole cache lines
+            futs = [self._pool.submit(fn, acc[a:a + step], x[a:a + step])
+                    for a in range(step, n, step)]
+            fn(acc[:step], x[:step])
+            for f in futs:
+                f.result()
+        return run
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def default_width(local_ranks: int) -> int:
+    """Reduction threads per rank: UCCL_PG_REDUCE_THREADS, else this node's
+    cores shared among its ranks (at most 8)."""
+    explicit = _env_int("UCCL_PG_REDUCE_THREADS", 0)
+    if explicit:
+        return explicit
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // max(1, local_ranks)))
+
+
 def finish_avg(t: torch.Tensor, n: int) -> None:
     """AVG = SUM / n (integers: truncated, as NCCL's ncclAvg)."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
@@ -107,12 +175,14 @@ def _pieces(b: tuple[int, int], piece: int) -> list[tuple[int, int]]:
 
 
 def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
-                        combine: Callable) -> None:
+                        combine: Callable, scratch_of: Callable[[int], torch.Tensor]) -> None:
     """After it, flat[chunk[me]] holds the reduction of that chunk over all
     ranks (other chunks hold partial sums).  flat: contiguous, 1-D.
 
     Step s (0..N-2): send chunk (me-s-1) to the right, receive chunk
-    (me-s-2) from the left into scratch and reduce it into flat.  A piece
+    (me-s-2) from the left into scratch and reduce it into flat.
+    scratch_of(nbytes) gives a reused uint8 buffer: a fresh one per call
+    would page-fault on every byte the engine writes into it.  A piece
     reduced at step s is the piece sent at step s+1, so it is submitted
     right after its reduction: the pieces behind it stay in flight."""
     n, me, ep = ctx.world_size, ctx.rank, ctx.ep
@@ -123,45 +193,113 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     longest = max(e - s for s, e in chunk)
     piece = max(1, min(PIECE_BYTES // esz, -(-longest // 4)))  # >= 4 pieces in a chunk
     piece = max(piece, min(longest, (256 << 10) // esz))      # but not tiny ones
-    scratch = torch.empty((2, longest), dtype=flat.dtype)
+    scratch = scratch_of(2 * longest * esz).view(flat.dtype).view(2, longest)
     base = flat.data_ptr()
     sbase = [scratch[i].data_ptr() for i in range(2)]
     timeout = ctx.timeout_s
 
+    # pieces of what step s sends (chunk me-s-1) and receives (chunk me-s-2)
+    send_pieces = [_pieces(chunk[(me - s - 1) % n], piece) for s in range(n - 1)]
+    recv_pieces = [_pieces(chunk[(me - s - 2) % n], piece) for s in range(n - 1)]
+
     def submit(s: int, p: int) -> int | None:
-        cs, cr = (me - s - 1) % n, (me - s - 2) % n
-        sp, rp = _pieces(chunk[cs], piece), _pieces(chunk[cr], piece)
         entries = []
-        if p < len(sp):
-            a, b = sp[p]
+        if p < len(send_pieces[s]):
+            a, b = send_pieces[s][p]
             entries.append((_SEND, right, (base + a * esz, (b - a) * esz, 0)))
-        if p < len(rp):
-            a, b = rp[p]
-            off = a - chunk[cr][0]
+        if p < len(recv_pieces[s]):
+            a, b = recv_pieces[s][p]
+            off = a - chunk[(me - s - 2) % n][0]
             entries.append((_RECV, left, (sbase[s % 2] + off * esz, (b - a) * esz, 0)))
         return ep._comm_p2p(entries) if entries else None
 
-    npieces = [max(len(_pieces(chunk[(me - s - 1) % n], piece)),
-                   len(_pieces(chunk[(me - s - 2) % n], piece))) for s in range(n - 1)]
-    ops = {(0, p): submit(0, p) for p in range(npieces[0])}
+    # Every rank submits the (step, piece) operations in this one order, so
+    # posts match on every connection; at most WINDOW are in flight (a deep
+    # queue of small posts costs more per operation than it overlaps).
+    seq = [(s, p) for s in range(n - 1)
+           for p in range(max(len(send_pieces[s]), len(recv_pieces[s])))]
+    reduced: set[tuple[int, int]] = set()
+
+    def ready(s: int, p: int) -> bool:
+        # what step s sends is what step s-1 received and reduced
+        return s == 0 or p >= len(recv_pieces[s - 1]) or (s - 1, p) in reduced
+
+    ops: dict[tuple[int, int], int | None] = {}
+    k = 0
     try:
-        for s in range(n - 1):
-            cr = (me - s - 2) % n
-            rp = _pieces(chunk[cr], piece)
-            more = s + 1 < n - 1
-            for p in range(npieces[s]):
-                op = ops.pop((s, p))
-                if op is not None:
+        for j, (s, p) in enumerate(seq):
+            while k < len(seq) and k < j + WINDOW and ready(*seq[k]):
+                ops[seq[k]] = submit(*seq[k])
+                k += 1
+            op = ops.pop((s, p))
+            if op is not None:
+                ep._comm_wait(op, timeout)
+            rp = recv_pieces[s]
+            if p < len(rp):
+                a, b = rp[p]
+                off = a - chunk[(me - s - 2) % n][0]
+                combine(flat[a:b], scratch[s % 2][off:off + b - a])
+                reduced.add((s, p))
+    finally:
+        for op in ops.values():  # after an error: nothing may land once we return
+            if op is not None:
+                try:
                     ep._comm_wait(op, timeout)
-                if p < len(rp):
-                    a, b = rp[p]
-                    off = a - chunk[cr][0]
-                    combine(flat[a:b], scratch[s % 2][off:off + b - a])
-                if more and p < npieces[s + 1]:
-                    ops[(s + 1, p)] = submit(s + 1, p)
-            # every rank submits in (step, piece) order: posts match per connection
-            for p in range(npieces[s], npieces[s + 1] if more else 0):
-                ops[(s + 1, p)] = submit(s + 1, p)
+                except BaseException:
+                    pass
+
+
+def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
+                          combine: Callable, scratch_of: Callable[[int], torch.Tensor]) -> None:
+    """The same result place as ring_reduce_scatter, in one exchange: every
+    rank sends chunk r to rank r and receives its own chunk from all the
+    others at once (N-1 copies in flight rather than one), piece by piece,
+    reducing each piece as it lands.  Chosen within a host, where the copies
+    run in parallel; the ring is for links between hosts.  Only the owner
+    reduces a chunk (in ring order from itself), so ranks stay identical."""
+    n, me, ep = ctx.world_size, ctx.rank, ctx.ep
+    if n == 1 or flat.numel() == 0:
+        return
+    esz = flat.element_size()
+    longest = max(e - s for s, e in chunk)
+    piece = max(1, min(PIECE_BYTES // esz, longest))
+    mine = chunk[me]
+    peers = [(me + i) % n for i in range(1, n)]          # slot i-1: rank me+i
+    scratch = scratch_of((n - 1) * max(1, mine[1] - mine[0]) * esz).view(flat.dtype) \
+        .view(n - 1, max(1, mine[1] - mine[0]))
+    base = flat.data_ptr()
+    pieces = [_pieces(c, piece) for c in chunk]
+    timeout = ctx.timeout_s
+
+    def submit(p: int) -> int | None:
+        entries = []
+        for r in peers:
+            if p < len(pieces[r]):
+                a, b = pieces[r][p]
+                entries.append((_SEND, r, (base + a * esz, (b - a) * esz, 0)))
+        if p < len(pieces[me]):
+            a, b = pieces[me][p]
+            for i, r in enumerate(peers):
+                dst = scratch[i].data_ptr() + (a - mine[0]) * esz
+                entries.append((_RECV, r, (dst, (b - a) * esz, 0)))
+        return ep._comm_p2p(entries) if entries else None
+
+    total = max(len(ps) for ps in pieces)
+    ops: dict[int, int | None] = {}
+    k = 0
+    try:
+        for p in range(total):
+            while k < total and k < p + WINDOW:
+                ops[k] = submit(k)
+                k += 1
+            op = ops.pop(p)
+            if op is not None:
+                ep._comm_wait(op, timeout)
+            if p < len(pieces[me]):
+                a, b = pieces[me][p]
+                off = a - mine[0]
+                for i in range(n - 1):
+                    combine(flat[a:b], scratch[i][off:off + b - a])
     finally:
         for op in ops.values():  # after an error: nothing may land once we return
             if op is not None:

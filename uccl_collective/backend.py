@@ -95,6 +95,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._ctx.init()
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         self._closed = False
+        self._scratch_buf = torch.empty(0, dtype=torch.uint8)
+        self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -252,21 +254,29 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         _reduce.check_op(op, dtype, what)
         return op
 
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of nbytes, reused across operations (one task runs
+        at a time): fresh memory would page-fault as the engine fills it."""
+        if self._scratch_buf.numel() < nbytes:
+            self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch_buf[:nbytes]
+
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
         ctx, n, me = self._ctx, self.size(), self.rank()
         if n > 1:
-            combine = _reduce.combiner(op, flat.dtype)
+            combine = self._par.wrap(_reduce.combiner(op, flat.dtype))
             nbytes = flat.numel() * flat.element_size()
             if nbytes <= _reduce.SMALL_BYTES or flat.numel() < n:
-                got = torch.empty((n, flat.numel()), dtype=flat.dtype)
+                nb = flat.numel() * flat.element_size()
+                got = self._scratch(n * nb).view(flat.dtype).view(n, flat.numel())
                 ctx.allgather(flat, got.reshape(-1))
                 flat.copy_(got[0])
                 for r in range(1, n):   # rank order: the same on every rank
                     combine(flat, got[r])
             else:
                 chunk = _reduce.bounds(flat.numel(), n)
-                _reduce.ring_reduce_scatter(ctx, flat, chunk, combine)
+                _reduce.reduce_scatter(ctx, flat, chunk, combine, self._scratch)
                 mine = flat[chunk[me][0]:chunk[me][1]]
                 ctx.allgatherv(mine, [flat[s:e] for s, e in chunk])
         if op == R.AVG:
@@ -320,7 +330,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         k = out.numel()
         chunk = [(r * k, (r + 1) * k) for r in range(n)]
         if n > 1:
-            _reduce.ring_reduce_scatter(ctx, flat, chunk, _reduce.combiner(op, flat.dtype))
+            _reduce.reduce_scatter(ctx, flat, chunk,
+                                        self._par.wrap(_reduce.combiner(op, flat.dtype)),
+                                        self._scratch)
         mine = flat[me * k:(me + 1) * k]
         if op == R.AVG:
             _reduce.finish_avg(mine, n)
@@ -601,6 +613,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._closed = True
         self._ctx.finalize()   # fails what is in flight: every Work settles
         self._runner.close(why)
+        self._par.close()
 
     def shutdown(self) -> None:
         self._shutdown("shut down (destroy_process_group)")
