@@ -54,6 +54,15 @@ if ALGO not in ("auto", "ring", "direct"):
     raise ValueError(f"UCCL_PG_ALGO={ALGO!r}: use auto, ring or direct")
 
 
+def allgather_chunks(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]]) -> None:
+    """In place: every rank's flat[chunk[me]] to every rank (the allgather
+    half of all_reduce), straight to the engine: the chunks are known to be
+    views of one checked tensor."""
+    esz, base = flat.element_size(), flat.data_ptr()
+    bufs = [(base + s * esz, (e - s) * esz, 0) for s, e in chunk]
+    ctx._ep()._comm_allgather(bufs[ctx.rank], bufs, _engine.AG_AUTO, False, ctx.timeout_s)
+
+
 def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combine: Callable,
                    scratch_of: Callable[[int], torch.Tensor]) -> None:
     """flat[chunk[me]] <- the reduction of that chunk over all ranks."""

@@ -263,13 +263,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
-        ctx, n, me = self._ctx, self.size(), self.rank()
+        ctx, n = self._ctx, self.size()
         if n > 1:
             combine = self._par.wrap(_reduce.combiner(op, flat.dtype))
             nbytes = flat.numel() * flat.element_size()
             if nbytes <= _reduce.SMALL_BYTES or flat.numel() < n:
-                nb = flat.numel() * flat.element_size()
-                got = self._scratch(n * nb).view(flat.dtype).view(n, flat.numel())
+                got = self._scratch(n * nbytes).view(flat.dtype).view(n, flat.numel())
                 ctx.allgather(flat, got.reshape(-1))
                 flat.copy_(got[0])
                 for r in range(1, n):   # rank order: the same on every rank
@@ -277,8 +276,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             else:
                 chunk = _reduce.bounds(flat.numel(), n)
                 _reduce.reduce_scatter(ctx, flat, chunk, combine, self._scratch)
-                mine = flat[chunk[me][0]:chunk[me][1]]
-                ctx.allgatherv(mine, [flat[s:e] for s, e in chunk])
+                _reduce.allgather_chunks(ctx, flat, chunk)
         if op == R.AVG:
             _reduce.finish_avg(flat, n)
 
