@@ -239,13 +239,18 @@ static void complete(struct uccl__conn *c, struct uccl__req *r, int status, cons
 static void send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len, uint64_t aux);
 
 /* Finish r here, then tell the peer (FIN, NACK, OPDONE).  In that order: once
- * told, the peer may close at once, and its BYE must not find r pending. */
+ * told, the peer may close at once, and its BYE must not find r pending.
+ * But finishing r may let our own caller close at once too: `answering`
+ * makes that close send its BYE only after this answer (uccl__conn_close),
+ * or the peer would find its half of the exchange pending. */
 static void answer_after(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
                          int status, const char *why)
 {
     uint64_t seq = r->seq;
+    atomic_fetch_add(&c->answering, 1);
     complete(c, r, status, why ? "%s" : NULL, why);
     send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE ? (uint64_t)(int64_t)status : 0);
+    atomic_fetch_sub(&c->answering, 1);
 }
 
 static void describe_peer(struct uccl__conn *c, char *buf, size_t len)
@@ -1292,6 +1297,9 @@ int uccl__conn_start(struct uccl__conn *c)
 void uccl__conn_close(struct uccl__conn *c)
 {
     atomic_store(&c->closing, 1);
+    /* Answers already owed go first (answer_after); bounded: 100 ms. */
+    for (int i = 0; i < 2000 && atomic_load(&c->answering) > 0; i++)
+        usleep(50);
     if (!atomic_load(&c->failed) && c->started) {
         /* Tell the peer this is a close, not a crash; never wait long for it. */
         struct uccl__msg m = {.type = UCCL_MSG_BYE};

@@ -100,6 +100,7 @@ struct uccl__conn {
     atomic_int failed;
     int peer_bye;                /* the peer closed on purpose: log quietly */
     atomic_int closing;          /* we are closing: whatever fails next is that close */
+    atomic_int answering;        /* threads between finishing a request and telling the peer */
     int fail_status;
     char fail_msg[512];
     uint64_t next_send_seq, next_recv_seq, next_op;

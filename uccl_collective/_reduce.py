@@ -90,6 +90,8 @@ def check_op(op: R, dtype: torch.dtype, what: str) -> None:
     if op in (R.BAND, R.BOR, R.BXOR) and (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"{what}: ReduceOp.{op.name} needs an integer or bool tensor, got "
                          f"{dtype}")
+    if op == R.AVG and dtype == torch.bool:
+        raise ValueError(f"{what}: ReduceOp.AVG is not defined for bool tensors")
     if op in (R.MIN, R.MAX) and dtype.is_complex:
         raise ValueError(f"{what}: ReduceOp.{op.name} is not defined for complex {dtype}")
 
@@ -161,9 +163,7 @@ def finish_avg(t: torch.Tensor, n: int) -> None:
     """AVG = SUM / n (integers: truncated, as NCCL's ncclAvg)."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.div_(n)
-    elif t.dtype == torch.bool:
-        raise ValueError("all_reduce: ReduceOp.AVG is not defined for bool tensors")
-    else:
+    else:  # bool is refused up front (check_op)
         t.copy_(torch.div(t, n, rounding_mode="trunc"))
 
 

@@ -140,12 +140,15 @@ class Runner:
                 task.pending = []
                 task.finish_future()
 
-    def drive(self, task: Task, deadline: float) -> None:
+    def drive(self, task: Task, deadline: float, run_here: bool = True) -> None:
         """Return once task has run (running it and those ahead of it here
-        when the token is free); UcclTimeoutError past deadline."""
+        when the token is free and run_here); UcclTimeoutError past
+        deadline.  A task runs to its end under the group's timeout, so a
+        waiter with a shorter deadline of its own must leave it to the
+        runner thread."""
         with self._cv:
             while not task.ran:
-                if not self._busy and self._q:
+                if run_here and not self._busy and self._q:
                     self._run_head()
                     continue
                 left = deadline - time.monotonic()
@@ -212,10 +215,10 @@ class Work(dist._Work):
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        secs = secs if secs and secs > 0 else self._runner.timeout_s
-        deadline = time.monotonic() + secs
+        own = bool(secs) and 0 < secs < self._runner.timeout_s
+        deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task
-        self._runner.drive(t, deadline)
+        self._runner.drive(t, deadline, run_here=not own)
         t.settle_pending(deadline)
         if t.error is not None:
             raise t.error
