@@ -426,7 +426,8 @@ def _case_rs(R, i, p):
         dist.reduce_scatter(out_g, [x[r * n:(r + 1) * n].clone() for r in range(ws)], op=gop,
                             group=R.gloo)
     else:
-        fn = dist.reduce_scatter_single if form == "single" else dist.reduce_scatter_tensor
+        fn = _newer_name("reduce_scatter_single") if form == "single" \
+            else dist.reduce_scatter_tensor
         err = _attempt(lambda: fn(out_u, inp_u, op=_op(op)))
         dist.reduce_scatter_tensor(out_g, x.clone(), op=gop, group=R.gloo)
     _reraise(err)
@@ -470,7 +471,7 @@ def _case_agit(R, i, p):
         x, out = x.view(3, 5), out.view(ws * 3, 5)
     elif shape == "stack":    # (3, 5) inputs, (ws, 3, 5) output
         x, out = x.view(3, 5), out.view(ws, 3, 5)
-    fn = dist.all_gather_single if shape == "single" else dist.all_gather_into_tensor
+    fn = _newer_name("all_gather_single") if shape == "single" else dist.all_gather_into_tensor
     err = _attempt(lambda: fn(out, x))
     if shape in ("cat", "stack"):   # Gloo's all_gather_into_tensor takes flat outputs only
         parts = [torch.empty_like(x) for _ in range(ws)]
@@ -511,6 +512,24 @@ def _pair_size(i: int, src: int, dst: int, sizes: str, n: int) -> int:
     return ((src * 7 + dst * 3 + i) % 5) * 1000 + (src + dst) % 3   # zeros among them
 
 
+def _newer_name(name: str):
+    """dist.<name> (torch 2.13's name), else the same call straight to the
+    group's method of that name (older torch has no dist.<name>)."""
+    import torch.distributed as dist
+    if hasattr(dist, name):
+        return getattr(dist, name)
+    from torch._C import _distributed_c10d as c10d
+    opts_of = {"reduce_scatter_single": c10d.ReduceScatterOptions,
+               "all_gather_single": c10d.AllgatherOptions}[name]
+
+    def call(out, inp, op=None):
+        opts = opts_of()
+        if op is not None:
+            opts.reduceOp = op
+        getattr(dist.group.WORLD, name)(out, inp, opts).wait()
+    return call
+
+
 def _case_a2a(R, i, p):
     import torch.distributed as dist
     dt, ws, me = p["dt"], R.ws, R.me
@@ -520,14 +539,13 @@ def _case_a2a(R, i, p):
     outs_g = [_poisoned(sz(s, me), dt)[0] for s in range(ws)]
     ins_u = [t.clone() for t in ins]
     err = _attempt(lambda: dist.all_to_all([m[0] for m in made], ins_u))
-    if p["sizes"] == "eq":
-        dist.all_to_all(outs_g, [t.clone() for t in ins], group=R.gloo)
-    else:   # Gloo's list all_to_all takes equal sizes only: its all_to_all_single with splits
-        import torch
-        flat = torch.empty(sum(t.numel() for t in outs_g), dtype=_dt(dt))
-        dist.all_to_all_single(flat, torch.cat(ins), [t.numel() for t in outs_g],
-                               [t.numel() for t in ins], group=R.gloo)
-        outs_g = list(flat.split([t.numel() for t in outs_g]))
+    # Gloo's list all_to_all takes equal sizes only (and older torch lacks it):
+    # its all_to_all_single with split sizes is the reference
+    import torch
+    flat = torch.empty(sum(t.numel() for t in outs_g), dtype=_dt(dt))
+    dist.all_to_all_single(flat, torch.cat(ins), [t.numel() for t in outs_g],
+                           [t.numel() for t in ins], group=R.gloo)
+    outs_g = list(flat.split([t.numel() for t in outs_g]))
     _reraise(err)
     for s in range(ws):
         _same(made[s][0], _vals(_seed(i, s, me), sz(s, me), dt, "bytes"),

@@ -25,6 +25,7 @@ def _train(rank, ws, port, backend):
     import torch.distributed as dist
 
     import uccl_collective  # noqa: F401  registers "uccl"
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -34,10 +35,12 @@ def _train(rank, ws, port, backend):
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(),
                                 torch.nn.Linear(40, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     initial = [p.detach().clone().numpy() for p in model.parameters()]
+    # a CPU mesh: on a GPU machine FSDP2 would otherwise pick CUDA
+    mesh = init_device_mesh("cpu", (ws,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(STEPS):
