@@ -4,12 +4,7 @@
 # through the "uccl" group against Gloo at 2 and 4 ranks, 1 MiB to 256 MiB.
 # Logs go to $OUT (or ./bench_out/device).  TESTS=0 skips the tests.
 set -uo pipefail
-out=${OUT:-bench_out/device}
-mkdir -p "$out"
-export PYTHONPATH=$PWD UCCL_P2P_LOG_LEVEL=ERROR
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-{ nproc; python3 -c "import torch; print(torch.__version__)"; lscpu | grep -E "Model name|^CPU\(s\)"; } > "$out/machine.txt" 2>&1
-python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
+source "$(dirname "$0")/device_build.sh"
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/test_backend.py tests/test_backend_fsdp.py} > "$out/tests.log" 2>&1
   echo "tests rc=$?"; tail -3 "$out/tests.log"

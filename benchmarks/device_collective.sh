@@ -3,12 +3,7 @@
 # test suite, then the CPU allgather benchmark at 2, 4 and 8 ranks against
 # Gloo (direct and ring).  Logs go to $OUT (or ./bench_out/device).
 set -uo pipefail
-out=${OUT:-bench_out/device}
-mkdir -p "$out"
-export PYTHONPATH=$PWD UCCL_P2P_LOG_LEVEL=ERROR
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-{ nproc; python3 -c "import torch; print(torch.__version__)"; lscpu | grep -E "Model name|^CPU\(s\)"; } > "$out/machine.txt" 2>&1
-python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
+source "$(dirname "$0")/device_build.sh"
 timeout 400 python3 -m pytest -q -p no:cacheprovider tests > "$out/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$out/tests.log"
 for n in 2 4; do

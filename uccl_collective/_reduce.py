@@ -183,6 +183,17 @@ def _pieces(b: tuple[int, int], piece: int) -> list[tuple[int, int]]:
     return [(a, min(a + piece, b[1])) for a in range(b[0], b[1], piece)]
 
 
+def _drain(ep, ops, timeout: float) -> None:
+    """After an error: wait out what is still posted, so nothing lands in
+    the caller's buffers once it has raised."""
+    for op in ops:
+        if op is not None:
+            try:
+                ep._comm_wait(op, timeout)
+            except BaseException:
+                pass
+
+
 def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
                         combine: Callable, scratch_of: Callable[[int], torch.Tensor]) -> None:
     """After it, flat[chunk[me]] holds the reduction of that chunk over all
@@ -194,7 +205,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     would page-fault on every byte the engine writes into it.  A piece
     reduced at step s is the piece sent at step s+1, so it is submitted
     right after its reduction: the pieces behind it stay in flight."""
-    n, me, ep = ctx.world_size, ctx.rank, ctx.ep
+    n, me, ep = ctx.world_size, ctx.rank, ctx._ep()
     if n == 1 or flat.numel() == 0:
         return
     right, left = (me + 1) % n, (me - 1) % n
@@ -250,23 +261,18 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
                 combine(flat[a:b], scratch[s % 2][off:off + b - a])
                 reduced.add((s, p))
     finally:
-        for op in ops.values():  # after an error: nothing may land once we return
-            if op is not None:
-                try:
-                    ep._comm_wait(op, timeout)
-                except BaseException:
-                    pass
+        _drain(ep, ops.values(), timeout)
 
 
 def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
                           combine: Callable, scratch_of: Callable[[int], torch.Tensor]) -> None:
-    """The same result place as ring_reduce_scatter, in one exchange: every
+    """The same result as ring_reduce_scatter, in one exchange: every
     rank sends chunk r to rank r and receives its own chunk from all the
     others at once (N-1 copies in flight rather than one), piece by piece,
     reducing each piece as it lands.  Chosen within a host, where the copies
     run in parallel; the ring is for links between hosts.  Only the owner
     reduces a chunk (in ring order from itself), so ranks stay identical."""
-    n, me, ep = ctx.world_size, ctx.rank, ctx.ep
+    n, me, ep = ctx.world_size, ctx.rank, ctx._ep()
     if n == 1 or flat.numel() == 0:
         return
     esz = flat.element_size()
@@ -310,9 +316,4 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
                 for i in range(n - 1):
                     combine(flat[a:b], scratch[i][off:off + b - a])
     finally:
-        for op in ops.values():  # after an error: nothing may land once we return
-            if op is not None:
-                try:
-                    ep._comm_wait(op, timeout)
-                except BaseException:
-                    pass
+        _drain(ep, ops.values(), timeout)

@@ -62,6 +62,34 @@ def _same_dtype(ts: Sequence[torch.Tensor], dtype: torch.dtype, what: str) -> No
             raise ValueError(f"{what}: tensor {i} has dtype {t.dtype}, expected {dtype}")
 
 
+def _per_rank(ts: Any, like: torch.Tensor, n: int, what: str, side: str) -> list[torch.Tensor]:
+    """A list of n tensors, one per rank, each with like's element count and
+    dtype (all_gather's outputs, gather's, scatter's inputs...)."""
+    ts = list(ts)
+    if len(ts) != n:
+        raise ValueError(f"{what}: {len(ts)} {side} tensors for a group of {n}")
+    for r, t in enumerate(ts):
+        _tensor(t, f"{what} {side} {r}")
+        if t.numel() != like.numel():
+            raise ValueError(f"{what}: {side} {r} has {t.numel()} elements, expected "
+                             f"{like.numel()}")
+    _same_dtype(ts, like.dtype, f"{what} {side}s")
+    return ts
+
+
+def _root_side(lists: Any, like: torch.Tensor, n: int, root: int, me: int, what: str,
+               side: str) -> list[torch.Tensor]:
+    """gather's outputs / scatter's inputs: the root's one list of n, checked;
+    nothing on the other ranks."""
+    if me == root:
+        if not isinstance(lists, (list, tuple)) or len(lists) != 1:
+            raise ValueError(f"{what}: the root needs one list of {n} {side} tensors")
+        return _per_rank(lists[0], like, n, what, side)
+    if lists and any(len(x) for x in lists):
+        raise ValueError(f"{what}: only the root (rank {root}) takes {side} tensors")
+    return []
+
+
 class _Staged:
     """A contiguous stand-in for a tensor (the tensor itself when it is
     contiguous); back() copies the result into the original."""
@@ -162,16 +190,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         inp = _one(input_tensors, what)
         if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
             raise ValueError(f"{what}: expected one list of output tensors")
-        outs = list(output_tensors[0])
-        n = self.size()
-        if len(outs) != n:
-            raise ValueError(f"{what}: {len(outs)} output tensors for a group of {n}")
-        for r, o in enumerate(outs):
-            _tensor(o, f"{what} output {r}")
-            if o.numel() != inp.numel():
-                raise ValueError(f"{what}: output {r} has {o.numel()} elements, the input "
-                                 f"{inp.numel()}")
-        _same_dtype(outs, inp.dtype, f"{what} outputs")
+        outs = _per_rank(output_tensors[0], inp, self.size(), what, "output")
         ctx = self._ctx
 
         def run():
@@ -376,15 +395,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out = _one(output_tensors, what)
         if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
             raise ValueError(f"{what}: expected one list of input tensors")
-        ins = [_tensor(t, f"{what} input") for t in input_tensors[0]]
-        n = self.size()
-        if len(ins) != n:
-            raise ValueError(f"{what}: {len(ins)} input tensors for a group of {n}")
-        for r, i in enumerate(ins):
-            if i.numel() != out.numel():
-                raise ValueError(f"{what}: input {r} has {i.numel()} elements, the output "
-                                 f"{out.numel()}")
-        _same_dtype(ins, out.dtype, what)
+        ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
         op = self._reduce_fn(opts, out.dtype, what)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, torch.cat([i.reshape(-1) for i in ins]), op),
@@ -421,18 +432,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         inp = _one(input_tensors, what)
         me, n = self.rank(), self.size()
         root = self._root(opts.rootRank, what)
-        outs = []
-        if me == root:
-            if len(output_tensors) != 1 or len(output_tensors[0]) != n:
-                raise ValueError(f"{what}: the root needs one list of {n} output tensors")
-            outs = [_tensor(o, f"{what} output") for o in output_tensors[0]]
-            for r, o in enumerate(outs):
-                if o.numel() != inp.numel():
-                    raise ValueError(f"{what}: output {r} has {o.numel()} elements, the input "
-                                     f"{inp.numel()}")
-            _same_dtype(outs, inp.dtype, what)
-        elif output_tensors and any(len(o) for o in output_tensors):
-            raise ValueError(f"{what}: only the root (rank {root}) takes output tensors")
+        outs = _root_side(output_tensors, inp, n, root, me, what, "output")
         ctx = self._ctx
 
         def run():
@@ -454,18 +454,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out = _one(output_tensors, what)
         me, n = self.rank(), self.size()
         root = self._root(opts.rootRank, what)
-        ins = []
-        if me == root:
-            if len(input_tensors) != 1 or len(input_tensors[0]) != n:
-                raise ValueError(f"{what}: the root needs one list of {n} input tensors")
-            ins = [_tensor(i, f"{what} input") for i in input_tensors[0]]
-            for r, i in enumerate(ins):
-                if i.numel() != out.numel():
-                    raise ValueError(f"{what}: input {r} has {i.numel()} elements, the output "
-                                     f"{out.numel()}")
-            _same_dtype(ins, out.dtype, what)
-        elif input_tensors and any(len(i) for i in input_tensors):
-            raise ValueError(f"{what}: only the root (rank {root}) takes input tensors")
+        ins = _root_side(input_tensors, out, n, root, me, what, "input")
         ctx = self._ctx
 
         def run():
