@@ -294,8 +294,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                     combine(flat, got[r])
             else:
                 chunk = _reduce.bounds(flat.numel(), n)
-                _reduce.reduce_scatter(ctx, flat, chunk, combine, self._scratch)
-                _reduce.allgather_chunks(ctx, flat, chunk)
+                _reduce.reduce_scatter(ctx, flat, chunk, combine, self._scratch,
+                                       allgather=True)
         if op == R.AVG:
             _reduce.finish_avg(flat, n)
 
