@@ -74,9 +74,12 @@ class Task:
     def finish_future(self) -> None:
         fut = self.future
         if fut is not None and not fut.done():
+            err = self.error
+            if err is not None and not isinstance(err, Exception):
+                err = UcclError(f"interrupted: {err!r}")  # a Future takes Exceptions only
             try:
-                if self.error is not None:
-                    fut.set_exception(self.error)
+                if err is not None:
+                    fut.set_exception(err)
                 else:
                     fut.set_result(self.result)
             except RuntimeError:
@@ -85,8 +88,16 @@ class Task:
 
 class Runner:
     """The FIFO of one process group.  A thread holding the *token* runs the
-    head task; the runner thread takes the token only for queued async tasks
-    nobody is waiting for."""
+    head task: the caller of a blocking operation, a waiter, or the group's
+    runner thread (which takes queued tasks nobody is waiting for).
+
+    Futures are completed on separate delivery threads, never on the runner
+    thread nor under the lock: a future's callbacks run on the thread that
+    completes it, and a callback may issue and wait for another operation
+    (DDP's PowerSGD hook does), which only the runner thread may be free to
+    run."""
+
+    DELIVERY_THREADS = 8
 
     def __init__(self, name: str, timeout_s: float):
         self._name, self.timeout_s = name, timeout_s
@@ -94,8 +105,9 @@ class Runner:
         self._cv = threading.Condition()
         self._busy = False
         self._closed: str | None = None
+        self._poisoned: str | None = None
         self._thread: threading.Thread | None = None
-        self._completer: ThreadPoolExecutor | None = None
+        self._delivery: ThreadPoolExecutor | None = None
 
     def submit(self, task: Task, run_now: bool | str, deadline: float) -> None:
         """run_now True: run it on this thread (after those ahead of it);
@@ -104,6 +116,8 @@ class Runner:
         with self._cv:
             if self._closed:
                 raise UcclError(f"process group {self._name}: {self._closed}")
+            if self._poisoned:
+                raise UcclError(f"process group {self._name}: {self._poisoned}")
             if run_now == "if-idle":
                 run_now = not self._busy and not self._q
             self._q.append(task)
@@ -114,7 +128,7 @@ class Runner:
                     self._thread.start()
                 self._cv.notify_all()
                 return
-        self.drive(task, deadline)
+        self.drive(task, deadline, give_up=True)
 
     def _run_head(self) -> None:
         """Under the lock, token free, queue not empty: run the head task
@@ -134,18 +148,43 @@ class Runner:
             self._busy = False
             self._cv.notify_all()
         if task.future is not None:  # someone holds its future: complete it
-            if task.pending and task.error is None:
-                self._complete_later(task)
-            else:
-                task.pending = []
-                task.finish_future()
+            self._deliver(task)
 
-    def drive(self, task: Task, deadline: float, run_here: bool = True) -> None:
+    def _deliver(self, task: Task) -> None:
+        """Under the lock: complete task's future (after what it left in
+        flight) on a delivery thread."""
+        def settle() -> None:
+            task.settle_pending(time.monotonic() + self.timeout_s)
+            task.finish_future()
+        if self._delivery is None and not self._closed:
+            self._delivery = ThreadPoolExecutor(self.DELIVERY_THREADS,
+                                                thread_name_prefix=f"uccl-pg-{self._name}-fut")
+        try:
+            if self._delivery is None:
+                raise RuntimeError("closed")
+            self._delivery.submit(settle)
+        except RuntimeError:  # shut down: the endpoint is closed, this ends at once
+            threading.Thread(target=settle, daemon=True).start()
+
+    def future_of(self, task: Task) -> torch.futures.Future:
+        with self._cv:
+            if task.future is None:
+                task.future = torch.futures.Future()
+                if task.ran:
+                    self._deliver(task)
+                # else: whoever runs it delivers the future (_run_head)
+            return task.future
+
+    def drive(self, task: Task, deadline: float, run_here: bool = True,
+              give_up: bool = False) -> None:
         """Return once task has run (running it and those ahead of it here
         when the token is free and run_here); UcclTimeoutError past
         deadline.  A task runs to its end under the group's timeout, so a
         waiter with a shorter deadline of its own must leave it to the
-        runner thread."""
+        runner thread.  give_up (the group's own timeout): a task that has
+        not started by then is taken off the queue, and the group refuses
+        what comes after (its ranks no longer agree on the order: NCCL
+        aborts the communicator)."""
         with self._cv:
             while not task.ran:
                 if run_here and not self._busy and self._q:
@@ -153,8 +192,17 @@ class Runner:
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise UcclTimeoutError(f"process group {self._name}: operation not started "
+                    err = UcclTimeoutError(f"process group {self._name}: operation not started "
                                            "or not finished within the timeout")
+                    if give_up and task in self._q:
+                        self._q.remove(task)
+                        task.ran, task.error, task.fn = True, err, None
+                        self._poisoned = (f"an operation did not start within the group's "
+                                          f"timeout ({self.timeout_s:g} s), so the ranks no "
+                                          "longer agree on what comes next")
+                        if task.future is not None:
+                            self._deliver(task)
+                    raise err
                 self._cv.wait(min(left, 1.0))
 
     def _loop(self) -> None:
@@ -167,34 +215,13 @@ class Runner:
                 else:
                     self._cv.wait()
 
-    def _complete_later(self, task: Task) -> None:
-        """Under the lock: a helper thread waits out what the task left in
-        flight and completes its future (nobody may ever call wait(): a DDP
-        hook only looks at the future)."""
-        if self._completer is None:
-            self._completer = ThreadPoolExecutor(1, thread_name_prefix=f"uccl-pg-{self._name}")
-        self._completer.submit(task.settle_pending, time.monotonic() + self.timeout_s)
-
-    def future_of(self, task: Task) -> torch.futures.Future:
-        with self._cv:
-            if task.future is None:
-                task.future = torch.futures.Future()
-                if task.ran:
-                    if task.pending and task.error is None:
-                        self._complete_later(task)
-                    else:
-                        task.pending = []
-                        task.finish_future()
-                # else: whoever runs it completes the future (_run_head)
-            return task.future
-
     def close(self, why: str) -> None:
         """No new tasks; those queued still run (their transfers fail once
         the endpoint is closed) so every Work settles."""
         with self._cv:
             self._closed = self._closed or why
             self._cv.notify_all()
-            thread, ex = self._thread, self._completer
+            thread, ex = self._thread, self._delivery
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
         if ex is not None:
@@ -218,7 +245,7 @@ class Work(dist._Work):
         own = bool(secs) and 0 < secs < self._runner.timeout_s
         deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task
-        self._runner.drive(t, deadline, run_here=not own)
+        self._runner.drive(t, deadline, run_here=not own, give_up=not own)
         t.settle_pending(deadline)
         if t.error is not None:
             raise t.error

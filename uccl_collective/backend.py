@@ -38,7 +38,20 @@ def _timeout_s(timeout: Any) -> float:
     return secs if secs > 0 else 1800.0   # torch's default process-group timeout
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """The same memory, outside autograd: torch's own backends write a
+    tensor without recording history or bumping its version counter, so
+    all_reduce works on a Parameter, under no_grad on the runner thread, and
+    on inference tensors, and the gradient of what the caller computed
+    before it is unchanged."""
+    with torch.no_grad():
+        a = torch.empty(0, dtype=t.dtype)
+        a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return a
+
+
 def _tensor(t: Any, what: str) -> torch.Tensor:
+    """Checked; returns an alias (_alias) for the operation to work on."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -46,7 +59,7 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise ValueError(f"{what}: tensor on {t.device}; this build of the uccl backend moves "
                          "CPU tensors (the GPU transport is a separate issue)")
-    return t
+    return _alias(t)
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -68,8 +81,8 @@ def _per_rank(ts: Any, like: torch.Tensor, n: int, what: str, side: str) -> list
     ts = list(ts)
     if len(ts) != n:
         raise ValueError(f"{what}: {len(ts)} {side} tensors for a group of {n}")
+    ts = [_tensor(t, f"{what} {side} {r}") for r, t in enumerate(ts)]
     for r, t in enumerate(ts):
-        _tensor(t, f"{what} {side} {r}")
         if t.numel() != like.numel():
             raise ValueError(f"{what}: {side} {r} has {t.numel()} elements, expected "
                              f"{like.numel()}")
@@ -201,8 +214,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return self._submit(run, output_tensors, opts)
 
     def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
-        _tensor(out, f"{what} output")
-        _tensor(inp, f"{what} input")
+        out, inp = _tensor(out, f"{what} output"), _tensor(inp, f"{what} input")
         n = self.size()
         if out.dtype != inp.dtype:
             raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
@@ -240,16 +252,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         n = self.size()
         if len(output_lists) != n:
             raise ValueError(f"{what}: {len(output_lists)} output lists for a group of {n}")
-        for r, outs in enumerate(output_lists):
+        out_lists = [[_tensor(o, what) for o in outs] for outs in output_lists]
+        for r, outs in enumerate(out_lists):
             if len(outs) != len(ins):
                 raise ValueError(f"{what}: output list {r} has {len(outs)} tensors, the input "
                                  f"list {len(ins)}")
             for o, i in zip(outs, ins):
-                _tensor(o, what)
                 if o.numel() != i.numel() or o.dtype != i.dtype:
                     raise ValueError(f"{what}: output {tuple(o.shape)} {o.dtype} does not match "
                                      f"input {tuple(i.shape)} {i.dtype}")
-        dtype = ins[0].dtype if ins else torch.uint8
         ctx = self._ctx
 
         def run():
@@ -258,13 +269,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 if ins else torch.empty(0, dtype=torch.uint8)
             got = torch.empty(n * flat.numel(), dtype=torch.uint8)
             ctx.allgather(flat, got)
-            for r, outs in enumerate(output_lists):
+            for r, outs in enumerate(out_lists):
                 off = r * flat.numel()
                 for o in outs:
                     nb = o.numel() * o.element_size()
-                    o.copy_(got[off:off + nb].view(o.dtype).reshape(o.shape))
+                    # cloned: a view as o's dtype needs an aligned offset
+                    o.copy_(got[off:off + nb].clone().view(o.dtype).reshape(o.shape))
                     off += nb
-        del dtype
         return self._submit(run, output_lists, opts)
 
     # -- reductions ---------------------------------------------------------------
@@ -331,7 +342,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "reduce"
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
-        root = self._root(opts.rootRank, what)
+        root = self._root(opts.rootRank if opts is not None else 0, what)
 
         def run():
             work = t.contiguous().clone().reshape(-1)  # only the root's tensor changes
@@ -355,21 +366,20 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             _reduce.finish_avg(mine, n)
         out.copy_(mine.view(out.shape))
 
-    def _scatter_check(self, out, inp, what: str, op_opts) -> R:
-        _tensor(out, f"{what} output")
-        _tensor(inp, f"{what} input")
+    def _scatter_check(self, out, inp, what: str, op_opts):
+        """(out, inp, op), checked (aliases of the tensors)."""
+        out, inp = _tensor(out, f"{what} output"), _tensor(inp, f"{what} input")
         n = self.size()
         if out.dtype != inp.dtype:
             raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
         if inp.numel() != n * out.numel():
             raise ValueError(f"{what}: input has {inp.numel()} elements; group size {n} x "
                              f"output's {out.numel()} = {n * out.numel()} expected")
-        return self._reduce_fn(op_opts, out.dtype, what)
+        return out, inp, self._reduce_fn(op_opts, out.dtype, what)
 
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
-        op = self._scatter_check(output_tensor, input_tensor, what, opts)
-        out, inp = output_tensor, input_tensor
+        out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         return self._submit(lambda: self._reduce_scatter_flat(out, inp.reshape(-1).clone(), op),
                             [output_tensor], opts)
 
@@ -380,10 +390,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "reduce_scatter_tensor (coalesced)"
         if len(outputs) != len(inputs):
             raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
-        ops = [self._scatter_check(o, i, what, opts) for o, i in zip(outputs, inputs)]
+        checked = [self._scatter_check(o, i, what, opts) for o, i in zip(outputs, inputs)]
 
         def run():
-            for o, i, op in zip(outputs, inputs, ops):
+            for o, i, op in checked:
                 self._reduce_scatter_flat(o, i.reshape(-1).clone(), op)
         return self._submit(run, list(outputs), opts)
 
@@ -431,7 +441,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "gather"
         inp = _one(input_tensors, what)
         me, n = self.rank(), self.size()
-        root = self._root(opts.rootRank, what)
+        root = self._root(opts.rootRank if opts is not None else 0, what)
         outs = _root_side(output_tensors, inp, n, root, me, what, "output")
         ctx = self._ctx
 
@@ -453,7 +463,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "scatter"
         out = _one(output_tensors, what)
         me, n = self.rank(), self.size()
-        root = self._root(opts.rootRank, what)
+        root = self._root(opts.rootRank if opts is not None else 0, what)
         ins = _root_side(input_tensors, out, n, root, me, what, "input")
         ctx = self._ctx
 
