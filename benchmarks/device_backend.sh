@@ -6,7 +6,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_build.sh"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/test_backend.py tests/test_backend_fsdp.py} > "$out/tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/test_backend.py tests/test_backend_fsdp.py tests/test_backend_review.py} > "$out/tests.log" 2>&1
   echo "tests rc=$?"; tail -3 "$out/tests.log"
 fi
 for n in ${WORLDS:-2 4}; do
