@@ -12,7 +12,7 @@ import pytest
 from test_collective import _launch
 
 PLAN = ["autograd", "nested-future", "nested-p2p-future", "coalesced-mixed-dtypes",
-        "rooted-no-opts", "powersgd-ddp"]
+        "rooted-no-opts", "powersgd-ddp", "future-value-after-wait"]
 
 
 class _Skip(Exception):
@@ -135,7 +135,23 @@ def _run(rank, ws, port):
         dist.all_gather(both, mine)
         assert torch.equal(both[0], both[1]), "ranks' parameters differ after PowerSGD"
 
-    for name, fn in zip(PLAN, [autograd, nested, nested_p2p, coalesced, rooted, powersgd]):
+    def value_after_wait():
+        # a future taken after wait() is complete at once (torch's contract);
+        # repeated: handing it to another thread to complete is a race
+        for i in range(200):
+            t = torch.full((3,), float(rank + i))
+            w = dist.all_reduce(t, async_op=True)
+            w.wait()
+            assert w.get_future().value()[0].tolist() == [1.0 + 2 * i] * 3
+        b = torch.empty(2)
+        ws_ = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((2,), 3.0 + rank),
+                                                 1 - rank), dist.P2POp(dist.irecv, b, 1 - rank)])
+        for w in ws_:
+            w.wait()
+        assert ws_[-1].get_future().value()[0].tolist() == [3.0 + (1 - rank)] * 2
+
+    for name, fn in zip(PLAN, [autograd, nested, nested_p2p, coalesced, rooted, powersgd,
+                               value_after_wait]):
         case(name, fn)
     dist.destroy_process_group()
     return out

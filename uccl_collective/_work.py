@@ -170,9 +170,14 @@ class Runner:
         with self._cv:
             if task.future is None:
                 task.future = torch.futures.Future()
-                if task.ran:
-                    self._deliver(task)
-                # else: whoever runs it delivers the future (_run_head)
+                # A fresh future has no callbacks yet: when the task is over
+                # it completes right here, so value() works at once after
+                # wait(), as torch documents.
+                if task.ran and not task.settle_pending(None):
+                    self._deliver(task)   # still in flight
+                elif task.ran:
+                    task.finish_future()
+                # not run yet: whoever runs it delivers the future (_run_head)
             return task.future
 
     def drive(self, task: Task, deadline: float, run_here: bool = True,
