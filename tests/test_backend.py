@@ -45,7 +45,8 @@ import warnings
 
 import pytest
 
-from test_collective import _gen, _guard_ok, _launch, _poisoned, _raises, _same, _seed
+from test_collective import (_gen, _guard_ok, _launch, _poisoned, _raises, _same, _seed,
+                             cached_job, check_verdicts)
 
 MiB = 1 << 20
 WORLD_SIZES = (2, 3, 4)
@@ -838,30 +839,34 @@ def _case_nc_ag(R, i, p):
     outs = [m[:, r] for r in range(ws)]
     assert not x.is_contiguous() and not outs[0].is_contiguous()
     err = _attempt(lambda: dist.all_gather(outs, x))
-    ref = [torch.empty(n, dtype=torch.int64) for _ in range(ws)]
-    dist.all_gather(ref, exps[R.me].clone(), group=R.gloo)
+    _check_gathered(R, err, outs, exps, "column")
+
+
+def _check_gathered(R, err, parts, exps, label: str) -> None:
+    """parts[r] (rank r's piece of an all_gather into a layout Gloo refuses)
+    against rank r's input and against Gloo's list all_gather of the same
+    inputs; err (from _attempt) is raised after the Gloo call."""
+    import torch
+    import torch.distributed as dist
+    mine = exps[R.me]
+    ref = [torch.empty(mine.numel(), dtype=mine.dtype) for _ in range(R.ws)]
+    dist.all_gather(ref, mine.clone(), group=R.gloo)
     _reraise(err)
-    for r in range(ws):
-        _same(outs[r], exps[r], f"column {r} vs rank {r}'s input")
-        _same(outs[r], ref[r], f"column {r} vs Gloo")
+    for r in range(R.ws):
+        _same(parts[r], exps[r], f"{label} {r} vs rank {r}'s input")
+        _same(parts[r], ref[r], f"{label} {r} vs Gloo")
 
 
 def _case_nc_agit(R, i, p):
     """Output (ws, k) as the transpose of a (k, ws) buffer (Gloo refuses it:
     the reference is Gloo's list all_gather)."""
-    import torch
     import torch.distributed as dist
     ws, k = R.ws, 333
     exps = [_vals(_seed(i, r), k, "bfloat16", "bytes") for r in range(ws)]
     out = _poisoned(k * ws, "bfloat16")[0].view(k, ws).t()
     assert not out.is_contiguous()
     err = _attempt(lambda: dist.all_gather_into_tensor(out, exps[R.me].clone()))
-    ref = [torch.empty(k, dtype=torch.bfloat16) for _ in range(ws)]
-    dist.all_gather(ref, exps[R.me].clone(), group=R.gloo)
-    _reraise(err)
-    for r in range(ws):
-        _same(out[r], exps[r], f"row {r} vs rank {r}'s input")
-        _same(out[r], ref[r], f"row {r} vs Gloo")
+    _check_gathered(R, err, out, exps, "row")
 
 
 def _case_nc_rst(R, i, p):
@@ -1707,20 +1712,9 @@ _RESULTS: dict[str, tuple[bool, object]] = {}
 
 
 def _job(job: str):
-    """One job, shared by all its cases (a failed job fails them all)."""
-    if job not in _RESULTS:
-        target, ws, gone, kw = JOBS[job]
-        t0 = time.monotonic()
-        try:
-            _RESULTS[job] = (True, _launch(target, ws, timeout=JOB_TIMEOUT, expect_exit=gone,
-                                           **kw))
-        except pytest.fail.Exception as e:
-            _RESULTS[job] = (False, str(e))
-        print(f"[job {job}: {time.monotonic() - t0:.1f} s]")
-    ok, val = _RESULTS[job]
-    if not ok:
-        pytest.fail(val, pytrace=False)
-    return val
+    target, ws, gone, kw = JOBS[job]
+    return cached_job(_RESULTS, job, lambda: _launch(target, ws, timeout=JOB_TIMEOUT,
+                                                     expect_exit=gone, **kw))
 
 
 @pytest.mark.parametrize("job,case", [pytest.param(job, name, id=f"{job}-{name}")
@@ -1729,14 +1723,4 @@ def test_case(job, case):
     res = _job(job)
     if job == "kill":
         assert set(res) == {0}, f"results from ranks {sorted(res)} (rank 1 must have died)"
-    bad, skips = [], []
-    for r in sorted(res):
-        v = res[r]["verdicts"]
-        if case not in v:
-            bad.append(f"rank {r}: case did not run")
-        elif v[case] is not None:
-            (skips if v[case].startswith("SKIP:") else bad).append(f"rank {r}: {v[case]}")
-    took = max(res[r]["times"].get(case, 0.0) for r in res)
-    assert not bad, f"{job}, {case} ({took:.2f} s):\n" + "\n".join(bad)
-    if skips:
-        pytest.skip(skips[0].split("SKIP:", 1)[1].strip())
+    check_verdicts(res, case, job)

@@ -895,38 +895,46 @@ def _launch(target, ws, *, timeout=JOB_TIMEOUT, expect_exit=(), **kwargs):
             p.join(5)
 
 
-_JOBS: dict[int, tuple[bool, object]] = {}
-
-
-def _suite_results(ws):
-    """One job per world size, shared by all its cases (a failed job fails them all)."""
-    if ws not in _JOBS:
+def cached_job(cache: dict, key, launch):
+    """One job per key, shared by all its cases (a failed job fails them
+    all): launch() the first time, its result or failure every time."""
+    if key not in cache:
         t0 = time.monotonic()
         try:
-            res = _launch(_suite, ws)
-            _JOBS[ws] = (True, res)
+            cache[key] = (True, launch())
         except pytest.fail.Exception as e:
-            _JOBS[ws] = (False, str(e))
-        print(f"[world size {ws}: job took {time.monotonic() - t0:.1f} s]")
-    ok, val = _JOBS[ws]
+            cache[key] = (False, str(e))
+        print(f"[job {key}: {time.monotonic() - t0:.1f} s]")
+    ok, val = cache[key]
     if not ok:
         pytest.fail(val, pytrace=False)
     return val
 
 
-@pytest.mark.parametrize("ws,case", [pytest.param(ws, name, id=f"ws{ws}-{name}")
-                                     for ws in WORLD_SIZES for name, _, _ in _plan(ws)])
-def test_case(ws, case):
-    res = _suite_results(ws)
-    bad = []
-    for r in range(ws):
+def check_verdicts(res: dict, case: str, label: str) -> None:
+    """Every rank's verdict on case must be None (passed); a verdict
+    "SKIP: why" on every failing rank skips the case with that reason."""
+    bad, skips = [], []
+    for r in sorted(res):
         v = res[r]["verdicts"]
         if case not in v:
             bad.append(f"rank {r}: case did not run")
         elif v[case] is not None:
-            bad.append(f"rank {r}: {v[case]}")
-    took = max(res[r]["times"].get(case, 0.0) for r in range(ws))
-    assert not bad, f"world size {ws}, {case} ({took:.2f} s):\n" + "\n".join(bad)
+            (skips if v[case].startswith("SKIP:") else bad).append(f"rank {r}: {v[case]}")
+    took = max(res[r]["times"].get(case, 0.0) for r in res)
+    assert not bad, f"{label}, {case} ({took:.2f} s):\n" + "\n".join(bad)
+    if skips:
+        pytest.skip(skips[0].split("SKIP:", 1)[1].strip())
+
+
+_JOBS: dict[int, tuple[bool, object]] = {}
+
+
+@pytest.mark.parametrize("ws,case", [pytest.param(ws, name, id=f"ws{ws}-{name}")
+                                     for ws in WORLD_SIZES for name, _, _ in _plan(ws)])
+def test_case(ws, case):
+    res = cached_job(_JOBS, ws, lambda: _launch(_suite, ws))
+    check_verdicts(res, case, f"world size {ws}")
 
 
 def test_killed_peer_makes_survivors_raise():

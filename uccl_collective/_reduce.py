@@ -169,11 +169,10 @@ def default_width(local_ranks: int) -> int:
 
 
 def finish_avg(t: torch.Tensor, n: int) -> None:
-    """AVG = SUM / n (integers: truncated, as NCCL's ncclAvg)."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.div_(n)
-    else:  # bool is refused up front (check_op)
-        t.copy_(torch.div(t, n, rounding_mode="trunc"))
+    """AVG = SUM / n (integers: truncated, as NCCL's ncclAvg; bool is
+    refused up front by check_op)."""
+    exact = t.dtype.is_floating_point or t.dtype.is_complex
+    t.div_(n, rounding_mode=None if exact else "trunc")
 
 
 def bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -202,15 +201,28 @@ def _piece_elems(longest: int, esz: int) -> int:
     return max(piece, min(longest, min(1 << 20, PIECE_BYTES) // esz))
 
 
+def _wait(ep, op: int | None, timeout: float) -> None:
+    if op is not None:   # None: nothing was posted (empty pieces on both sides)
+        ep._comm_wait(op, timeout)
+
+
+def _post(ep, entries: list) -> int | None:
+    return ep._comm_p2p(entries) if entries else None
+
+
+def _span(base: int, esz: int, a: int, b: int) -> tuple[int, int, int]:
+    """The engine buffer of elements [a, b) from base (registered per call)."""
+    return base + a * esz, (b - a) * esz, 0
+
+
 def _drain(ep, ops, timeout: float) -> None:
     """After an error: wait out what is still posted, so nothing lands in
     the caller's buffers once it has raised."""
     for op in ops:
-        if op is not None:
-            try:
-                ep._comm_wait(op, timeout)
-            except BaseException:
-                pass
+        try:
+            _wait(ep, op, timeout)
+        except BaseException:
+            pass
 
 
 def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
@@ -243,13 +255,12 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     def submit(s: int, p: int) -> int | None:
         entries = []
         if p < len(send_pieces[s]):
-            a, b = send_pieces[s][p]
-            entries.append((_SEND, right, (base + a * esz, (b - a) * esz, 0)))
+            entries.append((_SEND, right, _span(base, esz, *send_pieces[s][p])))
         if p < len(recv_pieces[s]):
             a, b = recv_pieces[s][p]
             off = a - chunk[(me - s - 2) % n][0]
-            entries.append((_RECV, left, (sbase[s % 2] + off * esz, (b - a) * esz, 0)))
-        return ep._comm_p2p(entries) if entries else None
+            entries.append((_RECV, left, _span(sbase[s % 2], esz, off, off + b - a)))
+        return _post(ep, entries)
 
     # Every rank submits the (step, piece) operations in this one order, so
     # posts match on every connection; at most WINDOW are in flight (a deep
@@ -269,9 +280,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             while k < len(seq) and k < j + WINDOW and ready(*seq[k]):
                 ops[seq[k]] = submit(*seq[k])
                 k += 1
-            op = ops.pop((s, p))
-            if op is not None:
-                ep._comm_wait(op, timeout)
+            _wait(ep, ops.pop((s, p)), timeout)
             rp = recv_pieces[s]
             if p < len(rp):
                 a, b = rp[p]
@@ -305,35 +314,29 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     piece = _piece_elems(longest, esz)
     mine = chunk[me]
     peers = [(me + i) % n for i in range(1, n)]          # slot i-1: rank me+i
-    scratch = scratch_of((n - 1) * max(1, mine[1] - mine[0]) * esz).view(flat.dtype) \
-        .view(n - 1, max(1, mine[1] - mine[0]))
+    slot = max(1, mine[1] - mine[0])
+    scratch = scratch_of((n - 1) * slot * esz).view(flat.dtype).view(n - 1, slot)
+    sbase = [scratch[i].data_ptr() for i in range(n - 1)]
     base = flat.data_ptr()
     pieces = [_pieces(c, piece) for c in chunk]
     timeout = ctx.timeout_s
 
     def submit(p: int) -> int | None:
-        entries = []
-        for r in peers:
-            if p < len(pieces[r]):
-                a, b = pieces[r][p]
-                entries.append((_SEND, r, (base + a * esz, (b - a) * esz, 0)))
+        entries = [(_SEND, r, _span(base, esz, *pieces[r][p])) for r in peers
+                   if p < len(pieces[r])]
         if p < len(pieces[me]):
             a, b = pieces[me][p]
-            for i, r in enumerate(peers):
-                dst = scratch[i].data_ptr() + (a - mine[0]) * esz
-                entries.append((_RECV, r, (dst, (b - a) * esz, 0)))
-        return ep._comm_p2p(entries) if entries else None
+            entries += [(_RECV, r, _span(sbase[i], esz, a - mine[0], b - mine[0]))
+                        for i, r in enumerate(peers)]
+        return _post(ep, entries)
 
     def submit_gather(p: int) -> int | None:
         entries = []
         if p < len(pieces[me]):   # this rank's reduced piece p to everyone
-            a, b = pieces[me][p]
-            entries += [(_SEND, r, (base + a * esz, (b - a) * esz, 0)) for r in peers]
-        for r in peers:           # and theirs, in place
-            if p < len(pieces[r]):
-                a, b = pieces[r][p]
-                entries.append((_RECV, r, (base + a * esz, (b - a) * esz, 0)))
-        return ep._comm_p2p(entries) if entries else None
+            entries += [(_SEND, r, _span(base, esz, *pieces[me][p])) for r in peers]
+        entries += [(_RECV, r, _span(base, esz, *pieces[r][p])) for r in peers  # theirs, in place
+                    if p < len(pieces[r])]
+        return _post(ep, entries)
 
     # Every rank submits in this one order: RS(0..W-1), then per piece p:
     # [AG(p)], RS(p+W).  Posts match per connection.
@@ -346,9 +349,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             while k < total and k < p + WINDOW:
                 ops[k] = submit(k)
                 k += 1
-            op = ops.pop(p)
-            if op is not None:
-                ep._comm_wait(op, timeout)
+            _wait(ep, ops.pop(p), timeout)
             if p < len(pieces[me]):
                 a, b = pieces[me][p]
                 off = a - mine[0]
@@ -357,12 +358,8 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             if allgather:
                 gathers.append(submit_gather(p))
                 while len(gathers) > WINDOW:
-                    op = gathers.popleft()
-                    if op is not None:
-                        ep._comm_wait(op, timeout)
+                    _wait(ep, gathers.popleft(), timeout)
         while gathers:
-            op = gathers.popleft()
-            if op is not None:
-                ep._comm_wait(op, timeout)
+            _wait(ep, gathers.popleft(), timeout)
     finally:
         _drain(ep, list(ops.values()) + list(gathers), timeout)

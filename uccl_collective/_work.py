@@ -33,6 +33,10 @@ import torch.distributed as dist
 
 from .p2p import UcclError, UcclTimeoutError
 
+#: Runner.submit's run_now for point-to-point posts: run here only when
+#: nothing is ahead (a post must not wait behind a long collective).
+IF_IDLE = "if-idle"
+
 
 class Task:
     __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock")
@@ -47,9 +51,14 @@ class Task:
 
     def settle_pending(self, deadline: float | None) -> bool:
         """After the task ran: wait for (deadline) or test (None) what it
-        left in flight.  True when done, error or not."""
-        if not self.pending:
-            return True
+        left in flight, then complete its future if it has one.  True when
+        done, error or not."""
+        if self.pending and not self._settle_handles(deadline):
+            return False
+        self.finish_future()
+        return True
+
+    def _settle_handles(self, deadline: float | None) -> bool:
         if not self.lock.acquire(blocking=deadline is not None):
             return False
         try:
@@ -68,7 +77,6 @@ class Task:
             self.pending = []
         finally:
             self.lock.release()
-        self.finish_future()
         return True
 
     def finish_future(self) -> None:
@@ -118,7 +126,7 @@ class Runner:
                 raise UcclError(f"process group {self._name}: {self._closed}")
             if self._poisoned:
                 raise UcclError(f"process group {self._name}: {self._poisoned}")
-            if run_now == "if-idle":
+            if run_now == IF_IDLE:
                 run_now = not self._busy and not self._q
             self._q.append(task)
             if not run_now:
@@ -155,16 +163,17 @@ class Runner:
         flight) on a delivery thread."""
         def settle() -> None:
             task.settle_pending(time.monotonic() + self.timeout_s)
-            task.finish_future()
         if self._delivery is None and not self._closed:
             self._delivery = ThreadPoolExecutor(self.DELIVERY_THREADS,
                                                 thread_name_prefix=f"uccl-pg-{self._name}-fut")
         try:
-            if self._delivery is None:
-                raise RuntimeError("closed")
-            self._delivery.submit(settle)
-        except RuntimeError:  # shut down: the endpoint is closed, this ends at once
-            threading.Thread(target=settle, daemon=True).start()
+            if self._delivery is not None:
+                self._delivery.submit(settle)
+                return
+        except RuntimeError:
+            pass  # shut down
+        # closed: the endpoint is gone, so this ends at once
+        threading.Thread(target=settle, daemon=True).start()
 
     def future_of(self, task: Task) -> torch.futures.Future:
         with self._cv:
@@ -175,8 +184,6 @@ class Runner:
                 # wait(), as torch documents.
                 if task.ran and not task.settle_pending(None):
                     self._deliver(task)   # still in flight
-                elif task.ran:
-                    task.finish_future()
                 # not run yet: whoever runs it delivers the future (_run_head)
             return task.future
 

@@ -22,12 +22,11 @@ import torch.distributed as dist
 
 from . import _reduce
 from ._reduce import R
-from ._work import Runner, Task, Work
+from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
 from .p2p import UcclError
 
 BACKEND_NAME = "uccl"
-_IF_IDLE = "if-idle"
 
 
 def _timeout_s(timeout: Any) -> float:
@@ -136,7 +135,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._ctx.init()
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         self._closed = False
-        self._scratch_buf = torch.empty(0, dtype=torch.uint8)
+        # [0]: the algorithms' scratch; [1]: working copies of inputs
+        self._scratch_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -190,7 +190,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         task = Task(fn, result)
         deadline = time.monotonic() + self._timeout
-        self._runner.submit(task, True if sync else (_IF_IDLE if p2p else False), deadline)
+        self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
             task.settle_pending(deadline)
             if task.error is not None:
@@ -241,7 +241,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
         runs = [self._gather_flat(o, i, what) for o, i in zip(outputs, inputs)]
-        return self._submit(lambda: [r() for r in runs] and None, list(outputs), opts)
+
+        def run():
+            for r in runs:
+                r()
+        return self._submit(run, list(outputs), opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
@@ -284,18 +288,33 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         _reduce.check_op(op, dtype, what)
         return op
 
-    def _scratch(self, nbytes: int) -> torch.Tensor:
+    def _scratch(self, nbytes: int, slot: int = 0) -> torch.Tensor:
         """A uint8 buffer of nbytes, reused across operations (one task runs
-        at a time): fresh memory would page-fault as the engine fills it."""
-        if self._scratch_buf.numel() < nbytes:
-            self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8)
-        return self._scratch_buf[:nbytes]
+        at a time): fresh memory would page-fault as the engine fills it.
+        Slot 0 is the algorithms'; slot 1 holds _work_copy's."""
+        if self._scratch_bufs[slot].numel() < nbytes:
+            self._scratch_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch_bufs[slot][:nbytes]
+
+    def _work_copy(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """parts back to back in a reused 1-D buffer the reduction may
+        overwrite (the inputs stay as they are)."""
+        numel = sum(p.numel() for p in parts)
+        flat = self._scratch(numel * dtype.itemsize, 1).view(dtype)
+        off = 0
+        for p in parts:
+            flat[off:off + p.numel()].view(p.shape).copy_(p)
+            off += p.numel()
+        return flat
+
+    def _combine(self, op: R, dtype: torch.dtype) -> Callable:
+        return self._par.wrap(_reduce.combiner(op, dtype))
 
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
         ctx, n = self._ctx, self.size()
         if n > 1:
-            combine = self._par.wrap(_reduce.combiner(op, flat.dtype))
+            combine = self._combine(op, flat.dtype)
             nbytes = flat.numel() * flat.element_size()
             if nbytes <= _reduce.SMALL_BYTES or flat.numel() < n:
                 got = self._scratch(n * nbytes).view(flat.dtype).view(n, flat.numel())
@@ -330,7 +349,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         op = self._reduce_fn(opts, ts[0].dtype, what)
 
         def run():
-            flat = torch.cat([t.reshape(-1) for t in ts])
+            flat = self._work_copy(ts, ts[0].dtype)
             self._allreduce_flat(flat, op)
             off = 0
             for t in ts:
@@ -342,10 +361,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "reduce"
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
-        root = self._root(opts.rootRank if opts is not None else 0, what)
+        root = self._root(opts, what)
 
         def run():
-            work = t.contiguous().clone().reshape(-1)  # only the root's tensor changes
+            work = self._work_copy([t], t.dtype)  # only the root's tensor changes
             self._allreduce_flat(work, op)
             if self.rank() == root:
                 t.copy_(work.view(t.shape))
@@ -358,9 +377,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         k = out.numel()
         chunk = [(r * k, (r + 1) * k) for r in range(n)]
         if n > 1:
-            _reduce.reduce_scatter(ctx, flat, chunk,
-                                        self._par.wrap(_reduce.combiner(op, flat.dtype)),
-                                        self._scratch)
+            _reduce.reduce_scatter(ctx, flat, chunk, self._combine(op, flat.dtype),
+                                   self._scratch)
         mine = flat[me * k:(me + 1) * k]
         if op == R.AVG:
             _reduce.finish_avg(mine, n)
@@ -380,7 +398,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
-        return self._submit(lambda: self._reduce_scatter_flat(out, inp.reshape(-1).clone(), op),
+        return self._submit(lambda: self._reduce_scatter_flat(out, self._work_copy([inp], inp.dtype),
+                                                              op),
                             [output_tensor], opts)
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
@@ -394,7 +413,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
         def run():
             for o, i, op in checked:
-                self._reduce_scatter_flat(o, i.reshape(-1).clone(), op)
+                self._reduce_scatter_flat(o, self._work_copy([i], i.dtype), op)
         return self._submit(run, list(outputs), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
@@ -407,12 +426,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of input tensors")
         ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
         op = self._reduce_fn(opts, out.dtype, what)
-        return self._submit(
-            lambda: self._reduce_scatter_flat(out, torch.cat([i.reshape(-1) for i in ins]), op),
-            list(output_tensors), opts)
+        return self._submit(lambda: self._reduce_scatter_flat(out, self._work_copy(ins, out.dtype),
+                                                              op),
+                            list(output_tensors), opts)
 
     # -- rooted and personalised ----------------------------------------------
-    def _root(self, root: int, what: str) -> int:
+    def _root(self, opts: Any, what: str) -> int:
+        """opts.rootRank (0 without options), checked."""
+        root = opts.rootRank if opts is not None else 0
         n = self.size()
         if not 0 <= root < n:
             raise ValueError(f"{what}: root rank {root} is not in 0..{n - 1}")
@@ -421,19 +442,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         what = "broadcast"
         t = _one(tensors, what)
-        root = self._root(opts.rootRank if opts is not None else 0, what)
+        root = self._root(opts, what)
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"{what}: rootTensor {opts.rootTensor} (one tensor per rank)")
-        ctx, me, n = self._ctx, self.rank(), self.size()
+        me, n = self.rank(), self.size()
 
         def run():
-            if n == 1:
-                return
             s = _Staged(t, copy_in=me == root)
-            if me == root:
-                ctx._p2p([("send", s.t, r) for r in range(n) if r != me], what, blocking=True)
-            else:
-                ctx._p2p([("recv", s.t, root)], what, blocking=True)
+            self._star(what, root, [s.t] * n, s.t, to_root=False)
+            if me != root:
                 s.back()
         return self._submit(run, list(tensors), opts)
 
@@ -441,20 +458,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "gather"
         inp = _one(input_tensors, what)
         me, n = self.rank(), self.size()
-        root = self._root(opts.rootRank if opts is not None else 0, what)
+        root = self._root(opts, what)
         outs = _root_side(output_tensors, inp, n, root, me, what, "output")
-        ctx = self._ctx
 
         def run():
-            src = inp.contiguous()
-            if me != root:
-                ctx._p2p([("send", src, root)], what, blocking=True)
-                return
             staged = [_Staged(o, copy_in=False) for o in outs]
-            staged[me].t.copy_(src.view(staged[me].t.shape))
-            if n > 1:
-                ctx._p2p([("recv", staged[r].t, r) for r in range(n) if r != me], what,
-                         blocking=True)
+            self._star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
             for s in staged:
                 s.back()
         return self._submit(run, output_tensors, opts)
@@ -463,22 +472,32 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "scatter"
         out = _one(output_tensors, what)
         me, n = self.rank(), self.size()
-        root = self._root(opts.rootRank if opts is not None else 0, what)
+        root = self._root(opts, what)
         ins = _root_side(input_tensors, out, n, root, me, what, "input")
-        ctx = self._ctx
 
         def run():
             s = _Staged(out, copy_in=False)
-            if me == root:
-                srcs = [i.contiguous() for i in ins]
-                if n > 1:
-                    ctx._p2p([("send", srcs[r], r) for r in range(n) if r != me], what,
-                             blocking=True)
-                s.t.copy_(srcs[me].view(s.t.shape))
-            else:
-                ctx._p2p([("recv", s.t, root)], what, blocking=True)
+            self._star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
             s.back()
         return self._submit(run, list(output_tensors), opts)
+
+    def _star(self, what: str, root: int, at_root: list[torch.Tensor], mine: torch.Tensor,
+              to_root: bool) -> None:
+        """The rooted exchanges (contiguous tensors): the root and rank r
+        exchange at_root[r] (the root's side; empty elsewhere) and mine (rank
+        r's side), toward the root (gather) or from it (scatter, broadcast);
+        the root's own piece is copied."""
+        me, n = self.rank(), self.size()
+        if me != root:
+            self._ctx._p2p([("send" if to_root else "recv", mine, root)], what, blocking=True)
+            return
+        own = at_root[me]
+        if own is not mine:
+            dst, src = (own, mine) if to_root else (mine, own)
+            dst.copy_(src.view(dst.shape))
+        entries = [("recv" if to_root else "send", at_root[r], r) for r in range(n) if r != me]
+        if entries:
+            self._ctx._p2p(entries, what, blocking=True)
 
     def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str) -> None:
         """Personalised exchange: sends[r] to rank r, recvs[r] from rank r
