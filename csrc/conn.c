@@ -1,141 +1,28 @@
-/* The per-connection protocol, identical for every transport.
+/* A connection (conn.h): its life cycle and failure, the control channel,
+ * the service thread that reads it while nobody else does, callers that
+ * drive it themselves while they wait, and the worker thread that makes the
+ * copies the protocol (proto.c) asks for.
  *
- * Two-sided (connector sends, acceptor receives; k-th send matches k-th recv):
- *   sender -> RTS{seq, len, addr}  (eager, len <= 64 KiB: the bytes come with
- *                                   it, behind it on a socket or in a slot)
- *   receiver, once a recv is posted and the RTS is in:
- *     sizes differ      -> NACK{seq, len = posted size}; both sides fail with
- *                          the two sizes, nothing is written
- *     eager             -> copy, FIN
- *     direct transport  -> pull len bytes from addr into the recv buffer, FIN
- *     stream transport  -> CTS{seq}; the sender streams the bytes; every chunk
- *                          is checked against the posted buffer on arrival; FIN
- *   The sender completes on FIN (or fails on NACK).
- * One-sided (connector initiates against a window the acceptor advertised):
- *   WREQ/RREQ{op, window, token, offset, len, addr}; the target checks the
- *   window (its connection, token, range) and holds its region from dereg():
- *     direct write  -> the target pulls into its window, OPDONE{status}
- *     direct read   -> GO{addr}: the initiator pulls into its buffer, RDONE
- *     streamed write-> GO; the initiator streams; the target OPDONEs at the end
- *     streamed read -> the target streams; the initiator completes on the bytes
- *   A refusal is OPDONE{error}.
- * A process only ever writes into its own memory, and only from its own
- * threads, which count themselves in the request's `busy`: after a transfer
- * failed or timed out and its waiter returned, nothing lands in its buffer.
- * Every party finishes its own request before it answers the peer, since
- * the peer may close at once and its BYE must not find that request pending.
- */
+ * Reading the control channel: one reader at a time.  The service thread
+ * reads while no caller drives; a caller blocked in a transfer takes over
+ * (uccl__conn_drive) and handles what arrives on its own thread, so an
+ * answer needs no thread handoff.  Copies (a pull into a posted buffer) go
+ * to the worker, or are made by the driving caller itself. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
-#include <linux/futex.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "engine.h"
+#include "conn.h"
 #include "log.h"
 #include "sock.h"
 #include "status.h"
-
-enum { KEY_SEND = 1, KEY_OP = 2, KEY_LENT = 3 }; /* inflight keys (LENT: a direct read's window) */
-enum { JOB_PULL_RECV = 1, JOB_PULL_WRITE, JOB_PULL_READ };
-
-static uint64_t key_of(int kind, uint64_t id) { return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1)); }
-static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
-
-/* ------------------------------------------------------------------------- */
-/* requests                                                                   */
-
-struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len)
-{
-    struct uccl__req *r = calloc(1, sizeof(*r));
-    if (!r)
-        return NULL;
-    atomic_init(&r->refs, 1);
-    atomic_init(&r->state, UCCL_REQ_PENDING);
-    r->op = op;
-    r->conn = c;
-    r->buf = buf;
-    r->len = len;
-    uccl__conn_get(c);
-    return r;
-}
-
-static void req_get(struct uccl__req *r) { atomic_fetch_add(&r->refs, 1); }
-
-void uccl__req_put(struct uccl__req *r)
-{
-    if (r && atomic_fetch_sub(&r->refs, 1) == 1) {
-        uccl__ep_release_hold(r->conn->ep, r->hold);
-        uccl__conn_put(r->conn);
-        free(r);
-    }
-}
-
-static void futex_wake_all(atomic_uint *w)
-{
-    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
-}
-
-/* First caller wins; later calls (a failure racing a success) are ignored. */
-void uccl__req_finish(struct uccl__req *r, int status, const char *fmt, ...)
-{
-    static const unsigned pending = UCCL_REQ_PENDING;
-    /* Claim with a private value so the message is written before waiters
-     * can see the final state. */
-    unsigned expect = pending;
-    if (!atomic_compare_exchange_strong(&r->state, &expect, 3u))
-        return;
-    r->status = status;
-    r->msg[0] = '\0';
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(r->msg, sizeof(r->msg), fmt, ap);
-        va_end(ap);
-    }
-    atomic_store(&r->state, status == UCCL_OK ? UCCL_REQ_DONE : UCCL_REQ_FAILED);
-    if (atomic_load(&r->sleepers) > 0) /* a wake is a syscall: only when someone sleeps */
-        futex_wake_all(&r->state);
-}
-
-/* Spin briefly (the answer often comes within microseconds), then sleep on
- * the state word: a 2-core machine must not lose a core to a waiter. */
-int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
-{
-    uint64_t start = uccl__now_ns();
-    uint64_t spin = r->conn->ep->spin_ns < timeout_ns ? r->conn->ep->spin_ns : timeout_ns;
-    uccl__conn_drive(r->conn, r, spin);
-    for (int i = 0; i < 2000; i++) {
-        unsigned s = atomic_load(&r->state);
-        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
-            return UCCL_OK;
-        if ((i & 63) == 63 && uccl__now_ns() - start > 20000)
-            break;
-        __asm__ __volatile__("" ::: "memory");
-    }
-    for (;;) {
-        unsigned s = atomic_load(&r->state);
-        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
-            return UCCL_OK;
-        uint64_t now = uccl__now_ns();
-        if (now - start >= timeout_ns)
-            return UCCL_INPROGRESS;
-        uint64_t left = timeout_ns - (now - start);
-        struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
-        atomic_fetch_add(&r->sleepers, 1);
-        /* finish() stores the state before reading sleepers (both seq_cst):
-         * either it sees us or futex_wait sees the new state and returns. */
-        syscall(SYS_futex, (uint32_t *)&r->state, FUTEX_WAIT_PRIVATE, s, &ts, NULL, 0);
-        atomic_fetch_sub(&r->sleepers, 1);
-    }
-}
 
 /* ------------------------------------------------------------------------- */
 /* connection bookkeeping                                                     */
@@ -150,20 +37,7 @@ void uccl__conn_put(struct uccl__conn *c)
         c->tp->conn_free(c);
     if (c->ctrl_fd >= 0)
         close(c->ctrl_fd);
-    while (c->rts_head) {
-        struct uccl__rts *n = c->rts_head->next;
-        free(c->rts_head->data);
-        free(c->rts_head);
-        c->rts_head = n;
-    }
-    if (c->erx.rts) {
-        free(c->erx.rts->data);
-        free(c->erx.rts);
-    }
-    if (c->erx.direct) {
-        atomic_fetch_sub(&c->erx.direct->busy, 1);
-        uccl__req_put(c->erx.direct);
-    }
+    uccl__proto_free(c);
     uccl__idmap_free(&c->inflight);
     uccl__idmap_free(&c->rx);
     uccl__idmap_free(&c->pending);
@@ -175,14 +49,14 @@ void uccl__conn_put(struct uccl__conn *c)
     free(c);
 }
 
-struct uccl__conn *uccl__conn_new(struct uccl__ep *ep, int is_connector, int ctrl_fd)
+struct uccl__conn *uccl__conn_new(struct uccl__local *loc, int is_connector, int ctrl_fd)
 {
     struct uccl__conn *c = calloc(1, sizeof(*c));
     if (!c)
         return NULL;
     atomic_init(&c->refs, 1);
     atomic_init(&c->failed, 0);
-    c->ep = ep;
+    c->local = loc;
     c->is_connector = is_connector;
     c->ctrl_fd = ctrl_fd;
     c->peer_rank = -1;
@@ -191,66 +65,10 @@ struct uccl__conn *uccl__conn_new(struct uccl__ep *ep, int is_connector, int ctr
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->svc_cv, NULL);
     pthread_cond_init(&c->drv_cv, NULL);
+    TAILQ_INIT(&c->posted);
+    STAILQ_INIT(&c->rtsq);
+    STAILQ_INIT(&c->jobs);
     return c;
-}
-
-/* Remove r from every protocol table and complete it (drops the reference
- * the connection held).  Must be called without c->mu held. */
-static void complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
-{
-    char msg[512] = "";
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, sizeof(msg), fmt, ap);
-        va_end(ap);
-    }
-    pthread_mutex_lock(&c->mu);
-    int held = uccl__idmap_del(&c->pending, ptr_key(r)) != NULL;
-    uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(KEY_SEND, r->seq)
-                : r->op == UCCL_OP_READ_TARGET ? key_of(KEY_LENT, r->seq) : key_of(KEY_OP, r->seq);
-    if (uccl__idmap_get(&c->inflight, k1) == r)
-        uccl__idmap_del(&c->inflight, k1);
-    int dk = r->op == UCCL_OP_RECV ? UCCL_DATA_SEND : r->op == UCCL_OP_READ ? UCCL_DATA_READ
-           : r->op == UCCL_OP_WRITE_TARGET ? UCCL_DATA_WRITE : 0;
-    if (dk && uccl__idmap_get(&c->rx, key_of(dk, r->seq)) == r)
-        uccl__idmap_del(&c->rx, key_of(dk, r->seq));
-    if (r->op == UCCL_OP_RECV) { /* unlink from the posted queue */
-        struct uccl__req **pp = &c->recv_head, *prev = NULL;
-        while (*pp && *pp != r) {
-            prev = *pp;
-            pp = &(*pp)->next;
-        }
-        if (*pp) {
-            *pp = r->next;
-            if (c->recv_tail == r)
-                c->recv_tail = prev;
-        }
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (!held)
-        return;
-    uccl__req_finish(r, status, "%s", msg);
-    uccl__req_put(r);
-}
-
-static void send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len, uint64_t aux);
-
-/* Finish r here, then tell the peer (FIN, NACK, OPDONE).  In that order: once
- * told, the peer may close at once, and its BYE must not find r pending.
- * But finishing r may let our own caller close at once too: `answering`
- * makes that close send its BYE only after this answer (uccl__conn_close),
- * or the peer would find its half of the exchange pending. */
-static void answer_after(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
-                         int status, const char *why)
-{
-    uint64_t seq = r->seq;
-    atomic_fetch_add(&c->answering, 1);
-    complete(c, r, status, why ? "%s" : NULL, why);
-    send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE ? (uint64_t)(int64_t)status : 0);
-    atomic_fetch_sub(&c->answering, 1);
 }
 
 static void describe_peer(struct uccl__conn *c, char *buf, size_t len)
@@ -268,7 +86,7 @@ static void collect(uint64_t k, void *v, void *arg)
 {
     (void)k;
     struct fail_ctx *f = arg;
-    req_get(v);
+    uccl__req_get(v);
     f->v[f->n++] = v;
 }
 
@@ -312,14 +130,16 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     if (c->tp && c->tp->conn_shutdown)
         c->tp->conn_shutdown(c);
     for (size_t i = 0; i < f.n; i++) {
-        complete(c, f.v[i], status, "%s", c->fail_msg);
+        uccl__req_complete(c, f.v[i], status, "%s", c->fail_msg);
         uccl__req_put(f.v[i]);
     }
     free(f.v);
 }
 
-/* Write one encoded message on the control channel; caller holds ctrl_tx_mu. */
-static int ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline)
+/* ------------------------------------------------------------------------- */
+/* the control channel: sending                                               */
+
+int uccl__conn_ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline)
 {
     if (c->ctrl_shm)
         return c->tp->ctrl_send(c, buf, deadline);
@@ -331,7 +151,7 @@ int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m)
     uint8_t buf[UCCL_MSG_SIZE];
     uccl__msg_encode(m, buf);
     pthread_mutex_lock(&c->ctrl_tx_mu);
-    int rc = ctrl_write(c, buf, uccl__now_ns() + c->ep->timeout_ns);
+    int rc = uccl__conn_ctrl_write(c, buf, uccl__now_ns() + c->local->timeout_ns);
     pthread_mutex_unlock(&c->ctrl_tx_mu);
     if (rc)
         uccl__conn_fail(c, rc == UCCL_ERR_TIMEOUT ? rc : UCCL_ERR_IO,
@@ -339,11 +159,15 @@ int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m)
     return rc;
 }
 
-static void send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len, uint64_t aux)
+void uccl__conn_send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len,
+                            uint64_t aux)
 {
     struct uccl__msg m = {.type = (uint16_t)type, .seq = seq, .len = len, .aux = aux};
     uccl__conn_send_msg(c, &m);
 }
+
+/* ------------------------------------------------------------------------- */
+/* copy jobs                                                                  */
 
 static void run_job(struct uccl__conn *c, struct uccl__job *j);
 
@@ -352,19 +176,19 @@ static _Thread_local struct uccl__conn *tls_driving;
 
 /* A job that will write into r's buffer marks it busy from now on, so a
  * waiter that gives up cannot return between queueing and copying. */
-static int writes_req(int kind) { return kind == JOB_PULL_RECV || kind == JOB_PULL_READ; }
+static int writes_req(int kind) { return kind == UCCL_JOB_PULL_RECV || kind == UCCL_JOB_PULL_READ; }
 
 static void job_done(struct uccl__conn *c, struct uccl__job *j)
 {
     if (j->busy_held)
         atomic_fetch_sub(&j->req->busy, 1);
     j->busy_held = 0;
-    uccl__ep_release_hold(c->ep, j->hold);
+    uccl__mem_release_hold(&c->local->mem, j->hold);
     j->hold = NULL;
 }
 
-static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const struct uccl__msg *m,
-                     void *dst, struct uccl__mr *hold)
+void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
+                         const struct uccl__msg *m, void *dst, struct uccl__mr *hold)
 {
     int busy = r && writes_req(kind);
     if (busy)
@@ -390,7 +214,7 @@ static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const 
     j->hold = hold;
     j->busy_held = busy;
     if (r)
-        req_get(r);
+        uccl__req_get(r);
     if (m)
         j->msg = *m;
     j->dst = dst;
@@ -403,596 +227,81 @@ static void push_job(struct uccl__conn *c, int kind, struct uccl__req *r, const 
         free(j);
         return;
     }
-    if (c->job_tail)
-        c->job_tail->next = j;
-    else
-        c->job_head = j;
-    c->job_tail = j;
+    STAILQ_INSERT_TAIL(&c->jobs, j, link);
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
 
-/* ------------------------------------------------------------------------- */
-/* matching on the receiver                                                   */
-
-static void try_match(struct uccl__conn *c)
+void uccl__conn_with_inline_copies(struct uccl__conn *c, void (*fn)(struct uccl__conn *))
 {
+    if (tls_driving) { /* this thread drives a connection already: leave it be */
+        fn(c);
+        return;
+    }
+    tls_driving = c;
+    fn(c);
+    tls_driving = NULL;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the worker thread: direct copies                                           */
+
+static void run_job(struct uccl__conn *c, struct uccl__job *j)
+{
+    int rc;
+    struct uccl__req *r = j->req;
+    switch (j->kind) {
+    case UCCL_JOB_PULL_RECV:
+    case UCCL_JOB_PULL_READ:
+        if (atomic_load(&r->state) != UCCL_REQ_PENDING)
+            break; /* already finished or failed: its buffer is not ours to fill */
+        rc = c->tp->pull(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
+        if (rc) {
+            uccl__conn_fail(c, rc, "copying %s %llu from the peer: %s",
+                            j->kind == UCCL_JOB_PULL_RECV ? "message" : "read",
+                            (unsigned long long)r->seq, uccl_last_error());
+            break;
+        }
+        job_done(c, j); /* done writing into r: only then may it complete */
+        uccl__proto_answer(c, r, j->kind == UCCL_JOB_PULL_RECV ? UCCL_MSG_FIN : UCCL_MSG_RDONE, r->len,
+                     UCCL_OK, NULL);
+        break;
+    case UCCL_JOB_PULL_WRITE:
+        rc = c->tp->pull(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,
+                         j->msg.aux, j->msg.len);
+        if (rc)
+            LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
+                     uccl_last_error());
+        uccl__conn_send_simple(c, UCCL_MSG_OPDONE, j->msg.seq, j->msg.len, (uint64_t)(int64_t)rc);
+        break;
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    struct uccl__conn *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        if (!c->recv_head || !c->rts_head || atomic_load(&c->failed)) {
-            pthread_mutex_unlock(&c->mu);
-            return;
-        }
-        struct uccl__req *r = c->recv_head;
-        struct uccl__rts *rts = c->rts_head;
-        c->recv_head = r->next;
-        if (!c->recv_head)
-            c->recv_tail = NULL;
-        r->next = NULL;
-        c->rts_head = rts->next;
-        if (!c->rts_head)
-            c->rts_tail = NULL;
-        int stream = 0;
-        if (rts->seq != r->seq) {
-            pthread_mutex_unlock(&c->mu);
-            uccl__conn_fail(c, UCCL_ERR_PROTO, "message %llu arrived where %llu was expected",
-                            (unsigned long long)rts->seq, (unsigned long long)r->seq);
-            free(rts);
-            return;
-        }
-        if (rts->len == r->len && r->len > 0 && !c->direct && !rts->eager) {
-            uccl__idmap_put(&c->rx, key_of(UCCL_DATA_SEND, r->seq), r);
-            stream = 1;
-        }
-        r->remote_addr = rts->addr;
-        r->remote_key = rts->key;
-        uint64_t slen = rts->len;
-        int eager = rts->eager;
-        char *held = rts->data;
-        int slot = rts->slot;
-        c->eager_held -= held ? rts->len : 0;
-        if ((held || slot >= 0) && slen == r->len)
-            atomic_fetch_add(&r->busy, 1);
-        free(rts);
+        while (STAILQ_EMPTY(&c->jobs) && !atomic_load(&c->failed))
+            pthread_cond_wait(&c->cv, &c->mu);
+        struct uccl__job *j = STAILQ_FIRST(&c->jobs);
+        if (j)
+            STAILQ_REMOVE_HEAD(&c->jobs, link);
         pthread_mutex_unlock(&c->mu);
-
-        if (eager && slen == r->len) { /* the bytes are here (in held, or already in r->buf) */
-            if (held || slot >= 0) {
-                memcpy(r->buf, held ? held : c->tp->eager_slot(c, (unsigned)slot), r->len);
-                atomic_fetch_sub(&r->busy, 1);
-            }
-            free(held);
-            answer_after(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
-            continue;
-        }
-        free(held);
-        if (slen != r->len) {
-            char why[300];
-            snprintf(why, sizeof(why),
-                     "size mismatch on connection %llu, message %llu: the sender sent %llu "
-                     "bytes but this recv posted %zu bytes; nothing was written",
-                     (unsigned long long)c->id, (unsigned long long)r->seq,
-                     (unsigned long long)slen, r->len);
-            answer_after(c, r, UCCL_MSG_NACK, r->len, UCCL_ERR_MISMATCH, why);
-        } else if (r->len == 0) {
-            answer_after(c, r, UCCL_MSG_FIN, 0, UCCL_OK, NULL);
-        } else if (stream) {
-            send_simple(c, UCCL_MSG_CTS, r->seq, r->len, 0);
-        } else {
-            push_job(c, JOB_PULL_RECV, r, NULL, NULL, NULL);
-        }
+        if (!j)
+            break; /* failed and drained */
+        if (!atomic_load(&c->failed))
+            run_job(c, j);
+        job_done(c, j);
+        if (j->req)
+            uccl__req_put(j->req);
+        free(j);
     }
-}
-
-/* An announced message joins the queue; match it if its recv is posted. */
-static void queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
-{
-    pthread_mutex_lock(&c->mu);
-    if (c->rts_tail)
-        c->rts_tail->next = rts;
-    else
-        c->rts_head = rts;
-    c->rts_tail = rts;
-    pthread_mutex_unlock(&c->mu);
-    try_match(c);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------------- */
-/* posting (user threads)                                                     */
-
-int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
-{
-    if (atomic_load(&c->failed))
-        return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
-                         "%s", c->fail_msg);
-    pthread_mutex_lock(&c->mu);
-    if (atomic_load(&c->failed)) { /* again under mu: conn_fail collects pending under it */
-        pthread_mutex_unlock(&c->mu);
-        return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
-                         "%s", c->fail_msg);
-    }
-    int rc = uccl__idmap_put(&c->pending, ptr_key(r), r);
-    if (rc) {
-        pthread_mutex_unlock(&c->mu);
-        return rc;
-    }
-    req_get(r); /* the pending table's reference */
-    pthread_cond_signal(&c->svc_cv); /* answers are coming: the service thread must listen */
-    struct uccl__msg m = {0};
-    switch (r->op) {
-    case UCCL_OP_RECV:
-        r->seq = ++c->next_recv_seq;
-        if (c->recv_tail)
-            c->recv_tail->next = r;
-        else
-            c->recv_head = r;
-        c->recv_tail = r;
-        pthread_mutex_unlock(&c->mu);
-        if (blocking && !tls_driving) { /* a matching RTS may be in: pull on this thread */
-            tls_driving = c;
-            try_match(c);
-            tls_driving = NULL;
-        } else {
-            try_match(c);
-        }
-        return UCCL_OK;
-    case UCCL_OP_SEND:
-        pthread_mutex_unlock(&c->mu);
-        /* seq order must equal wire order: assign under the writer lock. */
-        pthread_mutex_lock(&c->ctrl_tx_mu);
-        pthread_mutex_lock(&c->mu);
-        r->seq = ++c->next_send_seq;
-        uccl__idmap_put(&c->inflight, key_of(KEY_SEND, r->seq), r);
-        r->eager_slot = -1;
-        if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT) {
-            if (!c->ctrl_shm && !c->direct) {
-                r->eager = 1; /* bytes follow on the socket */
-            } else if (c->ctrl_shm && c->tp->eager_slot) {
-                /* a free slot: freed by its own FIN/NACK, which may come out of order */
-                for (int i = 0; i < UCCL_EAGER_INFLIGHT && r->eager_slot < 0; i++)
-                    if (!(c->eager_slots_busy & (1u << i)))
-                        r->eager_slot = i;
-                c->eager_slots_busy |= 1u << r->eager_slot;
-                r->eager = 1;
-            }
-        }
-        c->eager_inflight += (unsigned)r->eager;
-        pthread_mutex_unlock(&c->mu);
-        if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
-            memcpy(c->tp->eager_slot(c, (unsigned)r->eager_slot), r->buf, r->len);
-        m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
-                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->key_for_peer,
-                               .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
-                               .aux = !r->eager ? 0 : r->eager_slot >= 0
-                                      ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
-        uint8_t buf[UCCL_MSG_SIZE];
-        uccl__msg_encode(&m, buf);
-        uint64_t deadline = uccl__now_ns() + c->ep->timeout_ns;
-        rc = r->eager && r->eager_slot < 0
-                 ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
-                 : ctrl_write(c, buf, deadline);
-        pthread_mutex_unlock(&c->ctrl_tx_mu);
-        if (rc)
-            uccl__conn_fail(c, UCCL_ERR_IO, "sending a control message: %s", uccl_last_error());
-        return UCCL_OK; /* a failure reaches the request through conn_fail */
-    case UCCL_OP_WRITE:
-    case UCCL_OP_READ:
-        r->seq = ++c->next_op;
-        uccl__idmap_put(&c->inflight, key_of(KEY_OP, r->seq), r);
-        if (r->op == UCCL_OP_READ && !c->direct && r->len > 0)
-            uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
-        pthread_mutex_unlock(&c->mu);
-        m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
-                               .seq = r->seq, .len = r->len,
-                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
-                               .token = r->fifo.token, .offset = 0,
-                               .aux = r->op == UCCL_OP_WRITE ? r->key_for_peer : 0};
-        uccl__conn_send_msg(c, &m);
-        return UCCL_OK;
-    }
-    pthread_mutex_unlock(&c->mu);
-    return uccl__err(UCCL_ERR_INVALID, "unknown operation %d", r->op);
-}
-
-/* ------------------------------------------------------------------------- */
-/* stream data path (called by transports)                                    */
-
-int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
-                        uint64_t len, char **dst_p, struct uccl__req **req_p)
-{
-    pthread_mutex_lock(&c->mu);
-    struct uccl__req *r = uccl__idmap_get(&c->rx, key_of(kind, id));
-    if (!r) {
-        pthread_mutex_unlock(&c->mu);
-        return uccl__err(UCCL_ERR_PROTO, "data chunk (kind %d) for transfer %llu that this "
-                         "side never accepted", kind, (unsigned long long)id);
-    }
-    if (offset > r->len || len > r->len - offset) {
-        pthread_mutex_unlock(&c->mu);
-        return uccl__err(UCCL_ERR_PROTO, "data chunk [%llu, +%llu) outside the %zu-byte "
-                         "buffer of transfer %llu", (unsigned long long)offset,
-                         (unsigned long long)len, r->len, (unsigned long long)id);
-    }
-    req_get(r);
-    atomic_fetch_add(&r->busy, 1);
-    pthread_mutex_unlock(&c->mu);
-    *dst_p = r->buf + offset;
-    *req_p = r;
-    return UCCL_OK;
-}
-
-void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
-{
-    size_t got = atomic_fetch_add(&r->got, len) + len;
-    atomic_fetch_sub(&r->busy, 1);
-    if (got == r->len) {
-        /* A streamed send completes on our FIN, not when its bytes left the
-         * sender: the FIN is ordered before any BYE we may send next. */
-        if (r->op == UCCL_OP_WRITE_TARGET)
-            answer_after(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
-        else if (r->op == UCCL_OP_RECV)
-            answer_after(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
-        else
-            complete(c, r, UCCL_OK, NULL);
-    } else if (got > r->len) {
-        uccl__conn_fail(c, UCCL_ERR_PROTO, "peer sent %zu bytes for a %zu-byte transfer", got,
-                        r->len);
-    }
-    uccl__req_put(r);
-}
-
-void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r)
-{
-    (void)c;
-    atomic_fetch_sub(&r->busy, 1);
-    uccl__req_put(r);
-}
-
-void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status)
-{
-    struct uccl__req *r = cookie; /* a send completes on the receiver's FIN */
-    if (status != UCCL_OK)
-        uccl__conn_fail(c, status, "streaming data: %s", uccl_last_error());
-    if (r) {
-        atomic_fetch_sub(&r->busy, 1);
-        uccl__req_put(r);
-    }
-}
-
-static int stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
-                      struct uccl__req *r)
-{
-    if (r) {
-        req_get(r); /* the transport's job holds it until tx_done... */
-        atomic_fetch_add(&r->busy, 1); /* ...and reads its buffer till then */
-    }
-    int rc = c->tp->stream(c, kind, id, src, len, r);
-    if (rc) {
-        if (r) {
-            atomic_fetch_sub(&r->busy, 1);
-            uccl__req_put(r);
-        }
-        uccl__conn_fail(c, rc, "queueing data: %s", uccl_last_error());
-    }
-    return rc;
-}
-
-/* ------------------------------------------------------------------------- */
-/* the service thread: reads the control socket                               */
-
-static struct uccl__req *inflight_get(struct uccl__conn *c, int k, uint64_t id, int del)
-{
-    pthread_mutex_lock(&c->mu);
-    struct uccl__req *r = del ? uccl__idmap_del(&c->inflight, key_of(k, id))
-                              : uccl__idmap_get(&c->inflight, key_of(k, id));
-    if (r)
-        req_get(r);
-    pthread_mutex_unlock(&c->mu);
-    return r;
-}
-
-/* A target-side request: holds the region from dereg() while it runs. */
-static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
-                                    const struct uccl__msg *m, struct uccl__mr *hold)
-{
-    struct uccl__req *t = uccl__req_new(op, c, local, m->len);
-    if (t) {
-        t->seq = m->seq;
-        t->hold = hold;
-    }
-    return t;
-}
-
-static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
-{
-    int st = UCCL_OK;
-    struct uccl__window *w = uccl__ep_window_check(c->ep, c->id, m->window, m->token, m->offset,
-                                                   m->len, &st);
-    if (!w) {
-        LOG_WARN("connection %llu: refused %s of %llu bytes at offset %llu of window %llu: %s",
-                 (unsigned long long)c->id, m->type == UCCL_MSG_WREQ ? "write" : "read",
-                 (unsigned long long)m->len, (unsigned long long)m->offset,
-                 (unsigned long long)m->window, uccl_last_error());
-        send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)st);
-        return;
-    }
-    char *local = (char *)w->addr + m->offset;
-    struct uccl__mr *hold = w->mr;
-    free(w);
-    if (m->len == 0) {
-        uccl__ep_release_hold(c->ep, hold);
-        send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
-        return;
-    }
-    if (c->direct && m->type == UCCL_MSG_WREQ) { /* we pull the bytes into our window */
-        push_job(c, JOB_PULL_WRITE, NULL, m, local, hold);
-        return;
-    }
-    uint64_t key_for_peer = c->direct && c->tp->mem_key && hold
-                                ? c->tp->mem_key(c, hold, (uintptr_t)local) : 0;
-    struct uccl__req *t = target_req(c, m->type == UCCL_MSG_WREQ ? UCCL_OP_WRITE_TARGET
-                                                                 : UCCL_OP_READ_TARGET,
-                                     local, m, hold);
-    if (!t) {
-        uccl__ep_release_hold(c->ep, hold);
-        send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)UCCL_ERR_NOMEM);
-        return;
-    }
-    if (m->type == UCCL_MSG_RREQ && !c->direct) { /* stream it; the job keeps t (and the hold) */
-        stream_out(c, UCCL_DATA_READ, m->seq, local, m->len, t);
-        uccl__req_put(t);
-        return;
-    }
-    /* Streamed write (bytes land in t), or direct read (the initiator pulls from
-     * our window and says RDONE): t waits in pending, failed with the connection. */
-    pthread_mutex_lock(&c->mu);
-    /* Not after conn_fail collected `pending`: t would never be failed. */
-    int ok = !atomic_load(&c->failed) &&
-             uccl__idmap_put(&c->pending, ptr_key(t), t) == UCCL_OK; /* takes the creation ref */
-    if (ok && m->type == UCCL_MSG_WREQ)
-        ok = uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t) == UCCL_OK;
-    else if (ok)
-        ok = uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t) == UCCL_OK;
-    if (!ok)
-        uccl__idmap_del(&c->pending, ptr_key(t));
-    pthread_mutex_unlock(&c->mu);
-    if (!ok) {
-        uccl__req_put(t); /* releases the hold */
-        return;
-    }
-    struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
-                           .addr = m->type == UCCL_MSG_RREQ ? (uint64_t)(uintptr_t)local : 0,
-                           .token = key_for_peer};
-    uccl__conn_send_msg(c, &go);
-}
-
-static int handle_msg(struct uccl__conn *c, const struct uccl__msg *m)
-{
-    struct uccl__req *r;
-    /* Each type is legal in one direction only: the connector sends RTS,
-     * WREQ, RREQ; the acceptor answers. */
-    int from_connector = m->type == UCCL_MSG_RTS || m->type == UCCL_MSG_WREQ ||
-                         m->type == UCCL_MSG_RREQ || m->type == UCCL_MSG_RDONE;
-    if ((m->type <= UCCL_MSG_OPDONE || m->type == UCCL_MSG_RDONE) &&
-        from_connector == c->is_connector)
-        return uccl__err(UCCL_ERR_PROTO, "control message type %u sent the wrong way", m->type);
-
-    switch (m->type) {
-    case UCCL_MSG_RTS: {
-        int slot = -1;
-        if (m->aux & UCCL_MSG_FLAG_SLOT) {
-            if (!c->tp->eager_slot || m->offset >= UCCL_EAGER_INFLIGHT || m->len > UCCL_EAGER_MAX)
-                return uccl__err(UCCL_ERR_PROTO, "eager slot %llu / %llu bytes out of range",
-                                 (unsigned long long)m->offset, (unsigned long long)m->len);
-            slot = (int)m->offset;
-        }
-        struct uccl__rts *rts = calloc(1, sizeof(*rts));
-        if (!rts)
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr,
-                                  .key = m->window, .eager = slot >= 0, .slot = slot};
-        queue_rts(c, rts);
-        return UCCL_OK;
-    }
-    case UCCL_MSG_CTS:
-        r = inflight_get(c, KEY_SEND, m->seq, 0); /* stays until FIN */
-        if (!r)
-            return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
-                             (unsigned long long)m->seq);
-        if (m->len != r->len) {
-            uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu",
-                             (unsigned long long)m->len, (unsigned long long)m->seq, r->len);
-        }
-        stream_out(c, UCCL_DATA_SEND, r->seq, r->buf, r->len, r);
-        uccl__req_put(r);
-        return UCCL_OK;
-    case UCCL_MSG_NACK:
-    case UCCL_MSG_FIN:
-        r = inflight_get(c, KEY_SEND, m->seq, 1);
-        if (!r)
-            return uccl__err(UCCL_ERR_PROTO, "%s for unknown message %llu",
-                             m->type == UCCL_MSG_FIN ? "FIN" : "NACK", (unsigned long long)m->seq);
-        if (r->eager) {
-            pthread_mutex_lock(&c->mu);
-            c->eager_inflight--;
-            if (r->eager_slot >= 0)
-                c->eager_slots_busy &= ~(1u << r->eager_slot);
-            pthread_mutex_unlock(&c->mu);
-        }
-        if (m->type == UCCL_MSG_FIN)
-            complete(c, r, UCCL_OK, NULL);
-        else
-            complete(c, r, UCCL_ERR_MISMATCH,
-                     "size mismatch on connection %llu, message %llu: this send has %zu bytes "
-                     "but the receiver posted %llu bytes; nothing was sent",
-                     (unsigned long long)c->id, (unsigned long long)m->seq, r->len,
-                     (unsigned long long)m->len);
-        uccl__req_put(r);
-        return UCCL_OK;
-    case UCCL_MSG_WREQ:
-    case UCCL_MSG_RREQ:
-        on_window_request(c, m);
-        return UCCL_OK;
-    case UCCL_MSG_BYE:
-        c->peer_bye = 1;
-        uccl__conn_fail(c, UCCL_ERR_IO, "the peer closed its endpoint");
-        return UCCL_OK;
-    case UCCL_MSG_GO:
-        r = inflight_get(c, KEY_OP, m->seq, 0);
-        if (!r || m->len != r->len || (r->op == UCCL_OP_READ) != (c->direct != 0) ||
-            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ)) {
-            if (r)
-                uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "GO for unknown operation %llu",
-                             (unsigned long long)m->seq);
-        }
-        pthread_mutex_lock(&c->mu);
-        int again = r->go_seen;
-        r->go_seen = 1;
-        pthread_mutex_unlock(&c->mu);
-        if (again) {
-            uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "second GO for operation %llu",
-                             (unsigned long long)m->seq);
-        }
-        if (r->op == UCCL_OP_WRITE) {
-            stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
-        } else { /* direct read: we pull into our own buffer (tracked as busy) */
-            r->remote_addr = m->addr;
-            r->remote_key = m->token;
-            push_job(c, JOB_PULL_READ, r, NULL, NULL, NULL);
-        }
-        uccl__req_put(r);
-        return UCCL_OK;
-    case UCCL_MSG_RDONE:
-        r = inflight_get(c, KEY_LENT, m->seq, 1);
-        if (!r)
-            return uccl__err(UCCL_ERR_PROTO, "RDONE for unknown read %llu",
-                             (unsigned long long)m->seq);
-        complete(c, r, UCCL_OK, NULL);
-        uccl__req_put(r);
-        return UCCL_OK;
-    case UCCL_MSG_OPDONE: {
-        r = inflight_get(c, KEY_OP, m->seq, 0);
-        if (!r)
-            return uccl__err(UCCL_ERR_PROTO, "OPDONE for unknown operation %llu",
-                             (unsigned long long)m->seq);
-        int st = (int)(int64_t)m->aux;
-        if (st == UCCL_OK && r->op == UCCL_OP_READ && r->len > 0) {
-            /* A read of bytes ends when they are here (streamed) or pulled
-             * (direct), never on the target's word. */
-            uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "OPDONE for read %llu, which needs no OPDONE",
-                             (unsigned long long)m->seq);
-        }
-        if (st == UCCL_OK && r->op == UCCL_OP_WRITE && r->len > 0 && !c->direct && !r->go_seen) {
-            uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "OPDONE for write %llu before its GO",
-                             (unsigned long long)m->seq);
-        }
-        if (st == UCCL_OK)
-            complete(c, r, UCCL_OK, NULL);
-        else
-            /* Refused by the target (unknown window, wrong token, out of
-             * range): a transfer failure here, whatever the target's reason. */
-            complete(c, r, st == UCCL_ERR_ACCESS || st == UCCL_ERR_NOTFOUND ? UCCL_ERR_ACCESS
-                                                                            : UCCL_ERR_IO,
-                     "the peer refused the %s of %zu bytes on connection %llu: %s",
-                     r->op == UCCL_OP_WRITE ? "write" : "read", r->len,
-                     (unsigned long long)c->id, uccl_status_str(st));
-        uccl__req_put(r);
-        return UCCL_OK;
-    }
-    default:
-        if (c->tp->on_msg)
-            return c->tp->on_msg(c, m);
-        return uccl__err(UCCL_ERR_PROTO, "control message type %u not used by transport %s",
-                         m->type, c->tp->name);
-    }
-}
-
-/* An eager RTS: decide where its bytes go before reading them.  Straight
- * into the posted recv that it will match, if sizes agree; else into a
- * held buffer, within the budget a well-behaved sender never exceeds. */
-static void eager_arrived(struct uccl__conn *c);
-
-static int eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
-{
-    if (c->is_connector || c->ctrl_shm || c->direct)
-        return uccl__err(UCCL_ERR_PROTO, "eager message on a connection that does not take them");
-    if (m->len > UCCL_EAGER_MAX)
-        return uccl__err(UCCL_ERR_PROTO, "eager message of %llu bytes (at most %u)",
-                         (unsigned long long)m->len, UCCL_EAGER_MAX);
-    struct uccl__rts *rts = calloc(1, sizeof(*rts));
-    if (!rts)
-        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr, .eager = 1,
-                              .slot = -1};
-    c->erx = (__typeof__(c->erx)){.rts = rts};
-    pthread_mutex_lock(&c->mu);
-    struct uccl__req *r = c->recv_head;
-    if (!c->rts_head && r && r->seq == m->seq && r->len == m->len) {
-        req_get(r);
-        atomic_fetch_add(&r->busy, 1);
-        c->erx.direct = r;
-        c->erx.dst = r->buf;
-    } else if (m->len > 0) {
-        if (c->eager_held + m->len > (size_t)UCCL_EAGER_MAX * UCCL_EAGER_INFLIGHT) {
-            pthread_mutex_unlock(&c->mu);
-            c->erx.rts = NULL;
-            free(rts);
-            return uccl__err(UCCL_ERR_PROTO, "peer sent more eager bytes than it may have in "
-                             "flight (%zu held)", c->eager_held);
-        }
-        rts->data = malloc(m->len);
-        if (!rts->data) {
-            pthread_mutex_unlock(&c->mu);
-            c->erx.rts = NULL;
-            free(rts);
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        }
-        c->eager_held += m->len;
-        c->erx.dst = rts->data;
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (m->len == 0)
-        eager_arrived(c);
-    return UCCL_OK;
-}
-
-/* End the reader's eager payload: stop writing into the posted recv, if
- * that is where it went, and hand back its RTS.  Reader only. */
-static struct uccl__rts *erx_take(struct uccl__conn *c)
-{
-    struct uccl__rts *rts = c->erx.rts;
-    struct uccl__req *direct = c->erx.direct;
-    c->erx = (__typeof__(c->erx)){0};
-    if (direct) {
-        atomic_fetch_sub(&direct->busy, 1);
-        uccl__req_put(direct);
-    }
-    return rts;
-}
-
-static void eager_arrived(struct uccl__conn *c)
-{
-    queue_rts(c, erx_take(c));
-}
-
-/* Let go of a half-read eager payload (the connection failed).  Only the
- * reader of the moment calls this, as only it writes there. */
-static void erx_drop(struct uccl__conn *c)
-{
-    struct uccl__rts *rts = erx_take(c);
-    if (rts) {
-        pthread_mutex_lock(&c->mu);
-        c->eager_held -= rts->data ? rts->len : 0;
-        pthread_mutex_unlock(&c->mu);
-        free(rts->data);
-        free(rts);
-    }
-}
+/* the control channel: reading (the service thread, or a driving caller)     */
 
 /* Read and handle every whole message available now, without blocking.
  * Only the reader of the moment (driver or service thread) calls this.
@@ -1007,7 +316,7 @@ static int pump(struct uccl__conn *c)
         struct uccl__msg m;
         int rc = uccl__msg_decode(buf, &m);
         if (rc == UCCL_OK)
-            rc = handle_msg(c, &m);
+            rc = uccl__proto_handle(c, &m);
         if (rc)
             return rc;
         handled++;
@@ -1029,7 +338,7 @@ static int pump(struct uccl__conn *c)
         if (in_payload) {
             c->erx.got += (size_t)n;
             if (c->erx.got == c->erx.rts->len) {
-                eager_arrived(c);
+                uccl__proto_eager_arrived(c);
                 handled++;
             }
             continue;
@@ -1041,8 +350,8 @@ static int pump(struct uccl__conn *c)
         struct uccl__msg m;
         int rc = uccl__msg_decode(c->rxbuf, &m);
         if (rc == UCCL_OK)
-            rc = m.type == UCCL_MSG_RTS && (m.aux & UCCL_MSG_FLAG_EAGER) ? eager_begin(c, &m)
-                                                                           : handle_msg(c, &m);
+            rc = m.type == UCCL_MSG_RTS && (m.aux & UCCL_MSG_FLAG_EAGER)
+                     ? uccl__proto_eager_begin(c, &m) : uccl__proto_handle(c, &m);
         if (rc)
             return rc;
         handled++;
@@ -1128,14 +437,14 @@ static void *service_main(void *arg)
         if (rc < 0)
             pump_failed(c, rc);
         if (atomic_load(&c->failed))
-            erx_drop(c); /* still the reader */
+            uccl__proto_eager_drop(c); /* still the reader */
         svc_give_token(c);
         if (rc < 0)
             break;
     }
     /* Leaving: drop a half-read payload unless a driver reads (it drops it). */
     if (svc_take_token(c)) {
-        erx_drop(c);
+        uccl__proto_eager_drop(c);
         svc_give_token(c);
     }
     return NULL;
@@ -1187,7 +496,7 @@ int uccl__conn_drive_pump(struct uccl__conn *c, int inline_copies)
 void uccl__conn_drive_end(struct uccl__conn *c)
 {
     if (atomic_load(&c->failed))
-        erx_drop(c); /* still the reader */
+        uccl__proto_eager_drop(c); /* still the reader */
     pthread_mutex_lock(&c->mu);
     c->driver = 0;
     if (c->ctrl_shm)
@@ -1213,64 +522,7 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
 }
 
 /* ------------------------------------------------------------------------- */
-/* the worker thread: direct copies on the acceptor side                      */
-
-static void run_job(struct uccl__conn *c, struct uccl__job *j)
-{
-    int rc;
-    struct uccl__req *r = j->req;
-    switch (j->kind) {
-    case JOB_PULL_RECV:
-    case JOB_PULL_READ:
-        if (atomic_load(&r->state) != UCCL_REQ_PENDING)
-            break; /* already finished or failed: its buffer is not ours to fill */
-        rc = c->tp->pull(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
-        if (rc) {
-            uccl__conn_fail(c, rc, "copying %s %llu from the peer: %s",
-                            j->kind == JOB_PULL_RECV ? "message" : "read",
-                            (unsigned long long)r->seq, uccl_last_error());
-            break;
-        }
-        job_done(c, j); /* done writing into r: only then may it complete */
-        answer_after(c, r, j->kind == JOB_PULL_RECV ? UCCL_MSG_FIN : UCCL_MSG_RDONE, r->len,
-                     UCCL_OK, NULL);
-        break;
-    case JOB_PULL_WRITE:
-        rc = c->tp->pull(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,
-                         j->msg.aux, j->msg.len);
-        if (rc)
-            LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
-                     uccl_last_error());
-        send_simple(c, UCCL_MSG_OPDONE, j->msg.seq, j->msg.len, (uint64_t)(int64_t)rc);
-        break;
-    }
-}
-
-static void *worker_main(void *arg)
-{
-    struct uccl__conn *c = arg;
-    for (;;) {
-        pthread_mutex_lock(&c->mu);
-        while (!c->job_head && !atomic_load(&c->failed))
-            pthread_cond_wait(&c->cv, &c->mu);
-        struct uccl__job *j = c->job_head;
-        if (j) {
-            c->job_head = j->next;
-            if (!c->job_head)
-                c->job_tail = NULL;
-        }
-        pthread_mutex_unlock(&c->mu);
-        if (!j)
-            break; /* failed and drained */
-        if (!atomic_load(&c->failed))
-            run_job(c, j);
-        job_done(c, j);
-        if (j->req)
-            uccl__req_put(j->req);
-        free(j);
-    }
-    return NULL;
-}
+/* start and close                                                            */
 
 int uccl__conn_start(struct uccl__conn *c)
 {
@@ -1297,7 +549,7 @@ int uccl__conn_start(struct uccl__conn *c)
 void uccl__conn_close(struct uccl__conn *c)
 {
     atomic_store(&c->closing, 1);
-    /* Answers already owed go first (answer_after); bounded: 100 ms. */
+    /* Answers already owed go first (uccl__proto_answer); bounded: 100 ms. */
     for (int i = 0; i < 2000 && atomic_load(&c->answering) > 0; i++)
         usleep(50);
     if (!atomic_load(&c->failed) && c->started) {
@@ -1306,7 +558,7 @@ void uccl__conn_close(struct uccl__conn *c)
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
         pthread_mutex_lock(&c->ctrl_tx_mu);
-        ctrl_write(c, buf, uccl__now_ns() + 100000000ull);
+        uccl__conn_ctrl_write(c, buf, uccl__now_ns() + 100000000ull);
         pthread_mutex_unlock(&c->ctrl_tx_mu);
     }
     uccl__conn_fail(c, UCCL_ERR_CLOSED, "the endpoint was closed");

@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/queue.h>
+#include <unistd.h>
 
 #define POOL_MAX 16
 
@@ -130,4 +131,38 @@ void uccl__pool_run(struct uccl__pool *p, int n, void (*fn)(void *arg, int i), v
     while (j.done < n || j.users > 0)
         pthread_cond_wait(&p->done_cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
+}
+
+void uccl__pool_lazy_init(struct uccl__pool_lazy *l)
+{
+    pthread_mutex_init(&l->mu, NULL);
+    l->pool = NULL;
+    l->closed = 0;
+}
+
+struct uccl__pool *uccl__pool_lazy_get(struct uccl__pool_lazy *l)
+{
+    pthread_mutex_lock(&l->mu);
+    if (!l->pool && !l->closed) {
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        int helpers = ncpu <= 4 ? 1 : (int)(ncpu / 2 < 8 ? ncpu / 2 : 8) - 1;
+        l->pool = uccl__pool_new(helpers);
+    }
+    struct uccl__pool *p = l->pool;
+    pthread_mutex_unlock(&l->mu);
+    return p;
+}
+
+void uccl__pool_lazy_close(struct uccl__pool_lazy *l)
+{
+    pthread_mutex_lock(&l->mu);
+    l->closed = 1;
+    pthread_mutex_unlock(&l->mu);
+}
+
+void uccl__pool_lazy_free(struct uccl__pool_lazy *l)
+{
+    uccl__pool_free(l->pool);
+    l->pool = NULL;
+    pthread_mutex_destroy(&l->mu);
 }

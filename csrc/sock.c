@@ -37,6 +37,36 @@ static int remaining_ms(uint64_t deadline_ns)
     return ms > 200 ? 200 : (int)ms;
 }
 
+/* Wait until fd is ready for events, or the deadline (0: none) passes. */
+static int wait_fd(int fd, short events, uint64_t deadline_ns)
+{
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = events};
+        int n = poll(&p, 1, remaining_ms(deadline_ns));
+        if (n > 0)
+            return UCCL_OK;
+        if (n < 0 && errno != EINTR)
+            return uccl__err(UCCL_ERR_IO, "poll(): %s", strerror(errno));
+        if (deadline_ns && uccl__now_ns() >= deadline_ns)
+            return uccl__err(UCCL_ERR_TIMEOUT, "socket wait timed out");
+    }
+}
+
+/* After a socket call on fd failed with errno: UCCL_INPROGRESS to try
+ * again (interrupted, or a non-blocking fd became ready for `events` before
+ * the deadline), else the error, recorded as "<what>: <reason>".  The one
+ * place that handles EINTR, EAGAIN and poll() for every loop here. */
+static int retry_or_fail(int fd, short events, uint64_t deadline_ns, const char *what)
+{
+    if (errno == EINTR)
+        return UCCL_INPROGRESS;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        int rc = wait_fd(fd, events, deadline_ns);
+        return rc ? rc : UCCL_INPROGRESS;
+    }
+    return uccl__err(UCCL_ERR_IO, "%s: %s", what, strerror(errno));
+}
+
 int uccl__sock_set_nonblock(int fd, int on)
 {
     int fl = fcntl(fd, F_GETFL);
@@ -103,15 +133,11 @@ int uccl__sock_connect(const char *ip, int port, uint64_t deadline_ns, int *fd_p
         int rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
         int err = rc == 0 ? 0 : errno;
         if (err == EINPROGRESS) {
-            struct pollfd p = {.fd = fd, .events = POLLOUT};
-            int n;
-            do {
-                n = poll(&p, 1, remaining_ms(deadline_ns));
-            } while ((n < 0 && errno == EINTR) ||
-                     (n == 0 && (deadline_ns == 0 || uccl__now_ns() < deadline_ns)));
-            if (n <= 0) {
+            int rc = wait_fd(fd, POLLOUT, deadline_ns);
+            if (rc) {
                 close(fd);
-                return uccl__err(UCCL_ERR_TIMEOUT, "connect to %s:%d timed out", ip, port);
+                return rc == UCCL_ERR_TIMEOUT
+                           ? uccl__err(rc, "connect to %s:%d timed out", ip, port) : rc;
             }
             socklen_t sl = sizeof(err);
             getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &sl);
@@ -132,49 +158,40 @@ int uccl__sock_connect(const char *ip, int port, uint64_t deadline_ns, int *fd_p
     }
 }
 
-static int wait_fd(int fd, short events, uint64_t deadline_ns)
+int uccl__sock_sendv(int fd, struct iovec *iov, int n, uint64_t deadline_ns, int blocking)
 {
-    for (;;) {
-        struct pollfd p = {.fd = fd, .events = events};
-        int n = poll(&p, 1, remaining_ms(deadline_ns));
-        if (n > 0)
-            return UCCL_OK;
-        if (n < 0 && errno != EINTR)
-            return uccl__err(UCCL_ERR_IO, "poll(): %s", strerror(errno));
-        if (deadline_ns && uccl__now_ns() >= deadline_ns)
-            return uccl__err(UCCL_ERR_TIMEOUT, "socket wait timed out");
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+    while (mh.msg_iovlen > 0 && mh.msg_iov[0].iov_len == 0) { /* nothing to send there */
+        mh.msg_iov++;
+        mh.msg_iovlen--;
     }
+    while (mh.msg_iovlen > 0) {
+        ssize_t sent = sendmsg(fd, &mh, MSG_NOSIGNAL | (blocking ? 0 : MSG_DONTWAIT));
+        if (sent < 0) {
+            int rc = retry_or_fail(fd, POLLOUT, deadline_ns, "send()");
+            if (rc != UCCL_INPROGRESS)
+                return rc;
+            continue;
+        }
+        size_t k = (size_t)sent;
+        while (mh.msg_iovlen > 0 && k >= mh.msg_iov[0].iov_len) {
+            k -= mh.msg_iov[0].iov_len;
+            mh.msg_iov++;
+            mh.msg_iovlen--;
+        }
+        if (mh.msg_iovlen > 0) {
+            mh.msg_iov[0].iov_base = (char *)mh.msg_iov[0].iov_base + k;
+            mh.msg_iov[0].iov_len -= k;
+        }
+    }
+    return UCCL_OK;
 }
 
 int uccl__sock_send2(int fd, const void *a, size_t alen, const void *b, size_t blen,
                      uint64_t deadline_ns)
 {
     struct iovec iov[2] = {{(void *)a, alen}, {(void *)b, blen}};
-    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = blen ? 2 : 1};
-    for (;;) {
-        ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int rc = wait_fd(fd, POLLOUT, deadline_ns);
-                if (rc)
-                    return rc;
-                continue;
-            }
-            return uccl__err(UCCL_ERR_IO, "send(): %s", strerror(errno));
-        }
-        size_t k = (size_t)n;
-        while (mh.msg_iovlen > 0 && k >= mh.msg_iov[0].iov_len) {
-            k -= mh.msg_iov[0].iov_len;
-            mh.msg_iov++;
-            mh.msg_iovlen--;
-        }
-        if (mh.msg_iovlen == 0)
-            return UCCL_OK;
-        mh.msg_iov[0].iov_base = (char *)mh.msg_iov[0].iov_base + k;
-        mh.msg_iov[0].iov_len -= k;
-    }
+    return uccl__sock_sendv(fd, iov, 2, deadline_ns, 0);
 }
 
 int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns)
@@ -194,15 +211,9 @@ int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns)
         }
         if (n == 0)
             return uccl__err(UCCL_ERR_IO, "peer closed the connection");
-        if (errno == EINTR)
-            continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int rc = wait_fd(fd, POLLIN, deadline_ns);
-            if (rc)
-                return rc;
-            continue;
-        }
-        return uccl__err(UCCL_ERR_IO, "recv(): %s", strerror(errno));
+        int rc = retry_or_fail(fd, POLLIN, deadline_ns, "recv()");
+        if (rc != UCCL_INPROGRESS)
+            return rc;
     }
     return UCCL_OK;
 }

@@ -20,6 +20,12 @@ int uccl__sock_connect(const char *ip, int port, uint64_t deadline_ns, int *fd_p
  * Handle EINTR/EAGAIN; a closed peer is UCCL_ERR_IO. */
 int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
 int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns);
+/* Send every byte of iov[0..n) (which it modifies as it goes).  blocking:
+ * fd is a blocking socket (tp_tcp.c's data streams, unblocked by
+ * shutdown()), whose calls wait in the kernel; else EAGAIN waits in poll()
+ * until the deadline (0: none). */
+struct iovec;
+int uccl__sock_sendv(int fd, struct iovec *iov, int n, uint64_t deadline_ns, int blocking);
 /* Send a then b as one stream of bytes (one system call when they fit). */
 int uccl__sock_send2(int fd, const void *a, size_t alen, const void *b, size_t blen,
                      uint64_t deadline_ns);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #define UCCL_ERRMSG_MAX 512
 
@@ -54,4 +55,12 @@ long uccl__env_long(const char *name, long dflt, long lo, long hi, int *bad)
         return dflt;
     }
     return v;
+}
+
+uint64_t uccl__random64(void)
+{
+    uint64_t v = 0;
+    while (getrandom(&v, sizeof(v), 0) != (ssize_t)sizeof(v))
+        ;
+    return v ? v : 1;
 }

@@ -6,6 +6,7 @@
 #define UCCL_STATUS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* X-macro: name, value, default text.  The Python layer maps the classes:
  * INVALID/NOTFOUND/MISMATCH/CLOSED -> ValueError, TIMEOUT -> UcclTimeoutError,
@@ -44,5 +45,8 @@ long uccl__env_long(const char *name, long dflt, long lo, long hi, int *bad);
 
 /* The last message recorded on this thread ("" if none). */
 const char *uccl_last_error(void);
+
+/* A random non-zero 64-bit value (getrandom): tokens, segment names. */
+uint64_t uccl__random64(void);
 
 #endif

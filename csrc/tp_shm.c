@@ -2,7 +2,7 @@
  *
  * CMA mode (preferred): one copy, by the kernel, straight between the two
  * processes' buffers with process_vm_readv/writev.  The acceptor does every
- * copy (see conn.c); at the handshake it proves it may by reading an 8-byte
+ * copy (see proto.c); at the handshake it proves it may by reading an 8-byte
  * cookie from the connector's memory.  Where Yama restricts ptrace, each
  * process first lets any of its user's processes attach (PR_SET_PTRACER_ANY).
  *
@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/queue.h>
 #include <sys/stat.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -30,7 +31,7 @@
 #include <stdatomic.h>
 #include <unistd.h>
 
-#include "engine.h"
+#include "conn.h"
 #include "pool.h"
 #include "log.h"
 #include "sock.h"
@@ -63,8 +64,9 @@ struct ring_job {
     const char *src;
     size_t len;
     void *cookie;
-    struct ring_job *next;
+    STAILQ_ENTRY(ring_job) link;
 };
+STAILQ_HEAD(ring_jobs, ring_job);
 
 struct shm_conn {
     char name[UCCL_SHMNAME_MAX + 1]; /* "/" + the name on the wire */
@@ -76,7 +78,7 @@ struct shm_conn {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     unsigned char busy[RING_SLOTS];
-    struct ring_job *head, *tail;
+    struct ring_jobs jobs;   /* waiting for (or in) the ring's sender thread */
     int stop, thread;
     pthread_t tx;
 };
@@ -166,7 +168,7 @@ static int copy_parts(struct uccl__pool *pool, size_t len)
 
 static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, size_t len)
 {
-    struct uccl__pool *pool = uccl__ep_copy_pool(c->ep);
+    struct uccl__pool *pool = uccl__pool_lazy_get(&c->local->copy_pool);
     int parts = copy_parts(pool, len);
     if (parts <= 1)
         return cma_copy(c, local, remote, len);
@@ -196,6 +198,7 @@ static struct shm_conn *shm_new(struct uccl__conn *c)
         return NULL;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    STAILQ_INIT(&s->jobs);
     c->tp_priv = s;
     return s;
 }
@@ -225,7 +228,7 @@ static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
     struct shm_conn *s = shm_new(c);
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    int mode = c->ep->shm_mode;
+    int mode = c->local->shm_mode;
     uint64_t cookie = 0;
     struct iovec l = {&cookie, sizeof(cookie)};
     struct iovec r = {(void *)(uintptr_t)peer->probe_addr, sizeof(cookie)};
@@ -298,17 +301,27 @@ static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
     return rc;
 }
 
+/* Jobs that will never be sent: their requests learn it now. */
+static void fail_jobs(struct uccl__conn *c, struct ring_jobs *q)
+{
+    for (struct ring_job *j; (j = STAILQ_FIRST(q));) {
+        STAILQ_REMOVE_HEAD(q, link);
+        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
+        free(j);
+    }
+}
+
 static void *ring_tx_main(void *arg)
 {
     struct uccl__conn *c = arg;
     struct shm_conn *s = c->tp_priv;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (!s->head && !s->stop)
+        while (STAILQ_EMPTY(&s->jobs) && !s->stop)
             pthread_cond_wait(&s->cv, &s->mu);
         if (s->stop)
             break;
-        struct ring_job *j = s->head;
+        struct ring_job *j = STAILQ_FIRST(&s->jobs);
         int rc = UCCL_OK;
         for (size_t off = 0; off < j->len && rc == UCCL_OK;) {
             unsigned slot = RING_SLOTS;
@@ -334,24 +347,17 @@ static void *ring_tx_main(void *arg)
             off += n;
             pthread_mutex_lock(&s->mu);
         }
-        s->head = j->next;
-        if (!s->head)
-            s->tail = NULL;
+        STAILQ_REMOVE_HEAD(&s->jobs, link);
         pthread_mutex_unlock(&s->mu);
         uccl__conn_tx_done(c, j->cookie, rc);
         free(j);
         pthread_mutex_lock(&s->mu);
     }
     /* Stopped: fail what is still queued now, not at endpoint close. */
-    struct ring_job *left = s->head;
-    s->head = s->tail = NULL;
+    struct ring_jobs left = STAILQ_HEAD_INITIALIZER(left);
+    STAILQ_CONCAT(&left, &s->jobs);
     pthread_mutex_unlock(&s->mu);
-    while (left) {
-        struct ring_job *next = left->next;
-        uccl__conn_tx_done(c, left->cookie, UCCL_ERR_CLOSED);
-        free(left);
-        left = next;
-    }
+    fail_jobs(c, &left);
     return NULL;
 }
 
@@ -380,11 +386,7 @@ static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
         free(j);
         return uccl__err(UCCL_ERR_CLOSED, "connection is shutting down");
     }
-    if (s->tail)
-        s->tail->next = j;
-    else
-        s->head = j;
-    s->tail = j;
+    STAILQ_INSERT_TAIL(&s->jobs, j, link);
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return UCCL_OK;
@@ -514,13 +516,7 @@ static void shm_conn_destroy(struct uccl__conn *c)
         pthread_join(s->tx, NULL);
         s->thread = 0;
     }
-    while (s->head) {
-        struct ring_job *j = s->head;
-        s->head = j->next;
-        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
-        free(j);
-    }
-    s->tail = NULL;
+    fail_jobs(c, &s->jobs);
     if (s->owner) {
         shm_unlink(s->name); /* in case the peer never opened it */
         s->owner = 0;

@@ -3,17 +3,19 @@
  * streams' sender threads take from one queue, so a large message is striped
  * over every stream and a small one goes out on whichever stream is free.
  * Each chunk carries (kind, id, offset, len); the receiving thread asks
- * conn.c where it may land and receives straight into that buffer. */
+ * the protocol where it may land and receives straight into that buffer. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include "engine.h"
+#include "conn.h"
+#include "handshake.h"
 #include "log.h"
 #include "sock.h"
 #include "status.h"
@@ -26,7 +28,7 @@ struct tcp_job {
     atomic_size_t accounted;  /* bytes of dispatched chunks, sent or failed */
     atomic_int err;
     void *cookie;
-    struct tcp_job *next;
+    STAILQ_ENTRY(tcp_job) link;
 };
 
 struct tcp_stream {
@@ -42,7 +44,7 @@ struct tcp_conn {
     unsigned n;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    struct tcp_job *head, *tail;
+    STAILQ_HEAD(, tcp_job) jobs; /* not yet fully handed out to the streams */
     int stop;
     int destroyed;
 };
@@ -62,6 +64,7 @@ static struct tcp_conn *tcp_new(struct uccl__conn *c)
     }
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
+    STAILQ_INIT(&t->jobs);
     c->tp_priv = t;
     c->direct = 0;
     return t;
@@ -95,7 +98,7 @@ static int tcp_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     for (unsigned i = 0; i < t->n; i++) {
         int fd;
-        int rc = uccl__ep_open_stream(c, i, deadline, &fd);
+        int rc = uccl__open_stream(c, i, deadline, &fd);
         if (rc)
             return rc;
         uccl__sock_set_nonblock(fd, 0);
@@ -118,29 +121,8 @@ static void account(struct uccl__conn *c, struct tcp_job *j, size_t n, int faile
 static int send_chunk(int fd, const uint8_t *hdr, const char *data, size_t len)
 {
     struct iovec iov[2] = {{(void *)hdr, UCCL_CHUNK_HDR_SIZE}, {(void *)data, len}};
-    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
-    while (iov[1].iov_len > 0 || mh.msg_iovlen == 2) {
-        ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return uccl__err(UCCL_ERR_IO, "send on data stream: %s", strerror(errno));
-        }
-        size_t k = (size_t)n;
-        while (k > 0 && mh.msg_iovlen > 0) {
-            size_t take = k < mh.msg_iov[0].iov_len ? k : mh.msg_iov[0].iov_len;
-            mh.msg_iov[0].iov_base = (char *)mh.msg_iov[0].iov_base + take;
-            mh.msg_iov[0].iov_len -= take;
-            k -= take;
-            if (mh.msg_iov[0].iov_len == 0) {
-                mh.msg_iov++;
-                mh.msg_iovlen--;
-            }
-        }
-        if (mh.msg_iovlen == 0)
-            break;
-    }
-    return UCCL_OK;
+    int rc = uccl__sock_sendv(fd, iov, 2, 0, 1);
+    return rc ? uccl__err(rc, "send on data stream: %s", uccl_last_error()) : UCCL_OK;
 }
 
 /* Stopped: what was never handed out fails now, so its request (and any
@@ -149,13 +131,12 @@ static int send_chunk(int fd, const uint8_t *hdr, const char *data, size_t len)
 static void fail_queued(struct uccl__conn *c, struct tcp_conn *t)
 {
     pthread_mutex_lock(&t->mu);
-    struct tcp_job *left = t->head;
-    t->head = t->tail = NULL;
+    STAILQ_HEAD(, tcp_job) left = STAILQ_HEAD_INITIALIZER(left);
+    STAILQ_CONCAT(&left, &t->jobs);
     pthread_mutex_unlock(&t->mu);
-    while (left) {
-        struct tcp_job *next = left->next;
-        account(c, left, left->len - left->next_off, 1);
-        left = next;
+    for (struct tcp_job *j; (j = STAILQ_FIRST(&left));) {
+        STAILQ_REMOVE_HEAD(&left, link);
+        account(c, j, j->len - j->next_off, 1);
     }
 }
 
@@ -166,21 +147,18 @@ static void *tx_main(void *arg)
     struct tcp_conn *t = c->tp_priv;
     for (;;) {
         pthread_mutex_lock(&t->mu);
-        while (!t->head && !t->stop)
+        while (STAILQ_EMPTY(&t->jobs) && !t->stop)
             pthread_cond_wait(&t->cv, &t->mu);
         if (t->stop) {
             pthread_mutex_unlock(&t->mu);
             break;
         }
-        struct tcp_job *j = t->head;
+        struct tcp_job *j = STAILQ_FIRST(&t->jobs);
         size_t off = j->next_off;
         size_t len = j->len - off < c->chunk_bytes ? j->len - off : c->chunk_bytes;
         j->next_off += len;
-        if (j->next_off == j->len) { /* fully handed out: leave the queue */
-            t->head = j->next;
-            if (!t->head)
-                t->tail = NULL;
-        }
+        if (j->next_off == j->len) /* fully handed out: leave the queue */
+            STAILQ_REMOVE_HEAD(&t->jobs, link);
         pthread_mutex_unlock(&t->mu);
 
         struct uccl__chunk_hdr h = {.kind = (uint16_t)j->kind, .id = j->id, .offset = off, .len = len};
@@ -298,11 +276,7 @@ static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
         free(j);
         return uccl__err(UCCL_ERR_CLOSED, "connection is shutting down");
     }
-    if (t->tail)
-        t->tail->next = j;
-    else
-        t->head = j;
-    t->tail = j;
+    STAILQ_INSERT_TAIL(&t->jobs, j, link);
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
     return UCCL_OK;
@@ -336,13 +310,11 @@ static void tcp_conn_destroy(struct uccl__conn *c)
         }
     }
     /* Jobs never fully handed out: no thread references them any more. */
-    while (t->head) {
-        struct tcp_job *j = t->head;
-        t->head = j->next;
+    for (struct tcp_job *j; (j = STAILQ_FIRST(&t->jobs));) {
+        STAILQ_REMOVE_HEAD(&t->jobs, link);
         uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
         free(j);
     }
-    t->tail = NULL;
     for (unsigned i = 0; i < t->n; i++)
         if (t->s[i].fd >= 0) {
             close(t->s[i].fd);

@@ -1,21 +1,27 @@
 /* The one contract every transport meets.
  *
- * A connection is set up by engine.c over its control socket (handshake,
- * secret, host identity); the transport then adds what it needs (TCP data
- * streams, a shared-memory segment, later CUDA IPC handles or RDMA queue
- * pairs).  The two-sided and one-sided protocol (rendezvous, size checks,
- * advertised windows) lives in conn.c and is the same for every transport;
- * a transport only moves bytes, in one of two ways:
+ * A connection is set up by the endpoint over its control socket
+ * (handshake.c: secret, host identity); the transport then adds what it
+ * needs (TCP data streams, a shared-memory segment, later CUDA IPC handles
+ * or RDMA queue pairs).  The two-sided and one-sided protocol (rendezvous,
+ * size checks, advertised windows) lives in proto.c and is the same for
+ * every transport; a transport only moves bytes, in one of two ways:
  *
  *  - direct: the local process copies straight from/to the peer's memory
  *    given its address (CMA process_vm_readv/writev; later cuMemcpy from a
  *    CUDA IPC mapping, or RDMA READ/WRITE with the key carried in `key`).
  *  - stream: the bytes travel tagged (kind, id, offset) and the peer's
- *    engine asks conn.c where each chunk may land (uccl__conn_rx_begin),
- *    which checks it against what that side posted or advertised.
+ *    engine asks the protocol where each chunk may land (uccl__conn_rx_begin,
+ *    below), which checks it against what that side posted or advertised.
+ *
+ * Calls go one way, down: the protocol calls the ops; a transport calls
+ * back into the protocol only through the upcalls declared at the end of
+ * this file (where stream bytes land, that they left, that the connection
+ * failed, a control message to send), and into the layers below it
+ * (handshake.c, pool.c, sock.c, wire.c).
  *
  * Adding a transport = one new tp_<name>.c exporting a const ops table, and
- * one line in the registry in engine.c.  How the next two map onto it:
+ * one line in the registry (transport.c).  How the next two map onto it:
  *  - tp_cuda_ipc.c (GPU memory, same host): mem_reg exports a CUDA IPC
  *    handle for the region (cuIpcGetMemHandle via cuda_loader.c) and mem_key
  *    names it; pull opens/caches the peer's handle and cuMemcpyAsync's from
@@ -36,8 +42,9 @@
 #include "wire.h"
 
 struct uccl__conn;
-struct uccl__ep;
+struct uccl__mem;
 struct uccl__mr;
+struct uccl__req;
 
 struct uccl__tp_ops {
     const char *name;
@@ -65,13 +72,14 @@ struct uccl__tp_ops {
     /* Start the transport's threads.  Never blocks. */
     int (*conn_start)(struct uccl__conn *c);
 
-    /* Memory registration, per endpoint and region (NULL: nothing to do):
-     * RDMA registers with the device (ibv_reg_mr), CUDA IPC exports a handle.
-     * What it makes lives in mr->tp_key[id] (an lkey, say) and
-     * mr->tp_priv[id].  reg() calls it for every transport available in this
-     * process; dereg() calls mem_dereg once no peer access is in flight. */
-    int (*mem_reg)(struct uccl__ep *ep, struct uccl__mr *mr);
-    void (*mem_dereg)(struct uccl__ep *ep, struct uccl__mr *mr);
+    /* Memory registration, per endpoint (its region table, mem.h) and
+     * region (NULL: nothing to do): RDMA registers with the device
+     * (ibv_reg_mr), CUDA IPC exports a handle.  What it makes lives in
+     * mr->tp_key[id] (an lkey, say) and mr->tp_priv[id].  reg() calls it for
+     * every transport available in this process; dereg() calls mem_dereg
+     * once no peer access is in flight. */
+    int (*mem_reg)(struct uccl__mem *mem, struct uccl__mr *mr);
+    void (*mem_dereg)(struct uccl__mem *mem, struct uccl__mr *mr);
 
     /* What a peer needs besides the address to pull from addr, inside region
      * mr, over c (an rkey, an IPC handle id); NULL or 0 where the address is
@@ -113,7 +121,7 @@ struct uccl__tp_ops {
      * area, or NULL if the transport has none. */
     char *(*eager_slot)(struct uccl__conn *c, unsigned idx);
 
-    /* A control message of a type conn.c does not know (UCCL_MSG_DATA /
+    /* A control message of a type the protocol does not know (UCCL_MSG_DATA /
      * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the service
      * thread; must not wait for the peer. */
     int (*on_msg)(struct uccl__conn *c, const struct uccl__msg *m);
@@ -132,5 +140,29 @@ struct uccl__tp_ops {
 
 extern const struct uccl__tp_ops uccl__tp_tcp;
 extern const struct uccl__tp_ops uccl__tp_shm;
+
+/* The registry (transport.c): transports by wire id (UCCL_TP_*), NULL where
+ * this build has none; and the names UCCL_P2P_TRANSPORT takes. */
+extern const struct uccl__tp_ops *const uccl__tp_registry[UCCL_TP_COUNT];
+extern const char *const uccl__tp_names[UCCL_TP_COUNT];
+
+/* ---- upcalls: what a transport may call in the protocol (proto.c, conn.c) ----
+ *
+ * Stream receive path, for each arriving chunk: rx_begin validates (kind,
+ * id, offset, len) against what this side posted or advertised and returns
+ * where the bytes go, holding the request busy; rx_end accounts them;
+ * rx_abort lets go of a chunk that could not be received (the connection is
+ * failing). */
+int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
+                        uint64_t len, char **dst_p, struct uccl__req **req_p);
+void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len);
+void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r);
+/* Stream send path: the bytes queued with `cookie` have left the buffer. */
+void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status);
+/* A control message to the peer (the shared-memory ring's DATA/CREDIT). */
+int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m);
+/* The connection cannot go on: fail everything pending on it. */
+void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 #endif

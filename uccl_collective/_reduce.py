@@ -64,7 +64,7 @@ def allgather_chunks(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]]) -> N
     views of one checked tensor."""
     esz, base = flat.element_size(), flat.data_ptr()
     bufs = [(base + s * esz, (e - s) * esz, 0) for s, e in chunk]
-    ctx._ep()._comm_allgather(bufs[ctx.rank], bufs, _engine.AG_AUTO, False, ctx.timeout_s)
+    ctx._cm().allgather(bufs[ctx.rank], bufs, _engine.AG_AUTO, False, ctx.timeout_s)
 
 
 def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combine: Callable,
@@ -74,7 +74,7 @@ def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combin
     algo = ALGO
     if algo == "auto":
         longest = max(e - s for s, e in chunk) * flat.element_size()
-        ring = ctx._ep()._comm_pick_algo(_engine.AG_AUTO, longest) == _engine.AG_RING
+        ring = ctx._cm().pick_algo(_engine.AG_AUTO, longest) == _engine.AG_RING
         algo = "ring" if ring else "direct"
     if algo == "direct":
         direct_reduce_scatter(ctx, flat, chunk, combine, scratch_of, allgather)
@@ -201,13 +201,13 @@ def _piece_elems(longest: int, esz: int) -> int:
     return max(piece, min(longest, min(1 << 20, PIECE_BYTES) // esz))
 
 
-def _wait(ep, op: int | None, timeout: float) -> None:
+def _wait(cm, op: int | None, timeout: float) -> None:
     if op is not None:   # None: nothing was posted (empty pieces on both sides)
-        ep._comm_wait(op, timeout)
+        cm.wait(op, timeout)
 
 
-def _post(ep, entries: list) -> int | None:
-    return ep._comm_p2p(entries) if entries else None
+def _post(cm, entries: list) -> int | None:
+    return cm.p2p(entries) if entries else None
 
 
 def _span(base: int, esz: int, a: int, b: int) -> tuple[int, int, int]:
@@ -215,12 +215,12 @@ def _span(base: int, esz: int, a: int, b: int) -> tuple[int, int, int]:
     return base + a * esz, (b - a) * esz, 0
 
 
-def _drain(ep, ops, timeout: float) -> None:
+def _drain(cm, ops, timeout: float) -> None:
     """After an error: wait out what is still posted, so nothing lands in
     the caller's buffers once it has raised."""
     for op in ops:
         try:
-            _wait(ep, op, timeout)
+            _wait(cm, op, timeout)
         except BaseException:
             pass
 
@@ -236,7 +236,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     would page-fault on every byte the engine writes into it.  A piece
     reduced at step s is the piece sent at step s+1, so it is submitted
     right after its reduction: the pieces behind it stay in flight."""
-    n, me, ep = ctx.world_size, ctx.rank, ctx._ep()
+    n, me, cm = ctx.world_size, ctx.rank, ctx._cm()
     if n == 1 or flat.numel() == 0:
         return
     right, left = (me + 1) % n, (me - 1) % n
@@ -260,7 +260,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             a, b = recv_pieces[s][p]
             off = a - chunk[(me - s - 2) % n][0]
             entries.append((_RECV, left, _span(sbase[s % 2], esz, off, off + b - a)))
-        return _post(ep, entries)
+        return _post(cm, entries)
 
     # Every rank submits the (step, piece) operations in this one order, so
     # posts match on every connection; at most WINDOW are in flight (a deep
@@ -280,7 +280,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             while k < len(seq) and k < j + WINDOW and ready(*seq[k]):
                 ops[seq[k]] = submit(*seq[k])
                 k += 1
-            _wait(ep, ops.pop((s, p)), timeout)
+            _wait(cm, ops.pop((s, p)), timeout)
             rp = recv_pieces[s]
             if p < len(rp):
                 a, b = rp[p]
@@ -288,7 +288,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
                 combine(flat[a:b], scratch[s % 2][off:off + b - a])
                 reduced.add((s, p))
     finally:
-        _drain(ep, ops.values(), timeout)
+        _drain(cm, ops.values(), timeout)
 
 
 def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
@@ -306,7 +306,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     at once, while the later pieces are still being reduced, and every
     rank's pieces land in place.  A piece of chunk r is overwritten only
     after its reduce-scatter exchange completed (its send was pulled)."""
-    n, me, ep = ctx.world_size, ctx.rank, ctx._ep()
+    n, me, cm = ctx.world_size, ctx.rank, ctx._cm()
     if n == 1 or flat.numel() == 0:
         return
     esz = flat.element_size()
@@ -328,7 +328,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             a, b = pieces[me][p]
             entries += [(_RECV, r, _span(sbase[i], esz, a - mine[0], b - mine[0]))
                         for i, r in enumerate(peers)]
-        return _post(ep, entries)
+        return _post(cm, entries)
 
     def submit_gather(p: int) -> int | None:
         entries = []
@@ -336,7 +336,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             entries += [(_SEND, r, _span(base, esz, *pieces[me][p])) for r in peers]
         entries += [(_RECV, r, _span(base, esz, *pieces[r][p])) for r in peers  # theirs, in place
                     if p < len(pieces[r])]
-        return _post(ep, entries)
+        return _post(cm, entries)
 
     # Every rank submits in this one order: RS(0..W-1), then per piece p:
     # [AG(p)], RS(p+W).  Posts match per connection.
@@ -349,7 +349,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             while k < total and k < p + WINDOW:
                 ops[k] = submit(k)
                 k += 1
-            _wait(ep, ops.pop(p), timeout)
+            _wait(cm, ops.pop(p), timeout)
             if p < len(pieces[me]):
                 a, b = pieces[me][p]
                 off = a - mine[0]
@@ -358,8 +358,8 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             if allgather:
                 gathers.append(submit_gather(p))
                 while len(gathers) > WINDOW:
-                    _wait(ep, gathers.popleft(), timeout)
+                    _wait(cm, gathers.popleft(), timeout)
         while gathers:
-            _wait(ep, gathers.popleft(), timeout)
+            _wait(cm, gathers.popleft(), timeout)
     finally:
-        _drain(ep, list(ops.values()) + list(gathers), timeout)
+        _drain(cm, list(ops.values()) + list(gathers), timeout)

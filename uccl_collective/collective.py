@@ -92,19 +92,19 @@ class Handle:
     operation finished hands it (and its tensors) to the context, which
     keeps them until the operation is over."""
 
-    __slots__ = ("_ep", "_ops", "_works", "_done", "_error", "_keep", "_orphans", "_lock",
+    __slots__ = ("_cm", "_ops", "_works", "_done", "_error", "_keep", "_orphans", "_lock",
                  "__weakref__")
 
-    def __init__(self, ep: Endpoint | None, ops: Sequence[int] = (), works: Sequence = (),
-                 keep: Any = None, orphans: list | None = None):
-        self._ep, self._ops, self._works = ep, list(ops), list(works)
+    def __init__(self, cm: _engine.Communicator | None, ops: Sequence[int] = (),
+                 works: Sequence = (), keep: Any = None, orphans: list | None = None):
+        self._cm, self._ops, self._works = cm, list(ops), list(works)
         self._done, self._error, self._keep = False, None, keep
         self._orphans = orphans
         self._lock = threading.Lock()  # one thread advances it at a time
 
     def __del__(self):
         if not self._done and (self._ops or self._works) and self._orphans is not None:
-            self._orphans.append(Handle(self._ep, self._ops, self._works, self._keep))
+            self._orphans.append(Handle(self._cm, self._ops, self._works, self._keep))
 
     def _finish(self, error: BaseException | None) -> None:
         self._done, self._error, self._keep = True, error, None
@@ -140,7 +140,7 @@ class Handle:
         cancelled, and waiting would defeat the timeout)."""
         for op in self._ops:
             try:
-                self._ep._comm_wait(op)
+                self._cm.wait(op)
             except BaseException:
                 pass
         for w in self._works if works else ():
@@ -153,7 +153,7 @@ class Handle:
         if not self._lock.acquire(blocking=False):
             return False  # another thread is waiting for it: not known to be done yet
         try:
-            return self._settle(self._ep._comm_test,
+            return self._settle(self._cm.test,
                                 lambda w: w.done() and w.result() is not False)
         finally:
             self._lock.release()
@@ -167,7 +167,7 @@ class Handle:
                                        "(it stays posted until Gloo's own timeout)") from None
             return True
         with self._lock:
-            return self._settle(lambda op: self._ep._comm_wait(op, timeout), work_done)
+            return self._settle(lambda op: self._cm.wait(op, timeout), work_done)
 
     def is_completed(self) -> bool:
         return self.test()
@@ -221,6 +221,7 @@ class CollectiveContext:
         self.rank = rank
         self.world_size = world_size
         self.ep: Endpoint | None = None
+        self._comm: _engine.Communicator | None = None   # the engine's collectives over ep
         self._engine_peer: list[bool] = []
         self._regs: dict[int, tuple[int, int, int]] = {}
         self.setup_seconds: float | None = None
@@ -318,7 +319,7 @@ class CollectiveContext:
             recv_conns[r] = conn
         for r in peers:
             self.transports[r] = ep.conn_transport(send_conns[r])
-        ep._comm_init(me, n, send_conns, recv_conns)
+        self._comm = _engine.Communicator(ep, me, n, send_conns, recv_conns)
 
     def _sweep(self) -> None:
         """Forget the dropped handles whose operations are over (their
@@ -338,6 +339,10 @@ class CollectiveContext:
             raise ValueError("CollectiveContext is not initialised (call init()) or finalized")
         return self.ep
 
+    def _cm(self) -> _engine.Communicator:
+        self._ep()
+        return self._comm
+
     def finalize(self) -> None:
         if self._waiter is not None:
             self._waiter.shutdown(wait=False, cancel_futures=True)
@@ -345,6 +350,7 @@ class CollectiveContext:
         if self.ep is not None:
             self.ep.close()  # fails what is pending: nothing lands in kept tensors afterwards
             self.ep = None
+            self._comm = None
             self._regs.clear()
         self._orphans.clear()
 
@@ -394,7 +400,7 @@ class CollectiveContext:
              blocking: bool = False) -> Handle | None:
         """Posts the batch; a Handle, or None when blocking (then waited for:
         engine-only batches in the one engine call that posts them)."""
-        ep = self._ep()
+        cm = self._cm()
         for kind, t, peer in entries:  # everything is checked before anything is posted
             self._check_peer(peer, what)
             _tensor_buf(t, what)
@@ -407,10 +413,10 @@ class CollectiveContext:
                 gpeer = peer if self._group is None else dist.get_global_rank(self._group, peer)
                 works.append(fn(t, gpeer, group=self._group))
         if blocking and not works:
-            ep._comm_p2p(engine, True, self.timeout_s)
+            cm.p2p(engine, True, self.timeout_s)
             return None
-        ops = [ep._comm_p2p(engine)] if engine else []
-        h = Handle(ep, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
+        ops = [cm.p2p(engine)] if engine else []
+        h = Handle(cm, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
                    self._orphans)
         if blocking:
             h.wait(self.timeout_s)
@@ -531,7 +537,7 @@ class CollectiveContext:
         """Posts the allgather; returns (engine op id, None) when the engine
         runs all of it, else (None, Handle) for the mixed-route forms.  With
         async_op=False the engine part is also waited for (in the same call)."""
-        ep = self._ep()
+        cm = self._cm()
         algo = _ALGOS.get(algorithm)
         if algo is None:
             raise ValueError(f"{what}: algorithm must be 'auto', 'direct' or 'ring', got "
@@ -540,14 +546,14 @@ class CollectiveContext:
         engine_only = self._engine_only
         if engine_only and not uneven and isinstance(recv, torch.Tensor):
             send, bufs = self._flat_bufs(send_tensor, recv, what)
-            return ep._comm_allgather(send, bufs, algo, async_op, self.timeout_s), None
+            return cm.allgather(send, bufs, algo, async_op, self.timeout_s), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
         bufs = [self._buf(c, what) for c in chunks]
         if engine_only:
-            return ep._comm_allgather(send, bufs, algo, async_op, self.timeout_s), None
+            return cm.allgather(send, bufs, algo, async_op, self.timeout_s), None
         # Some peers go through torch.distributed (same node, copy engine off).
-        algo = ep._comm_pick_algo(algo, send[1])
+        algo = cm.pick_algo(algo, send[1])
         if chunks[me].data_ptr() != send_tensor.data_ptr():
             chunks[me].copy_(send_tensor.reshape(-1).view_as(chunks[me]))
         if algo == _engine.AG_DIRECT:
@@ -559,7 +565,7 @@ class CollectiveContext:
         for s in range(n - 1):
             out_c, in_c = chunks[(me - s) % n], chunks[(me - s - 1) % n]
             self._p2p([("send", out_c, right), ("recv", in_c, left)], what, blocking=True)
-        return None, Handle(ep)
+        return None, Handle(cm)
 
     def _run_allgather(self, send_tensor, recv, algorithm, what, uneven) -> None:
         # Blocking: this thread advances the operation itself (no handoff),
@@ -570,7 +576,7 @@ class CollectiveContext:
 
     def iallgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> Handle:
         op, handle = self._iallgather(send_tensor, recv, algorithm, "iallgather", False)
-        return handle or Handle(self.ep, [op], (), (send_tensor, recv), self._orphans)
+        return handle or Handle(self._comm, [op], (), (send_tensor, recv), self._orphans)
 
     def allgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> None:
         self._run_allgather(send_tensor, recv, algorithm, "allgather", False)
@@ -578,7 +584,7 @@ class CollectiveContext:
     def iallgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                     algorithm: str = "auto") -> Handle:
         op, handle = self._iallgather(send_tensor, recv_list, algorithm, "iallgatherv", True)
-        return handle or Handle(self.ep, [op], (), (send_tensor, recv_list), self._orphans)
+        return handle or Handle(self._comm, [op], (), (send_tensor, recv_list), self._orphans)
 
     def allgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                    algorithm: str = "auto") -> None:

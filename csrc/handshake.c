@@ -1,0 +1,112 @@
+/* The connection handshake (handshake.h). */
+#define _GNU_SOURCE
+#include "handshake.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "conn.h"
+#include "local.h"
+#include "sock.h"
+#include "status.h"
+
+static void fill_hello(struct uccl__conn *c, int type, struct uccl__hello *h)
+{
+    const struct uccl__local *loc = c->local;
+    memset(h, 0, sizeof(*h));
+    h->type = (uint16_t)type;
+    h->secret_len = c->secret_len;
+    memcpy(h->secret, c->secret, c->secret_len);
+    snprintf(h->host_id, sizeof(h->host_id), "%s", loc->host_id);
+    h->pid = (uint32_t)getpid();
+    h->gpu_idx = loc->gpu_idx;
+    h->rank = loc->rank;
+    h->transport = (uint32_t)loc->forced_tp;
+    h->num_streams = c->num_streams;
+    h->conn_token = c->token;
+    h->probe_addr = (uint64_t)(uintptr_t)&loc->probe_word;
+    h->probe_cookie = loc->probe_word;
+    h->listen_port = (uint32_t)loc->port;
+    h->chunk_bytes = c->chunk_bytes;
+}
+
+int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint64_t deadline,
+                    struct uccl__hello *ack)
+{
+    struct uccl__hello h;
+    uint8_t buf[UCCL_HELLO_SIZE];
+    fill_hello(c, type, &h);
+    h.stream_index = index;
+    uccl__hello_encode(&h, buf);
+    int rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
+    if (rc == UCCL_OK)
+        rc = uccl__sock_recv_all(fd, buf, sizeof(buf), deadline);
+    if (rc)
+        return uccl__err(rc, "handshake with %s:%d: %s", c->peer_ip, c->peer_port,
+                         uccl_last_error());
+    rc = uccl__hello_decode(buf, ack);
+    if (rc)
+        return rc;
+    if (ack->type != UCCL_HELLO_ACK)
+        return uccl__err(UCCL_ERR_PROTO, "handshake with %s:%d: expected an ACK", c->peer_ip,
+                         c->peer_port);
+    if (ack->status == UCCL_ERR_AUTH)
+        return uccl__err(UCCL_ERR_AUTH, "%s:%d refused the connection: wrong or missing secret "
+                         "(UCCL_P2P_SECRET)", c->peer_ip, c->peer_port);
+    if (ack->status != UCCL_OK)
+        return uccl__err(ack->status == UCCL_ERR_UNAVAIL ? UCCL_ERR_UNAVAIL : UCCL_ERR_IO,
+                         "%s:%d refused the connection: %s (see its log)", c->peer_ip,
+                         c->peer_port, uccl_status_str(ack->status));
+    return UCCL_OK;
+}
+
+int uccl__open_stream(struct uccl__conn *c, unsigned index, uint64_t deadline_ns, int *fd_p)
+{
+    int fd;
+    struct uccl__hello ack;
+    int rc = uccl__sock_connect(c->peer_ip, c->peer_port, deadline_ns, &fd);
+    if (rc)
+        return rc;
+    rc = uccl__handshake(c, fd, UCCL_HELLO_STREAM, index, deadline_ns, &ack);
+    if (rc) {
+        close(fd);
+        return rc;
+    }
+    *fd_p = fd;
+    return UCCL_OK;
+}
+
+void uccl__send_ack(int fd, const struct uccl__local *loc, int status, struct uccl__hello *ack)
+{
+    struct uccl__hello a;
+    if (!ack) {
+        memset(&a, 0, sizeof(a));
+        a.num_streams = 1;
+        a.chunk_bytes = 4096;
+        ack = &a;
+    }
+    ack->type = UCCL_HELLO_ACK;
+    ack->status = status;
+    ack->pid = (uint32_t)getpid();
+    ack->gpu_idx = loc->gpu_idx;
+    ack->rank = loc->rank;
+    ack->listen_port = (uint32_t)loc->port;
+    ack->probe_addr = (uint64_t)(uintptr_t)&loc->probe_word;
+    ack->probe_cookie = loc->probe_word;
+    snprintf(ack->host_id, sizeof(ack->host_id), "%s", loc->host_id);
+    uint8_t buf[UCCL_HELLO_SIZE];
+    uccl__hello_encode(ack, buf);
+    uccl__sock_send_all(fd, buf, sizeof(buf), uccl__now_ns() + UCCL_HANDSHAKE_NS);
+}
+
+int uccl__secret_ok(const struct uccl__local *loc, const struct uccl__hello *h)
+{
+    if (loc->secret_len == 0)
+        return 1;
+    /* Constant time over the whole field: no early exit on the first difference. */
+    unsigned diff = h->secret_len ^ loc->secret_len;
+    for (unsigned i = 0; i < UCCL_SECRET_MAX; i++)
+        diff |= (unsigned)(h->secret[i] ^ loc->secret[i]);
+    return diff == 0;
+}

@@ -1,0 +1,191 @@
+/* The module uccl_collective._engine (pyengine.h): its state (the
+ * exception classes), engine statuses raised as exceptions, argument
+ * converters, and multi-phase init, which adds the Endpoint and
+ * Communicator types and the constants. */
+#include "pyengine.h"
+
+#include <string.h>
+#include <time.h>
+
+#include "wire.h"
+
+uint64_t uccl__py_mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uccl__py_state *state_of(PyObject *module) { return (uccl__py_state *)PyModule_GetState(module); }
+
+
+/* Raise the exception that fits status, with the engine's message. */
+PyObject *uccl__py_raise(PyObject *module, int status, const char *msg)
+{
+    uccl__py_state *st = state_of(module);
+    PyObject *type;
+    switch (status) {
+    case UCCL_ERR_INVALID:
+    case UCCL_ERR_NOTFOUND:
+    case UCCL_ERR_MISMATCH:
+    case UCCL_ERR_CLOSED:
+        type = PyExc_ValueError;
+        break;
+    case UCCL_ERR_TIMEOUT:
+        type = st->timeout_error;
+        break;
+    case UCCL_ERR_NOMEM:
+        return PyErr_NoMemory();
+    default:
+        type = st->error;
+    }
+    PyErr_Format(type, "%s", msg && *msg ? msg : uccl_status_str(status));
+    return NULL;
+}
+
+PyObject *uccl__py_module_of(PyTypeObject *tp)
+{
+    PyObject *mro = PyObject_GetAttrString((PyObject *)tp, "__mro__");
+    if (!mro)
+        return NULL;
+    PyObject *found = NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_Size(mro) && !found; i++) {
+        PyObject *m = PyType_GetModule((PyTypeObject *)PyTuple_GetItem(mro, i));
+        if (m && PyModule_GetDef(m) == &uccl__py_module_def) {
+            Py_INCREF(m);
+            found = m;
+        }
+        PyErr_Clear();
+    }
+    Py_DECREF(mro);
+    if (!found)
+        PyErr_Format(PyExc_TypeError, "%R: cannot find the _engine module", (PyObject *)tp);
+    return found;
+}
+
+int uccl__py_to_u64(PyObject *o, void *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "expected a non-negative integer (pointer or id), got %R", o);
+        return 0;
+    }
+    *(uint64_t *)out = v;
+    return 1;
+}
+
+int uccl__py_to_size(PyObject *o, void *out)
+{
+    Py_ssize_t v = PyLong_AsSsize_t(o);
+    if (v == -1 && PyErr_Occurred())
+        return 0;
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "size must be >= 0, got %zd", v);
+        return 0;
+    }
+    *(size_t *)out = (size_t)v;
+    return 1;
+}
+
+static PyObject *mod_parse_metadata(PyObject *module, PyObject *args)
+{
+    const char *meta;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "y#", &meta, &len))
+        return NULL;
+    char ip[46];
+    int port, gpu;
+    int rc = uccl_parse_metadata((const uint8_t *)meta, (size_t)len, ip, &port, &gpu);
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return Py_BuildValue("(sii)", ip, port, gpu);
+}
+
+static PyMethodDef module_methods[] = {
+    {"parse_metadata", mod_parse_metadata, METH_VARARGS,
+     "parse_metadata(bytes) -> (ip, port, gpu_idx)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *m)
+{
+    uccl__py_state *st = state_of(m);
+    st->error = PyErr_NewExceptionWithDoc("uccl_collective.UcclError",
+                                          "A transfer or connection failed.", PyExc_RuntimeError, NULL);
+    if (!st->error)
+        return -1;
+    PyObject *bases = PyTuple_Pack(2, st->error, PyExc_TimeoutError);
+    if (!bases)
+        return -1;
+    st->timeout_error = PyErr_NewExceptionWithDoc("uccl_collective.UcclTimeoutError",
+                                                  "A deadline passed.", bases, NULL);
+    Py_DECREF(bases);
+    if (!st->timeout_error)
+        return -1;
+    if (PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
+        PyModule_AddObjectRef(m, "UcclTimeoutError", st->timeout_error) < 0)
+        return -1;
+    PyObject *ep_type = PyType_FromModuleAndSpec(m, &uccl__py_endpoint_spec, NULL);
+    if (!ep_type)
+        return -1;
+    int rc = PyModule_AddObjectRef(m, "Endpoint", ep_type);
+    Py_DECREF(ep_type);
+    if (rc < 0)
+        return -1;
+    PyObject *comm_type = PyType_FromModuleAndSpec(m, &uccl__py_comm_spec, NULL);
+    if (!comm_type)
+        return -1;
+    rc = PyModule_AddObjectRef(m, "Communicator", comm_type);
+    Py_DECREF(comm_type);
+    if (rc < 0)
+        return -1;
+    if (PyModule_AddIntConstant(m, "OP_SEND", UCCL_XFER_SEND) < 0 ||
+        PyModule_AddIntConstant(m, "OP_RECV", UCCL_XFER_RECV) < 0 ||
+        PyModule_AddIntConstant(m, "OP_WRITE", UCCL_XFER_WRITE) < 0 ||
+        PyModule_AddIntConstant(m, "OP_READ", UCCL_XFER_READ) < 0 ||
+        PyModule_AddIntConstant(m, "METADATA_SIZE", UCCL_META_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "AG_AUTO", UCCL_AG_AUTO) < 0 ||
+        PyModule_AddIntConstant(m, "AG_DIRECT", UCCL_AG_DIRECT) < 0 ||
+        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    uccl__py_state *st = state_of(m);
+    Py_VISIT(st->error);
+    Py_VISIT(st->timeout_error);
+    return 0;
+}
+
+static int module_clear(PyObject *m)
+{
+    uccl__py_state *st = state_of(m);
+    Py_CLEAR(st->error);
+    Py_CLEAR(st->timeout_error);
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+struct PyModuleDef uccl__py_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "uccl_collective._engine",
+    .m_doc = "The uccl-collective C engine.",
+    .m_size = sizeof(uccl__py_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+};
+
+PyMODINIT_FUNC PyInit__engine(void)
+{
+    return PyModuleDef_Init(&uccl__py_module_def);
+}

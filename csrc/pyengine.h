@@ -1,0 +1,72 @@
+/* The extension module uccl_collective._engine, internal to its three
+ * files (the only ones that include Python.h):
+ *
+ *   py_module.c    the module: its state (the exceptions), engine statuses
+ *                  raised as exceptions, argument converters, module init
+ *   py_endpoint.c  the Endpoint type, over an engine endpoint (uccl.h)
+ *   py_comm.c      the Communicator type, over an Endpoint (coll.h)
+ *
+ * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
+ * released around everything that can block, waits cut into slices with
+ * PyErr_CheckSignals() between them so that Ctrl-C works, close()
+ * idempotent and reused by dealloc.  Built against the stable ABI
+ * (Py_LIMITED_API, CPython >= 3.10). */
+#ifndef UCCL_PYENGINE_H
+#define UCCL_PYENGINE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+#include "coll.h"
+#include "uccl.h"
+
+#define UCCL_PY_SLICE_NS 100000000ull /* 100 ms between signal checks */
+
+typedef struct {
+    PyObject *error;         /* UcclError(RuntimeError) */
+    PyObject *timeout_error; /* UcclTimeoutError(UcclError, TimeoutError) */
+} uccl__py_state;
+
+typedef struct {
+    PyObject_HEAD
+    uccl_ep_t *ep;
+    uccl_comm_t *comm;       /* the communicator over this endpoint (py_comm.c); destroyed
+                                with the engine, before it */
+    PyObject *module;        /* strong ref: where the exceptions live */
+    int inflight;            /* calls running without the GIL (uccl__py_ep_enter/leave) */
+    int closed;
+} uccl__py_endpoint;
+
+/* ---- py_module.c ---- */
+extern struct PyModuleDef uccl__py_module_def;
+uint64_t uccl__py_mono_ns(void);
+/* Raise the exception that fits status (ValueError, UcclError,
+ * UcclTimeoutError, MemoryError) with msg; returns NULL. */
+PyObject *uccl__py_raise(PyObject *module, int status, const char *msg);
+/* This extension's module, found through tp's MRO (tp may be a Python
+ * subclass of one of our types); a new reference, or NULL with TypeError. */
+PyObject *uccl__py_module_of(PyTypeObject *tp);
+/* PyArg "O&" converters: a non-negative integer (pointer or id), a size. */
+int uccl__py_to_u64(PyObject *o, void *out);
+int uccl__py_to_size(PyObject *o, void *out);
+
+/* ---- py_endpoint.c ---- */
+extern PyType_Spec uccl__py_endpoint_spec;
+/* -1 with ValueError if the endpoint is closed. */
+int uccl__py_ep_check(uccl__py_endpoint *self);
+/* Raise status with the engine's message for this thread. */
+PyObject *uccl__py_ep_fail(uccl__py_endpoint *self, int status);
+/* A call that releases the GIL holds the engine alive: close() from another
+ * thread then only fails what is pending (waking this call), and the last
+ * call to leave frees the engine.  Both run with the GIL held. */
+void uccl__py_ep_enter(uccl__py_endpoint *self);
+void uccl__py_ep_leave(uccl__py_endpoint *self);
+/* A timeout argument in seconds (None: the endpoint's); *err on a bad one. */
+double uccl__py_timeout_arg(uccl__py_endpoint *self, PyObject *timeout, int *err);
+
+/* ---- py_comm.c ---- */
+extern PyType_Spec uccl__py_comm_spec;
+
+#endif
