@@ -397,8 +397,8 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
         if ((o->state == UCCL_OPST_QUEUED || o->state == UCCL_OPST_RUNNING) && runnable(cm, o)) {
             if (take(cm, o))
                 run_slice(cm, o, until);
-            if (uccl__now_ns() >= until && o->state != UCCL_OPST_DONE && o->state != UCCL_OPST_FAILED &&
-                o->state != UCCL_OPST_POSTED) {
+            if (uccl__now_ns() >= until && o->state != UCCL_OPST_DONE &&
+                o->state != UCCL_OPST_FAILED && o->state != UCCL_OPST_POSTED) {
                 rc = UCCL_INPROGRESS;
                 break;
             }

@@ -263,8 +263,8 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
             break;
         }
         job_done(c, j); /* done writing into r: only then may it complete */
-        uccl__proto_answer(c, r, j->kind == UCCL_JOB_PULL_RECV ? UCCL_MSG_FIN : UCCL_MSG_RDONE, r->len,
-                     UCCL_OK, NULL);
+        uccl__proto_answer(c, r, j->kind == UCCL_JOB_PULL_RECV ? UCCL_MSG_FIN : UCCL_MSG_RDONE,
+                           r->len, UCCL_OK, NULL);
         break;
     case UCCL_JOB_PULL_WRITE:
         rc = c->tp->pull(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,

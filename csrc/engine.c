@@ -95,13 +95,15 @@ void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
 static int read_settings(struct uccl__local *loc, double timeout_s, long *base_port_p)
 {
     int bad = 0;
-    double t = timeout_s > 0 ? timeout_s
-                             : (double)uccl__env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
+    double t = timeout_s > 0
+                   ? timeout_s
+                   : (double)uccl__env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
     if (t > 365.0 * 86400) /* beyond a year means "forever"; keep the ns count finite */
         t = 365.0 * 86400;
     loc->timeout_ns = (uint64_t)(t * 1e9);
     loc->spin_ns = (uint64_t)uccl__env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
-    loc->num_streams = (unsigned)uccl__env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
+    loc->num_streams =
+        (unsigned)uccl__env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
     loc->chunk_bytes = (size_t)uccl__env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
     *base_port_p = uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
     if (bad)

@@ -41,7 +41,7 @@ int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint
     uccl__hello_encode(&h, buf);
     int rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
     if (rc == UCCL_OK)
-        rc = uccl__sock_recv_all(fd, buf, sizeof(buf), deadline);
+        rc = uccl__sock_recv_all(fd, buf, sizeof(buf), deadline, 0);
     if (rc)
         return uccl__err(rc, "handshake with %s:%d: %s", c->peer_ip, c->peer_port,
                          uccl_last_error());

@@ -181,7 +181,8 @@ void uccl__proto_answer(struct uccl__conn *c, struct uccl__req *r, int type, uin
     uint64_t seq = r->seq;
     atomic_fetch_add(&c->answering, 1);
     uccl__req_complete(c, r, status, why ? "%s" : NULL, why);
-    uccl__conn_send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE ? (uint64_t)(int64_t)status : 0);
+    uccl__conn_send_simple(c, type, seq, len,
+                           type == UCCL_MSG_OPDONE ? (uint64_t)(int64_t)status : 0);
     atomic_fetch_sub(&c->answering, 1);
 }
 

@@ -156,6 +156,11 @@ static PyObject *comm_finish(uccl__py_endpoint *self, uint64_t id, int rc)
     return res;
 }
 
+static int comm_wait_slice(uccl__py_endpoint *self, uint64_t id, uint64_t deadline)
+{
+    return uccl_comm_wait(self->comm, id, deadline, UCCL_PY_SLICE_NS);
+}
+
 /* Wait for operation id in slices (Ctrl-C works), then forget it; raise if
  * it failed.  Interrupted, it is stopped first: nothing lands afterwards. */
 static PyObject *comm_wait_loop(uccl__py_endpoint *self, uint64_t id, PyObject *timeout)
@@ -165,33 +170,23 @@ static PyObject *comm_wait_loop(uccl__py_endpoint *self, uint64_t id, PyObject *
     if (err)
         return NULL;
     uint64_t deadline = uccl__py_mono_ns() + (uint64_t)(t * 1e9);
-    for (;;) {
-        int rc;
+    int rc;
+    if (uccl__py_wait_sliced(self, check_comm, comm_wait_slice, id, deadline, &rc) == 0)
+        return comm_finish(self, id, rc);
+    if (self->comm) { /* stop it (deadline 0): nothing may land after we raise */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
         uccl_comm_t *cm = self->comm;
         uccl__py_ep_enter(self);
         Py_BEGIN_ALLOW_THREADS
-        rc = uccl_comm_wait(cm, id, deadline, UCCL_PY_SLICE_NS);
+        uccl_comm_wait(cm, id, 0, UCCL_PY_SLICE_NS * 50);
         Py_END_ALLOW_THREADS
         uccl__py_ep_leave(self);
-        if (rc != UCCL_INPROGRESS)
-            return comm_finish(self, id, rc);
-        if (PyErr_CheckSignals() || check_comm(self)) {
-            if (self->comm) {
-                PyObject *et, *ev, *tb;
-                PyErr_Fetch(&et, &ev, &tb);
-                cm = self->comm;
-                uccl__py_ep_enter(self);
-                Py_BEGIN_ALLOW_THREADS
-                uccl_comm_wait(cm, id, 0, UCCL_PY_SLICE_NS * 50);
-                Py_END_ALLOW_THREADS
-                uccl__py_ep_leave(self);
-                if (self->comm)
-                    uccl_comm_release(self->comm, id);
-                PyErr_Restore(et, ev, tb);
-            }
-            return NULL;
-        }
+        if (self->comm)
+            uccl_comm_release(self->comm, id);
+        PyErr_Restore(et, ev, tb);
     }
+    return NULL;
 }
 
 /* Items of a sequence parsed into an array of n elements of elem bytes

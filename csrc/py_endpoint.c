@@ -345,7 +345,8 @@ static PyObject *Endpoint_reg(PyObject *op, PyObject *args)
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
     uint64_t ptr;
     size_t size;
-    if (!PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &ptr, uccl__py_to_size, &size) || uccl__py_ep_check(self))
+    if (!PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &ptr, uccl__py_to_size, &size) ||
+        uccl__py_ep_check(self))
         return NULL;
     uint64_t mr;
     int rc = uccl_ep_reg(self->ep, (uintptr_t)ptr, size, &mr);
@@ -372,34 +373,45 @@ static PyObject *Endpoint_dereg(PyObject *op, PyObject *args)
     Py_RETURN_TRUE;
 }
 
-static int parse_post(uccl__py_endpoint *self, PyObject *args, int *op, uint64_t *conn, uint64_t *mr,
-                      uint64_t *ptr, size_t *size, const char **fifo, Py_ssize_t *fifo_len)
+struct post_args {
+    int op;
+    uint64_t conn, mr, ptr;
+    size_t size;
+    const char *fifo;        /* the advertised descriptor (write, read), or NULL */
+    Py_ssize_t fifo_len;
+};
+
+/* (op, conn_id, mr_id, ptr, size, fifo_item=None) */
+static int parse_post(uccl__py_endpoint *self, PyObject *args, struct post_args *a)
 {
-    *fifo = NULL;
-    *fifo_len = 0;
-    if (!PyArg_ParseTuple(args, "iO&O&O&O&|z#", op, uccl__py_to_u64, conn, uccl__py_to_u64, mr, uccl__py_to_u64, ptr,
-                          uccl__py_to_size, size, fifo, fifo_len))
+    a->fifo = NULL;
+    a->fifo_len = 0;
+    if (!PyArg_ParseTuple(args, "iO&O&O&O&|z#", &a->op, uccl__py_to_u64, &a->conn,
+                          uccl__py_to_u64, &a->mr, uccl__py_to_u64, &a->ptr, uccl__py_to_size,
+                          &a->size, &a->fifo, &a->fifo_len))
         return -1;
     return uccl__py_ep_check(self);
 }
 
-/* _post(op, conn_id, mr_id, ptr, size, fifo_item=None) -> transfer_id */
-static PyObject *Endpoint_post(PyObject *op_, PyObject *args)
+static int post(uccl_ep_t *ep, const struct post_args *a, int flags, uint64_t *id_p)
 {
-    uccl__py_endpoint *self = (uccl__py_endpoint *)op_;
-    int op;
-    uint64_t conn, mr, ptr, id;
-    size_t size;
-    const char *fifo;
-    Py_ssize_t fifo_len;
-    if (parse_post(self, args, &op, &conn, &mr, &ptr, &size, &fifo, &fifo_len))
+    return uccl_ep_post(ep, a->op | flags, a->conn, a->mr, (uintptr_t)a->ptr, a->size,
+                        (const uint8_t *)a->fifo, (size_t)a->fifo_len, id_p);
+}
+
+/* _post(op, conn_id, mr_id, ptr, size, fifo_item=None) -> transfer_id */
+static PyObject *Endpoint_post(PyObject *op, PyObject *args)
+{
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    struct post_args a;
+    uint64_t id;
+    if (parse_post(self, args, &a))
         return NULL;
     int rc;
     uccl_ep_t *ep = self->ep;
     uccl__py_ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_post(ep, op, conn, mr, (uintptr_t)ptr, size, (const uint8_t *)fifo,
-                      (size_t)fifo_len, &id);
+    rc = post(ep, &a, 0, &id);
     Py_END_ALLOW_THREADS
     uccl__py_ep_leave(self);
     if (rc)
@@ -407,26 +419,40 @@ static PyObject *Endpoint_post(PyObject *op_, PyObject *args)
     return PyLong_FromUnsignedLongLong(id);
 }
 
+int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint *),
+                         int (*wait_slice)(uccl__py_endpoint *, uint64_t, uint64_t), uint64_t id,
+                         uint64_t deadline, int *rc_p)
+{
+    for (;;) {
+        int rc;
+        uccl__py_ep_enter(self); /* self->ep and self->comm stay while we are inside */
+        Py_BEGIN_ALLOW_THREADS
+        rc = wait_slice(self, id, deadline);
+        Py_END_ALLOW_THREADS
+        uccl__py_ep_leave(self);
+        if (rc != UCCL_INPROGRESS) {
+            *rc_p = rc;
+            return 0;
+        }
+        if (PyErr_CheckSignals() || check(self))
+            return -1;
+    }
+}
+
+static int xfer_wait_slice(uccl__py_endpoint *self, uint64_t id, uint64_t deadline)
+{
+    return uccl_ep_wait(self->ep, id, deadline, UCCL_PY_SLICE_NS);
+}
+
 static PyObject *wait_xfer(uccl__py_endpoint *self, uint64_t id, double timeout_s)
 {
     uint64_t deadline = uccl__py_mono_ns() + (uint64_t)(timeout_s * 1e9);
-    for (;;) {
-        int rc;
-        uccl_ep_t *ep = self->ep;
-        uccl__py_ep_enter(self);
-        Py_BEGIN_ALLOW_THREADS
-        rc = uccl_ep_wait(ep, id, deadline, UCCL_PY_SLICE_NS);
-        Py_END_ALLOW_THREADS
-        uccl__py_ep_leave(self);
-        if (rc == UCCL_OK)
-            Py_RETURN_TRUE;
-        if (rc != UCCL_INPROGRESS)
-            return uccl__py_ep_fail(self, rc);
-        if (PyErr_CheckSignals())
-            return NULL;
-        if (uccl__py_ep_check(self))
-            return NULL;
-    }
+    int rc;
+    if (uccl__py_wait_sliced(self, uccl__py_ep_check, xfer_wait_slice, id, deadline, &rc))
+        return NULL;
+    if (rc == UCCL_OK)
+        Py_RETURN_TRUE;
+    return uccl__py_ep_fail(self, rc);
 }
 
 /* wait(transfer_id, timeout=None) -> True */
@@ -448,23 +474,19 @@ static PyObject *Endpoint_wait(PyObject *op, PyObject *args, PyObject *kw)
 
 /* _transfer(op, conn_id, mr_id, ptr, size, fifo_item=None): post, wait,
  * release, in one call (the blocking send/recv/read/write path). */
-static PyObject *Endpoint_transfer(PyObject *op_, PyObject *args)
+static PyObject *Endpoint_transfer(PyObject *op, PyObject *args)
 {
-    uccl__py_endpoint *self = (uccl__py_endpoint *)op_;
-    int op;
-    uint64_t conn, mr, ptr, id;
-    size_t size;
-    const char *fifo;
-    Py_ssize_t fifo_len;
-    if (parse_post(self, args, &op, &conn, &mr, &ptr, &size, &fifo, &fifo_len))
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    struct post_args a;
+    uint64_t id;
+    if (parse_post(self, args, &a))
         return NULL;
     int rc;
     uint64_t deadline = uccl__py_mono_ns() + uccl_ep_timeout_ns(self->ep);
     uccl_ep_t *ep = self->ep;
     uccl__py_ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_post(ep, op | UCCL_XFER_BLOCKING, conn, mr, (uintptr_t)ptr, size,
-                      (const uint8_t *)fifo, (size_t)fifo_len, &id);
+    rc = post(ep, &a, UCCL_XFER_BLOCKING, &id);
     if (rc == UCCL_OK) {
         rc = uccl_ep_wait(ep, id, deadline, UCCL_PY_SLICE_NS);
         if (rc != UCCL_INPROGRESS && rc != UCCL_OK)
@@ -529,8 +551,9 @@ static PyObject *Endpoint_advertise(PyObject *op, PyObject *args)
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
     uint64_t conn, mr, addr;
     size_t len;
-    if (!PyArg_ParseTuple(args, "O&O&O&O&", uccl__py_to_u64, &conn, uccl__py_to_u64, &mr, uccl__py_to_u64, &addr, uccl__py_to_size,
-                          &len) || uccl__py_ep_check(self))
+    if (!PyArg_ParseTuple(args, "O&O&O&O&", uccl__py_to_u64, &conn, uccl__py_to_u64, &mr,
+                          uccl__py_to_u64, &addr, uccl__py_to_size, &len) ||
+        uccl__py_ep_check(self))
         return NULL;
     uint8_t buf[UCCL_FIFO_ITEM_SIZE];
     int rc = uccl_ep_advertise(self->ep, conn, mr, (uintptr_t)addr, len, buf, sizeof(buf));
@@ -580,7 +603,8 @@ static PyMethodDef Endpoint_methods[] = {
     {"reg", Endpoint_reg, METH_VARARGS, "reg(ptr, size) -> (True, mr_id)"},
     {"dereg", Endpoint_dereg, METH_VARARGS, "dereg(mr_id) -> True"},
     {"_post", Endpoint_post, METH_VARARGS, "_post(op, conn_id, mr_id, ptr, size, fifo=None) -> id"},
-    {"_transfer", Endpoint_transfer, METH_VARARGS, "_transfer(op, conn_id, mr_id, ptr, size, fifo=None)"},
+    {"_transfer", Endpoint_transfer, METH_VARARGS,
+     "_transfer(op, conn_id, mr_id, ptr, size, fifo=None)"},
     {"wait", (PyCFunction)(void (*)(void))Endpoint_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(transfer_id, timeout=None) -> True; raises if the transfer failed"},
     {"poll_async", Endpoint_poll_async, METH_VARARGS, "poll_async(transfer_id) -> (True, is_done)"},

@@ -16,7 +16,10 @@ uint64_t uccl__py_mono_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uccl__py_state *state_of(PyObject *module) { return (uccl__py_state *)PyModule_GetState(module); }
+static uccl__py_state *state_of(PyObject *module)
+{
+    return (uccl__py_state *)PyModule_GetState(module);
+}
 
 
 /* Raise the exception that fits status, with the engine's message. */
@@ -112,7 +115,8 @@ static int module_exec(PyObject *m)
 {
     uccl__py_state *st = state_of(m);
     st->error = PyErr_NewExceptionWithDoc("uccl_collective.UcclError",
-                                          "A transfer or connection failed.", PyExc_RuntimeError, NULL);
+                                          "A transfer or connection failed.", PyExc_RuntimeError,
+                                          NULL);
     if (!st->error)
         return -1;
     PyObject *bases = PyTuple_Pack(2, st->error, PyExc_TimeoutError);

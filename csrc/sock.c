@@ -199,11 +199,11 @@ int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_n
     return uccl__sock_send2(fd, buf, len, NULL, 0, deadline_ns);
 }
 
-int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns)
+int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int blocking)
 {
     char *p = buf;
     while (len > 0) {
-        ssize_t n = recv(fd, p, len, MSG_DONTWAIT);
+        ssize_t n = recv(fd, p, len, blocking ? MSG_WAITALL : MSG_DONTWAIT);
         if (n > 0) {
             p += n;
             len -= (size_t)n;

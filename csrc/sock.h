@@ -17,9 +17,10 @@ int uccl__sock_listen(const char *bind_ip, int port, int *fd_p, int *port_p);
 int uccl__sock_connect(const char *ip, int port, uint64_t deadline_ns, int *fd_p);
 
 /* Send/receive exactly len bytes before the deadline (0: no deadline).
- * Handle EINTR/EAGAIN; a closed peer is UCCL_ERR_IO. */
+ * Handle EINTR/EAGAIN; a closed peer is UCCL_ERR_IO.  recv_all's blocking:
+ * as uccl__sock_sendv's (one MSG_WAITALL call for the whole buffer). */
 int uccl__sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
-int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns);
+int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int blocking);
 /* Send every byte of iov[0..n) (which it modifies as it goes).  blocking:
  * fd is a blocking socket (tp_tcp.c's data streams, unblocked by
  * shutdown()), whose calls wait in the kernel; else EAGAIN waits in poll()

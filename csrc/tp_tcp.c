@@ -5,7 +5,6 @@
  * Each chunk carries (kind, id, offset, len); the receiving thread asks
  * the protocol where it may land and receives straight into that buffer. */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,19 +176,8 @@ static void *tx_main(void *arg)
 
 static int recv_full(int fd, void *buf, size_t len)
 {
-    char *p = buf;
-    while (len > 0) {
-        ssize_t n = recv(fd, p, len, MSG_WAITALL);
-        if (n > 0) {
-            p += n;
-            len -= (size_t)n;
-        } else if (n == 0) {
-            return uccl__err(UCCL_ERR_IO, "peer closed a data stream");
-        } else if (errno != EINTR) {
-            return uccl__err(UCCL_ERR_IO, "recv on data stream: %s", strerror(errno));
-        }
-    }
-    return UCCL_OK;
+    int rc = uccl__sock_recv_all(fd, buf, len, 0, 1);
+    return rc ? uccl__err(rc, "data stream: %s", uccl_last_error()) : UCCL_OK;
 }
 
 /* A data stream ended between chunks.  A closing peer says BYE on the

@@ -3,7 +3,8 @@
 Bootstraps through torch.distributed (or any c10d Store): every rank publishes
 its endpoint address and node, then all pairs connect in parallel, each peer
 identified by its rank in the handshake.  The collectives themselves (the
-ordered queue, allgather direct and ring, the ring step) run in C (coll.c);
+ordered queue, allgather direct and ring, the ring step) run in C (comm.c,
+coll_run.c, coll_algo.c, through the _engine.Communicator type);
 Python validates the tensors and dispatches.
 
 Routing: a peer on another node always goes through this engine (TCP).  A
