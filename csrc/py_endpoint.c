@@ -234,8 +234,13 @@ static PyObject *Endpoint_add_remote_endpoint(PyObject *op, PyObject *args)
 double uccl__py_timeout_arg(uccl__py_endpoint *self, PyObject *timeout, int *err)
 {
     *err = 0;
-    if (timeout == NULL || timeout == Py_None)
+    if (timeout == NULL || timeout == Py_None) {
+        if (uccl__py_ep_check(self)) { /* closed by another thread meanwhile */
+            *err = 1;
+            return 0;
+        }
         return (double)uccl_ep_timeout_ns(self->ep) / 1e9;
+    }
     double t = PyFloat_AsDouble(timeout);
     if (PyErr_Occurred()) {
         *err = 1;
@@ -424,6 +429,11 @@ int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint
                          uint64_t deadline, int *rc_p)
 {
     for (;;) {
+        /* Checked before every slice, the first too: another thread may have
+         * closed the endpoint (and the last call to leave freed the engine)
+         * since the caller last looked. */
+        if (check(self))
+            return -1;
         int rc;
         uccl__py_ep_enter(self); /* self->ep and self->comm stay while we are inside */
         Py_BEGIN_ALLOW_THREADS
@@ -434,7 +444,7 @@ int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint
             *rc_p = rc;
             return 0;
         }
-        if (PyErr_CheckSignals() || check(self))
+        if (PyErr_CheckSignals())
             return -1;
     }
 }

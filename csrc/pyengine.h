@@ -68,7 +68,8 @@ double uccl__py_timeout_arg(uccl__py_endpoint *self, PyObject *timeout, int *err
 /* Wait without the GIL, in slices with Ctrl-C checked between them:
  * wait_slice(self, id, deadline) until it returns other than
  * UCCL_INPROGRESS (0, that status in *rc_p); -1 with an exception set when
- * a signal came or check(self) failed (the endpoint was closed). */
+ * a signal came or check(self), made before every slice, failed (the
+ * endpoint was closed). */
 int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint *),
                          int (*wait_slice)(uccl__py_endpoint *, uint64_t, uint64_t), uint64_t id,
                          uint64_t deadline, int *rc_p);

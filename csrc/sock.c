@@ -133,11 +133,11 @@ int uccl__sock_connect(const char *ip, int port, uint64_t deadline_ns, int *fd_p
         int rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
         int err = rc == 0 ? 0 : errno;
         if (err == EINPROGRESS) {
-            int rc = wait_fd(fd, POLLOUT, deadline_ns);
-            if (rc) {
+            int wrc = wait_fd(fd, POLLOUT, deadline_ns);
+            if (wrc) {
                 close(fd);
-                return rc == UCCL_ERR_TIMEOUT
-                           ? uccl__err(rc, "connect to %s:%d timed out", ip, port) : rc;
+                return wrc == UCCL_ERR_TIMEOUT
+                           ? uccl__err(wrc, "connect to %s:%d timed out", ip, port) : wrc;
             }
             socklen_t sl = sizeof(err);
             getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &sl);

@@ -342,7 +342,10 @@ class CollectiveContext:
 
     def _cm(self) -> _engine.Communicator:
         self._ep()
-        return self._comm
+        cm = self._comm  # once taken, it raises ValueError if finalize() closes it meanwhile
+        if cm is None:
+            raise ValueError("CollectiveContext is not initialised (call init()) or finalized")
+        return cm
 
     def finalize(self) -> None:
         if self._waiter is not None:

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One set of benchmarks on two builds of the engine, for a change that must
+# not move performance (a refactor).  Each round runs both builds back to
+# back, in alternating order, so both see the same machine state (this kind
+# of VM changes speed within seconds: only ratios taken within a round mean
+# much).  Prints each round, then per case the median of each build, the
+# median of the per-round ratios (after / before; for latency, before /
+# after, so > 1 is better either way) and their range.
+#
+#   git worktree add /tmp/before <rev> && (cd /tmp/before && python3 setup.py build_ext --inplace)
+#   python3 setup.py build_ext --inplace
+#   bash benchmarks/before_after.sh /tmp/before [AFTER_DIR] [ROUNDS]
+#
+# AFTER_DIR defaults to this checkout; ROUNDS to 5.  Cases: same-host p2p
+# send/recv at 64 KiB and 256 MiB (GB/s) and the 64 KiB one-way latency
+# (us), over shared memory; 2-rank allgather (direct, this engine only) at
+# 1 MiB and 64 MiB per rank (busbw, GB/s).  Writes bench_out/before_after/.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+before=$(cd "$1" && pwd)
+after=$(cd "${2:-$here/..}" && pwd)
+ROUNDS=${3:-5}
+out=${OUT:-$here/../bench_out/before_after}
+mkdir -p "$out"
+rm -f "$out"/*.json
+export UCCL_SOCKET_IFNAME=${UCCL_SOCKET_IFNAME:-lo}
+
+# run BUILD NAME ROUND SCRIPT ARGS...: one benchmark of one build -> $out/NAME_ROUND_BUILDTAG.json
+run() {
+    local dir=$1 tag=$2 name=$3 round=$4 script=$5
+    shift 5
+    PYTHONPATH="$dir" timeout 600 torchrun --nproc_per_node 2 "$dir/benchmarks/$script" \
+        --compare none --json "$out/${name}_r${round}_${tag}.json" "$@" > /dev/null 2>&1 ||
+        { echo "failed: $tag $name round $round" >&2; exit 1; }
+}
+
+cases() {  # BUILD TAG ROUND
+    run "$1" "$2" p2p "$3" benchmark_uccl.py --transport shm --sizes 64K,256M --iters 20
+    run "$1" "$2" lat "$3" benchmark_uccl.py --transport shm --latency --sizes 64K --iters 2000
+    run "$1" "$2" ag "$3" benchmark_uccl_collective.py --op allgather --algorithm direct \
+        --sizes 1M,64M --iters 20
+}
+
+for round in $(seq "$ROUNDS"); do
+    if (( round % 2 )); then
+        cases "$before" before "$round"; cases "$after" after "$round"
+    else
+        cases "$after" after "$round"; cases "$before" before "$round"
+    fi
+    echo "round $round done" >&2
+done
+
+python3 - "$out" "$ROUNDS" <<'PY'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+
+def rows(name, r, tag):
+    return {x["size"]: x for x in json.load(open(f"{out}/{name}_r{r}_{tag}.json"))["results"]}
+
+cases = [("p2p", 65536, "uccl_GBps", "GB/s", 1), ("p2p", 268435456, "uccl_GBps", "GB/s", 1),
+         ("lat", 65536, "uccl_p50_us", "us", -1),
+         ("ag", 1 << 20, "uccl_busbw_GBps", "GB/s", 1), ("ag", 64 << 20, "uccl_busbw_GBps", "GB/s", 1)]
+label = {"p2p": "p2p send/recv shm", "lat": "p2p one-way latency shm", "ag": "allgather 2 ranks"}
+print(f"{'case':<28} {'size':>8} {'before':>9} {'after':>9}  {'ratio':>6}  (range of {rounds} rounds)")
+for name, size, field, unit, better in cases:
+    b = [rows(name, r, "before")[size][field] for r in range(1, rounds + 1)]
+    a = [rows(name, r, "after")[size][field] for r in range(1, rounds + 1)]
+    ratio = [(x / y) if better > 0 else (y / x) for x, y in zip(a, b)]
+    med = statistics.median
+    s = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+    print(f"{label[name]:<28} {s:>8} {med(b):>7.2f}{unit[:2]:>2} {med(a):>7.2f}{unit[:2]:>2}  "
+          f"{med(ratio):>5.2f}x  ({min(ratio):.2f}-{max(ratio):.2f}; before {min(b):.2f}-{max(b):.2f}, "
+          f"after {min(a):.2f}-{max(a):.2f} {unit})")
+PY
