@@ -3,9 +3,11 @@
 # not move performance (a refactor).  Each round runs both builds back to
 # back, in alternating order, so both see the same machine state (this kind
 # of VM changes speed within seconds: only ratios taken within a round mean
-# much).  Prints each round, then per case the median of each build, the
-# median of the per-round ratios (after / before; for latency, before /
-# after, so > 1 is better either way) and their range.
+# much).  Every run also times Gloo's equivalent in the same run.  Prints
+# each round, then per case the median of each build, the median of the
+# per-round ratios (after / before; for latency, before / after, so > 1 is
+# better either way) and their range, and each build's median ratio to Gloo
+# (times better than Gloo, as the benchmarks report it).
 #
 #   git worktree add /tmp/before <rev> && (cd /tmp/before && python3 setup.py build_ext --inplace)
 #   python3 setup.py build_ext --inplace
@@ -30,7 +32,7 @@ run() {
     local dir=$1 tag=$2 name=$3 round=$4 script=$5
     shift 5
     PYTHONPATH="$dir" timeout 600 torchrun --nproc_per_node 2 "$dir/benchmarks/$script" \
-        --compare none --json "$out/${name}_r${round}_${tag}.json" "$@" > /dev/null 2>&1 ||
+        --compare gloo --json "$out/${name}_r${round}_${tag}.json" "$@" > /dev/null 2>&1 ||
         { echo "failed: $tag $name round $round" >&2; exit 1; }
 }
 
@@ -67,14 +69,18 @@ cases = [("p2ps", 65536, "uccl_GBps", "GB/s", 1), ("p2p", 268435456, "uccl_GBps"
          ("ags", 1 << 20, "uccl_busbw_GBps", "GB/s", 1), ("ag", 64 << 20, "uccl_busbw_GBps", "GB/s", 1)]
 label = {"p2ps": "p2p send/recv shm", "p2p": "p2p send/recv shm", "lat": "p2p one-way latency shm",
          "ags": "allgather 2 ranks", "ag": "allgather 2 ranks"}
-print(f"{'case':<28} {'size':>8} {'before':>9} {'after':>9}  {'ratio':>6}  (range of {rounds} rounds)")
+print(f"{'case':<28} {'size':>8} {'before':>9} {'after':>9}  {'ratio':>6}  {'x Gloo (before, after)':>22}"
+      f"  (range of {rounds} rounds)")
 for name, size, field, unit, better in cases:
     b = [rows(name, r, "before")[size][field] for r in range(1, rounds + 1)]
     a = [rows(name, r, "after")[size][field] for r in range(1, rounds + 1)]
     ratio = [(x / y) if better > 0 else (y / x) for x, y in zip(a, b)]
     med = statistics.median
+    gb = med(rows(name, r, "before")[size]["ratio"] for r in range(1, rounds + 1))
+    ga = med(rows(name, r, "after")[size]["ratio"] for r in range(1, rounds + 1))
     s = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
     print(f"{label[name]:<28} {s:>8} {med(b):>7.2f}{unit[:2]:>2} {med(a):>7.2f}{unit[:2]:>2}  "
-          f"{med(ratio):>5.2f}x  ({min(ratio):.2f}-{max(ratio):.2f}; before {min(b):.2f}-{max(b):.2f}, "
+          f"{med(ratio):>5.2f}x  {gb:>10.2f}x, {ga:>6.2f}x  "
+          f"({min(ratio):.2f}-{max(ratio):.2f}; before {min(b):.2f}-{max(b):.2f}, "
           f"after {min(a):.2f}-{max(a):.2f} {unit})")
 PY

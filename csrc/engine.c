@@ -92,7 +92,7 @@ void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
 /* The settings of UCCL_P2P_* (timeouts, TCP streams, transport, shm mode)
  * into loc; on a bad value the reason is recorded and UCCL_ERR_INVALID or
  * UCCL_ERR_UNAVAIL returned. */
-static int read_settings(struct uccl__local *loc, double timeout_s, long *base_port_p)
+static int read_settings(struct uccl__local *loc, double timeout_s, int *base_port_p)
 {
     int bad = 0;
     double t = timeout_s > 0
@@ -105,7 +105,7 @@ static int read_settings(struct uccl__local *loc, double timeout_s, long *base_p
     loc->num_streams =
         (unsigned)uccl__env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
     loc->chunk_bytes = (size_t)uccl__env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
-    *base_port_p = uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
+    *base_port_p = (int)uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
     if (bad)
         return UCCL_ERR_INVALID;
 
@@ -146,7 +146,6 @@ static int read_settings(struct uccl__local *loc, double timeout_s, long *base_p
 int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
 {
     int status = UCCL_ERR_INVALID;
-    long base;
     struct uccl__ep *ep = calloc(1, sizeof(*ep));
     if (!ep)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
@@ -166,7 +165,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
         goto err_free;
     }
     read_host_id(o->host_id, loc->host_id, sizeof(loc->host_id));
-    if ((status = read_settings(loc, o->timeout_s, &base)) != UCCL_OK)
+    if ((status = read_settings(loc, o->timeout_s, &ep->base_port)) != UCCL_OK)
         goto err_free;
 
     const char *sec = o->secret;
@@ -187,7 +186,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
         goto err_free;
     int rc = UCCL_ERR_UNAVAIL;
     if (o->port < 0) /* the well-known port first, so connect(ip, gpu) finds it */
-        rc = uccl__sock_listen(NULL, (int)base + (o->gpu_idx > 0 ? o->gpu_idx : 0),
+        rc = uccl__sock_listen(NULL, ep->base_port + (o->gpu_idx > 0 ? o->gpu_idx : 0),
                                &ep->listen_fd, &loc->port);
     if (rc == UCCL_ERR_UNAVAIL)
         rc = uccl__sock_listen(NULL, o->port > 0 ? o->port : 0, &ep->listen_fd, &loc->port);
@@ -330,11 +329,8 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
     int rc = uccl__ep_check_open(ep), fd = -1;
     if (rc)
         return rc;
-    if (port < 0) {
-        int bad = 0;
-        port = (int)uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad) +
-               (remote_gpu > 0 ? remote_gpu : 0);
-    }
+    if (port < 0)
+        port = ep->base_port + (remote_gpu > 0 ? remote_gpu : 0);
     if (!secret) {
         secret = ep->local.secret;
         secret_len = ep->local.secret_len;

@@ -38,6 +38,7 @@ struct uccl__ep {
     int listen_fd;
     char ip[46];
     int passive;                 /* accepted connections are not queued for accept() */
+    int base_port;               /* UCCL_P2P_BASE_PORT: connect(ip, gpu) dials base + gpu */
     uint64_t next_conn_id, next_req_id;
     struct uccl__idmap conns;    /* id -> connection (one reference) */
     struct uccl__idmap reqs;     /* transfer id -> request (one reference) or the done mark */

@@ -217,13 +217,14 @@ int uccl__mem_advertise(struct uccl__mem *m, uint64_t conn_id, uint64_t mr_id, u
                                    .conn_id = conn_id, .mr_id = mr_id, .addr = addr, .len = len};
         rc = uccl__idmap_put(&m->windows, w->id, w);
     }
+    /* Under the lock: once in the table, a dereg() may free w at any time. */
+    if (rc == UCCL_OK)
+        *f_p = (struct uccl__fifo_item){.window = w->id, .token = w->token, .addr = addr,
+                                        .len = len};
     pthread_mutex_unlock(&m->mu);
-    if (rc) {
+    if (rc)
         free(w);
-        return rc;
-    }
-    *f_p = (struct uccl__fifo_item){.window = w->id, .token = w->token, .addr = addr, .len = len};
-    return UCCL_OK;
+    return rc;
 }
 
 struct uccl__window *uccl__mem_window_check(struct uccl__mem *m, uint64_t conn_id,

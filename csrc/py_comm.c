@@ -156,9 +156,10 @@ static PyObject *comm_finish(uccl__py_endpoint *self, uint64_t id, int rc)
     return res;
 }
 
-static int comm_wait_slice(uccl__py_endpoint *self, uint64_t id, uint64_t deadline)
+static int comm_wait_slice(uccl__py_endpoint *self, void *arg)
 {
-    return uccl_comm_wait(self->comm, id, deadline, UCCL_PY_SLICE_NS);
+    const struct uccl__py_wait_id *w = arg;
+    return uccl_comm_wait(self->comm, w->id, w->deadline, UCCL_PY_SLICE_NS);
 }
 
 /* Wait for operation id in slices (Ctrl-C works), then forget it; raise if
@@ -169,9 +170,9 @@ static PyObject *comm_wait_loop(uccl__py_endpoint *self, uint64_t id, PyObject *
     double t = uccl__py_timeout_arg(self, timeout, &err);
     if (err)
         return NULL;
-    uint64_t deadline = uccl__py_mono_ns() + (uint64_t)(t * 1e9);
+    struct uccl__py_wait_id w = {id, uccl__py_mono_ns() + (uint64_t)(t * 1e9)};
     int rc;
-    if (uccl__py_wait_sliced(self, check_comm, comm_wait_slice, id, deadline, &rc) == 0)
+    if (uccl__py_wait_sliced(self, check_comm, comm_wait_slice, &w, &rc) == 0)
         return comm_finish(self, id, rc);
     if (self->comm) { /* stop it (deadline 0): nothing may land after we raise */
         PyObject *et, *ev, *tb;

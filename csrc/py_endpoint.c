@@ -253,6 +253,22 @@ double uccl__py_timeout_arg(uccl__py_endpoint *self, PyObject *timeout, int *err
     return t > 365.0 * 86400 ? 365.0 * 86400 : t; /* "forever", kept finite in ns */
 }
 
+struct accept_slice {
+    uint64_t deadline, id;
+    char ip[46];
+    int gpu;
+};
+
+static int accept_slice(uccl__py_endpoint *self, void *arg)
+{
+    struct accept_slice *a = arg;
+    uint64_t now = uccl__py_mono_ns();
+    if (now >= a->deadline)
+        return uccl__err(UCCL_ERR_TIMEOUT, "accept() timed out: no peer connected");
+    uint64_t slice = a->deadline - now < UCCL_PY_SLICE_NS ? a->deadline - now : UCCL_PY_SLICE_NS;
+    return uccl_ep_accept(self->ep, slice, &a->id, a->ip, &a->gpu);
+}
+
 static PyObject *Endpoint_accept(PyObject *op, PyObject *args, PyObject *kw)
 {
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
@@ -266,30 +282,13 @@ static PyObject *Endpoint_accept(PyObject *op, PyObject *args, PyObject *kw)
     double t = uccl__py_timeout_arg(self, timeout, &err);
     if (err)
         return NULL;
-    uint64_t deadline = uccl__py_mono_ns() + (uint64_t)(t * 1e9);
-    for (;;) {
-        uint64_t id = 0, now = uccl__py_mono_ns();
-        char ip[46] = "";
-        int gpu = -1, rc;
-        if (now >= deadline)
-            return uccl__py_raise(self->module, UCCL_ERR_TIMEOUT,
-                                "accept() timed out: no peer connected");
-        uint64_t slice = deadline - now < UCCL_PY_SLICE_NS ? deadline - now : UCCL_PY_SLICE_NS;
-        uccl_ep_t *ep = self->ep;
-        uccl__py_ep_enter(self);
-        Py_BEGIN_ALLOW_THREADS
-        rc = uccl_ep_accept(ep, slice, &id, ip, &gpu);
-        Py_END_ALLOW_THREADS
-        uccl__py_ep_leave(self);
-        if (rc == UCCL_OK)
-            return Py_BuildValue("(OsiK)", Py_True, ip, gpu, (unsigned long long)id);
-        if (rc != UCCL_INPROGRESS)
-            return uccl__py_ep_fail(self, rc);
-        if (PyErr_CheckSignals())
-            return NULL;
-        if (uccl__py_ep_check(self))
-            return NULL;
-    }
+    struct accept_slice a = {.deadline = uccl__py_mono_ns() + (uint64_t)(t * 1e9), .gpu = -1};
+    int rc;
+    if (uccl__py_wait_sliced(self, uccl__py_ep_check, accept_slice, &a, &rc))
+        return NULL;
+    if (rc)
+        return uccl__py_ep_fail(self, rc);
+    return Py_BuildValue("(OsiK)", Py_True, a.ip, a.gpu, (unsigned long long)a.id);
 }
 
 static PyObject *Endpoint_start_passive_accept(PyObject *op, PyObject *unused)
@@ -425,8 +424,7 @@ static PyObject *Endpoint_post(PyObject *op, PyObject *args)
 }
 
 int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint *),
-                         int (*wait_slice)(uccl__py_endpoint *, uint64_t, uint64_t), uint64_t id,
-                         uint64_t deadline, int *rc_p)
+                         int (*wait_slice)(uccl__py_endpoint *, void *), void *arg, int *rc_p)
 {
     for (;;) {
         /* Checked before every slice, the first too: another thread may have
@@ -437,7 +435,7 @@ int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint
         int rc;
         uccl__py_ep_enter(self); /* self->ep and self->comm stay while we are inside */
         Py_BEGIN_ALLOW_THREADS
-        rc = wait_slice(self, id, deadline);
+        rc = wait_slice(self, arg);
         Py_END_ALLOW_THREADS
         uccl__py_ep_leave(self);
         if (rc != UCCL_INPROGRESS) {
@@ -449,16 +447,17 @@ int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint
     }
 }
 
-static int xfer_wait_slice(uccl__py_endpoint *self, uint64_t id, uint64_t deadline)
+static int xfer_wait_slice(uccl__py_endpoint *self, void *arg)
 {
-    return uccl_ep_wait(self->ep, id, deadline, UCCL_PY_SLICE_NS);
+    const struct uccl__py_wait_id *w = arg;
+    return uccl_ep_wait(self->ep, w->id, w->deadline, UCCL_PY_SLICE_NS);
 }
 
 static PyObject *wait_xfer(uccl__py_endpoint *self, uint64_t id, double timeout_s)
 {
-    uint64_t deadline = uccl__py_mono_ns() + (uint64_t)(timeout_s * 1e9);
+    struct uccl__py_wait_id w = {id, uccl__py_mono_ns() + (uint64_t)(timeout_s * 1e9)};
     int rc;
-    if (uccl__py_wait_sliced(self, uccl__py_ep_check, xfer_wait_slice, id, deadline, &rc))
+    if (uccl__py_wait_sliced(self, uccl__py_ep_check, xfer_wait_slice, &w, &rc))
         return NULL;
     if (rc == UCCL_OK)
         Py_RETURN_TRUE;
@@ -518,7 +517,7 @@ static PyObject *Endpoint_transfer(PyObject *op, PyObject *args)
     }
     if (self->ep) {
         if (!res) { /* interrupted (Ctrl-C) or failed: nothing may land after we return */
-            uccl_ep_t *ep = self->ep;
+            ep = self->ep;
             uccl__py_ep_enter(self);
             Py_BEGIN_ALLOW_THREADS
             uccl_ep_abort(ep, id, "the blocking call was interrupted");

@@ -66,13 +66,16 @@ void uccl__py_ep_leave(uccl__py_endpoint *self);
 /* A timeout argument in seconds (None: the endpoint's); *err on a bad one. */
 double uccl__py_timeout_arg(uccl__py_endpoint *self, PyObject *timeout, int *err);
 /* Wait without the GIL, in slices with Ctrl-C checked between them:
- * wait_slice(self, id, deadline) until it returns other than
- * UCCL_INPROGRESS (0, that status in *rc_p); -1 with an exception set when
- * a signal came or check(self), made before every slice, failed (the
- * endpoint was closed). */
+ * wait_slice(self, arg) (one slice of at most UCCL_PY_SLICE_NS) until it
+ * returns other than UCCL_INPROGRESS (0, that status in *rc_p); -1 with an
+ * exception set when a signal came or check(self), made before every
+ * slice, failed (the endpoint was closed). */
 int uccl__py_wait_sliced(uccl__py_endpoint *self, int (*check)(uccl__py_endpoint *),
-                         int (*wait_slice)(uccl__py_endpoint *, uint64_t, uint64_t), uint64_t id,
-                         uint64_t deadline, int *rc_p);
+                         int (*wait_slice)(uccl__py_endpoint *, void *), void *arg, int *rc_p);
+/* The arg of the waits for one id (a transfer, an operation) until a deadline. */
+struct uccl__py_wait_id {
+    uint64_t id, deadline;
+};
 
 /* ---- py_comm.c ---- */
 extern PyType_Spec uccl__py_comm_spec;
