@@ -68,7 +68,7 @@ int uccl__coll_post(struct uccl__comm *cm, struct uccl__op *o, int kind, int pee
     int recv = (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_RECV;
     uint64_t conn = recv ? cm->recv_conn[peer] : cm->send_conn[peer];
     uint64_t id;
-    int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, &id);
+    int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, 0, &id);
     if (rc)
         return uccl__op_err(o, rc, "%s: %s rank %d: %s", o->algo->name,
                             recv ? "recv from" : "send to", peer, uccl_last_error());

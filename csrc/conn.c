@@ -174,9 +174,13 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j);
 /* The connection this thread is driving, if any (see uccl__conn_drive). */
 static _Thread_local struct uccl__conn *tls_driving;
 
-/* A job that will write into r's buffer marks it busy from now on, so a
- * waiter that gives up cannot return between queueing and copying. */
-static int writes_req(int kind) { return kind == UCCL_JOB_PULL_RECV || kind == UCCL_JOB_PULL_READ; }
+/* A job that will touch r's buffer marks it busy from now on, so a waiter
+ * that gives up cannot return between queueing and copying. */
+static int writes_req(int kind)
+{
+    return kind == UCCL_JOB_PULL_RECV || kind == UCCL_JOB_PULL_READ ||
+           kind == UCCL_JOB_PUSH_SEND || kind == UCCL_JOB_PUSH_WRITE;
+}
 
 static void job_done(struct uccl__conn *c, struct uccl__job *j)
 {
@@ -272,6 +276,30 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
         if (rc)
             LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
                      uccl_last_error());
+        uccl__conn_send_simple(c, UCCL_MSG_OPDONE, j->msg.seq, j->msg.len, (uint64_t)(int64_t)rc);
+        break;
+    case UCCL_JOB_PUSH_SEND:
+    case UCCL_JOB_PUSH_WRITE:
+        if (atomic_load(&r->state) != UCCL_REQ_PENDING)
+            break;
+        rc = c->tp->push(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
+        if (rc) {
+            uccl__conn_fail(c, rc, "copying %s %llu into the peer's GPU memory: %s",
+                            j->kind == UCCL_JOB_PUSH_SEND ? "message" : "write",
+                            (unsigned long long)r->seq, uccl_last_error());
+            break;
+        }
+        job_done(c, j);
+        uccl__proto_answer(c, r, j->kind == UCCL_JOB_PUSH_SEND ? UCCL_MSG_PDONE : UCCL_MSG_RDONE,
+                           r->len, UCCL_OK, NULL);
+        break;
+    case UCCL_JOB_PUSH_READ: /* our window into the reader's GPU buffer */
+        rc = c->tp->push(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,
+                         j->msg.aux, j->msg.len);
+        if (rc)
+            LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
+                     uccl_last_error());
+        job_done(c, j); /* let the window go before the reader hears */
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, j->msg.seq, j->msg.len, (uint64_t)(int64_t)rc);
         break;
     }

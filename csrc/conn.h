@@ -5,8 +5,9 @@
  *            service thread that reads it, callers driving it, the worker
  *            thread and its copy jobs
  *   proto.c  requests, and the two-sided and one-sided protocol: posting,
- *            matching, the messages and what each one does, eager
- *            payloads, and the stream data path the transports call
+ *            matching, the messages and what each one does, and the
+ *            stream data path the transports call
+ *   proto_eager.c  eager payloads read off a socket control channel
  *
  * The endpoint layer (engine.c, listen.c, xfer.c) calls down into this one;
  * this one calls the transports (transport.h), the memory regions (mem.h)
@@ -42,7 +43,8 @@ struct uccl__req {
     uint64_t remote_addr;        /* peer's address for direct movers */
     uint64_t remote_key;         /* ... and its key (tp->mem_key on the peer) */
     uint64_t local_key;          /* buf's region: mr->tp_key of this transport */
-    uint64_t key_for_peer;       /* send/write: tp->mem_key of buf, sent with its address */
+    uint64_t key_for_peer;       /* tp->mem_key of buf, sent with its address */
+    uint32_t mkind;              /* what buf is: host, page-locked or device memory (gpu.h) */
     struct uccl__fifo_item fifo; /* one-sided target */
     struct uccl__mr *hold;       /* target side: the region kept from dereg() while this runs */
     atomic_uint state;           /* UCCL_REQ_*, also the futex word waiters sleep on */
@@ -80,7 +82,12 @@ struct uccl__rts {               /* an RTS that arrived before its recv was post
 /* Copies the worker thread (or a caller driving the connection) makes. */
 enum { UCCL_JOB_PULL_RECV = 1, /* a message into a posted recv, then FIN */
        UCCL_JOB_PULL_WRITE,    /* a peer's write into our window, then OPDONE */
-       UCCL_JOB_PULL_READ };   /* our read out of the peer's window, then RDONE */
+       UCCL_JOB_PULL_READ,     /* our read out of the peer's window, then RDONE */
+       /* the source side copies into the peer's GPU memory (it cannot pull
+        * from our host memory): */
+       UCCL_JOB_PUSH_SEND,     /* a message into the peer's recv, then PDONE */
+       UCCL_JOB_PUSH_WRITE,    /* our write into the peer's window, then RDONE */
+       UCCL_JOB_PUSH_READ };   /* our window into the peer's read, then OPDONE */
 
 struct uccl__job {
     int kind;
@@ -156,6 +163,8 @@ struct uccl__conn {
 /* Requests (proto.c).  A request holds its connection. */
 struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len);
 void uccl__req_get(struct uccl__req *r);
+/* Fail r, never posted (its stream's event failed, or the endpoint closed). */
+void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why);
 void uccl__req_put(struct uccl__req *r);
 /* Spin briefly, driving the connection, then sleep until r finishes or
  * timeout_ns passes (UCCL_INPROGRESS). */
@@ -191,6 +200,9 @@ void uccl__conn_drive_end(struct uccl__conn *c);
 /* ---- between conn.c and proto.c ------------------------------------------ */
 
 /* proto.c */
+/* An announced message joins the receiver's queue and is matched if its
+ * recv is posted. */
+void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts);
 /* Take r out of the protocol's tables and finish it (drops the connection's
  * reference); nothing if it was finished already.  Without c->mu held. */
 void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt,
@@ -200,14 +212,16 @@ void uccl__proto_answer(struct uccl__conn *c, struct uccl__req *r, int type, uin
                         int status, const char *why);
 /* A whole control message read by the connection's reader. */
 int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m);
+/* Free what the protocol keeps for c (with its last reference). */
+void uccl__proto_free(struct uccl__conn *c);
+
+/* proto_eager.c */
 /* An eager RTS on the socket: decide where its payload goes (c->erx), which
  * the reader then reads; eager_arrived once all of it is in. */
 int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m);
 void uccl__proto_eager_arrived(struct uccl__conn *c);
 /* The reader lets go of a half-read eager payload (the connection failed). */
 void uccl__proto_eager_drop(struct uccl__conn *c);
-/* Free what the protocol keeps for c (with its last reference). */
-void uccl__proto_free(struct uccl__conn *c);
 
 /* conn.c */
 /* Write one encoded message on the control channel; caller holds ctrl_tx_mu. */

@@ -156,6 +156,8 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     SLIST_INIT(&ep->remotes);
     uccl__mem_init(&loc->mem);
     uccl__pool_lazy_init(&loc->copy_pool);
+    uccl__gpu_imports_init(&loc->imports);
+    uccl__gate_init(&ep->gate);
     loc->gpu_idx = o->gpu_idx;
     loc->probe_word = uccl__random64();
     loc->rank = o->rank;
@@ -208,6 +210,7 @@ err_close:
     }
 err_free:
     uccl__pool_lazy_free(&loc->copy_pool);
+    uccl__gpu_imports_fini(&loc->imports);
     uccl__mem_fini(&loc->mem);
     pthread_mutex_destroy(&ep->mu);
     pthread_cond_destroy(&ep->cv);
@@ -244,6 +247,7 @@ void uccl_ep_close(uccl_ep_t *ep)
     ep->closed = 1;
     pthread_cond_broadcast(&ep->cv);
     pthread_mutex_unlock(&ep->mu);
+    uccl__gate_fini(&ep->gate); /* its transfers fail before their connections close */
     uccl__pool_lazy_close(&ep->local.copy_pool);
     uccl__listener_stop(ep);
     /* No new connection can appear now: close each one (joins its threads). */
@@ -271,6 +275,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     uccl__idmap_free(&ep->incomplete);
     uccl__mem_fini(&ep->local.mem);
     uccl__pool_lazy_free(&ep->local.copy_pool); /* every connection is gone: no copy runs */
+    uccl__gpu_imports_fini(&ep->local.imports);
     for (struct uccl__remote *r; (r = SLIST_FIRST(&ep->remotes));) {
         SLIST_REMOVE_HEAD(&ep->remotes, link);
         free(r);

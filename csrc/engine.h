@@ -6,6 +6,7 @@
  *              choice, connections still waiting for their data streams
  *   xfer.c     transfers: the id table, post, poll, wait, progress,
  *              release, abort
+ *   gate.c     transfers of GPU memory waiting for their caller's stream
  *
  * It implements the public C API (uccl.h) over the connection layer
  * (conn.h) and the memory regions (mem.h), which never call back up. */
@@ -22,6 +23,15 @@
 #include "uccl.h"
 
 #define UCCL_ACCEPTQ_MAX 1024
+
+struct uccl__gate_item;
+struct uccl__gate {              /* gate.c */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct uccl__gate_item *head;
+    pthread_t thread;
+    int started, stop;
+};
 
 struct uccl__remote {            /* add_remote_endpoint's cache: a peer's connection */
     char ip[46];
@@ -49,6 +59,7 @@ struct uccl__ep {
     int wake_pipe[2];            /* close() wakes the listener */
     pthread_t listener;
     int listener_started;
+    struct uccl__gate gate;      /* async GPU transfers waiting for their stream */
 };
 
 /* engine.c */
@@ -65,6 +76,17 @@ void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id);
 int uccl__listener_start(struct uccl__ep *ep);
 /* Stop the thread and drop connections still waiting for their streams. */
 void uccl__listener_stop(struct uccl__ep *ep);
+
+/* gate.c */
+void uccl__gate_init(struct uccl__gate *g);
+/* Post r on c once event ev (recorded on the caller's stream) completes;
+ * fail it after timeout_ns.  Takes ev. */
+int uccl__gate_add(struct uccl__gate *g, struct uccl__conn *c, struct uccl__req *r, void *ev,
+                   uint64_t timeout_ns);
+/* Poll ev from the calling thread until it completes (a blocking call). */
+int uccl__gate_wait(void *ev, uint64_t timeout_ns);
+/* Stop the thread; transfers still waiting fail (UCCL_ERR_CLOSED). */
+void uccl__gate_fini(struct uccl__gate *g);
 
 /* xfer.c */
 /* Drop the table's reference to every request (endpoint destroy). */

@@ -3,6 +3,7 @@
 #include "mem.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -25,6 +26,7 @@ static void mr_free(struct uccl__mem *m, struct uccl__mr *mr)
         if (tp && tp->mem_dereg && mr->tp_priv[i])
             tp->mem_dereg(m, mr);
     }
+    uccl__gpu_export_free(mr->gexp);
     free(mr);
 }
 
@@ -57,12 +59,22 @@ int uccl__mem_reg(struct uccl__mem *m, uintptr_t addr, size_t len, uint64_t *mr_
         return uccl__err(UCCL_ERR_INVALID, "cannot register %zu bytes at address 0", len);
     if (addr + len < addr)
         return uccl__err(UCCL_ERR_INVALID, "region 0x%zx + %zu wraps around", (size_t)addr, len);
+    struct uccl__gpu_info info;
+    int rc = uccl__gpu_classify(addr, len, &info);
+    if (rc)
+        return rc;
     struct uccl__mr *mr = calloc(1, sizeof(*mr));
     if (!mr)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    int rc = UCCL_OK;
     mr->addr = addr;
     mr->len = len;
+    mr->gpu = info;
+    /* Exported once, here; a failure (memory of a pool that cannot be
+     * shared) matters only to a connection that needs the export. */
+    if (UCCL_MK_ON_GPU(info.mkind) && uccl__gpu_export_new(addr, len, &info, &mr->gexp))
+        snprintf(mr->gexp_err, sizeof(mr->gexp_err), "%s", uccl_last_error());
+    for (int i = 0; i < UCCL_TP_COUNT; i++)
+        mr->tp_key[i] = info.mkind;
     for (int i = 0; i < UCCL_TP_COUNT && rc == UCCL_OK; i++) {
         const struct uccl__tp_ops *tp = uccl__tp_registry[i];
         if (tp && tp->mem_reg && tp->available() == UCCL_OK)
@@ -191,16 +203,24 @@ static struct uccl__mr *mr_covering(struct uccl__mem *m, uint64_t mr_id, uintptr
 
 int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len,
                    const struct uccl__tp_ops *tp, struct uccl__conn *c, uint64_t *local_key_p,
-                   uint64_t *peer_key_p)
+                   uint64_t *peer_key_p, uint32_t *mkind_p)
 {
     int rc = UCCL_OK;
+    uint64_t peer_key = 0;
     pthread_mutex_lock(&m->mu);
     struct uccl__mr *mr = mr_covering(m, mr_id, ptr, len, &rc);
+    struct uccl__gpu_info info = mr ? mr->gpu : (struct uccl__gpu_info){0};
     if (mr) { /* the keys a direct transport will need (0 for CMA) */
         *local_key_p = mr->tp_key[tp->id];
-        *peer_key_p = tp->mem_key ? tp->mem_key(c, mr, ptr) : 0;
+        rc = tp->mem_key ? tp->mem_key(c, mr, ptr, &peer_key) : UCCL_OK;
     }
     pthread_mutex_unlock(&m->mu);
+    if (rc == UCCL_OK)
+        rc = uccl__gpu_check_live(&info, ptr, len);
+    if (rc == UCCL_OK) {
+        *peer_key_p = peer_key;
+        *mkind_p = info.mkind;
+    }
     return rc;
 }
 

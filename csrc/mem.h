@@ -11,9 +11,9 @@
  * One mutex guards the tables.  Nothing here calls into connections or the
  * endpoint: the endpoint and the protocol (conn.c, proto.c) call down into
  * this file, and dereg() asks its caller, through a callback, to stop
- * accesses that do not end in time.  This is where pointers will be
- * classified (host or device memory) and exported (CUDA IPC), and where
- * memory will be registered with an RDMA device. */
+ * accesses that do not end in time.  reg() classifies the memory (host,
+ * page-locked, device: gpu.h) and exports device memory for CUDA IPC; this
+ * is also where memory will be registered with an RDMA device. */
 #ifndef UCCL_MEM_H
 #define UCCL_MEM_H
 
@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gpu.h"
 #include "idmap.h"
 #include "wire.h"
 
@@ -31,7 +32,11 @@ struct uccl__mr {
     uint64_t id;
     uintptr_t addr;
     size_t len;
-    uint64_t tp_key[UCCL_TP_COUNT];  /* per transport: what mem_reg made (an lkey) */
+    struct uccl__gpu_info gpu;   /* what the memory is (classified at registration) */
+    struct uccl__gpu_export *gexp; /* device memory: its export record for peers on the host */
+    char gexp_err[200];          /* ... or why it could not be exported */
+    /* per transport: what mem_reg made (an lkey); by default the memory kind */
+    uint64_t tp_key[UCCL_TP_COUNT];
     void *tp_priv[UCCL_TP_COUNT];
     int inflight;                /* one-sided operations of peers touching it (mem->mu) */
     int dead;                    /* deregistered: freed when inflight drops to 0 ... */
@@ -69,12 +74,14 @@ typedef void (*uccl__mem_stop_fn)(void *arg, uint64_t conn_id, uint64_t mr_id);
 int uccl__mem_dereg(struct uccl__mem *m, uint64_t mr_id, uint64_t timeout_ns,
                     uccl__mem_stop_fn stop, void *arg);
 
-/* Is [ptr, ptr + len) inside region mr_id?  If so, the keys transport tp
- * needs to move it over connection c: local_key (this side's, from
- * mem_reg) and peer_key (what the peer needs to reach it, from mem_key). */
+/* Is [ptr, ptr + len) inside region mr_id, and (device memory) still the
+ * allocation that was registered?  If so, the keys transport tp needs to
+ * move it over connection c: local_key (this side's, from mem_reg: the
+ * memory kind unless the transport registers) and peer_key (what the peer
+ * needs to reach it, from mem_key), and the memory's kind (gpu.h). */
 int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len,
                    const struct uccl__tp_ops *tp, struct uccl__conn *c, uint64_t *local_key_p,
-                   uint64_t *peer_key_p);
+                   uint64_t *peer_key_p, uint32_t *mkind_p);
 
 /* Offer [addr, addr + len) of region mr_id to the peer of connection conn_id. */
 int uccl__mem_advertise(struct uccl__mem *m, uint64_t conn_id, uint64_t mr_id, uintptr_t addr,

@@ -11,6 +11,10 @@
  *     direct transport  -> pull len bytes from addr into the recv buffer, FIN
  *     stream transport  -> CTS{seq}; the sender streams the bytes; every chunk
  *                          is checked against the posted buffer on arrival; FIN
+ *     direct, source in host memory, destination on a GPU (CUDA IPC maps
+ *     device memory only) -> CTS{seq, addr, key}: the sender pushes into the
+ *                          recv buffer, completes, PDONE; the receiver
+ *                          completes on PDONE
  *   The sender completes on FIN (or fails on NACK).
  * One-sided (connector initiates against a window the acceptor advertised):
  *   WREQ/RREQ{op, window, token, offset, len, addr}; the target checks the
@@ -19,10 +23,15 @@
  *     direct read   -> GO{addr}: the initiator pulls into its buffer, RDONE
  *     streamed write-> GO; the initiator streams; the target OPDONEs at the end
  *     streamed read -> the target streams; the initiator completes on the bytes
+ *     direct, host memory to GPU memory: the side with the host memory copies
+ *       write -> GO{addr, key}: the initiator pushes into the window, RDONE
+ *       read  -> the target pushes into the initiator's buffer, OPDONE
  *   A refusal is OPDONE{error}.
- * A process only ever writes into its own memory, and only from its own
- * threads, which count themselves in the request's `busy`: after a transfer
- * failed or timed out and its waiter returned, nothing lands in its buffer.
+ * A process only ever writes into its own host memory, and only from its
+ * own threads, which count themselves in the request's `busy`: after a
+ * transfer failed or timed out and its waiter returned, nothing lands in
+ * its buffer.  (GPU memory that a peer pushes into is the exception: its
+ * copy may still land after the connection failed.)
  * Every party finishes its own request before it answers the peer, since
  * the peer may close at once and its BYE must not find that request pending.
  */
@@ -42,10 +51,23 @@
 #include "sock.h"
 #include "status.h"
 
-enum { KEY_SEND = 1, KEY_OP = 2, KEY_LENT = 3 }; /* inflight keys (LENT: a direct read's window) */
+/* inflight keys (LENT: a window the initiator copies from or into; RECV: a
+ * recv the sender pushes into) */
+enum { KEY_SEND = 1, KEY_OP = 2, KEY_LENT = 3, KEY_RECV = 4 };
 
 static uint64_t key_of(int kind, uint64_t id) { return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1)); }
 static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+/* Direct transports: does the destination side make the copy?  Not where
+ * the source is host memory and the destination GPU memory. */
+static int dst_copies(const struct uccl__conn *c, int dst_on_gpu, uint64_t src_peer_key)
+{
+    return !dst_on_gpu || (c->tp->key_on_gpu && c->tp->key_on_gpu(src_peer_key));
+}
+static int peer_on_gpu(const struct uccl__conn *c, uint64_t peer_key)
+{
+    return c->tp->key_on_gpu && c->tp->key_on_gpu(peer_key);
+}
 
 /* ------------------------------------------------------------------------- */
 /* requests                                                                   */
@@ -105,6 +127,11 @@ static void req_finish(struct uccl__req *r, int status, const char *fmt, ...)
         futex_wake_all(&r->state);
 }
 
+void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why)
+{
+    req_finish(r, status, "%s", why);
+}
+
 /* Spin briefly (the answer often comes within microseconds), then sleep on
  * the state word: a 2-core machine must not lose a core to a waiter. */
 int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
@@ -152,7 +179,9 @@ void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, c
     pthread_mutex_lock(&c->mu);
     int held = uccl__idmap_del(&c->pending, ptr_key(r)) != NULL;
     uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(KEY_SEND, r->seq)
-                : r->op == UCCL_OP_READ_TARGET ? key_of(KEY_LENT, r->seq) : key_of(KEY_OP, r->seq);
+                : r->op == UCCL_OP_RECV ? key_of(KEY_RECV, r->seq)
+                : r->op == UCCL_OP_READ_TARGET || r->op == UCCL_OP_WRITE_TARGET
+                ? key_of(KEY_LENT, r->seq) : key_of(KEY_OP, r->seq);
     if (uccl__idmap_get(&c->inflight, k1) == r)
         uccl__idmap_del(&c->inflight, k1);
     int dk = r->op == UCCL_OP_RECV ? UCCL_DATA_SEND : r->op == UCCL_OP_READ ? UCCL_DATA_READ
@@ -181,8 +210,8 @@ void uccl__proto_answer(struct uccl__conn *c, struct uccl__req *r, int type, uin
     uint64_t seq = r->seq;
     atomic_fetch_add(&c->answering, 1);
     uccl__req_complete(c, r, status, why ? "%s" : NULL, why);
-    uccl__conn_send_simple(c, type, seq, len,
-                           type == UCCL_MSG_OPDONE ? (uint64_t)(int64_t)status : 0);
+    uccl__conn_send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE || type == UCCL_MSG_PDONE
+                                                  ? (uint64_t)(int64_t)status : 0);
     atomic_fetch_sub(&c->answering, 1);
 }
 
@@ -202,7 +231,7 @@ static void try_match(struct uccl__conn *c)
         TAILQ_REMOVE(&c->posted, r, link);
         r->posted = 0;
         STAILQ_REMOVE_HEAD(&c->rtsq, link);
-        int stream = 0;
+        int stream = 0, push = 0;
         if (rts->seq != r->seq) {
             pthread_mutex_unlock(&c->mu);
             uccl__conn_fail(c, UCCL_ERR_PROTO, "message %llu arrived where %llu was expected",
@@ -213,6 +242,10 @@ static void try_match(struct uccl__conn *c)
         if (rts->len == r->len && r->len > 0 && !c->direct && !rts->eager) {
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_SEND, r->seq), r);
             stream = 1;
+        } else if (rts->len == r->len && r->len > 0 && !rts->eager &&
+                   !dst_copies(c, UCCL_MK_ON_GPU(r->mkind), rts->key)) {
+            uccl__idmap_put(&c->inflight, key_of(KEY_RECV, r->seq), r); /* until PDONE */
+            push = 1;
         }
         r->remote_addr = rts->addr;
         r->remote_key = rts->key;
@@ -227,12 +260,19 @@ static void try_match(struct uccl__conn *c)
         pthread_mutex_unlock(&c->mu);
 
         if (eager && slen == r->len) { /* the bytes are here (in held, or already in r->buf) */
+            int rc = UCCL_OK;
             if (held || slot >= 0) {
-                memcpy(r->buf, held ? held : c->tp->eager_slot(c, (unsigned)slot), r->len);
+                rc = uccl__gpu_copy_kinds(r->buf, r->mkind,
+                                          held ? held : c->tp->eager_slot(c, (unsigned)slot),
+                                          UCCL_MK(UCCL_MK_HOST, 0), r->len, c->local->timeout_ns);
                 atomic_fetch_sub(&r->busy, 1);
             }
             free(held);
-            uccl__proto_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
+            if (rc)
+                uccl__conn_fail(c, rc, "copying message %llu into its buffer: %s",
+                                (unsigned long long)r->seq, uccl_last_error());
+            else
+                uccl__proto_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
             continue;
         }
         free(held);
@@ -248,6 +288,10 @@ static void try_match(struct uccl__conn *c)
             uccl__proto_answer(c, r, UCCL_MSG_FIN, 0, UCCL_OK, NULL);
         } else if (stream) {
             uccl__conn_send_simple(c, UCCL_MSG_CTS, r->seq, r->len, 0);
+        } else if (push) {
+            struct uccl__msg cts = {.type = UCCL_MSG_CTS, .seq = r->seq, .len = r->len,
+                                    .addr = (uint64_t)(uintptr_t)r->buf, .token = r->key_for_peer};
+            uccl__conn_send_msg(c, &cts);
         } else {
             uccl__conn_push_job(c, UCCL_JOB_PULL_RECV, r, NULL, NULL, NULL);
         }
@@ -255,7 +299,7 @@ static void try_match(struct uccl__conn *c)
 }
 
 /* An announced message joins the queue; match it if its recv is posted. */
-static void queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
+void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
 {
     pthread_mutex_lock(&c->mu);
     STAILQ_INSERT_TAIL(&c->rtsq, rts, link);
@@ -304,7 +348,9 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         r->seq = ++c->next_send_seq;
         uccl__idmap_put(&c->inflight, key_of(KEY_SEND, r->seq), r);
         r->eager_slot = -1;
-        if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT) {
+        /* Eager bytes are copied by the CPU: host memory only. */
+        if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT &&
+            !UCCL_MK_ON_GPU(r->mkind)) {
             if (!c->ctrl_shm && !c->direct) {
                 r->eager = 1; /* bytes follow on the socket */
             } else if (c->ctrl_shm && c->tp->eager_slot) {
@@ -345,8 +391,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
                                .seq = r->seq, .len = r->len,
                                .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
-                               .token = r->fifo.token, .offset = 0,
-                               .aux = r->op == UCCL_OP_WRITE ? r->key_for_peer : 0};
+                               .token = r->fifo.token, .offset = 0, .aux = r->key_for_peer};
         uccl__conn_send_msg(c, &m);
         return UCCL_OK;
     }
@@ -358,7 +403,8 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
 /* stream data path (called by transports)                                    */
 
 int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
-                        uint64_t len, char **dst_p, struct uccl__req **req_p)
+                        uint64_t len, char **dst_p, uint64_t *dst_key_p,
+                        struct uccl__req **req_p)
 {
     pthread_mutex_lock(&c->mu);
     struct uccl__req *r = uccl__idmap_get(&c->rx, key_of(kind, id));
@@ -377,6 +423,7 @@ int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t of
     atomic_fetch_add(&r->busy, 1);
     pthread_mutex_unlock(&c->mu);
     *dst_p = r->buf + offset;
+    *dst_key_p = r->local_key;
     *req_p = r;
     return UCCL_OK;
 }
@@ -419,14 +466,14 @@ void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status)
     }
 }
 
-static int stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
-                      struct uccl__req *r)
+static int stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+                      uint64_t src_key, size_t len, struct uccl__req *r)
 {
     if (r) {
         uccl__req_get(r); /* the transport's job holds it until tx_done... */
         atomic_fetch_add(&r->busy, 1); /* ...and reads its buffer till then */
     }
-    int rc = c->tp->stream(c, kind, id, src, len, r);
+    int rc = c->tp->stream(c, kind, id, src, src_key, len, r);
     if (rc) {
         if (r) {
             atomic_fetch_sub(&r->busy, 1);
@@ -459,6 +506,8 @@ static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
     if (t) {
         t->seq = m->seq;
         t->hold = hold;
+        t->local_key = hold ? hold->tp_key[c->tp->id] : 0;
+        t->mkind = hold ? hold->gpu.mkind : 0;
     }
     return t;
 }
@@ -484,32 +533,44 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
         return;
     }
-    if (c->direct && m->type == UCCL_MSG_WREQ) { /* we pull the bytes into our window */
+    int local_gpu = hold && UCCL_MK_ON_GPU(hold->gpu.mkind);
+    int write = m->type == UCCL_MSG_WREQ;
+    if (c->direct && write && dst_copies(c, local_gpu, m->aux)) { /* we pull into our window */
         uccl__conn_push_job(c, UCCL_JOB_PULL_WRITE, NULL, m, local, hold);
         return;
     }
-    uint64_t key_for_peer = c->direct && c->tp->mem_key && hold
-                                ? c->tp->mem_key(c, hold, (uintptr_t)local) : 0;
-    struct uccl__req *t = target_req(c, m->type == UCCL_MSG_WREQ ? UCCL_OP_WRITE_TARGET
-                                                                 : UCCL_OP_READ_TARGET,
-                                     local, m, hold);
-    if (!t) {
-        uccl__mem_release_hold(&c->local->mem, hold);
-        uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)UCCL_ERR_NOMEM);
+    if (c->direct && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
+        /* host window, GPU reader: we push into its buffer, then OPDONE */
+        uccl__conn_push_job(c, UCCL_JOB_PUSH_READ, NULL, m, local, hold);
         return;
     }
-    if (m->type == UCCL_MSG_RREQ && !c->direct) { /* stream it; the job keeps t (and the hold) */
-        stream_out(c, UCCL_DATA_READ, m->seq, local, m->len, t);
+    uint64_t key_for_peer = 0;
+    if (c->direct && c->tp->mem_key && hold) /* the hold keeps the region (and its export) */
+        st = c->tp->mem_key(c, hold, (uintptr_t)local, &key_for_peer);
+    struct uccl__req *t = st ? NULL : target_req(c, write ? UCCL_OP_WRITE_TARGET
+                                                          : UCCL_OP_READ_TARGET, local, m, hold);
+    if (!t) {
+        if (st)
+            LOG_WARN("connection %llu: refused a %s of window %llu: %s", (unsigned long long)c->id,
+                     write ? "write" : "read", (unsigned long long)m->window, uccl_last_error());
+        uccl__mem_release_hold(&c->local->mem, hold);
+        uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0,
+                               (uint64_t)(int64_t)(st ? st : UCCL_ERR_NOMEM));
+        return;
+    }
+    if (!write && !c->direct) { /* stream it; the job keeps t (and the hold) */
+        stream_out(c, UCCL_DATA_READ, m->seq, local, t->local_key, m->len, t);
         uccl__req_put(t);
         return;
     }
-    /* Streamed write (bytes land in t), or direct read (the initiator pulls from
-     * our window and says RDONE): t waits in pending, failed with the connection. */
+    /* Streamed write (bytes land in t), or the initiator copies from or into
+     * our window (direct read, or a push into our GPU window) and says
+     * RDONE: t waits in pending, failed with the connection. */
     pthread_mutex_lock(&c->mu);
     /* Not after conn_fail collected `pending`: t would never be failed. */
     int ok = !atomic_load(&c->failed) &&
              uccl__idmap_put(&c->pending, ptr_key(t), t) == UCCL_OK; /* takes the creation ref */
-    if (ok && m->type == UCCL_MSG_WREQ)
+    if (ok && write && !c->direct)
         ok = uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t) == UCCL_OK;
     else if (ok)
         ok = uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t) == UCCL_OK;
@@ -521,7 +582,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         return;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
-                           .addr = m->type == UCCL_MSG_RREQ ? (uint64_t)(uintptr_t)local : 0,
+                           .addr = c->direct ? (uint64_t)(uintptr_t)local : 0,
                            .token = key_for_peer};
     uccl__conn_send_msg(c, &go);
 }
@@ -532,8 +593,9 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
     /* Each type is legal in one direction only: the connector sends RTS,
      * WREQ, RREQ; the acceptor answers. */
     int from_connector = m->type == UCCL_MSG_RTS || m->type == UCCL_MSG_WREQ ||
-                         m->type == UCCL_MSG_RREQ || m->type == UCCL_MSG_RDONE;
-    if ((m->type <= UCCL_MSG_OPDONE || m->type == UCCL_MSG_RDONE) &&
+                         m->type == UCCL_MSG_RREQ || m->type == UCCL_MSG_RDONE ||
+                         m->type == UCCL_MSG_PDONE;
+    if ((m->type <= UCCL_MSG_OPDONE || m->type == UCCL_MSG_RDONE || m->type == UCCL_MSG_PDONE) &&
         from_connector == c->is_connector)
         return uccl__err(UCCL_ERR_PROTO, "control message type %u sent the wrong way", m->type);
 
@@ -551,7 +613,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
         *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr,
                                   .key = m->window, .eager = slot >= 0, .slot = slot};
-        queue_rts(c, rts);
+        uccl__proto_queue_rts(c, rts);
         return UCCL_OK;
     }
     case UCCL_MSG_CTS:
@@ -559,12 +621,19 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
                              (unsigned long long)m->seq);
-        if (m->len != r->len) {
+        if (m->len != r->len || r->eager) {
             uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu",
-                             (unsigned long long)m->len, (unsigned long long)m->seq, r->len);
+            return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu%s",
+                             (unsigned long long)m->len, (unsigned long long)m->seq, r->len,
+                             r->eager ? " and went eagerly" : "");
         }
-        stream_out(c, UCCL_DATA_SEND, r->seq, r->buf, r->len, r);
+        if (c->direct) { /* the receiver cannot pull from our memory: we push */
+            r->remote_addr = m->addr;
+            r->remote_key = m->token;
+            uccl__conn_push_job(c, UCCL_JOB_PUSH_SEND, r, NULL, NULL, NULL);
+        } else {
+            stream_out(c, UCCL_DATA_SEND, r->seq, r->buf, r->local_key, r->len, r);
+        }
         uccl__req_put(r);
         return UCCL_OK;
     case UCCL_MSG_NACK:
@@ -600,7 +669,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     case UCCL_MSG_GO:
         r = inflight_get(c, KEY_OP, m->seq, 0);
-        if (!r || m->len != r->len || (r->op == UCCL_OP_READ) != (c->direct != 0) ||
+        if (!r || m->len != r->len || (r->op == UCCL_OP_READ && !c->direct) ||
             (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ)) {
             if (r)
                 uccl__req_put(r);
@@ -616,32 +685,51 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_PROTO, "second GO for operation %llu",
                              (unsigned long long)m->seq);
         }
-        if (r->op == UCCL_OP_WRITE) {
-            stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->len, r);
-        } else { /* direct read: we pull into our own buffer (tracked as busy) */
+        if (r->op == UCCL_OP_WRITE && !c->direct) {
+            stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->local_key, r->len, r);
+        } else { /* direct: we pull into our own buffer (tracked as busy), or push */
             r->remote_addr = m->addr;
             r->remote_key = m->token;
-            uccl__conn_push_job(c, UCCL_JOB_PULL_READ, r, NULL, NULL, NULL);
+            uccl__conn_push_job(c, r->op == UCCL_OP_READ ? UCCL_JOB_PULL_READ
+                                                         : UCCL_JOB_PUSH_WRITE, r, NULL, NULL, NULL);
         }
         uccl__req_put(r);
         return UCCL_OK;
     case UCCL_MSG_RDONE:
         r = inflight_get(c, KEY_LENT, m->seq, 1);
         if (!r)
-            return uccl__err(UCCL_ERR_PROTO, "RDONE for unknown read %llu",
+            return uccl__err(UCCL_ERR_PROTO, "RDONE for unknown operation %llu",
                              (unsigned long long)m->seq);
         uccl__req_complete(c, r, UCCL_OK, NULL);
         uccl__req_put(r);
         return UCCL_OK;
+    case UCCL_MSG_PDONE: {
+        r = inflight_get(c, KEY_RECV, m->seq, 1);
+        if (!r)
+            return uccl__err(UCCL_ERR_PROTO, "PDONE for message %llu, which was not pushed",
+                             (unsigned long long)m->seq);
+        int st = (int)(int64_t)m->aux;
+        if (st == UCCL_OK)
+            uccl__req_complete(c, r, UCCL_OK, NULL);
+        else
+            uccl__req_complete(c, r, UCCL_ERR_IO, "the sender could not copy message %llu into "
+                               "this GPU buffer on connection %llu: %s",
+                               (unsigned long long)m->seq, (unsigned long long)c->id,
+                               uccl_status_str(st));
+        uccl__req_put(r);
+        return UCCL_OK;
+    }
     case UCCL_MSG_OPDONE: {
         r = inflight_get(c, KEY_OP, m->seq, 0);
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for unknown operation %llu",
                              (unsigned long long)m->seq);
         int st = (int)(int64_t)m->aux;
-        if (st == UCCL_OK && r->op == UCCL_OP_READ && r->len > 0) {
+        if (st == UCCL_OK && r->op == UCCL_OP_READ && r->len > 0 &&
+            !(c->direct && UCCL_MK_ON_GPU(r->mkind) && !r->go_seen)) {
             /* A read of bytes ends when they are here (streamed) or pulled
-             * (direct), never on the target's word. */
+             * (direct), never on the target's word, except where the target
+             * pushed them into our GPU memory (it had host memory). */
             uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for read %llu, which needs no OPDONE",
                              (unsigned long long)m->seq);
@@ -669,86 +757,6 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return c->tp->on_msg(c, m);
         return uccl__err(UCCL_ERR_PROTO, "control message type %u not used by transport %s",
                          m->type, c->tp->name);
-    }
-}
-
-/* An eager RTS: decide where its bytes go before reading them.  Straight
- * into the posted recv that it will match, if sizes agree; else into a
- * held buffer, within the budget a well-behaved sender never exceeds. */
-int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
-{
-    if (c->is_connector || c->ctrl_shm || c->direct)
-        return uccl__err(UCCL_ERR_PROTO, "eager message on a connection that does not take them");
-    if (m->len > UCCL_EAGER_MAX)
-        return uccl__err(UCCL_ERR_PROTO, "eager message of %llu bytes (at most %u)",
-                         (unsigned long long)m->len, UCCL_EAGER_MAX);
-    struct uccl__rts *rts = calloc(1, sizeof(*rts));
-    if (!rts)
-        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr, .eager = 1,
-                              .slot = -1};
-    c->erx = (__typeof__(c->erx)){.rts = rts};
-    pthread_mutex_lock(&c->mu);
-    struct uccl__req *r = TAILQ_FIRST(&c->posted);
-    if (STAILQ_EMPTY(&c->rtsq) && r && r->seq == m->seq && r->len == m->len) {
-        uccl__req_get(r);
-        atomic_fetch_add(&r->busy, 1);
-        c->erx.direct = r;
-        c->erx.dst = r->buf;
-    } else if (m->len > 0) {
-        if (c->eager_held + m->len > (size_t)UCCL_EAGER_MAX * UCCL_EAGER_INFLIGHT) {
-            pthread_mutex_unlock(&c->mu);
-            c->erx.rts = NULL;
-            free(rts);
-            return uccl__err(UCCL_ERR_PROTO, "peer sent more eager bytes than it may have in "
-                             "flight (%zu held)", c->eager_held);
-        }
-        rts->data = malloc(m->len);
-        if (!rts->data) {
-            pthread_mutex_unlock(&c->mu);
-            c->erx.rts = NULL;
-            free(rts);
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        }
-        c->eager_held += m->len;
-        c->erx.dst = rts->data;
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (m->len == 0)
-        uccl__proto_eager_arrived(c);
-    return UCCL_OK;
-}
-
-/* End the reader's eager payload: stop writing into the posted recv, if
- * that is where it went, and hand back its RTS.  Reader only. */
-static struct uccl__rts *erx_take(struct uccl__conn *c)
-{
-    struct uccl__rts *rts = c->erx.rts;
-    struct uccl__req *direct = c->erx.direct;
-    c->erx = (__typeof__(c->erx)){0};
-    if (direct) {
-        atomic_fetch_sub(&direct->busy, 1);
-        uccl__req_put(direct);
-    }
-    return rts;
-}
-
-void uccl__proto_eager_arrived(struct uccl__conn *c)
-{
-    queue_rts(c, erx_take(c));
-}
-
-/* Let go of a half-read eager payload (the connection failed).  Only the
- * reader of the moment calls this, as only it writes there. */
-void uccl__proto_eager_drop(struct uccl__conn *c)
-{
-    struct uccl__rts *rts = erx_take(c);
-    if (rts) {
-        pthread_mutex_lock(&c->mu);
-        c->eager_held -= rts->data ? rts->len : 0;
-        pthread_mutex_unlock(&c->mu);
-        free(rts->data);
-        free(rts);
     }
 }
 

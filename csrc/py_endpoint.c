@@ -383,16 +383,18 @@ struct post_args {
     size_t size;
     const char *fifo;        /* the advertised descriptor (write, read), or NULL */
     Py_ssize_t fifo_len;
+    uint64_t stream;         /* CUDA stream ordering device memory (0: legacy default) */
 };
 
-/* (op, conn_id, mr_id, ptr, size, fifo_item=None) */
+/* (op, conn_id, mr_id, ptr, size, fifo_item=None, stream=0) */
 static int parse_post(uccl__py_endpoint *self, PyObject *args, struct post_args *a)
 {
     a->fifo = NULL;
     a->fifo_len = 0;
-    if (!PyArg_ParseTuple(args, "iO&O&O&O&|z#", &a->op, uccl__py_to_u64, &a->conn,
+    a->stream = 0;
+    if (!PyArg_ParseTuple(args, "iO&O&O&O&|z#O&", &a->op, uccl__py_to_u64, &a->conn,
                           uccl__py_to_u64, &a->mr, uccl__py_to_u64, &a->ptr, uccl__py_to_size,
-                          &a->size, &a->fifo, &a->fifo_len))
+                          &a->size, &a->fifo, &a->fifo_len, uccl__py_to_u64, &a->stream))
         return -1;
     return uccl__py_ep_check(self);
 }
@@ -400,7 +402,7 @@ static int parse_post(uccl__py_endpoint *self, PyObject *args, struct post_args 
 static int post(uccl_ep_t *ep, const struct post_args *a, int flags, uint64_t *id_p)
 {
     return uccl_ep_post(ep, a->op | flags, a->conn, a->mr, (uintptr_t)a->ptr, a->size,
-                        (const uint8_t *)a->fifo, (size_t)a->fifo_len, id_p);
+                        (const uint8_t *)a->fifo, (size_t)a->fifo_len, (uintptr_t)a->stream, id_p);
 }
 
 /* _post(op, conn_id, mr_id, ptr, size, fifo_item=None) -> transfer_id */
@@ -611,9 +613,9 @@ static PyMethodDef Endpoint_methods[] = {
      "conn_peer_rank(conn_id) -> the rank the peer gave in its handshake (-1: none)"},
     {"reg", Endpoint_reg, METH_VARARGS, "reg(ptr, size) -> (True, mr_id)"},
     {"dereg", Endpoint_dereg, METH_VARARGS, "dereg(mr_id) -> True"},
-    {"_post", Endpoint_post, METH_VARARGS, "_post(op, conn_id, mr_id, ptr, size, fifo=None) -> id"},
+    {"_post", Endpoint_post, METH_VARARGS, "_post(op, conn_id, mr_id, ptr, size, fifo=None, stream=0) -> id"},
     {"_transfer", Endpoint_transfer, METH_VARARGS,
-     "_transfer(op, conn_id, mr_id, ptr, size, fifo=None)"},
+     "_transfer(op, conn_id, mr_id, ptr, size, fifo=None, stream=0)"},
     {"wait", (PyCFunction)(void (*)(void))Endpoint_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(transfer_id, timeout=None) -> True; raises if the transfer failed"},
     {"poll_async", Endpoint_poll_async, METH_VARARGS, "poll_async(transfer_id) -> (True, is_done)"},

@@ -1,4 +1,4 @@
-/* Same-host CPU memory.
+/* Same host: CPU memory here, GPU memory through tp_shm_ipc.c.
  *
  * CMA mode (preferred): one copy, by the kernel, straight between the two
  * processes' buffers with process_vm_readv/writev.  The acceptor does every
@@ -36,6 +36,7 @@
 #include "log.h"
 #include "sock.h"
 #include "status.h"
+#include "tp_shm_ipc.h"
 
 #define RING_SLOTS 8
 #define RING_SLOT_BYTES (512u << 10)
@@ -62,6 +63,7 @@ struct ring_job {
     int kind;
     uint64_t id;
     const char *src;
+    uint64_t src_key;        /* its memory kind: GPU memory is copied by the copy engine */
     size_t len;
     void *cookie;
     STAILQ_ENTRY(ring_job) link;
@@ -186,8 +188,10 @@ static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, si
 static int shm_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote,
                     uint64_t remote_key, size_t len)
 {
-    (void)local_key; /* CMA needs no keys: the kernel checks ptrace rights */
-    (void)remote_key;
+    /* Host memory both sides: CMA, which needs no keys (the kernel checks
+     * ptrace rights).  A GPU on either side: the copy engine. */
+    if (remote_key || UCCL_MK_KIND(local_key) == UCCL_MK_DEVICE)
+        return uccl__shm_ipc_pull(c, dst, local_key, remote, remote_key, len);
     return cma_copy_split(c, dst, remote, len);
 }
 
@@ -340,7 +344,14 @@ static void *ring_tx_main(void *arg)
             s->busy[slot] = 1;
             pthread_mutex_unlock(&s->mu);
             size_t n = j->len - off < RING_SLOT_BYTES ? j->len - off : RING_SLOT_BYTES;
-            memcpy(s->out + (size_t)slot * RING_SLOT_BYTES, j->src + off, n);
+            rc = uccl__gpu_copy_kinds(s->out + (size_t)slot * RING_SLOT_BYTES,
+                                      UCCL_MK(UCCL_MK_HOST, 0), j->src + off, (uint32_t)j->src_key,
+                                      n, c->local->timeout_ns);
+            if (rc) {
+                pthread_mutex_lock(&s->mu);
+                s->busy[slot] = 0;
+                break;
+            }
             struct uccl__msg m = {.type = UCCL_MSG_DATA, .seq = j->id, .len = n, .offset = off,
                                   .token = (uint64_t)j->kind, .aux = slot};
             rc = uccl__conn_send_msg(c, &m);
@@ -372,14 +383,15 @@ static int shm_conn_start(struct uccl__conn *c)
     return UCCL_OK;
 }
 
-static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
-                      void *cookie)
+static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+                      uint64_t src_key, size_t len, void *cookie)
 {
     struct shm_conn *s = c->tp_priv;
     struct ring_job *j = calloc(1, sizeof(*j));
     if (!j)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    *j = (struct ring_job){.kind = kind, .id = id, .src = src, .len = len, .cookie = cookie};
+    *j = (struct ring_job){.kind = kind, .id = id, .src = src, .src_key = src_key, .len = len,
+                           .cookie = cookie};
     pthread_mutex_lock(&s->mu);
     if (s->stop) {
         pthread_mutex_unlock(&s->mu);
@@ -416,11 +428,17 @@ static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
         return uccl__err(UCCL_ERR_PROTO, "ring chunk of %llu bytes (kind %llu) is malformed",
                          (unsigned long long)m->len, (unsigned long long)m->token);
     char *dst;
+    uint64_t dst_key;
     struct uccl__req *r;
-    int rc = uccl__conn_rx_begin(c, (int)m->token, m->seq, m->offset, m->len, &dst, &r);
+    int rc = uccl__conn_rx_begin(c, (int)m->token, m->seq, m->offset, m->len, &dst, &dst_key, &r);
     if (rc)
         return rc;
-    memcpy(dst, s->in + (size_t)m->aux * RING_SLOT_BYTES, m->len);
+    rc = uccl__gpu_copy_kinds(dst, (uint32_t)dst_key, s->in + (size_t)m->aux * RING_SLOT_BYTES,
+                              UCCL_MK(UCCL_MK_HOST, 0), m->len, c->local->timeout_ns);
+    if (rc) {
+        uccl__conn_rx_abort(c, r);
+        return rc;
+    }
     uccl__conn_rx_end(c, r, m->len);
     struct uccl__msg cr = {.type = UCCL_MSG_CREDIT, .aux = m->aux};
     return uccl__conn_send_msg(c, &cr);
@@ -547,7 +565,10 @@ const struct uccl__tp_ops uccl__tp_shm = {
     .conn_accept = shm_conn_accept,
     .conn_connected = shm_conn_connected,
     .conn_start = shm_conn_start,
+    .mem_key = uccl__shm_ipc_mem_key,
+    .key_on_gpu = uccl__shm_ipc_key_on_gpu,
     .pull = shm_pull,
+    .push = uccl__shm_ipc_push,
     .stream = shm_stream,
     .ctrl_send = shm_ctrl_send,
     .ctrl_recv = shm_ctrl_recv,

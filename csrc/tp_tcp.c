@@ -3,7 +3,13 @@
  * streams' sender threads take from one queue, so a large message is striped
  * over every stream and a small one goes out on whichever stream is free.
  * Each chunk carries (kind, id, offset, len); the receiving thread asks
- * the protocol where it may land and receives straight into that buffer. */
+ * the protocol where it may land and receives straight into that buffer.
+ *
+ * GPU memory is staged, the role GPUDirect-TCPX plays upstream: each
+ * stream's threads own a page-locked buffer of one chunk; the sender copies
+ * a chunk device-to-host into it, then sends it, and the receiver receives
+ * into it, then copies host-to-device.  The streams pipeline: while one
+ * sends (or receives) chunk k, another copies chunk k+1. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +20,7 @@
 #include <unistd.h>
 
 #include "conn.h"
+#include "gpu.h"
 #include "handshake.h"
 #include "log.h"
 #include "sock.h"
@@ -23,6 +30,7 @@ struct tcp_job {
     int kind;
     uint64_t id;
     const char *src;
+    uint64_t src_key;         /* its memory kind (gpu.h): GPU memory is staged */
     size_t len, next_off;
     atomic_size_t accounted;  /* bytes of dispatched chunks, sent or failed */
     atomic_int err;
@@ -37,6 +45,31 @@ struct tcp_stream {
     pthread_t tx, rx;
     struct uccl__conn *conn;
 };
+
+/* A stream thread's page-locked chunk, made on its first GPU chunk. */
+struct stage {
+    char *buf;
+    int dev;
+};
+
+static int stage_get(struct uccl__conn *c, struct stage *st, int dev, char **buf_p)
+{
+    if (!st->buf) {
+        int rc = uccl__gpu_host_alloc(dev, c->chunk_bytes, (void **)&st->buf);
+        if (rc)
+            return rc;
+        st->dev = dev;
+    }
+    *buf_p = st->buf;
+    return UCCL_OK;
+}
+
+static void stage_free(struct stage *st)
+{
+    if (st->buf)
+        uccl__gpu_host_free(st->dev, st->buf);
+    st->buf = NULL;
+}
 
 struct tcp_conn {
     struct tcp_stream s[UCCL_MAX_STREAMS];
@@ -144,6 +177,7 @@ static void *tx_main(void *arg)
     struct tcp_stream *s = arg;
     struct uccl__conn *c = s->conn;
     struct tcp_conn *t = c->tp_priv;
+    struct stage st = {0};
     for (;;) {
         pthread_mutex_lock(&t->mu);
         while (STAILQ_EMPTY(&t->jobs) && !t->stop)
@@ -163,7 +197,17 @@ static void *tx_main(void *arg)
         struct uccl__chunk_hdr h = {.kind = (uint16_t)j->kind, .id = j->id, .offset = off, .len = len};
         uint8_t hdr[UCCL_CHUNK_HDR_SIZE];
         uccl__chunk_encode(&h, hdr);
-        int rc = send_chunk(s->fd, hdr, j->src + off, len);
+        const char *from = j->src + off;
+        int rc = UCCL_OK;
+        if (UCCL_MK_ON_GPU(j->src_key)) { /* device to host first */
+            char *buf;
+            rc = stage_get(c, &st, UCCL_MK_DEV(j->src_key), &buf);
+            if (rc == UCCL_OK)
+                rc = uccl__gpu_copy(UCCL_MK_DEV(j->src_key), buf, from, len, c->local->timeout_ns);
+            from = buf;
+        }
+        if (rc == UCCL_OK)
+            rc = send_chunk(s->fd, hdr, from, len);
         if (rc)
             uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
         account(c, j, len, rc != UCCL_OK);
@@ -171,6 +215,7 @@ static void *tx_main(void *arg)
             break;
     }
     fail_queued(c, t);
+    stage_free(&st);
     return NULL;
 }
 
@@ -197,9 +242,11 @@ static void *rx_main(void *arg)
     struct tcp_stream *s = arg;
     struct uccl__conn *c = s->conn;
     uint8_t hdr[UCCL_CHUNK_HDR_SIZE];
+    struct stage st = {0};
     while (!atomic_load(&c->failed)) {
         struct uccl__chunk_hdr h;
-        char *dst;
+        char *dst, *into;
+        uint64_t dst_key;
         struct uccl__req *r;
         int rc = recv_full(s->fd, hdr, sizeof(hdr));
         if (rc) {
@@ -208,12 +255,19 @@ static void *rx_main(void *arg)
         }
         rc = uccl__chunk_decode(hdr, c->chunk_bytes, &h);
         if (rc == UCCL_OK)
-            rc = uccl__conn_rx_begin(c, h.kind, h.id, h.offset, h.len, &dst, &r);
+            rc = uccl__conn_rx_begin(c, h.kind, h.id, h.offset, h.len, &dst, &dst_key, &r);
         if (rc) {
             uccl__conn_fail(c, UCCL_ERR_PROTO, "%s", uccl_last_error());
             break;
         }
-        rc = recv_full(s->fd, dst, h.len);
+        into = dst;
+        int on_gpu = UCCL_MK_ON_GPU(dst_key);
+        if (on_gpu)
+            rc = stage_get(c, &st, UCCL_MK_DEV(dst_key), &into);
+        if (rc == UCCL_OK)
+            rc = recv_full(s->fd, into, h.len);
+        if (rc == UCCL_OK && on_gpu) /* host to device */
+            rc = uccl__gpu_copy(UCCL_MK_DEV(dst_key), dst, into, h.len, c->local->timeout_ns);
         if (rc) {
             uccl__conn_rx_abort(c, r);
             uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
@@ -221,6 +275,7 @@ static void *rx_main(void *arg)
         }
         uccl__conn_rx_end(c, r, h.len);
     }
+    stage_free(&st);
     return NULL;
 }
 
@@ -246,8 +301,8 @@ static int tcp_conn_start(struct uccl__conn *c)
     return UCCL_OK;
 }
 
-static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
-                      void *cookie)
+static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+                      uint64_t src_key, size_t len, void *cookie)
 {
     struct tcp_conn *t = c->tp_priv;
     struct tcp_job *j = calloc(1, sizeof(*j));
@@ -256,6 +311,7 @@ static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
     j->kind = kind;
     j->id = id;
     j->src = src;
+    j->src_key = src_key;
     j->len = len;
     j->cookie = cookie;
     pthread_mutex_lock(&t->mu);

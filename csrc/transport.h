@@ -21,12 +21,14 @@
  * (handshake.c, pool.c, sock.c, wire.c).
  *
  * Adding a transport = one new tp_<name>.c exporting a const ops table, and
- * one line in the registry (transport.c).  How the next two map onto it:
- *  - tp_cuda_ipc.c (GPU memory, same host): mem_reg exports a CUDA IPC
- *    handle for the region (cuIpcGetMemHandle via cuda_loader.c) and mem_key
- *    names it; pull opens/caches the peer's handle and cuMemcpyAsync's from
- *    it on the copy engine, then waits for its event.  Control messages can
- *    reuse the shared-memory queues (ctrl_*).
+ * one line in the registry (transport.c).
+ *
+ * GPU memory rides the same two ways.  tp_shm.c, when CMA works, is direct
+ * for it too: the key of device memory is the address of its export record
+ * (gpu.h), which the peer reads and maps (CUDA IPC, cached), then copies on
+ * its copy engine; host memory on the other side is reached by the side that
+ * owns it (pull, or push into GPU memory).  Streaming transports stage GPU
+ * memory through page-locked buffers.  The RDMA transport will map like this:
  *  - tp_rdma.c (libibverbs via ibv_loader.c): conn_accept/conn_connected
  *    exchange QP numbers and GIDs over the handshake socket; mem_reg is
  *    ibv_reg_mr (lkey in tp_key, rkey from mem_key); pull posts an RDMA READ
@@ -81,10 +83,20 @@ struct uccl__tp_ops {
     int (*mem_reg)(struct uccl__mem *mem, struct uccl__mr *mr);
     void (*mem_dereg)(struct uccl__mem *mem, struct uccl__mr *mr);
 
-    /* What a peer needs besides the address to pull from addr, inside region
-     * mr, over c (an rkey, an IPC handle id); NULL or 0 where the address is
-     * enough (CMA).  It travels with the address in RTS, WREQ or GO. */
-    uint64_t (*mem_key)(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr);
+    /* What a peer needs besides the address to reach addr, inside region
+     * mr, over c (an rkey; the address of a GPU export record); 0 where the
+     * address is enough (CMA).  It travels with the address in RTS, CTS,
+     * WREQ, RREQ or GO.  Called under the regions' lock; an error (memory
+     * that cannot be shared with this peer) fails the transfer. */
+    int (*mem_key)(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+                   uint64_t *key_p);
+
+    /* Direct transports: is the peer's memory behind a key it sent (its
+     * mem_key) on a GPU?  The destination side pulls unless the source is
+     * host memory and the destination GPU memory (CUDA IPC maps device
+     * memory only): then the source side pushes.  NULL: the peer's memory
+     * is always reachable by pull. */
+    int (*key_on_gpu)(uint64_t peer_key);
 
     /* Direct mover (NULL, or the connection's `direct` flag clear, when the
      * transport streams): copy len bytes from the peer's remote_addr (with its
@@ -94,12 +106,18 @@ struct uccl__tp_ops {
      * runs on the connection's worker thread or a caller driving it. */
     int (*pull)(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote_addr,
                 uint64_t remote_key, size_t len);
+    /* ... and the other way, where the destination cannot pull (key_on_gpu):
+     * copy len bytes of src (with its local_key) to the peer's remote_addr. */
+    int (*push)(struct uccl__conn *c, const void *src, uint64_t local_key, uint64_t remote_addr,
+                uint64_t remote_key, size_t len);
 
     /* Stream mover: queue len > 0 bytes for the peer, tagged (kind, id).
      * Never blocks; calls uccl__conn_tx_done(c, cookie, status) once the
-     * bytes have left the buffer.  `cookie` is a struct uccl__req *. */
-    int (*stream)(struct uccl__conn *c, int kind, uint64_t id, const void *src, size_t len,
-                  void *cookie);
+     * bytes have left the buffer.  `cookie` is a struct uccl__req *.
+     * src_key is src's local key: GPU memory (gpu.h) is staged through
+     * page-locked buffers, as is GPU memory that rx_begin hands out. */
+    int (*stream)(struct uccl__conn *c, int kind, uint64_t id, const void *src, uint64_t src_key,
+                  size_t len, void *cookie);
 
     /* Optional control channel replacing the control socket for messages
      * (same host: queues in shared memory, no system call per message).  The
@@ -154,7 +172,8 @@ extern const char *const uccl__tp_names[UCCL_TP_COUNT];
  * rx_abort lets go of a chunk that could not be received (the connection is
  * failing). */
 int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
-                        uint64_t len, char **dst_p, struct uccl__req **req_p);
+                        uint64_t len, char **dst_p, uint64_t *dst_key_p,
+                        struct uccl__req **req_p);
 void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len);
 void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r);
 /* Stream send path: the bytes queued with `cookie` have left the buffer. */

@@ -59,9 +59,16 @@ int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p);
 int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p);
 int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr);
 
-/* Post a transfer; fifo (advertised descriptor) only for WRITE/READ. */
+/* Register [addr, +len): host memory, page-locked host memory or CUDA device
+ * memory of one allocation (classified here; libcuda is loaded at run time). */
+/* Post a transfer; fifo (advertised descriptor) only for WRITE/READ.
+ * Device memory is stream-ordered as NCCL orders its work: the transfer
+ * starts after the work queued on `stream` (a CUstream of the buffer's
+ * device; 0: the legacy default stream) before this call, and it is done
+ * (poll, wait) once the bytes are in place for any later work.  Host
+ * memory ignores `stream`. */
 int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t ptr, size_t len,
-                 const uint8_t *fifo, size_t fifo_len, uint64_t *xfer_p);
+                 const uint8_t *fifo, size_t fifo_len, uintptr_t stream, uint64_t *xfer_p);
 /* Done?  A failed transfer returns its error (every time until released). */
 int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p);
 /* Wait until done or until min(deadline_ns, now + slice_ns).  UCCL_OK: done;

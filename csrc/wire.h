@@ -51,7 +51,8 @@ int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h)
 /* ---- control messages (one connection, both directions) ------------------ */
 enum {
     UCCL_MSG_RTS = 1,     /* sender: message seq of len bytes at addr is ready */
-    UCCL_MSG_CTS = 2,     /* receiver: sizes match, push the bytes */
+    UCCL_MSG_CTS = 2,     /* receiver: sizes match, push the bytes (direct: into addr,
+                             with the key in token) */
     UCCL_MSG_NACK = 3,    /* receiver: sizes differ (len = receiver's size) */
     UCCL_MSG_FIN = 4,     /* receiver: pulled the message, sender may complete */
     UCCL_MSG_WREQ = 5,    /* initiator: write len bytes into window at offset */
@@ -62,14 +63,17 @@ enum {
     UCCL_MSG_DATA = 9,    /* shm ring: a chunk sits in slot aux */
     UCCL_MSG_CREDIT = 10, /* shm ring: slot aux is free again */
     UCCL_MSG_BYE = 11,    /* either side: closing on purpose (not a crash) */
-    UCCL_MSG_RDONE = 12,  /* initiator: finished pulling a read (the target may let go) */
-    UCCL_MSG_TYPE_MAX = 12,
+    UCCL_MSG_RDONE = 12,  /* initiator: finished with the target's window (pulled a
+                             read, or pushed a write): the target may let go */
+    UCCL_MSG_PDONE = 13,  /* sender: pushed message seq into the receiver's buffer
+                             (after a CTS with its address; aux = status) */
+    UCCL_MSG_TYPE_MAX = 13,
 };
 
 #define UCCL_MSG_SIZE 64
-/* Field use by type, where not obvious: the peer's key for a direct pull
- * (tp->mem_key) rides in `window` for RTS, in `aux` for WREQ, in `token`
- * for GO; those fields are otherwise unused by those types. */
+/* Field use by type, where not obvious: the peer's key for a direct copy
+ * (tp->mem_key) rides in `window` for RTS, in `aux` for WREQ and RREQ, in
+ * `token` for GO and CTS; those fields are otherwise unused by those types. */
 struct uccl__msg {
     uint16_t type;
     uint64_t seq;     /* message sequence number or one-sided op id */

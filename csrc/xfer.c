@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "gpu.h"
 #include "status.h"
 #include "sock.h"
 
@@ -29,7 +30,7 @@ static const char *op_name(int op)
 }
 
 int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t ptr, size_t len,
-                 const uint8_t *fifo, size_t fifo_len, uint64_t *xfer_p)
+                 const uint8_t *fifo, size_t fifo_len, uintptr_t stream, uint64_t *xfer_p)
 {
     int rc = uccl__ep_check_open(ep);
     if (rc)
@@ -61,8 +62,21 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    rc = uccl__mem_keys(&ep->local.mem, mr, ptr, len, c->tp, c, &r->local_key, &r->key_for_peer);
+    rc = uccl__mem_keys(&ep->local.mem, mr, ptr, len, c->tp, c, &r->local_key, &r->key_for_peer,
+                        &r->mkind);
+    void *ev = NULL; /* device memory: the caller's stream reaches this call */
+    if (rc == UCCL_OK && UCCL_MK_ON_GPU(r->mkind) && len > 0)
+        rc = uccl__gpu_event_record(UCCL_MK_DEV(r->mkind), stream, &ev);
+    if (rc == UCCL_OK && ev && blocking) { /* we wait anyway: wait for the stream here */
+        rc = uccl__gate_wait(ev, ep->local.timeout_ns);
+        uccl__gpu_event_free(ev);
+        ev = NULL;
+    } else if (rc == UCCL_OK && ev && uccl__gpu_event_poll(ev) == 1) {
+        uccl__gpu_event_free(ev);
+        ev = NULL;
+    }
     if (rc) {
+        uccl__gpu_event_free(ev);
         uccl__req_put(r);
         goto out;
     }
@@ -75,8 +89,11 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
         uccl__req_put(r);
         goto out;
     }
-    rc = uccl__conn_post(c, r, blocking);
+    rc = ev ? uccl__gate_add(&ep->gate, c, r, ev, ep->local.timeout_ns)
+            : uccl__conn_post(c, r, blocking);
     if (rc) {
+        if (ev)
+            uccl__gpu_event_free(ev);
         pthread_mutex_lock(&ep->mu);
         uccl__idmap_del(&ep->reqs, r->id);
         pthread_mutex_unlock(&ep->mu);

@@ -11,13 +11,14 @@ reads and writes; the side that accepts receives and advertises.
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
 from typing import Any, Sequence
 
 from . import _engine
 from ._engine import UcclError, UcclTimeoutError
 
-__all__ = ["Endpoint", "UcclError", "UcclTimeoutError", "buffer_of"]
+__all__ = ["Endpoint", "UcclError", "UcclTimeoutError", "buffer_of", "current_stream"]
 
 OP_SEND, OP_RECV = _engine.OP_SEND, _engine.OP_RECV
 OP_WRITE, OP_READ = _engine.OP_WRITE, _engine.OP_READ
@@ -40,6 +41,22 @@ def buffer_of(obj: Any) -> tuple[int, int]:
             raise ValueError("array is read-only; the engine needs writable memory")
         return int(obj.__array_interface__["data"][0]), int(obj.nbytes)
     raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
+
+
+def current_stream() -> int:
+    """torch's current CUDA stream on the current device, as an integer.
+
+    Transfers of GPU memory are ordered after it, as NCCL's are: they start
+    once the work queued there before the call is done, and are complete
+    for any work queued after they finish.  0 (the legacy default stream)
+    where torch has not initialised CUDA; host memory ignores it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    try:
+        return int(torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+    except AttributeError:  # private names moved: the public way, slower
+        return int(torch.cuda.current_stream().cuda_stream)
 
 
 def _lists(name: str, num_iovs: int, *lists: Sequence) -> None:
@@ -95,24 +112,25 @@ class Endpoint(_engine.Endpoint):
 
     # -- two-sided ---------------------------------------------------------
     def send(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:
-        return self._transfer(OP_SEND, conn_id, mr_id, ptr, size)
+        return self._transfer(OP_SEND, conn_id, mr_id, ptr, size, None, current_stream())
 
     def recv(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:
-        return self._transfer(OP_RECV, conn_id, mr_id, ptr, size)
+        return self._transfer(OP_RECV, conn_id, mr_id, ptr, size, None, current_stream())
 
     def send_async(self, conn_id: int, mr_id: int, ptr: int, size: int):
-        return True, self._post(OP_SEND, conn_id, mr_id, ptr, size)
+        return True, self._post(OP_SEND, conn_id, mr_id, ptr, size, None, current_stream())
 
     def recv_async(self, conn_id: int, mr_id: int, ptr: int, size: int):
-        return True, self._post(OP_RECV, conn_id, mr_id, ptr, size)
+        return True, self._post(OP_RECV, conn_id, mr_id, ptr, size, None, current_stream())
 
     def _vector(self, name, op, conn_id, mr_ids, ptrs, sizes, num_iovs, fifos=None) -> bool:
         _lists(name, num_iovs, mr_ids, ptrs, sizes, *([fifos] if fifos is not None else []))
         ids, first_error = [], None
+        stream = current_stream()
         try:
             for i in range(num_iovs):
-                extra = () if fifos is None else (fifos[i],)
-                ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i], *extra))
+                fifo = None if fifos is None else fifos[i]
+                ids.append(self._post(op, conn_id, mr_ids[i], ptrs[i], sizes[i], fifo, stream))
         except Exception as e:  # later iovs are not posted; wait for those that were
             first_error = e
         # Every posted iov is waited for, even after an error, so that no byte
@@ -144,16 +162,16 @@ class Endpoint(_engine.Endpoint):
                       for i in range(num_iovs)]
 
     def write(self, conn_id: int, mr_id: int, src: int, size: int, fifo_item: bytes) -> bool:
-        return self._transfer(OP_WRITE, conn_id, mr_id, src, size, bytes(fifo_item))
+        return self._transfer(OP_WRITE, conn_id, mr_id, src, size, bytes(fifo_item), current_stream())
 
     def read(self, conn_id: int, mr_id: int, dst: int, size: int, fifo_item: bytes) -> bool:
-        return self._transfer(OP_READ, conn_id, mr_id, dst, size, bytes(fifo_item))
+        return self._transfer(OP_READ, conn_id, mr_id, dst, size, bytes(fifo_item), current_stream())
 
     def write_async(self, conn_id, mr_id, src, size, fifo_item):
-        return True, self._post(OP_WRITE, conn_id, mr_id, src, size, bytes(fifo_item))
+        return True, self._post(OP_WRITE, conn_id, mr_id, src, size, bytes(fifo_item), current_stream())
 
     def read_async(self, conn_id, mr_id, dst, size, fifo_item):
-        return True, self._post(OP_READ, conn_id, mr_id, dst, size, bytes(fifo_item))
+        return True, self._post(OP_READ, conn_id, mr_id, dst, size, bytes(fifo_item), current_stream())
 
     def writev(self, conn_id, mr_id_list, src_list, size_list, fifo_items, num_iovs) -> bool:
         return self._vector("writev", OP_WRITE, conn_id, mr_id_list, src_list, size_list,

@@ -1,0 +1,96 @@
+/* GPU memory for the engine, over the driver API (cuda_loader.h).
+ *
+ *   gpu_mem.c   what a pointer is (classification at registration), and
+ *               sharing device memory with other processes of the host:
+ *               export records here, imports of a peer's records (CUDA IPC
+ *               of the allocation base, or for cuMem* memory a POSIX file
+ *               descriptor per physical chunk), cached per peer and export
+ *   gpu_copy.c  copies on the copy engine (this thread's streams, split
+ *               when large, completion by polled events), events recorded
+ *               on a caller's stream, page-locked staging buffers
+ *
+ * A memory kind ("mkind") travels as the local key of the TCP and
+ * shared-memory transports: kind in the low byte, device ordinal above. */
+#ifndef UCCL_GPU_H
+#define UCCL_GPU_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum { UCCL_MK_HOST = 0, UCCL_MK_PINNED = 1, UCCL_MK_DEVICE = 2 };
+#define UCCL_MK(kind, dev) ((uint32_t)(kind) | ((uint32_t)(dev) << 8))
+#define UCCL_MK_KIND(mk) ((unsigned)((mk) & 0xffu))
+#define UCCL_MK_DEV(mk) ((int)(((mk) >> 8) & 0xffffu))
+#define UCCL_MK_ON_GPU(mk) (UCCL_MK_KIND(mk) == UCCL_MK_DEVICE)
+
+struct uccl__gpu_info {
+    uint32_t mkind;
+    uint64_t buffer_id;        /* device memory: the driver's id of the allocation */
+    uintptr_t alloc_base;      /* device memory: its allocation (cudaMalloc block, or the */
+    size_t alloc_size;         /* reserved range of cuMem* memory) */
+    int legacy_ipc;            /* cuIpcGetMemHandle works on it (else: cuMem*, by fd) */
+};
+
+/* What [addr, addr + len) is: device memory of one allocation, page-locked
+ * host memory, or readable host memory; anything else (a device pointer of
+ * another process, memory of two allocations, a CUDA pointer where libcuda
+ * cannot be loaded) is UCCL_ERR_INVALID naming the pointer. */
+int uccl__gpu_classify(uintptr_t addr, size_t len, struct uccl__gpu_info *info_p);
+
+/* Device memory registered as `info`: is [addr, +len) still that allocation
+ * (not freed, nor freed and its address reused)? */
+int uccl__gpu_check_live(const struct uccl__gpu_info *info, uintptr_t addr, size_t len);
+
+/* ---- export (the owner's side) -------------------------------------------
+ * An export record lives in the owner's memory for as long as the region is
+ * registered; peers on the host read it with process_vm_readv (its address
+ * is the region's key on shared-memory connections) and open what it names. */
+struct uccl__gpu_export;
+int uccl__gpu_export_new(uintptr_t addr, size_t len, const struct uccl__gpu_info *info,
+                         struct uccl__gpu_export **exp_p);
+void uccl__gpu_export_free(struct uccl__gpu_export *e);
+
+/* ---- import (the peer's side), per endpoint ------------------------------ */
+struct uccl__gpu_import;
+struct uccl__gpu_imports {
+    pthread_mutex_t mu;
+    struct uccl__gpu_import *head;
+    unsigned n;
+};
+void uccl__gpu_imports_init(struct uccl__gpu_imports *im);
+void uccl__gpu_imports_fini(struct uccl__gpu_imports *im);
+/* A pointer, valid in this process on device dev, to [addr, addr + len) of
+ * the memory process pid exported in the record at rec_addr (of pid); the
+ * range must lie inside what the record exports.  The mapping stays until
+ * uccl__gpu_import_put(*imp_p). */
+int uccl__gpu_import_get(struct uccl__gpu_imports *im, uint32_t pid, uint64_t rec_addr,
+                         uint64_t addr, size_t len, int dev, void **ptr_p,
+                         struct uccl__gpu_import **imp_p);
+void uccl__gpu_import_put(struct uccl__gpu_imports *im, struct uccl__gpu_import *imp);
+
+/* ---- copies --------------------------------------------------------------- */
+/* Copy len bytes (any of host, page-locked, device memory, mapped peer
+ * memory) in device dev's context on this thread's streams; returns once
+ * the copy is complete (events polled), or fails after timeout_ns. */
+int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, uint64_t timeout_ns);
+
+/* The device to work on for a copy between memory kinds a and b. */
+int uccl__gpu_copy_dev(uint32_t mk_a, uint32_t mk_b);
+/* A copy between local memory of kinds dst_mk and src_mk: memcpy between
+ * host memory, else uccl__gpu_copy on the device copy_dev picks. */
+int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t src_mk, size_t len,
+                         uint64_t timeout_ns);
+
+/* An event recorded on `stream` (0: the legacy default stream) of device
+ * dev's primary context, now: it completes when the work queued there
+ * before this call has.  poll: 1 done, 0 not yet, < 0 error. */
+int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p);
+int uccl__gpu_event_poll(void *ev);
+void uccl__gpu_event_free(void *ev);
+
+/* Page-locked host memory (portable to every context) for staging. */
+int uccl__gpu_host_alloc(int dev, size_t len, void **p);
+void uccl__gpu_host_free(int dev, void *p);
+
+#endif
