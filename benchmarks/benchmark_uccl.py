@@ -9,18 +9,40 @@ Launch with torchrun, two processes:
 Rank 0 is the client (it sends, writes or reads), rank 1 the server (it
 receives or advertises its buffer).  torch.distributed with Gloo is used only
 to bootstrap (endpoint metadata, fifo items, checksums, barriers between
-phases) and, unless --compare none, as the baseline: dist.send/dist.recv of the
-same size, timed the same way in the same run.
+phases) and for the comparison timed in the same run (--compare):
+
+  gloo        dist.send/dist.recv of the same size, timed the same way (CPU
+              memory on both sides; the default there)
+  ipc-copy    GPU memory on both sides (the default there): the receiving rank
+              maps the sender's CUDA tensor (torch.multiprocessing's CUDA IPC,
+              handle passed through Gloo) and times dst.copy_(mapped) with
+              CUDA events: what one cross-process copy-engine copy does
+  torch-copy  GPU on one side, CPU on the other (the default there): torch's
+              own dst.copy_(src) between host and device in one process, with
+              the same host memory (pinned with --pinned, else pageable)
+  engine-cpu  this engine over the same connections with pageable CPU
+              buffers (e.g. GPU memory over TCP against CPU memory over TCP)
+
+GPU memory: --device gpu (both sides), or --sender-device / --receiver-device
+for rank 0's / rank 1's buffers; --pinned puts CPU-side buffers in
+page-locked memory.  --host-id-per-rank gives each rank its own
+UCCL_P2P_HOST_ID, so the two ranks of one machine talk as two hosts (TCP).
+On GPU memory the engine follows the stream rules of NCCL (a blocking call
+returns with the data in place for the current stream), so a timed region
+that ends on a GPU buffer ends with a device synchronize.
 
 Bandwidth is GB/s = 1e9 bytes/s (Gbps = 8x that); with --dual it is per
 direction (both run at once, so the two together moved twice as much).
-The "ratio" is always "times better than Gloo": uccl/gloo for bandwidth,
-gloo/uccl for latency (medians of the per-round-trip times, which the VM's
-hiccups move far less than the means).
+The "ratio" is always "times better than the comparison": uccl/ref for
+bandwidth, ref/uccl for latency (medians of the per-round-trip times, which
+the VM's hiccups move far less than the means; the ipc-copy/torch-copy
+latency is one copy launched and synchronized from the host, per iteration).
 
 Every size is first moved once with random bytes and checked on the receiving
-side (CRC32 against the sender's, exchanged over Gloo); a mismatch aborts both
-ranks, so a transfer that moves wrong bytes never gets a number.
+side (CRC32 against the sender's, exchanged over Gloo; GPU buffers are copied
+to the host for it); a mismatch aborts both ranks, so a transfer that moves
+wrong bytes never gets a number.  When a GPU is involved the destination is
+checked again after the timed transfers.
 """
 from __future__ import annotations
 
@@ -40,7 +62,8 @@ from bench_common import parse_sizes, pretty, write_results  # noqa: E402 (this 
 from gloo_ops import gloo_pingpong  # noqa: E402
 from tqdm import tqdm
 
-GPU_TODO = "GPU transport lands with the CUDA IPC issue"
+COMPARES = ["auto", "gloo", "ipc-copy", "torch-copy", "engine-cpu", "none"]
+
 DEFAULT_SIZES = [1 << k for k in range(10, 29, 2)]  # 1K, 4K, ..., 256M
 CTL_BYTES = 8  # ready / ack messages
 
@@ -50,8 +73,10 @@ def get_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     # upstream's flags
-    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    p.add_argument("--pinned", action="store_true", help="accepted for upstream; no effect on CPU")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                   help="where both ranks' buffers live (see --sender-device/--receiver-device)")
+    p.add_argument("--pinned", action="store_true",
+                   help="CPU-side buffers in page-locked memory (needs CUDA; ignored without it)")
     p.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES,
                    help="comma list, e.g. 64K,1M,256M (default 1K..256M in powers of 4)")
     p.add_argument("--iters", type=int, default=None,
@@ -61,17 +86,26 @@ def get_args() -> argparse.Namespace:
     p.add_argument("--dual", action="store_true",
                    help="both directions at once (two connections, async API)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--ipc", action="store_true", help="same-host send/recv (the default path)")
-    mode.add_argument("--write-ipc", action="store_true", help="one-sided write into the server's buffer")
-    mode.add_argument("--read-ipc", action="store_true", help="one-sided read from the server's buffer")
-    p.add_argument("--sender-device", choices=["cpu", "gpu"], default=None)
-    p.add_argument("--receiver-device", choices=["cpu", "gpu"], default=None)
+    mode.add_argument("--ipc", action="store_true", help="send/recv through upstream's send_ipc/recv_ipc")
+    mode.add_argument("--write-ipc", action="store_true",
+                      help="one-sided write_ipc into the server's buffer (advertise_ipc)")
+    mode.add_argument("--read-ipc", action="store_true",
+                      help="one-sided read_ipc from the server's buffer (advertise_ipc)")
+    p.add_argument("--sender-device", choices=["cpu", "gpu"], default=None,
+                   help="rank 0's buffers (the client: it sends, writes or reads); default --device")
+    p.add_argument("--receiver-device", choices=["cpu", "gpu"], default=None,
+                   help="rank 1's buffers (the server: it receives or advertises); default --device")
     # ours
     p.add_argument("--transport", choices=["auto", "tcp", "shm"], default="auto",
                    help="sets UCCL_P2P_TRANSPORT before the endpoint is made")
     p.add_argument("--shm-mode", choices=["auto", "cma", "ring"], default="auto",
                    help="sets UCCL_P2P_SHM_MODE")
-    p.add_argument("--compare", choices=["gloo", "none"], default="gloo")
+    p.add_argument("--compare", choices=COMPARES, default="auto",
+                   help="what to time in the same run (module docstring); auto: gloo for CPU "
+                        "memory, ipc-copy for GPU to GPU, torch-copy for CPU to/from GPU")
+    p.add_argument("--host-id-per-rank", action="store_true",
+                   help="UCCL_P2P_HOST_ID=uccl-bench-host-<rank>: the ranks treat each other as "
+                        "other hosts (TCP, GPU memory staged through pinned buffers)")
     p.add_argument("--latency", action="store_true",
                    help="ping-pong one-way latency (round trip / 2) instead of bandwidth")
     p.add_argument("--warmup", type=int, default=None,
@@ -96,11 +130,49 @@ def get_args() -> argparse.Namespace:
     small = [s for s in a.sizes if s < a.num_iovs]
     if small:
         p.error(f"sizes {small} are smaller than --num-iovs {a.num_iovs}: every iov needs a byte")
-    # Raised before any process group exists, so both ranks stop the same way.
-    if "gpu" in (a.device, a.sender_device, a.receiver_device):
-        raise NotImplementedError(f"--device/--sender-device/--receiver-device gpu: {GPU_TODO}")
     a.op = "write" if a.write_ipc else "read" if a.read_ipc else "send"
+    a.ipc_names = a.ipc or a.write_ipc or a.read_ipc   # upstream's *_ipc method names
+    # rank -> "gpu" or "cpu": rank 0 is the client, rank 1 the server.
+    a.devs = {0: a.sender_device or a.device, 1: a.receiver_device or a.device}
+    a.gpu = "gpu" in a.devs.values()
+    # Checked before any process group exists, so both ranks stop the same way.
+    if (a.gpu or a.compare in ("ipc-copy", "torch-copy")) and not torch.cuda.is_available():
+        p.error("GPU buffers or a GPU comparison need CUDA: torch.cuda.is_available() is False")
+    if a.pinned and not torch.cuda.is_available():
+        a.pinned = False
+        a.pinned_note = "--pinned ignored: no CUDA"
+    else:
+        a.pinned_note = ""
+    a.compare = resolve_compare(p, a)
     return a
+
+
+def data_flow(a) -> tuple[str, str]:
+    """(source device, destination device) of the data: a read moves it from
+    rank 1 to rank 0, everything else from rank 0 to rank 1."""
+    src = 1 if a.op == "read" else 0
+    return a.devs[src], a.devs[1 - src]
+
+
+def resolve_compare(p, a) -> str:
+    sdev, ddev = data_flow(a)
+    if a.compare == "auto":
+        if not a.gpu:
+            return "gloo"
+        if sdev == ddev == "gpu":
+            return "ipc-copy"
+        # A --dual run between CPU and GPU moves both ways at once: no one
+        # torch copy is its counterpart.
+        return "none" if a.dual else "torch-copy"
+    if a.compare == "gloo" and a.gpu:
+        p.error("--compare gloo needs CPU memory on both sides (Gloo cannot serve CUDA tensors "
+                "of two processes on one GPU); use ipc-copy, torch-copy or engine-cpu")
+    if a.compare == "ipc-copy" and not sdev == ddev == "gpu":
+        p.error("--compare ipc-copy needs GPU memory on both sides")
+    if a.compare == "torch-copy" and (sdev == ddev or a.dual):
+        p.error("--compare torch-copy needs CPU memory on one side and GPU memory on the other, "
+                "one direction (no --dual)")
+    return a.compare
 
 
 # ------------------------------------------------------------------ engine --
@@ -114,13 +186,20 @@ class Bench:
 
     def __init__(self, args, rank, p2p):
         self.args, self.rank, self.peer = args, rank, 1 - rank
+        self.on_gpu = args.devs[rank] == "gpu"
+        # Any rank of a GPU-involved run uses the GPU (references, pinned
+        # memory): bind it before the endpoint is made.
+        gpu_idx = None
+        if args.gpu or args.pinned:
+            gpu_idx = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+            torch.cuda.set_device(gpu_idx)
         # A per-run secret keeps the endpoints authenticated (no "unauthenticated"
         # warning) without the user having to set UCCL_P2P_SECRET.
         box = [secrets.token_hex(16) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         # port=0: both ranks share one host, so the well-known port would be
         # taken by whichever rank comes first anyway.
-        self.ep = p2p.Endpoint(None, args.num_cpus, timeout_s=args.timeout, secret=box[0], port=0)
+        self.ep = p2p.Endpoint(gpu_idx, args.num_cpus, timeout_s=args.timeout, secret=box[0], port=0)
         metas = [None, None]
         dist.all_gather_object(metas, self.ep.get_metadata())
         # Connect and accept in a fixed order, so neither rank can wait on the other.
@@ -135,20 +214,46 @@ class Bench:
         big = max(args.sizes)
         # src is what this rank sends (or, for --read-ipc on the server, what it
         # exposes); dst is where data lands.  Both exist on both ranks: it keeps
-        # the code uniform and costs memory only where pages are touched.
-        self.src = torch.empty(big, dtype=torch.uint8)
-        self.dst = torch.empty(big, dtype=torch.uint8)
+        # the code uniform and costs memory only where pages are touched
+        # (CPU; on a GPU both are allocated outright).
+        self.src = self._buffer(big, self.on_gpu)
+        self.dst = self._buffer(big, self.on_gpu)
         self.ctl_out = torch.zeros(CTL_BYTES, dtype=torch.uint8)
         self.ctl_in = torch.zeros(CTL_BYTES, dtype=torch.uint8)
-        self.mr = {name: self.ep.reg_tensor(getattr(self, name))
-                   for name in ("src", "dst", "ctl_out", "ctl_in")}
+        names = ["src", "dst", "ctl_out", "ctl_in"]
+        if args.compare == "engine-cpu":
+            # The same engine and connections on pageable CPU memory.
+            self.csrc = torch.empty(big, dtype=torch.uint8)
+            self.cdst = torch.empty(big, dtype=torch.uint8)
+            names += ["csrc", "cdst"]
+        self.mr = {name: self.ep.reg_tensor(getattr(self, name)) for name in names}
+        # "src"/"dst" name the buffers the data moves between; the engine-cpu
+        # comparison points them at csrc/cdst for its timing.
+        self.alias = {"src": "src", "dst": "dst"}
         self.fifos = None  # fifo items of the server's window, for --write-ipc/--read-ipc
+
+    def _buffer(self, n, on_gpu):
+        if on_gpu:
+            return torch.empty(n, dtype=torch.uint8, device="cuda")
+        return torch.empty(n, dtype=torch.uint8, pin_memory=self.args.pinned)
+
+    def buf(self, name):
+        return getattr(self, self.alias.get(name, name))
+
+    def gpu_sync(self):
+        """Wait for this process's GPU work: a blocking call on GPU memory
+        returns with the data in place for the current stream only, and a
+        timed region (or an "it's here" message to the peer) must cover the
+        copies themselves."""
+        if self.args.gpu:
+            torch.cuda.synchronize()
 
     def close(self):
         self.ep.close()
 
     # -- primitives: one message of `size` bytes, split into num_iovs --------
     def _iovs(self, name, size, n):
+        name = self.alias.get(name, name)
         base = getattr(self, name).data_ptr()
         lens = [size // n + (1 if i < size % n else 0) for i in range(n)]
         ptrs = [base + sum(lens[:i]) for i in range(n)]
@@ -159,27 +264,26 @@ class Bench:
         mrs, ptrs, lens = self._iovs(name, size, n)
         ep = self.ep
         if n == 1:
-            if op == "send":
-                ep.send(conn, mrs[0], ptrs[0], lens[0])
-            elif op == "recv":
-                ep.recv(conn, mrs[0], ptrs[0], lens[0])
-            elif op == "write":
-                ep.write(conn, mrs[0], ptrs[0], lens[0], self.fifos[0])
+            # --ipc/--write-ipc/--read-ipc: upstream's same-host names (the
+            # same paths; the control messages on bwd keep the plain names).
+            ipc = "_ipc" if self.args.ipc_names and conn == self.fwd else ""
+            if op in ("send", "recv"):
+                getattr(ep, op + ipc)(conn, mrs[0], ptrs[0], lens[0])
             else:
-                ep.read(conn, mrs[0], ptrs[0], lens[0], self.fifos[0])
+                getattr(ep, op + ipc)(conn, mrs[0], ptrs[0], lens[0], self.fifos[0])
         elif op == "send":
             ep.sendv(conn, mrs, ptrs, lens, n)
         elif op == "recv":
             ep.recvv(conn, mrs, ptrs, lens, n)
         elif op == "write":
-            ep.writev(conn, mrs, ptrs, lens, self.fifos, n)
+            (ep.writev_ipc if self.args.ipc_names else ep.writev)(conn, mrs, ptrs, lens, self.fifos, n)
         else:
-            ep.readv(conn, mrs, ptrs, lens, self.fifos, n)
+            (ep.readv_ipc if self.args.ipc_names else ep.readv)(conn, mrs, ptrs, lens, self.fifos, n)
 
     def post(self, op, conn, name, size, n=1):
         """The async calls; returns the transfer ids (one per iov)."""
-        post = {"send": self.ep.send_async, "recv": self.ep.recv_async,
-                "write": self.ep.write_async, "read": self.ep.read_async}[op]
+        ipc = "_ipc" if self.args.ipc_names and conn == self.fwd else ""
+        post = getattr(self.ep, f"{op}{ipc}_async")
         ids = []
         for i, (mr, ptr, ln) in enumerate(zip(*self._iovs(name, size, n))):
             extra = (self.fifos[i],) if op in ("write", "read") else ()
@@ -237,6 +341,7 @@ class Bench:
             else:
                 for _ in range(count):
                     self.blocking(a.op, self.fwd, "src" if a.op == "write" else "dst", size, a.num_iovs)
+            self.gpu_sync()
             return time.perf_counter() - t0
 
         if self.rank == 1:
@@ -250,6 +355,7 @@ class Bench:
                 self.ctl_send()
                 for _ in range(count):
                     self.blocking("recv", self.fwd, "dst", size, a.num_iovs)
+            self.gpu_sync()  # the ack says the bytes are in place, not just queued
             self.ctl_send()
             return None
         self.ctl_recv()
@@ -279,6 +385,7 @@ class Bench:
             for _ in range(count):
                 tx += self.post("send", self.bwd, "src", size, n)
             self.wait(rx)
+            self.gpu_sync()
             tx += self.post("send", self.bwd, "ctl_out", CTL_BYTES)  # ack: all of rank 0's data is here
             self.wait(tx)
             return None
@@ -293,24 +400,35 @@ class Bench:
         for _ in range(count):
             tx += self.post("send", self.fwd, "src", size, n)
         self.wait(tx + rx)
+        self.gpu_sync()
         return time.perf_counter() - t0
 
     # -- ping-pong ------------------------------------------------------------
     def pingpong(self, size, count):
-        """Per-round-trip times in seconds (rank 0); ping on fwd, pong on bwd."""
+        """Per-round-trip times in seconds (rank 0); ping on fwd, pong on bwd.
+        A receive into GPU memory is followed by a synchronize of the current
+        stream: the data must be there, not only queued, before the pong goes
+        or the clock stops (nothing to wait for on CPU memory)."""
         times = []
+        settle = torch.cuda.current_stream().synchronize if self.buf("dst").is_cuda else None
         if not self.args.async_api and self.args.num_iovs == 1:
             # Plain blocking calls: resolve the arguments once, so the timed
             # loop is the public API calls themselves, as in ucx_perftest.
-            send, recv = self.ep.send, self.ep.recv
-            s = (self.mr["src"], self.src.data_ptr(), size)
-            d = (self.mr["dst"], self.dst.data_ptr(), size)
+            ipc = "_ipc" if self.args.ipc_names else ""
+            send, recv = getattr(self.ep, "send" + ipc), getattr(self.ep, "recv" + ipc)
+            src, dst = self.alias["src"], self.alias["dst"]
+            s = (self.mr[src], self.buf("src").data_ptr(), size)
+            d = (self.mr[dst], self.buf("dst").data_ptr(), size)
             first, second = ((send, self.fwd, s), (recv, self.bwd, d)) if self.rank == 0 \
                 else ((recv, self.fwd, d), (send, self.bwd, s))
             for _ in range(count):
                 t0 = time.perf_counter()
                 first[0](first[1], *first[2])
+                if settle and self.rank == 1:
+                    settle()
                 second[0](second[1], *second[2])
+                if settle and self.rank == 0:
+                    settle()
                 times.append(time.perf_counter() - t0)
             return times
         for _ in range(count):
@@ -320,7 +438,11 @@ class Bench:
                 self.xfer("recv", self.bwd, "dst", size)
             else:
                 self.xfer("recv", self.fwd, "dst", size)
+                if settle:
+                    settle()
                 self.xfer("send", self.bwd, "src", size)
+            if settle and self.rank == 0:
+                settle()
             times.append(time.perf_counter() - t0)
         return times
 
@@ -332,7 +454,8 @@ class Bench:
             # A write lands in dst; a read takes the server's src (its random bytes).
             name = "dst" if self.args.op == "write" else "src"
             mrs, ptrs, lens = self._iovs(name, size, self.args.num_iovs)
-            box[0] = self.ep.advertisev(self.fwd, mrs, ptrs, lens, len(mrs))[1]
+            adv = self.ep.advertisev_ipc if self.args.ipc_names else self.ep.advertisev
+            box[0] = adv(self.fwd, mrs, ptrs, lens, len(mrs))[1]
         dist.broadcast_object_list(box, src=1)
         self.fifos = box[0]
 
@@ -342,18 +465,33 @@ class Bench:
             return (0, 1)
         return (1,) if self.args.op == "read" else (0,)
 
+    @staticmethod
+    def _host(t):
+        """A numpy view of a CPU tensor, or a host copy of a GPU one."""
+        return t.cpu().numpy() if t.is_cuda else t.numpy()
+
+    @staticmethod
+    def _digest(a):
+        return (zlib.crc32(memoryview(a)), bytes(a[:8]), bytes(a[-8:]))
+
     def verify(self, size):
-        """Move `size` random bytes once and compare CRC32s; abort everywhere on a mismatch."""
+        """Move `size` random bytes once and compare CRC32s; abort everywhere on
+        a mismatch.  Returns every rank's digest of what it sent (for check())."""
         sending = self.rank in self.data_senders()
         receiving = self.peer in self.data_senders()
         mine = None
         if sending:
-            rng = np.random.default_rng()
-            src = self.src.numpy()[:size]
-            src[:] = np.frombuffer(rng.bytes(size), dtype=np.uint8)
-            mine = (zlib.crc32(memoryview(src)), bytes(src[:8]), bytes(src[-8:]))
+            if self.src.is_cuda:
+                self.src[:size].random_(0, 256)
+                mine = self._digest(self._host(self.src[:size]))   # .cpu() waits for the fill
+            else:
+                rng = np.random.default_rng()
+                src = self.src.numpy()[:size]
+                src[:] = np.frombuffer(rng.bytes(size), dtype=np.uint8)
+                mine = self._digest(src)
         if receiving:
-            self.dst.numpy()[:size] = 0  # no stale bytes from an earlier size can pass
+            self.dst[:size].zero_()  # no stale bytes from an earlier size can pass
+            self.gpu_sync()
         sums = [None, None]
         dist.all_gather_object(sums, mine)
         if self.args.latency:
@@ -363,19 +501,26 @@ class Bench:
                 self.xfer("recv", self.fwd, "dst", size)
         else:
             self.batch(size, 1)
+        self.check(size, sums, "first transfer")
+        return sums
+
+    def check(self, size, sums, when):
+        """The receiving side's dst must hold what the peer sent (digest from
+        verify); abort everywhere otherwise."""
         # A one-sided write's target learns nothing itself: it may only look
-        # once the client's write has completed.  Untimed, so Gloo is fine.
+        # once the client's writes have completed (its batch returns at once).
+        # Untimed, so Gloo is fine.
+        self.gpu_sync()
         dist.barrier()
         problem = None
-        if receiving:
-            dst = self.dst.numpy()[:size]
-            got = (zlib.crc32(memoryview(dst)), bytes(dst[:8]), bytes(dst[-8:]))
+        if self.peer in self.data_senders():
+            got = self._digest(self._host(self.dst[:size]))
             want = sums[self.peer]
             if got != want:
                 problem = (f"rank {self.rank} received {pretty(size)} from rank {self.peer} "
-                           f"({self.transport}, {self.describe()}): crc32 {got[0]:#010x} != sent "
-                           f"{want[0]:#010x}; first bytes {got[1].hex()} vs {want[1].hex()}, "
-                           f"last {got[2].hex()} vs {want[2].hex()}")
+                           f"({self.transport}, {self.describe()}, {when}): crc32 {got[0]:#010x} "
+                           f"!= sent {want[0]:#010x}; first bytes {got[1].hex()} vs "
+                           f"{want[1].hex()}, last {got[2].hex()} vs {want[2].hex()}")
         problems = [None, None]
         dist.all_gather_object(problems, problem)
         bad = [p for p in problems if p]
@@ -385,9 +530,14 @@ class Bench:
     def describe(self):
         a = self.args
         # --dual always posts asynchronously, whatever --async-api says.
-        parts = ["dual" if a.dual else a.op, "async" if a.async_api or a.dual else "blocking"]
+        op = "dual" if a.dual else a.op + ("_ipc" if a.ipc_names else "")
+        parts = [op, "async" if a.async_api or a.dual else "blocking"]
         if a.num_iovs > 1:
             parts.append(f"{a.num_iovs} iovs")
+        if a.gpu or a.pinned:
+            cpu = "pinned" if a.pinned else "pageable"
+            kinds = {r: "gpu" if d == "gpu" else cpu for r, d in a.devs.items()}
+            parts.append(f"rank 0 {kinds[0]}, rank 1 {kinds[1]}")
         return ", ".join(parts)
 
 
@@ -423,6 +573,101 @@ def gloo_batch(rank, src, dst, count, dual):
     return time.perf_counter() - t0
 
 
+# ----------------------------------------------------- GPU-side references --
+def _time_copies(dst, src, count, warmup, latency):
+    """`count` dst.copy_(src) on the current stream, after `warmup` untimed
+    ones.  Bandwidth: seconds for all of them, between two CUDA events.
+    Latency: per-copy seconds, each copy launched and synchronized from the
+    host (what a blocking one-way transfer costs at least)."""
+    for _ in range(warmup):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    if latency:
+        stream, times = torch.cuda.current_stream(), []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            stream.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def ipc_copy(b, size, count, latency=False):
+    """The gpu->gpu reference: every rank that receives data in this mode
+    maps its peer's src through CUDA IPC (torch.multiprocessing's
+    reduce_tensor, the handle sent over Gloo) and times copies from the
+    mapping into its dst; with --dual both directions run at once.  Returns
+    rank 0's figure when it copied, else rank 1's (on every rank)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    senders = b.data_senders()
+    handles = [None, None]
+    dist.all_gather_object(handles, reduce_tensor(b.src[:size]) if b.rank in senders else None)
+    remote = None
+    if b.peer in senders:
+        rebuild, rebuild_args = handles[b.peer]
+        remote = rebuild(*rebuild_args)
+        torch.cuda.synchronize()
+    dist.barrier()   # both directions of --dual start together
+    res = None
+    if remote is not None:
+        res = _time_copies(b.dst[:size], remote, count, b.args.warmup, latency)
+    out = [None, None]
+    dist.all_gather_object(out, res)
+    del remote
+    torch.cuda.synchronize()
+    dist.barrier()   # every mapping is closed before its owner moves on
+    return out[0] if out[0] is not None else out[1]
+
+
+def torch_copy(b, size, count, latency=False):
+    """The cpu<->gpu reference: torch's own host<->device dst.copy_(src) in
+    rank 0 alone, in the direction the data moves here, with the same host
+    memory (pinned with --pinned, else pageable).  Returns the figure on
+    every rank."""
+    res = None
+    if b.rank == 0:
+        a = b.args
+        if getattr(b, "copy_bufs", None) is None:
+            big = max(a.sizes)
+            b.copy_bufs = (torch.empty(big, dtype=torch.uint8, pin_memory=a.pinned),
+                           torch.empty(big, dtype=torch.uint8, device="cuda"))
+        host, dev = (t[:size] for t in b.copy_bufs)
+        src, dst = (host, dev) if data_flow(a)[0] == "cpu" else (dev, host)
+        res = _time_copies(dst, src, count, a.warmup, latency)
+    out = [res]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def engine_cpu(b, size, latency=False):
+    """This engine over the same connections, on pageable CPU buffers: the
+    same batch (or ping-pong) as the run's own, timed the same way.  Returns
+    batch seconds (rank 0) or round-trip times."""
+    b.alias = {"src": "csrc", "dst": "cdst"}
+    try:
+        if b.args.op in ("write", "read"):
+            b.advertise(size)
+        dist.barrier()
+        if latency:
+            b.pingpong(size, b.args.warmup)
+            dist.barrier()
+            return b.pingpong(size, b.args.iters)
+        if b.args.warmup:
+            b.batch(size, b.args.warmup)
+        dist.barrier()
+        return b.batch(size, b.args.iters)
+    finally:
+        b.alias = {"src": "src", "dst": "dst"}
+
+
 # -------------------------------------------------------------------- main --
 def main():
     args = get_args()
@@ -441,6 +686,10 @@ def main():
     if dist.get_world_size() != 2:
         raise SystemExit("benchmark_uccl.py needs exactly 2 processes (torchrun --nproc_per_node 2)")
     rank = dist.get_rank()
+    if args.host_id_per_rank:
+        # Read by the engine when the endpoint is made: the two ranks then
+        # count as two hosts and connect over TCP.
+        os.environ["UCCL_P2P_HOST_ID"] = f"uccl-bench-host-{rank}"
     b = Bench(args, rank, p2p)
     lead = rank == 0
 
@@ -451,8 +700,8 @@ def main():
 
     what = "latency (ping-pong)" if args.latency else "bandwidth"
     say(f"[Client] uccl p2p {what}: transport {b.transport} (fwd) / {b.ep.conn_transport(b.bwd)} (bwd), "
-        f"{b.describe()}, iters {args.iters}, warmup {args.warmup}, torch {torch.__version__}"
-        + (", --pinned ignored on CPU" if args.pinned else ""))
+        f"{b.describe()}, iters {args.iters}, warmup {args.warmup}, compare {args.compare}, "
+        f"torch {torch.__version__}" + (f", {args.pinned_note}" if args.pinned_note else ""))
 
     rows = []
     sizes = tqdm(args.sizes, desc="sizes", unit="size", leave=False,
@@ -461,10 +710,11 @@ def main():
         if args.op in ("write", "read"):
             b.advertise(size)
         dist.barrier()
-        b.verify(size)
+        sums = b.verify(size)
         row = {"size": size, "size_str": pretty(size), "transport": b.transport,
                "mode": b.describe(), "iters": args.iters, "warmup": args.warmup}
         src, dst = b.src[:size], b.dst[:size]
+        ref = args.compare if args.compare not in ("gloo", "none") else None
 
         if args.latency:
             b.pingpong(size, args.warmup)
@@ -482,6 +732,16 @@ def main():
                 # hiccups of a millisecond move the means by 2-10x.
                 row.update(gloo_us=gus, gloo_p50_us=gp50, ratio=gp50 / p50)
                 say(f"  gloo {gus:8.2f} us | p50 {gp50:8.2f} us  ratio {gp50 / p50:5.2f}x (p50)")
+            elif ref:
+                if ref == "engine-cpu":
+                    one_way = [t / 2 for t in engine_cpu(b, size, latency=True)]
+                else:
+                    dist.barrier()
+                    one_way = (ipc_copy if ref == "ipc-copy" else torch_copy)(
+                        b, size, args.iters, latency=True)
+                rus, rp50 = sum(one_way) / len(one_way) * 1e6, statistics.median(one_way) * 1e6
+                row.update(ref=ref, ref_us=rus, ref_p50_us=rp50, ratio=rp50 / p50)
+                say(f"  {ref} {rus:8.2f} us | p50 {rp50:8.2f} us  ratio {rp50 / p50:5.2f}x (p50)")
         else:
             if args.warmup:
                 b.batch(size, args.warmup)
@@ -491,6 +751,10 @@ def main():
                 gbs = size * args.iters / dt / 1e9  # each direction, with --dual
                 row.update(uccl_seconds=dt, uccl_GBps=gbs, uccl_gbps=gbs * 8)
                 say(f"[Client] {pretty(size):>9} : {gbs * 8:6.2f} Gbps | {gbs:6.2f} GB/s")
+            if args.gpu:
+                # The timed transfers moved the same bytes again: they must
+                # still be what arrived, stream order and all.
+                b.check(size, sums, "after the timed transfers")
             if args.compare == "gloo":
                 dist.barrier()
                 if args.warmup:
@@ -500,6 +764,16 @@ def main():
                     ggbs = size * args.iters / gdt / 1e9
                     row.update(gloo_seconds=gdt, gloo_GBps=ggbs, ratio=gbs / ggbs)
                     say(f"  gloo {ggbs:6.2f} GB/s  ratio {gbs / ggbs:5.2f}x")
+            elif ref:
+                dist.barrier()
+                if ref == "engine-cpu":
+                    rdt = engine_cpu(b, size)
+                else:
+                    rdt = (ipc_copy if ref == "ipc-copy" else torch_copy)(b, size, args.iters)
+                if lead:
+                    rgbs = size * args.iters / rdt / 1e9
+                    row.update(ref=ref, ref_seconds=rdt, ref_GBps=rgbs, ratio=gbs / rgbs)
+                    say(f"  {ref} {rgbs:6.2f} GB/s  ratio {gbs / rgbs:5.2f}x")
         rows.append(row)
         dist.barrier()  # phases of consecutive sizes never overlap
 

@@ -57,6 +57,7 @@ struct uccl__cuda {
     cu_result (*StreamCreate)(cu_stream *, unsigned);
     cu_result (*StreamDestroy)(cu_stream);
     cu_result (*StreamWaitEvent)(cu_stream, cu_event, unsigned);
+    cu_result (*StreamQuery)(cu_stream);
     cu_result (*EventCreate)(cu_event *, unsigned);
     cu_result (*EventRecord)(cu_event, cu_stream);
     cu_result (*EventQuery)(cu_event);

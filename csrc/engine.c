@@ -156,7 +156,6 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     SLIST_INIT(&ep->remotes);
     uccl__mem_init(&loc->mem);
     uccl__pool_lazy_init(&loc->copy_pool);
-    uccl__gpu_imports_init(&loc->imports);
     uccl__gate_init(&ep->gate);
     loc->gpu_idx = o->gpu_idx;
     loc->probe_word = uccl__random64();
@@ -210,7 +209,6 @@ err_close:
     }
 err_free:
     uccl__pool_lazy_free(&loc->copy_pool);
-    uccl__gpu_imports_fini(&loc->imports);
     uccl__mem_fini(&loc->mem);
     pthread_mutex_destroy(&ep->mu);
     pthread_cond_destroy(&ep->cv);
@@ -275,7 +273,6 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     uccl__idmap_free(&ep->incomplete);
     uccl__mem_fini(&ep->local.mem);
     uccl__pool_lazy_free(&ep->local.copy_pool); /* every connection is gone: no copy runs */
-    uccl__gpu_imports_fini(&ep->local.imports);
     for (struct uccl__remote *r; (r = SLIST_FIRST(&ep->remotes));) {
         SLIST_REMOVE_HEAD(&ep->remotes, link);
         free(r);

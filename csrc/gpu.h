@@ -38,36 +38,35 @@ struct uccl__gpu_info {
  * cannot be loaded) is UCCL_ERR_INVALID naming the pointer. */
 int uccl__gpu_classify(uintptr_t addr, size_t len, struct uccl__gpu_info *info_p);
 
-/* Device memory registered as `info`: is [addr, +len) still that allocation
- * (not freed, nor freed and its address reused)? */
-int uccl__gpu_check_live(const struct uccl__gpu_info *info, uintptr_t addr, size_t len);
+struct uccl__gpu_export;
+/* Device memory registered as `info` (exported as `e`, or NULL): is
+ * [addr, +len) still that memory (not freed, nor freed and its address
+ * reused)?  cuMem memory is checked chunk by chunk against the export. */
+int uccl__gpu_check_live(const struct uccl__gpu_info *info, const struct uccl__gpu_export *e,
+                         uintptr_t addr, size_t len);
 
 /* ---- export (the owner's side) -------------------------------------------
  * An export record lives in the owner's memory for as long as the region is
  * registered; peers on the host read it with process_vm_readv (its address
  * is the region's key on shared-memory connections) and open what it names. */
-struct uccl__gpu_export;
 int uccl__gpu_export_new(uintptr_t addr, size_t len, const struct uccl__gpu_info *info,
                          struct uccl__gpu_export **exp_p);
 void uccl__gpu_export_free(struct uccl__gpu_export *e);
 
-/* ---- import (the peer's side), per endpoint ------------------------------ */
+/* ---- import (the peer's side) --------------------------------------------
+ * One table per process, not per endpoint: the driver opens a CUDA IPC
+ * handle once per context, and the contexts (the devices' primary ones) are
+ * the process's.  A cudaMalloc allocation is opened once per peer process
+ * and allocation, keyed by its buffer id (a freed and reused address has a
+ * new one); cuMem memory is mapped once per export. */
 struct uccl__gpu_import;
-struct uccl__gpu_imports {
-    pthread_mutex_t mu;
-    struct uccl__gpu_import *head;
-    unsigned n;
-};
-void uccl__gpu_imports_init(struct uccl__gpu_imports *im);
-void uccl__gpu_imports_fini(struct uccl__gpu_imports *im);
 /* A pointer, valid in this process on device dev, to [addr, addr + len) of
  * the memory process pid exported in the record at rec_addr (of pid); the
  * range must lie inside what the record exports.  The mapping stays until
  * uccl__gpu_import_put(*imp_p). */
-int uccl__gpu_import_get(struct uccl__gpu_imports *im, uint32_t pid, uint64_t rec_addr,
-                         uint64_t addr, size_t len, int dev, void **ptr_p,
-                         struct uccl__gpu_import **imp_p);
-void uccl__gpu_import_put(struct uccl__gpu_imports *im, struct uccl__gpu_import *imp);
+int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t len, int dev,
+                         void **ptr_p, struct uccl__gpu_import **imp_p);
+void uccl__gpu_import_put(struct uccl__gpu_import *imp);
 
 /* ---- copies --------------------------------------------------------------- */
 /* Copy len bytes (any of host, page-locked, device memory, mapped peer
@@ -84,7 +83,9 @@ int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t s
 
 /* An event recorded on `stream` (0: the legacy default stream) of device
  * dev's primary context, now: it completes when the work queued there
- * before this call has.  poll: 1 done, 0 not yet, < 0 error. */
+ * before this call has; NULL (and UCCL_OK) where the stream has no work
+ * left, which one query tells cheaper than an event would.  poll: 1 done,
+ * 0 not yet, < 0 error. */
 int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p);
 int uccl__gpu_event_poll(void *ev);
 void uccl__gpu_event_free(void *ev);

@@ -140,7 +140,8 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, uint64_t tim
     struct lanes *l = NULL;
     if ((rc = lanes_get(dev, parts, &l)) != UCCL_OK)
         return rc;
-    size_t step = (len / parts + 4095) & ~(size_t)4095, off = 0;
+    /* Page-aligned pieces, rounded up so that there are at most `parts`. */
+    size_t step = ((len + parts - 1) / parts + 4095) & ~(size_t)4095, off = 0;
     unsigned used = 0;
     for (; off < len; used++) {
         size_t n = len - off < step ? len - off : step;
@@ -189,7 +190,15 @@ int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p)
     if (rc)
         return rc;
     cu_event ev;
-    cu_result r = cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    cu_result r = cu->StreamQuery((cu_stream)stream);
+    if (r == CU_OK) { /* nothing queued there: nothing to wait for */
+        *ev_p = NULL;
+        return UCCL_OK;
+    }
+    if (r != CU_ERR_NOT_READY)
+        return uccl__cuda_err(r, "querying the caller's stream (is it a stream of the "
+                              "buffer's device?)");
+    r = cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
     if (r != CU_OK)
         return uccl__cuda_err(r, "creating an event");
     r = cu->EventRecord(ev, (cu_stream)stream);

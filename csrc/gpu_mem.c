@@ -3,6 +3,7 @@
 #include "gpu.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -23,7 +24,7 @@
 #define CU_ERR_INVALID_CONTEXT 201
 #define EXPORT_MAGIC 0x3175706c6c636375ull /* "ucclgpu1" */
 #define MAX_SEGS 65536                     /* 1.3 TB of torch's 20 MiB chunks */
-#define MAX_IMPORTS 512                    /* per endpoint; the oldest idle one goes */
+#define MAX_IMPORTS 512                    /* per process; the oldest one goes */
 
 /* ------------------------------------------------------------------------- */
 /* classification                                                             */
@@ -110,40 +111,81 @@ int uccl__gpu_classify(uintptr_t addr, size_t len, struct uccl__gpu_info *info_p
     return UCCL_OK;
 }
 
-int uccl__gpu_check_live(const struct uccl__gpu_info *info, uintptr_t addr, size_t len)
-{
-    if (!UCCL_MK_ON_GPU(info->mkind) || len == 0)
-        return UCCL_OK;
-    const struct uccl__cuda *cu = uccl__cuda();
-    unsigned long long id1 = 0, id2 = 0;
-    int ok = cu && cu->PointerGetAttribute(&id1, CU_PA_BUFFER_ID, (cu_ptr)addr) == CU_OK &&
-             cu->PointerGetAttribute(&id2, CU_PA_BUFFER_ID, (cu_ptr)(addr + len - 1)) == CU_OK &&
-             id1 == info->buffer_id && (!info->legacy_ipc || id2 == info->buffer_id);
-    if (!ok)
-        return uccl__err(UCCL_ERR_INVALID, "device memory [0x%zx, +%zu) was freed after it was "
-                         "registered (allocation id %llu, now %llu): deregister and register "
-                         "it again", (size_t)addr, len, (unsigned long long)info->buffer_id, id1);
-    return UCCL_OK;
-}
-
 /* ------------------------------------------------------------------------- */
 /* export records: read by peers with process_vm_readv, so plain data         */
 
 struct gpu_seg {
     uint64_t base, size;
-    int32_t fd;                /* cuMem* chunk: a descriptor peers take with pidfd_getfd */
+    uint64_t buffer_id;        /* the driver's id of the chunk (or allocation) */
+    int32_t fd;                /* cuMem chunk: a descriptor peers take with pidfd_getfd */
     uint32_t pad;
     cu_ipc_handle handle;      /* cudaMalloc block: its legacy IPC handle */
 };
 
 struct uccl__gpu_export {
-    uint64_t magic, id;        /* id: random, the importers' cache key */
+    uint64_t magic;
+    uint64_t owner;            /* random per owning process: a reused pid is another owner */
+    uint64_t id;               /* the importers' cache key: the allocation's buffer id
+                                  (legacy IPC), else random per export (cuMem) */
     uint64_t base, size;       /* the exported span: contiguous segments */
     uint32_t nseg, legacy;
     int32_t dev;
     uint32_t pad;
     struct gpu_seg seg[];
 };
+
+/* This process's owner nonce (write-once; a racing first call loses its own). */
+static uint64_t owner_nonce(void)
+{
+    static _Atomic uint64_t nonce;
+    uint64_t n = atomic_load(&nonce);
+    if (!n) {
+        uint64_t zero = 0;
+        n = uccl__random64();
+        if (!atomic_compare_exchange_strong(&nonce, &zero, n))
+            n = zero;
+    }
+    return n;
+}
+
+static const struct gpu_seg *seg_of(const struct uccl__gpu_export *e, uintptr_t p)
+{
+    uint32_t lo = 0, hi = e->nseg; /* segments ascend and touch */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (p < e->seg[mid].base)
+            hi = mid;
+        else if (p - e->seg[mid].base >= e->seg[mid].size)
+            lo = mid + 1;
+        else
+            return &e->seg[mid];
+    }
+    return NULL;
+}
+
+int uccl__gpu_check_live(const struct uccl__gpu_info *info, const struct uccl__gpu_export *e,
+                         uintptr_t addr, size_t len)
+{
+    if (!UCCL_MK_ON_GPU(info->mkind) || len == 0)
+        return UCCL_OK;
+    const struct uccl__cuda *cu = uccl__cuda();
+    uintptr_t ends[2] = {addr, addr + len - 1};
+    for (int i = 0; i < 2; i++) {
+        /* the id this byte had at registration: its allocation's, or its
+         * chunk's; cuMem memory that could not be exported: mapped is all */
+        const struct gpu_seg *sg = info->legacy_ipc || !e ? NULL : seg_of(e, ends[i]);
+        uint64_t want = info->legacy_ipc ? info->buffer_id : sg ? sg->buffer_id : 0;
+        unsigned long long id = 0;
+        int ok = cu && cu->PointerGetAttribute(&id, CU_PA_BUFFER_ID, (cu_ptr)ends[i]) == CU_OK &&
+                 (id == want || (!info->legacy_ipc && !e));
+        if (!ok)
+            return uccl__err(UCCL_ERR_INVALID, "device memory [0x%zx, +%zu) was freed after it "
+                             "was registered (the driver's id of the byte at 0x%zx was %llu, is "
+                             "now %llu): deregister and register it again", (size_t)addr, len,
+                             (size_t)ends[i], (unsigned long long)want, id);
+    }
+    return UCCL_OK;
+}
 
 void uccl__gpu_export_free(struct uccl__gpu_export *e)
 {
@@ -184,6 +226,9 @@ static int export_chunks(const struct uccl__cuda *cu, uintptr_t addr, size_t len
             *g = (struct uccl__gpu_export){.magic = EXPORT_MAGIC, .base = mb};
         e = g;
         e->seg[n] = (struct gpu_seg){.base = mb, .size = ms, .fd = -1};
+        r = cu->PointerGetAttribute(&e->seg[n].buffer_id, CU_PA_BUFFER_ID, (cu_ptr)p);
+        if (r != CU_OK)
+            return uccl__gpu_export_free(e), uccl__cuda_err(r, "the id of a cuMem chunk");
         e->nseg = n + 1;
         e->size += ms;
         r = cu->MemRetainAllocationHandle(&h, (void *)p);
@@ -220,7 +265,8 @@ int uccl__gpu_export_new(uintptr_t addr, size_t len, const struct uccl__gpu_info
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
         *e = (struct uccl__gpu_export){.magic = EXPORT_MAGIC, .base = info->alloc_base,
                                        .size = info->alloc_size, .nseg = 1, .legacy = 1};
-        e->seg[0] = (struct gpu_seg){.base = info->alloc_base, .size = info->alloc_size, .fd = -1};
+        e->seg[0] = (struct gpu_seg){.base = info->alloc_base, .size = info->alloc_size,
+                                     .buffer_id = info->buffer_id, .fd = -1};
         cu_result r = cu->IpcGetMemHandle(&e->seg[0].handle, (cu_ptr)info->alloc_base);
         if (r != CU_OK) {
             free(e);
@@ -229,7 +275,8 @@ int uccl__gpu_export_new(uintptr_t addr, size_t len, const struct uccl__gpu_info
     } else if ((rc = export_chunks(cu, addr, len, &e)) != UCCL_OK) {
         return rc;
     }
-    e->id = uccl__random64();
+    e->owner = owner_nonce();
+    e->id = info->legacy_ipc ? info->buffer_id : uccl__random64();
     e->dev = UCCL_MK_DEV(info->mkind);
     *exp_p = e;
     return UCCL_OK;
@@ -241,7 +288,7 @@ int uccl__gpu_export_new(uintptr_t addr, size_t len, const struct uccl__gpu_info
 struct uccl__gpu_import {
     struct uccl__gpu_import *next;
     uint32_t pid;
-    uint64_t id;
+    uint64_t owner, id;         /* the export's keys */
     int dev;
     uint64_t base, size;
     char *local;              /* where [base, +size) appears in this process */
@@ -251,12 +298,12 @@ struct uccl__gpu_import {
     int refs, dead;
 };
 
-void uccl__gpu_imports_init(struct uccl__gpu_imports *im)
-{
-    pthread_mutex_init(&im->mu, NULL);
-    im->head = NULL;
-    im->n = 0;
-}
+/* The process's table (gpu.h says why it is one per process). */
+static struct {
+    pthread_mutex_t mu;
+    struct uccl__gpu_import *head;
+    unsigned n;
+} imports = {PTHREAD_MUTEX_INITIALIZER, NULL, 0};
 
 static void import_close(struct uccl__gpu_import *x)
 {
@@ -276,16 +323,6 @@ static void import_close(struct uccl__gpu_import *x)
     }
     free(x->handles);
     free(x);
-}
-
-void uccl__gpu_imports_fini(struct uccl__gpu_imports *im)
-{
-    for (struct uccl__gpu_import *x = im->head, *n; x; x = n) {
-        n = x->next;
-        import_close(x);
-    }
-    im->head = NULL;
-    pthread_mutex_destroy(&im->mu);
 }
 
 static int peer_read(uint32_t pid, uint64_t addr, void *dst, size_t len)
@@ -400,20 +437,19 @@ static int import_open(struct uccl__gpu_import *x, uint64_t rec_addr,
     return rc;
 }
 
-/* Under im->mu: forget x (closed now if nobody copies through it). */
-static void import_drop(struct uccl__gpu_imports *im, struct uccl__gpu_import **link)
+/* Under imports.mu: forget x (closed now if nobody copies through it). */
+static void import_drop(struct uccl__gpu_import **link)
 {
     struct uccl__gpu_import *x = *link;
     *link = x->next;
-    im->n--;
+    imports.n--;
     x->dead = 1;
     if (x->refs == 0)
         import_close(x);
 }
 
-int uccl__gpu_import_get(struct uccl__gpu_imports *im, uint32_t pid, uint64_t rec_addr,
-                         uint64_t addr, size_t len, int dev, void **ptr_p,
-                         struct uccl__gpu_import **imp_p)
+int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t len, int dev,
+                         void **ptr_p, struct uccl__gpu_import **imp_p)
 {
     struct uccl__gpu_export hdr;
     int rc = peer_read(pid, rec_addr, &hdr, sizeof(hdr));
@@ -427,13 +463,13 @@ int uccl__gpu_import_get(struct uccl__gpu_imports *im, uint32_t pid, uint64_t re
         return uccl__err(UCCL_ERR_PROTO, "peer's GPU range [0x%llx, +%zu) is outside its "
                          "export [0x%llx, +%llu)", (unsigned long long)addr, len,
                          (unsigned long long)hdr.base, (unsigned long long)hdr.size);
-    pthread_mutex_lock(&im->mu);
-    struct uccl__gpu_import *x = im->head;
-    while (x && !(x->pid == pid && x->id == hdr.id && x->dev == dev))
+    pthread_mutex_lock(&imports.mu);
+    struct uccl__gpu_import *x = imports.head;
+    while (x && !(x->pid == pid && x->owner == hdr.owner && x->id == hdr.id && x->dev == dev))
         x = x->next;
     if (x) {
         x->refs++;
-        pthread_mutex_unlock(&im->mu);
+        pthread_mutex_unlock(&imports.mu);
         *ptr_p = x->local + (addr - x->base);
         *imp_p = x;
         return UCCL_OK;
@@ -442,48 +478,52 @@ int uccl__gpu_import_get(struct uccl__gpu_imports *im, uint32_t pid, uint64_t re
      * twice in a context, so two threads must not race to it. */
     x = calloc(1, sizeof(*x));
     if (!x) {
-        pthread_mutex_unlock(&im->mu);
+        pthread_mutex_unlock(&imports.mu);
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     }
-    *x = (struct uccl__gpu_import){.pid = pid, .id = hdr.id, .dev = dev, .base = hdr.base,
-                                   .size = hdr.size, .nseg = hdr.nseg, .refs = 1};
+    *x = (struct uccl__gpu_import){.pid = pid, .owner = hdr.owner, .id = hdr.id, .dev = dev,
+                                   .base = hdr.base, .size = hdr.size, .nseg = hdr.nseg,
+                                   .refs = 1};
     rc = import_open(x, rec_addr, &hdr);
     if (rc) {
-        pthread_mutex_unlock(&im->mu);
+        pthread_mutex_unlock(&imports.mu);
         import_close(x);
         return rc;
     }
-    /* An export of the same process over the same addresses is older: that
-     * memory was freed (a freed and reused address gets a new export). */
-    for (struct uccl__gpu_import **l = &im->head; *l;) {
+    /* Another export of the owner over the same addresses: a cudaMalloc
+     * allocation with another id was freed (its address is reused); a cuMem
+     * export over the same chunks maps them again and may go (both may be
+     * live: its next use maps them anew). */
+    for (struct uccl__gpu_import **l = &imports.head; *l;) {
         struct uccl__gpu_import *o = *l;
-        if (o->pid == pid && o->id != x->id && o->base < x->base + x->size && x->base < o->base + o->size)
-            import_drop(im, l);
+        if (o->pid == pid && o->owner == x->owner && o->id != x->id &&
+            o->base < x->base + x->size && x->base < o->base + o->size)
+            import_drop(l);
         else
             l = &o->next;
     }
-    while (im->n >= MAX_IMPORTS) { /* drop the oldest (the list's tail) */
-        struct uccl__gpu_import **l = &im->head;
+    while (imports.n >= MAX_IMPORTS) { /* drop the oldest (the list's tail) */
+        struct uccl__gpu_import **l = &imports.head;
         while ((*l)->next)
             l = &(*l)->next;
-        import_drop(im, l);
+        import_drop(l);
     }
-    x->next = im->head;
-    im->head = x;
-    im->n++;
-    pthread_mutex_unlock(&im->mu);
+    x->next = imports.head;
+    imports.head = x;
+    imports.n++;
+    pthread_mutex_unlock(&imports.mu);
     *ptr_p = x->local + (addr - x->base);
     *imp_p = x;
     return UCCL_OK;
 }
 
-void uccl__gpu_import_put(struct uccl__gpu_imports *im, struct uccl__gpu_import *x)
+void uccl__gpu_import_put(struct uccl__gpu_import *x)
 {
     if (!x)
         return;
-    pthread_mutex_lock(&im->mu);
+    pthread_mutex_lock(&imports.mu);
     int close_now = --x->refs == 0 && x->dead;
-    pthread_mutex_unlock(&im->mu);
+    pthread_mutex_unlock(&imports.mu);
     if (close_now)
         import_close(x);
 }

@@ -11,7 +11,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gpu.h"
 #include "mem.h"
 #include "pool.h"
 #include "wire.h"
@@ -37,7 +36,6 @@ struct uccl__local {
     /* shared resources */
     struct uccl__mem mem;            /* registered regions and advertised windows */
     struct uccl__pool_lazy copy_pool; /* helpers splitting large copies */
-    struct uccl__gpu_imports imports; /* peers' GPU memory mapped here (CUDA IPC) */
 };
 
 #endif

@@ -192,7 +192,9 @@ static struct uccl__mr *mr_covering(struct uccl__mem *m, uint64_t mr_id, uintptr
                               "deregistered)", (unsigned long long)mr_id);
         return NULL;
     }
-    if (ptr < mr->addr || ptr - mr->addr > mr->len || len > mr->len - (ptr - mr->addr)) {
+    /* Zero bytes touch nothing: any address will do (torch's empty tensors
+     * have data_ptr() 0). */
+    if (len > 0 && (ptr < mr->addr || ptr - mr->addr > mr->len || len > mr->len - (ptr - mr->addr))) {
         *status_p = uccl__err(UCCL_ERR_INVALID, "buffer [0x%zx, +%zu) is not inside registered "
                               "region %llu [0x%zx, +%zu)", (size_t)ptr, len,
                               (unsigned long long)mr_id, (size_t)mr->addr, mr->len);
@@ -210,13 +212,16 @@ int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t le
     pthread_mutex_lock(&m->mu);
     struct uccl__mr *mr = mr_covering(m, mr_id, ptr, len, &rc);
     struct uccl__gpu_info info = mr ? mr->gpu : (struct uccl__gpu_info){0};
+    const struct uccl__gpu_export *gexp = mr ? mr->gexp : NULL;
     if (mr) { /* the keys a direct transport will need (0 for CMA) */
         *local_key_p = mr->tp_key[tp->id];
         rc = tp->mem_key ? tp->mem_key(c, mr, ptr, &peer_key) : UCCL_OK;
     }
+    /* Device memory still the registered allocation?  Under the lock: a
+     * racing dereg frees the export record this reads. */
+    if (rc == UCCL_OK && UCCL_MK_ON_GPU(info.mkind))
+        rc = uccl__gpu_check_live(&info, gexp, ptr, len);
     pthread_mutex_unlock(&m->mu);
-    if (rc == UCCL_OK)
-        rc = uccl__gpu_check_live(&info, ptr, len);
     if (rc == UCCL_OK) {
         *peer_key_p = peer_key;
         *mkind_p = info.mkind;

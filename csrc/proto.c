@@ -137,7 +137,14 @@ void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why)
 int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
 {
     uint64_t start = uccl__now_ns();
-    uint64_t spin = r->conn->local->spin_ns < timeout_ns ? r->conn->local->spin_ns : timeout_ns;
+    uint64_t spin = r->conn->local->spin_ns;
+    /* A GPU copy of many megabytes is a wait of known length: waking from a
+     * sleep costs more than polling through it (one ns per 500 bytes, the
+     * copy engine's pace, up to 5 ms). */
+    if (UCCL_MK_ON_GPU(r->mkind) && spin > 0 && r->len / 500 > spin)
+        spin = r->len / 500 < 5000000 ? r->len / 500 : 5000000;
+    if (spin > timeout_ns)
+        spin = timeout_ns;
     uccl__conn_drive(r->conn, r, spin);
     for (int i = 0; i < 2000; i++) {
         unsigned s = atomic_load(&r->state);

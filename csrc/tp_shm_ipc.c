@@ -53,13 +53,12 @@ static int ipc_copy(struct uccl__conn *c, char *local, uint64_t local_key, uint6
     int dev = copy_dev(c, local_key);
     void *mapped;
     struct uccl__gpu_import *imp;
-    int rc = uccl__gpu_import_get(&c->local->imports, c->peer_pid, remote_key, remote, len, dev,
-                                  &mapped, &imp);
+    int rc = uccl__gpu_import_get(c->peer_pid, remote_key, remote, len, dev, &mapped, &imp);
     if (rc)
         return rc;
     rc = to_peer ? uccl__gpu_copy(dev, mapped, local, len, c->local->timeout_ns)
                  : uccl__gpu_copy(dev, local, mapped, len, c->local->timeout_ns);
-    uccl__gpu_import_put(&c->local->imports, imp);
+    uccl__gpu_import_put(imp);
     return rc;
 }
 
