@@ -71,8 +71,12 @@ void uccl__gpu_import_put(struct uccl__gpu_import *imp);
 /* ---- copies --------------------------------------------------------------- */
 /* Copy len bytes (any of host, page-locked, device memory, mapped peer
  * memory) in device dev's context on this thread's streams; returns once
- * the copy is complete (events polled), or fails after timeout_ns. */
-int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, uint64_t timeout_ns);
+ * the copy is complete (events polled), or fails after timeout_ns.  split:
+ * a large copy may go over several streams (not with pageable memory,
+ * which the driver stages through its own buffers: pieces in parallel
+ * measured slower than one copy). */
+int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
+                   uint64_t timeout_ns);
 
 /* The device to work on for a copy between memory kinds a and b. */
 int uccl__gpu_copy_dev(uint32_t mk_a, uint32_t mk_b);

@@ -53,7 +53,7 @@ static unsigned lanes_wanted(void)
     static int n; /* UCCL_P2P_CUDA_STREAMS, read once (a benign race: same value) */
     if (!n) {
         int bad = 0;
-        n = (int)uccl__env_long("UCCL_P2P_CUDA_STREAMS", 4, 1, MAX_STREAMS, &bad);
+        n = (int)uccl__env_long("UCCL_P2P_CUDA_STREAMS", 2, 1, MAX_STREAMS, &bad);
     }
     return (unsigned)n;
 }
@@ -124,7 +124,8 @@ static int wait_events(const struct uccl__cuda *cu, cu_event *ev, int n, uint64_
     }
 }
 
-int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, uint64_t timeout_ns)
+int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
+                   uint64_t timeout_ns)
 {
     if (len == 0)
         return UCCL_OK;
@@ -134,7 +135,7 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, uint64_t tim
     int rc = uccl__cuda_use(dev);
     if (rc)
         return rc;
-    unsigned parts = len >= 2 * (size_t)SPLIT_BYTES ? (unsigned)(len / SPLIT_BYTES) : 1;
+    unsigned parts = split && len >= 2 * (size_t)SPLIT_BYTES ? (unsigned)(len / SPLIT_BYTES) : 1;
     if (parts > lanes_wanted())
         parts = lanes_wanted();
     struct lanes *l = NULL;
@@ -178,7 +179,9 @@ int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t s
         memcpy(dst, src, len);
         return UCCL_OK;
     }
-    return uccl__gpu_copy(uccl__gpu_copy_dev(dst_mk, src_mk), dst, src, len, timeout_ns);
+    return uccl__gpu_copy(uccl__gpu_copy_dev(dst_mk, src_mk), dst, src, len,
+                          UCCL_MK_KIND(dst_mk) != UCCL_MK_HOST && UCCL_MK_KIND(src_mk) != UCCL_MK_HOST,
+                          timeout_ns);
 }
 
 int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p)

@@ -56,8 +56,9 @@ static int ipc_copy(struct uccl__conn *c, char *local, uint64_t local_key, uint6
     int rc = uccl__gpu_import_get(c->peer_pid, remote_key, remote, len, dev, &mapped, &imp);
     if (rc)
         return rc;
-    rc = to_peer ? uccl__gpu_copy(dev, mapped, local, len, c->local->timeout_ns)
-                 : uccl__gpu_copy(dev, local, mapped, len, c->local->timeout_ns);
+    int split = UCCL_MK_KIND(local_key) != UCCL_MK_HOST; /* not from/to pageable memory */
+    rc = to_peer ? uccl__gpu_copy(dev, mapped, local, len, split, c->local->timeout_ns)
+                 : uccl__gpu_copy(dev, local, mapped, len, split, c->local->timeout_ns);
     uccl__gpu_import_put(imp);
     return rc;
 }

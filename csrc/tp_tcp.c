@@ -203,7 +203,8 @@ static void *tx_main(void *arg)
             char *buf;
             rc = stage_get(c, &st, UCCL_MK_DEV(j->src_key), &buf);
             if (rc == UCCL_OK)
-                rc = uccl__gpu_copy(UCCL_MK_DEV(j->src_key), buf, from, len, c->local->timeout_ns);
+                rc = uccl__gpu_copy(UCCL_MK_DEV(j->src_key), buf, from, len, 0,
+                                    c->local->timeout_ns);
             from = buf;
         }
         if (rc == UCCL_OK)
@@ -267,7 +268,7 @@ static void *rx_main(void *arg)
         if (rc == UCCL_OK)
             rc = recv_full(s->fd, into, h.len);
         if (rc == UCCL_OK && on_gpu) /* host to device */
-            rc = uccl__gpu_copy(UCCL_MK_DEV(dst_key), dst, into, h.len, c->local->timeout_ns);
+            rc = uccl__gpu_copy(UCCL_MK_DEV(dst_key), dst, into, h.len, 0, c->local->timeout_ns);
         if (rc) {
             uccl__conn_rx_abort(c, r);
             uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
