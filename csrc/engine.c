@@ -10,6 +10,7 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include "cuda_loader.h"
 #include "engine.h"
 #include "handshake.h"
 #include "log.h"
@@ -121,6 +122,14 @@ static int read_settings(struct uccl__local *loc, double timeout_s, int *base_po
         if (!found)
             return uccl__err(UCCL_ERR_INVALID, "UCCL_P2P_TRANSPORT=%s: use auto, tcp, shm, ipc "
                              "or rdma", tp);
+        /* ipc: the same-host transport, whose GPU memory moves by CUDA IPC
+         * on the copy engine; it needs the CUDA driver. */
+        if (loc->forced_tp == UCCL_TP_IPC) {
+            if (!uccl__cuda())
+                return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_TRANSPORT=%s is unavailable: %s",
+                                 tp, uccl_last_error());
+            loc->forced_tp = UCCL_TP_SHM;
+        }
         const struct uccl__tp_ops *forced = uccl__tp_registry[loc->forced_tp];
         if (loc->forced_tp != UCCL_TP_AUTO && !forced)
             return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_TRANSPORT=%s: that transport is not part "

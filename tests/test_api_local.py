@@ -4,6 +4,10 @@ registration, unknown ids, a closed endpoint, passive accept, and the tensor
 buffer checks.  Nothing here moves data between ranks; see test_transfers.py."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -66,10 +70,20 @@ def test_constructor_rejects_bad_arguments(kw, words):
 
 
 @pytest.mark.parametrize("transport", ["rdma", "ipc"])
-def test_forced_unavailable_transport_raises(monkeypatch, transport):
-    """UCCL_P2P_TRANSPORT forcing a transport this CPU build cannot use makes
-    Endpoint() raise UcclError naming the transport (never a silent fallback)."""
+def test_forced_unavailable_transport_raises(monkeypatch, transport, tmp_path):
+    """UCCL_P2P_TRANSPORT forcing a transport this machine cannot use (rdma:
+    not built yet; ipc: CUDA IPC, without a CUDA driver here) makes Endpoint()
+    raise UcclError naming the transport (never a silent fallback)."""
     monkeypatch.setenv("UCCL_P2P_TRANSPORT", transport)
+    if transport == "ipc":  # a GPU machine has a driver: take it away
+        env = dict(os.environ, UCCL_CUDA_LIBRARY=str(tmp_path / "missing.so"))
+        p = subprocess.run([sys.executable, "-c", "from uccl_collective.p2p import Endpoint\n"
+                            "try:\n    Endpoint(port=0)\nexcept Exception as e:\n"
+                            "    print(type(e).__name__, e)"], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert p.stdout.startswith("UcclError") and "ipc" in p.stdout \
+            and "missing.so" in p.stdout, p.stdout + p.stderr
+        return
     with pytest.raises(UcclError, match=transport):
         Endpoint(port=0)
 
