@@ -4,7 +4,7 @@
  *               sharing device memory with other processes of the host:
  *               export records here, imports of a peer's records (CUDA IPC
  *               of the allocation base, or for cuMem* memory a POSIX file
- *               descriptor per physical chunk), cached per peer and export
+ *               descriptor per physical chunk), cached per process
  *   gpu_copy.c  copies on the copy engine (this thread's streams, split
  *               when large, completion by polled events), events recorded
  *               on a caller's stream, page-locked staging buffers

@@ -4,7 +4,7 @@
  * of its export record (gpu.h) in the owner's memory; 0 is host memory.  The
  * side that copies reads the peer's record, maps what it names (the
  * allocation's IPC handle, or its cuMem chunks by file descriptor), once
- * per peer and export (the endpoint's import cache), and copies on its copy
+ * per peer and allocation (the process's import cache), and copies on its copy
  * engine from or to that mapping: a pull from a peer's GPU memory into any
  * local memory, or a push from local host memory into a peer's GPU memory
  * (the destination cannot map our host memory).  Host to host stays CMA.
