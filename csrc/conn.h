@@ -45,6 +45,9 @@ struct uccl__req {
     uint64_t local_key;          /* buf's region: mr->tp_key of this transport */
     uint64_t key_for_peer;       /* tp->mem_key of buf, sent with its address */
     uint32_t mkind;              /* what buf is: host, page-locked or device memory (gpu.h) */
+    _Atomic(uint32_t *) flag;    /* a stream waits for this slot to reach flag_gen (gpu.h) */
+    uint32_t flag_gen;
+    struct uccl__gpu_flags *flags; /* ... the slot's pool */
     struct uccl__fifo_item fifo; /* one-sided target */
     struct uccl__mr *hold;       /* target side: the region kept from dereg() while this runs */
     atomic_uint state;           /* UCCL_REQ_*, also the futex word waiters sleep on */
@@ -163,6 +166,9 @@ struct uccl__conn {
 /* Requests (proto.c).  A request holds its connection. */
 struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len);
 void uccl__req_get(struct uccl__req *r);
+/* A stream waits (flag slot, gen of pool f) until r finishes; released at
+ * once if r finished already. */
+void uccl__req_flag(struct uccl__req *r, struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen);
 /* Fail r, never posted (its stream's event failed, or the endpoint closed). */
 void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why);
 void uccl__req_put(struct uccl__req *r);

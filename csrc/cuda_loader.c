@@ -58,7 +58,7 @@ static void load(void)
         SYM(PointerGetAttributes, "cuPointerGetAttributes"),
         SYM(MemcpyAsync, "cuMemcpyAsync"), SYM(StreamCreate, "cuStreamCreate"),
         SYM(StreamDestroy, "cuStreamDestroy"), SYM(StreamWaitEvent, "cuStreamWaitEvent"),
-        SYM(StreamQuery, "cuStreamQuery"),
+        SYM(StreamQuery, "cuStreamQuery"), SYM(StreamWaitValue32, "cuStreamWaitValue32"),
         SYM(EventCreate, "cuEventCreate"), SYM(EventRecord, "cuEventRecord"),
         SYM(EventQuery, "cuEventQuery"), SYM(EventDestroy, "cuEventDestroy"),
         SYM(IpcGetMemHandle, "cuIpcGetMemHandle"), SYM(IpcOpenMemHandle, "cuIpcOpenMemHandle"),

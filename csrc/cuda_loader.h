@@ -40,6 +40,7 @@ enum { /* CUpointer_attribute */
     CU_PA_MAPPING_BASE_ADDR = 19,
 };
 enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2, CU_MEMORYTYPE_UNIFIED = 4 };
+enum { CU_MEMHOSTALLOC_DEVICEMAP = 2, CU_STREAM_WAIT_VALUE_GEQ = 0 };
 enum { CU_IPC_LAZY_PEER_ACCESS = 1, CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DISABLE_TIMING = 2,
        CU_MEMHOSTALLOC_PORTABLE = 1, CU_HANDLE_POSIX_FD = 1, CU_LOCATION_DEVICE = 1,
        CU_ACCESS_READWRITE = 3 };
@@ -58,6 +59,7 @@ struct uccl__cuda {
     cu_result (*StreamDestroy)(cu_stream);
     cu_result (*StreamWaitEvent)(cu_stream, cu_event, unsigned);
     cu_result (*StreamQuery)(cu_stream);
+    cu_result (*StreamWaitValue32)(cu_stream, cu_ptr, uint32_t, unsigned);
     cu_result (*EventCreate)(cu_event *, unsigned);
     cu_result (*EventRecord)(cu_event, cu_stream);
     cu_result (*EventQuery)(cu_event);

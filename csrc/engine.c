@@ -280,6 +280,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     free(v);
     uccl__idmap_free(&ep->conns);
     uccl__idmap_free(&ep->incomplete);
+    uccl__gpu_flags_free(ep->flags); /* every request finished: no slot is taken */
     uccl__mem_fini(&ep->local.mem);
     uccl__pool_lazy_free(&ep->local.copy_pool); /* every connection is gone: no copy runs */
     for (struct uccl__remote *r; (r = SLIST_FIRST(&ep->remotes));) {

@@ -60,6 +60,7 @@ struct uccl__ep {
     pthread_t listener;
     int listener_started;
     struct uccl__gate gate;      /* async GPU transfers waiting for their stream */
+    struct uccl__gpu_flags *flags; /* streams waiting for transfers (made on first use, under mu) */
 };
 
 /* engine.c */

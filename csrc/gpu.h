@@ -94,6 +94,22 @@ int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p);
 int uccl__gpu_event_poll(void *ev);
 void uccl__gpu_event_free(void *ev);
 
+/* ---- stream waits on host-written flags ------------------------------------
+ * A caller's stream can wait for a transfer without blocking the host: the
+ * stream waits (cuStreamWaitValue32) until a flag in page-locked memory
+ * reaches a value, and the engine writes that value when the transfer
+ * finishes.  Each waiting transfer holds a slot of the pool until then;
+ * slots count up (generation) so a reused slot never releases an old wait
+ * late or a new one early. */
+struct uccl__gpu_flags;
+void uccl__gpu_flags_free(struct uccl__gpu_flags *f);
+/* Make `stream` of device dev wait until *slot reaches gen; *f_p made on
+ * first use.  UCCL_ERR_NOMEM: every slot is taken (wait on the host). */
+int uccl__gpu_flag_wait(struct uccl__gpu_flags **f_p, int dev, uintptr_t stream,
+                        uint32_t **slot_p, uint32_t *gen_p);
+/* The transfer finished: release the waiting stream and the slot. */
+void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen);
+
 /* Page-locked host memory (portable to every context) for staging. */
 int uccl__gpu_host_alloc(int dev, size_t len, void **p);
 void uccl__gpu_host_free(int dev, void *p);

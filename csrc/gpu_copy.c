@@ -244,3 +244,79 @@ void uccl__gpu_host_free(int dev, void *p)
     if (p && uccl__cuda_use(dev) == UCCL_OK)
         uccl__cuda()->MemFreeHost(p);
 }
+
+/* ------------------------------------------------------------------------- */
+/* flags for stream waits                                                     */
+
+#define FLAG_SLOTS 1024
+
+struct uccl__gpu_flags {
+    pthread_mutex_t mu;
+    uint32_t *page;                 /* FLAG_SLOTS words, page-locked, mapped for the GPU */
+    uint32_t gen[FLAG_SLOTS];       /* the last generation handed out per slot */
+    unsigned char used[FLAG_SLOTS];
+    int dev;
+};
+
+void uccl__gpu_flags_free(struct uccl__gpu_flags *f)
+{
+    if (!f)
+        return;
+    uccl__gpu_host_free(f->dev, f->page);
+    pthread_mutex_destroy(&f->mu);
+    free(f);
+}
+
+int uccl__gpu_flag_wait(struct uccl__gpu_flags **f_p, int dev, uintptr_t stream,
+                        uint32_t **slot_p, uint32_t *gen_p)
+{
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    struct uccl__gpu_flags *f = *f_p;
+    if (!f) { /* the caller serialises first use */
+        f = calloc(1, sizeof(*f));
+        if (!f)
+            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        cu_result r = uccl__cuda()->MemHostAlloc((void **)&f->page, FLAG_SLOTS * sizeof(uint32_t),
+                                                 CU_MEMHOSTALLOC_PORTABLE |
+                                                 CU_MEMHOSTALLOC_DEVICEMAP);
+        if (r != CU_OK) {
+            free(f);
+            return uccl__cuda_err(r, "allocating stream-wait flags");
+        }
+        memset(f->page, 0, FLAG_SLOTS * sizeof(uint32_t));
+        pthread_mutex_init(&f->mu, NULL);
+        f->dev = dev;
+        *f_p = f;
+    }
+    pthread_mutex_lock(&f->mu);
+    int i = 0;
+    while (i < FLAG_SLOTS && f->used[i])
+        i++;
+    if (i == FLAG_SLOTS) {
+        pthread_mutex_unlock(&f->mu);
+        return uccl__err(UCCL_ERR_NOMEM, "all %d stream-wait slots are taken", FLAG_SLOTS);
+    }
+    f->used[i] = 1;
+    uint32_t gen = ++f->gen[i];
+    pthread_mutex_unlock(&f->mu);
+    /* Unified addressing: the page's host address is its device address. */
+    cu_result r = uccl__cuda()->StreamWaitValue32((cu_stream)stream, (cu_ptr)(uintptr_t)&f->page[i],
+                                                   gen, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CU_OK) {
+        uccl__gpu_flag_set(f, &f->page[i], gen);
+        return uccl__cuda_err(r, "cuStreamWaitValue32 on the caller's stream");
+    }
+    *slot_p = &f->page[i];
+    *gen_p = gen;
+    return UCCL_OK;
+}
+
+void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen)
+{
+    __atomic_store_n(slot, gen, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&f->mu);
+    f->used[slot - f->page] = 0;
+    pthread_mutex_unlock(&f->mu);
+}

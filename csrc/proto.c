@@ -125,6 +125,20 @@ static void req_finish(struct uccl__req *r, int status, const char *fmt, ...)
     atomic_store(&r->state, status == UCCL_OK ? UCCL_REQ_DONE : UCCL_REQ_FAILED);
     if (atomic_load(&r->sleepers) > 0) /* a wake is a syscall: only when someone sleeps */
         futex_wake_all(&r->state);
+    uint32_t *slot = atomic_exchange(&r->flag, NULL); /* a waiting stream goes on */
+    if (slot)
+        uccl__gpu_flag_set(r->flags, slot, r->flag_gen);
+}
+
+/* Whoever takes the slot out of r (this, or req_finish) releases it, once:
+ * published after the stream's wait was queued, checked again after. */
+void uccl__req_flag(struct uccl__req *r, struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen)
+{
+    r->flags = f;
+    r->flag_gen = gen;
+    atomic_store(&r->flag, slot);
+    if (atomic_load(&r->state) != UCCL_REQ_PENDING && (slot = atomic_exchange(&r->flag, NULL)))
+        uccl__gpu_flag_set(f, slot, gen);
 }
 
 void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why)

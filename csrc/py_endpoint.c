@@ -532,6 +532,22 @@ static PyObject *Endpoint_transfer(PyObject *op, PyObject *args)
     return res;
 }
 
+/* _stream_wait(transfer_id, stream) -> bool: the stream waits for the
+ * transfer (True), or it moves host memory (False: wait on the host). */
+static PyObject *Endpoint_stream_wait(PyObject *op, PyObject *args)
+{
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    uint64_t id, stream;
+    if (!PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &id, uccl__py_to_u64, &stream) ||
+        uccl__py_ep_check(self))
+        return NULL;
+    int queued = 0;
+    int rc = uccl_ep_stream_wait(self->ep, id, (uintptr_t)stream, &queued);
+    if (rc)
+        return uccl__py_ep_fail(self, rc);
+    return PyBool_FromLong(queued);
+}
+
 static PyObject *Endpoint_poll_async(PyObject *op, PyObject *args)
 {
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
@@ -619,6 +635,8 @@ static PyMethodDef Endpoint_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Endpoint_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(transfer_id, timeout=None) -> True; raises if the transfer failed"},
     {"poll_async", Endpoint_poll_async, METH_VARARGS, "poll_async(transfer_id) -> (True, is_done)"},
+    {"_stream_wait", Endpoint_stream_wait, METH_VARARGS,
+     "_stream_wait(transfer_id, stream) -> bool (the stream waits; False: host memory)"},
     {"release", Endpoint_release, METH_VARARGS, "release(transfer_id): forget a finished id"},
     {"advertise", Endpoint_advertise, METH_VARARGS,
      "advertise(conn_id, mr_id, addr, len) -> (True, fifo_item)"},

@@ -69,6 +69,13 @@ int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr);
  * memory ignores `stream`. */
 int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t ptr, size_t len,
                  const uint8_t *fifo, size_t fifo_len, uintptr_t stream, uint64_t *xfer_p);
+/* Order `stream` (a CUstream of the buffer's device; 0: the legacy default
+ * stream) after transfer xfer of device memory without blocking the host:
+ * work queued there next runs once the transfer has finished (the stream
+ * waits on a flag the engine sets; a failed transfer releases it too, and
+ * poll/wait report the error).  *queued_p: 1 if the stream waits (or the
+ * transfer is done already), 0 if xfer moves host memory (wait on the host). */
+int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *queued_p);
 /* Done?  A failed transfer returns its error (every time until released). */
 int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p);
 /* Wait until done or until min(deadline_ns, now + slice_ns).  UCCL_OK: done;

@@ -207,6 +207,35 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
     return rc;
 }
 
+int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *queued_p)
+{
+    struct uccl__req *r = req_lookup(ep, xfer);
+    if (!r)
+        return UCCL_ERR_NOTFOUND;
+    if (r == DONE_MARK) {
+        *queued_p = 1;
+        return UCCL_OK;
+    }
+    int rc = UCCL_OK;
+    if (!UCCL_MK_ON_GPU(r->mkind) || r->len == 0) {
+        *queued_p = 0;
+    } else if (atomic_load(&r->state) == UCCL_REQ_PENDING) {
+        uint32_t *slot, gen;
+        pthread_mutex_lock(&ep->mu); /* makes the pool on first use */
+        rc = uccl__gpu_flag_wait(&ep->flags, UCCL_MK_DEV(r->mkind), stream, &slot, &gen);
+        pthread_mutex_unlock(&ep->mu);
+        if (rc == UCCL_OK)
+            uccl__req_flag(r, ep->flags, slot, gen);
+        *queued_p = rc == UCCL_OK;
+        if (rc == UCCL_ERR_NOMEM) /* no slot free: the caller waits on the host */
+            rc = UCCL_OK;
+    } else {
+        *queued_p = 1; /* finished: the bytes are in place for every stream */
+    }
+    uccl__req_put(r);
+    return rc;
+}
+
 #define PROGRESS_MAX 64 /* connections driven at once by uccl_ep_progress */
 
 static int req_finished(struct uccl__req *r)

@@ -120,6 +120,17 @@ class Endpoint(_engine.Endpoint):
     def send_async(self, conn_id: int, mr_id: int, ptr: int, size: int):
         return True, self._post(OP_SEND, conn_id, mr_id, ptr, size, None, current_stream())
 
+    def stream_wait(self, transfer_id: int) -> bool:
+        """Order torch's current CUDA stream after a transfer, without blocking
+        the host (as NCCL's handles do): work queued on the stream after this
+        call runs once the transfer has finished.  A transfer of host memory
+        is waited for on the host instead.  Errors are reported by
+        poll_async()/wait(), which the id still answers (a failed transfer
+        releases the stream too: check before using the data)."""
+        if not self._stream_wait(transfer_id, current_stream()):
+            self.wait(transfer_id)
+        return True
+
     def recv_async(self, conn_id: int, mr_id: int, ptr: int, size: int):
         return True, self._post(OP_RECV, conn_id, mr_id, ptr, size, None, current_stream())
 
