@@ -116,3 +116,28 @@ def test_without_libcuda_cpu_works_and_cuda_pointers_are_explained(tmp_path):
     assert refused, p.stdout
     assert "CUDA memory cannot be used here" in refused[0], refused[0]
     assert "no-libcuda.so.1" in refused[0], refused[0]
+
+
+def test_stream_wait_on_host_memory_waits_on_the_host(endpoints):
+    """stream_wait() of a transfer of host memory has no stream to order: it
+    waits on the host like wait(), so the bytes are there when it returns
+    (the GPU form, which does not block, is tests/test_gpu_stream_wait.py)."""
+    import threading
+    a, b = endpoints(), endpoints()
+    src = np.random.randint(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.full(src.size, 0x5A, dtype=np.uint8)
+    mr_s = a.reg(src.ctypes.data, src.nbytes)[1]
+    mr_d = b.reg(dst.ctypes.data, dst.nbytes)[1]
+    res = {}
+    t = threading.Thread(target=lambda: res.update(acc=b.accept(10)))
+    t.start()
+    ip, port = b.address()
+    _, conn = a.connect(ip, 0, port)
+    t.join()
+    _, tid = b.recv_async(res["acc"][3], mr_d, dst.ctypes.data, dst.nbytes)
+    sender = threading.Thread(target=a.send, args=(conn, mr_s, src.ctypes.data, src.nbytes))
+    sender.start()
+    assert b.stream_wait(tid) is True
+    assert (dst == src).all()
+    sender.join()
+    assert b.release(tid) is True
