@@ -51,13 +51,12 @@ static void load(void)
     static const struct { const char *name; size_t off; } syms[] = {
 #define SYM(field, name) {name, offsetof(struct uccl__cuda, field)}
         SYM(Init, "cuInit"), SYM(DeviceGet, "cuDeviceGet"),
-        SYM(DeviceGetCount, "cuDeviceGetCount"),
         SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
         SYM(CtxSetCurrent, "cuCtxSetCurrent"), SYM(CtxGetCurrent, "cuCtxGetCurrent"),
         SYM(PointerGetAttribute, "cuPointerGetAttribute"),
         SYM(PointerGetAttributes, "cuPointerGetAttributes"),
         SYM(MemcpyAsync, "cuMemcpyAsync"), SYM(StreamCreate, "cuStreamCreate"),
-        SYM(StreamDestroy, "cuStreamDestroy"), SYM(StreamWaitEvent, "cuStreamWaitEvent"),
+        SYM(StreamDestroy, "cuStreamDestroy"),
         SYM(StreamQuery, "cuStreamQuery"), SYM(StreamWaitValue32, "cuStreamWaitValue32"),
         SYM(EventCreate, "cuEventCreate"), SYM(EventRecord, "cuEventRecord"),
         SYM(EventQuery, "cuEventQuery"), SYM(EventDestroy, "cuEventDestroy"),

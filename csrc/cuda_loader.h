@@ -31,15 +31,15 @@ enum {
     CU_OK = 0,
     CU_ERR_INVALID_VALUE = 1,
     CU_ERR_NOT_INITIALIZED = 3,
+    CU_ERR_INVALID_CONTEXT = 201,
     CU_ERR_NOT_READY = 600,
 };
 enum { /* CUpointer_attribute */
-    CU_PA_CONTEXT = 1, CU_PA_MEMORY_TYPE = 2, CU_PA_BUFFER_ID = 7, CU_PA_DEVICE_ORDINAL = 9,
+    CU_PA_MEMORY_TYPE = 2, CU_PA_BUFFER_ID = 7, CU_PA_DEVICE_ORDINAL = 9,
     CU_PA_IS_LEGACY_IPC_CAPABLE = 10, CU_PA_RANGE_START_ADDR = 11, CU_PA_RANGE_SIZE = 12,
-    CU_PA_MAPPED = 13, CU_PA_ALLOWED_HANDLE_TYPES = 14, CU_PA_MAPPING_SIZE = 18,
-    CU_PA_MAPPING_BASE_ADDR = 19,
+    CU_PA_MAPPING_SIZE = 18, CU_PA_MAPPING_BASE_ADDR = 19,
 };
-enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2, CU_MEMORYTYPE_UNIFIED = 4 };
+enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2 };
 enum { CU_MEMHOSTALLOC_DEVICEMAP = 2, CU_STREAM_WAIT_VALUE_GEQ = 0 };
 enum { CU_IPC_LAZY_PEER_ACCESS = 1, CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DISABLE_TIMING = 2,
        CU_MEMHOSTALLOC_PORTABLE = 1, CU_HANDLE_POSIX_FD = 1, CU_LOCATION_DEVICE = 1,
@@ -48,7 +48,6 @@ enum { CU_IPC_LAZY_PEER_ACCESS = 1, CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DISABLE
 struct uccl__cuda {
     cu_result (*Init)(unsigned);
     cu_result (*DeviceGet)(cu_device *, int);
-    cu_result (*DeviceGetCount)(int *);
     cu_result (*DevicePrimaryCtxRetain)(cu_context *, cu_device);
     cu_result (*CtxSetCurrent)(cu_context);
     cu_result (*CtxGetCurrent)(cu_context *);
@@ -57,7 +56,6 @@ struct uccl__cuda {
     cu_result (*MemcpyAsync)(cu_ptr, cu_ptr, size_t, cu_stream);
     cu_result (*StreamCreate)(cu_stream *, unsigned);
     cu_result (*StreamDestroy)(cu_stream);
-    cu_result (*StreamWaitEvent)(cu_stream, cu_event, unsigned);
     cu_result (*StreamQuery)(cu_stream);
     cu_result (*StreamWaitValue32)(cu_stream, cu_ptr, uint32_t, unsigned);
     cu_result (*EventCreate)(cu_event *, unsigned);

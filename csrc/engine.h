@@ -84,8 +84,6 @@ void uccl__gate_init(struct uccl__gate *g);
  * fail it after timeout_ns.  Takes ev. */
 int uccl__gate_add(struct uccl__gate *g, struct uccl__conn *c, struct uccl__req *r, void *ev,
                    uint64_t timeout_ns);
-/* Poll ev from the calling thread until it completes (a blocking call). */
-int uccl__gate_wait(void *ev, uint64_t timeout_ns);
 /* Stop the thread; transfers still waiting fail (UCCL_ERR_CLOSED). */
 void uccl__gate_fini(struct uccl__gate *g);
 

@@ -5,7 +5,7 @@
  * before the call on its stream (as NCCL orders its kernels): an event is
  * recorded on that stream at the call, and the transfer is posted once the
  * event has completed.  A blocking call polls the event itself; an
- * asynchronous one whose event is not done yet leaves it here, where one
+ * asynchronous one leaves it here, where one
  * thread per endpoint (started on first use) polls the events and posts
  * each transfer as its event completes.  Posting only then keeps every peer
  * out of the memory until the stream's writes (and reads) of it are done,
@@ -25,6 +25,7 @@ struct uccl__gate_item {
     struct uccl__req *r;         /* holds a reference */
     void *ev;
     uint64_t deadline;
+    int outcome;                 /* once taken out: UCCL_OK, or why it fails */
     struct uccl__gate_item *next;
 };
 
@@ -69,7 +70,7 @@ static void *gate_main(void *arg)
                 *l = it->next;
                 it->next = ready;
                 ready = it;
-                it->deadline = done < 0 ? 1 : done == 0 ? 2 : 0; /* reuse as the outcome */
+                it->outcome = done < 0 ? UCCL_ERR_IO : done == 0 ? UCCL_ERR_TIMEOUT : UCCL_OK;
             } else {
                 l = &it->next;
             }
@@ -77,11 +78,10 @@ static void *gate_main(void *arg)
         pthread_mutex_unlock(&g->mu);
         for (struct uccl__gate_item *it = ready, *n; it; it = n) {
             n = it->next;
-            item_end(it, it->deadline == 0 ? UCCL_OK
-                         : it->deadline == 1 ? UCCL_ERR_IO : UCCL_ERR_TIMEOUT,
-                     it->deadline == 1 ? "work queued on the caller's CUDA stream failed"
-                                       : "the caller's CUDA stream did not reach the transfer "
-                                         "within the endpoint's timeout");
+            item_end(it, it->outcome,
+                     it->outcome == UCCL_ERR_IO ? "work queued on the caller's CUDA stream failed"
+                                                : "the caller's CUDA stream did not reach the "
+                                                  "transfer within the endpoint's timeout");
         }
         /* Poll at once while events keep completing; then back off to
          * yields, then to short sleeps, so a waiting gate costs no core. */
@@ -124,26 +124,6 @@ int uccl__gate_add(struct uccl__gate *g, struct uccl__conn *c, struct uccl__req 
     pthread_cond_signal(&g->cv);
     pthread_mutex_unlock(&g->mu);
     return UCCL_OK;
-}
-
-int uccl__gate_wait(void *ev, uint64_t timeout_ns)
-{
-    uint64_t start = uccl__now_ns();
-    for (unsigned i = 0;; i++) {
-        int done = uccl__gpu_event_poll(ev);
-        if (done < 0)
-            return done;
-        if (done)
-            return UCCL_OK;
-        uint64_t el = uccl__now_ns() - start;
-        if (el > timeout_ns)
-            return uccl__err(UCCL_ERR_TIMEOUT, "the caller's CUDA stream did not reach the "
-                             "transfer within %.1f s", (double)timeout_ns / 1e9);
-        if (el > 1000000)
-            usleep(50);
-        else if (i > 64)
-            sched_yield();
-    }
 }
 
 void uccl__gate_fini(struct uccl__gate *g)

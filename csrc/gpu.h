@@ -78,8 +78,6 @@ void uccl__gpu_import_put(struct uccl__gpu_import *imp);
 int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
                    uint64_t timeout_ns);
 
-/* The device to work on for a copy between memory kinds a and b. */
-int uccl__gpu_copy_dev(uint32_t mk_a, uint32_t mk_b);
 /* A copy between local memory of kinds dst_mk and src_mk: memcpy between
  * host memory, else uccl__gpu_copy on the device copy_dev picks. */
 int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t src_mk, size_t len,
@@ -92,6 +90,9 @@ int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t s
  * 0 not yet, < 0 error. */
 int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p);
 int uccl__gpu_event_poll(void *ev);
+/* Poll ev from the calling thread until it completes (spinning first, then
+ * yielding, then sleeping briefly), or fail after timeout_ns. */
+int uccl__gpu_event_wait(void *ev, uint64_t timeout_ns);
 void uccl__gpu_event_free(void *ev);
 
 /* ---- stream waits on host-written flags ------------------------------------
@@ -102,11 +103,12 @@ void uccl__gpu_event_free(void *ev);
  * slots count up (generation) so a reused slot never releases an old wait
  * late or a new one early. */
 struct uccl__gpu_flags;
+int uccl__gpu_flags_new(int dev, struct uccl__gpu_flags **f_p);
 void uccl__gpu_flags_free(struct uccl__gpu_flags *f);
-/* Make `stream` of device dev wait until *slot reaches gen; *f_p made on
- * first use.  UCCL_ERR_NOMEM: every slot is taken (wait on the host). */
-int uccl__gpu_flag_wait(struct uccl__gpu_flags **f_p, int dev, uintptr_t stream,
-                        uint32_t **slot_p, uint32_t *gen_p);
+/* Make `stream` of device dev wait until *slot reaches gen.
+ * UCCL_ERR_NOMEM: every slot is taken (wait on the host). */
+int uccl__gpu_flag_wait(struct uccl__gpu_flags *f, int dev, uintptr_t stream, uint32_t **slot_p,
+                        uint32_t *gen_p);
 /* The transfer finished: release the waiting stream and the slot. */
 void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen);
 

@@ -4,12 +4,14 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cuda_loader.h"
+#include "sock.h"
 #include "status.h"
 
 #define MAX_STREAMS 8
@@ -89,33 +91,30 @@ static int lanes_get(int dev, unsigned want, struct lanes **l_p)
     return UCCL_OK;
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* Poll events until all are done: spin for the first tens of microseconds
  * (most copies end there), then yield, then sleep a little between polls. */
-static int wait_events(const struct uccl__cuda *cu, cu_event *ev, int n, uint64_t timeout_ns)
+static int wait_events(const struct uccl__cuda *cu, cu_event *ev, int n, uint64_t timeout_ns,
+                       const char *what)
 {
-    uint64_t start = now_ns();
+    uint64_t start = uccl__now_ns();
     int done = 0;
-    for (unsigned spin = 0;; spin++) {
+    for (;;) {
         while (done < n) {
             cu_result r = cu->EventQuery(ev[done]);
             if (r == CU_ERR_NOT_READY)
                 break;
-            if (r != CU_OK)
-                return uccl__cuda_err(r, "GPU copy failed");
+            if (r != CU_OK) {
+                char why[120];
+                snprintf(why, sizeof(why), "%s failed", what);
+                return uccl__cuda_err(r, why);
+            }
             done++;
         }
         if (done == n)
             return UCCL_OK;
-        uint64_t el = now_ns() - start;
+        uint64_t el = uccl__now_ns() - start;
         if (el > timeout_ns)
-            return uccl__err(UCCL_ERR_TIMEOUT, "GPU copy not done after %.1f s",
+            return uccl__err(UCCL_ERR_TIMEOUT, "%s not done after %.1f s", what,
                              (double)el / 1e9);
         if (el > 2000000)
             usleep(50);
@@ -129,12 +128,10 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
 {
     if (len == 0)
         return UCCL_OK;
-    const struct uccl__cuda *cu = uccl__cuda();
-    if (!cu)
-        return UCCL_ERR_UNAVAIL;
-    int rc = uccl__cuda_use(dev);
+    int rc = uccl__cuda_use(dev); /* loads the driver, or says why not */
     if (rc)
         return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
     unsigned parts = split && len >= 2 * (size_t)SPLIT_BYTES ? (unsigned)(len / SPLIT_BYTES) : 1;
     if (parts > lanes_wanted())
         parts = lanes_wanted();
@@ -151,19 +148,20 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
         if (r == CU_OK)
             r = cu->EventRecord(l->e[used], l->s[used]);
         if (r != CU_OK) { /* let what was queued finish before reporting */
-            wait_events(cu, l->e, (int)used, timeout_ns);
+            wait_events(cu, l->e, (int)used, timeout_ns, "GPU copy");
             return uccl__cuda_err(r, "queueing a GPU copy");
         }
         off += n;
     }
-    rc = wait_events(cu, l->e, (int)used, timeout_ns);
+    rc = wait_events(cu, l->e, (int)used, timeout_ns, "GPU copy");
     if (rc == UCCL_ERR_IO)
         return uccl__err(rc, "copying %zu bytes 0x%zx -> 0x%zx on device %d: %s", len,
                          (size_t)src, (size_t)dst, dev, uccl_last_error());
     return rc;
 }
 
-int uccl__gpu_copy_dev(uint32_t mk_a, uint32_t mk_b)
+/* The device to work on for a copy between memory kinds a and b. */
+static int copy_dev(uint32_t mk_a, uint32_t mk_b)
 {
     if (UCCL_MK_ON_GPU(mk_a))
         return UCCL_MK_DEV(mk_a);
@@ -179,19 +177,17 @@ int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t s
         memcpy(dst, src, len);
         return UCCL_OK;
     }
-    return uccl__gpu_copy(uccl__gpu_copy_dev(dst_mk, src_mk), dst, src, len,
+    return uccl__gpu_copy(copy_dev(dst_mk, src_mk), dst, src, len,
                           UCCL_MK_KIND(dst_mk) != UCCL_MK_HOST && UCCL_MK_KIND(src_mk) != UCCL_MK_HOST,
                           timeout_ns);
 }
 
 int uccl__gpu_event_record(int dev, uintptr_t stream, void **ev_p)
 {
-    const struct uccl__cuda *cu = uccl__cuda();
-    if (!cu)
-        return UCCL_ERR_UNAVAIL;
     int rc = uccl__cuda_use(dev);
     if (rc)
         return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
     cu_event ev;
     cu_result r = cu->StreamQuery((cu_stream)stream);
     if (r == CU_OK) { /* nothing queued there: nothing to wait for */
@@ -222,6 +218,12 @@ int uccl__gpu_event_poll(void *ev)
     if (r == CU_ERR_NOT_READY)
         return 0;
     return uccl__cuda_err(r, "work queued on the caller's stream failed");
+}
+
+int uccl__gpu_event_wait(void *ev, uint64_t timeout_ns)
+{
+    cu_event e = ev;
+    return wait_events(uccl__cuda(), &e, 1, timeout_ns, "the work queued on the caller's stream");
 }
 
 void uccl__gpu_event_free(void *ev)
@@ -267,29 +269,33 @@ void uccl__gpu_flags_free(struct uccl__gpu_flags *f)
     free(f);
 }
 
-int uccl__gpu_flag_wait(struct uccl__gpu_flags **f_p, int dev, uintptr_t stream,
-                        uint32_t **slot_p, uint32_t *gen_p)
+int uccl__gpu_flags_new(int dev, struct uccl__gpu_flags **f_p)
 {
     int rc = uccl__cuda_use(dev);
     if (rc)
         return rc;
-    struct uccl__gpu_flags *f = *f_p;
-    if (!f) { /* the caller serialises first use */
-        f = calloc(1, sizeof(*f));
-        if (!f)
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        cu_result r = uccl__cuda()->MemHostAlloc((void **)&f->page, FLAG_SLOTS * sizeof(uint32_t),
-                                                 CU_MEMHOSTALLOC_PORTABLE |
-                                                 CU_MEMHOSTALLOC_DEVICEMAP);
-        if (r != CU_OK) {
-            free(f);
-            return uccl__cuda_err(r, "allocating stream-wait flags");
-        }
-        memset(f->page, 0, FLAG_SLOTS * sizeof(uint32_t));
-        pthread_mutex_init(&f->mu, NULL);
-        f->dev = dev;
-        *f_p = f;
+    struct uccl__gpu_flags *f = calloc(1, sizeof(*f));
+    if (!f)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    cu_result r = uccl__cuda()->MemHostAlloc((void **)&f->page, FLAG_SLOTS * sizeof(uint32_t),
+                                             CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    if (r != CU_OK) {
+        free(f);
+        return uccl__cuda_err(r, "allocating stream-wait flags");
     }
+    memset(f->page, 0, FLAG_SLOTS * sizeof(uint32_t));
+    pthread_mutex_init(&f->mu, NULL);
+    f->dev = dev;
+    *f_p = f;
+    return UCCL_OK;
+}
+
+int uccl__gpu_flag_wait(struct uccl__gpu_flags *f, int dev, uintptr_t stream, uint32_t **slot_p,
+                        uint32_t *gen_p)
+{
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
     pthread_mutex_lock(&f->mu);
     int i = 0;
     while (i < FLAG_SLOTS && f->used[i])

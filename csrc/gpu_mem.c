@@ -21,7 +21,6 @@
 #define SYS_pidfd_getfd 438
 #endif
 
-#define CU_ERR_INVALID_CONTEXT 201
 #define EXPORT_MAGIC 0x3175706c6c636375ull /* "ucclgpu1" */
 #define MAX_SEGS 65536                     /* 1.3 TB of torch's 20 MiB chunks */
 #define MAX_IMPORTS 512                    /* per process; the oldest one goes */
@@ -49,7 +48,7 @@ struct ptr_attrs {
     int legacy; /* the driver writes a bool here: zero it first */
 };
 
-static int query(const struct uccl__cuda *cu, uintptr_t p, struct ptr_attrs *a)
+static void query(const struct uccl__cuda *cu, uintptr_t p, struct ptr_attrs *a)
 {
     int attrs[] = {CU_PA_MEMORY_TYPE, CU_PA_BUFFER_ID, CU_PA_DEVICE_ORDINAL,
                    CU_PA_RANGE_START_ADDR, CU_PA_RANGE_SIZE, CU_PA_IS_LEGACY_IPC_CAPABLE};
@@ -62,7 +61,6 @@ static int query(const struct uccl__cuda *cu, uintptr_t p, struct ptr_attrs *a)
     }
     if (rc != CU_OK) /* not memory the driver knows (pageable host, or nothing) */
         memset(a, 0, sizeof(*a));
-    return UCCL_OK;
 }
 
 int uccl__gpu_classify(uintptr_t addr, size_t len, struct uccl__gpu_info *info_p)
@@ -254,12 +252,10 @@ static int export_chunks(const struct uccl__cuda *cu, uintptr_t addr, size_t len
 int uccl__gpu_export_new(uintptr_t addr, size_t len, const struct uccl__gpu_info *info,
                          struct uccl__gpu_export **exp_p)
 {
-    const struct uccl__cuda *cu = uccl__cuda();
-    if (!cu)
-        return UCCL_ERR_UNAVAIL;
-    int rc = uccl__cuda_use(UCCL_MK_DEV(info->mkind));
+    int rc = uccl__cuda_use(UCCL_MK_DEV(info->mkind)); /* loads the driver, or says why not */
     if (rc)
         return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
     struct uccl__gpu_export *e = NULL;
     if (info->legacy_ipc) {
         e = calloc(1, sizeof(*e) + sizeof(struct gpu_seg));
@@ -394,16 +390,14 @@ static int map_chunks(const struct uccl__cuda *cu, struct uccl__gpu_import *x,
 static int import_open(struct uccl__gpu_import *x, uint64_t rec_addr,
                        const struct uccl__gpu_export *hdr)
 {
-    const struct uccl__cuda *cu = uccl__cuda();
-    if (!cu)
-        return UCCL_ERR_UNAVAIL;
     if (x->pid == (uint32_t)getpid()) { /* a connection to ourselves */
         x->local = (char *)(uintptr_t)x->base;
         return UCCL_OK;
     }
-    int rc = uccl__cuda_use(x->dev);
+    int rc = uccl__cuda_use(x->dev); /* loads the driver, or says why not */
     if (rc)
         return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
     size_t bytes = (size_t)hdr->nseg * sizeof(struct gpu_seg);
     struct gpu_seg *segs = malloc(bytes);
     if (!segs)

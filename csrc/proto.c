@@ -60,13 +60,13 @@ static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* Direct transports: does the destination side make the copy?  Not where
  * the source is host memory and the destination GPU memory. */
-static int dst_copies(const struct uccl__conn *c, int dst_on_gpu, uint64_t src_peer_key)
-{
-    return !dst_on_gpu || (c->tp->key_on_gpu && c->tp->key_on_gpu(src_peer_key));
-}
 static int peer_on_gpu(const struct uccl__conn *c, uint64_t peer_key)
 {
     return c->tp->key_on_gpu && c->tp->key_on_gpu(peer_key);
+}
+static int dst_copies(const struct uccl__conn *c, int dst_on_gpu, uint64_t src_peer_key)
+{
+    return !dst_on_gpu || peer_on_gpu(c, src_peer_key);
 }
 
 /* ------------------------------------------------------------------------- */

@@ -68,10 +68,7 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
     if (rc == UCCL_OK && UCCL_MK_ON_GPU(r->mkind) && len > 0)
         rc = uccl__gpu_event_record(UCCL_MK_DEV(r->mkind), stream, &ev);
     if (rc == UCCL_OK && ev && blocking) { /* we wait anyway: wait for the stream here */
-        rc = uccl__gate_wait(ev, ep->local.timeout_ns);
-        uccl__gpu_event_free(ev);
-        ev = NULL;
-    } else if (rc == UCCL_OK && ev && uccl__gpu_event_poll(ev) == 1) {
+        rc = uccl__gpu_event_wait(ev, ep->local.timeout_ns);
         uccl__gpu_event_free(ev);
         ev = NULL;
     }
@@ -221,11 +218,16 @@ int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *que
         *queued_p = 0;
     } else if (atomic_load(&r->state) == UCCL_REQ_PENDING) {
         uint32_t *slot, gen;
-        pthread_mutex_lock(&ep->mu); /* makes the pool on first use */
-        rc = uccl__gpu_flag_wait(&ep->flags, UCCL_MK_DEV(r->mkind), stream, &slot, &gen);
+        int dev = UCCL_MK_DEV(r->mkind);
+        pthread_mutex_lock(&ep->mu); /* the pool, made on first use */
+        if (!ep->flags)
+            rc = uccl__gpu_flags_new(dev, &ep->flags);
+        struct uccl__gpu_flags *flags = ep->flags;
         pthread_mutex_unlock(&ep->mu);
         if (rc == UCCL_OK)
-            uccl__req_flag(r, ep->flags, slot, gen);
+            rc = uccl__gpu_flag_wait(flags, dev, stream, &slot, &gen);
+        if (rc == UCCL_OK)
+            uccl__req_flag(r, flags, slot, gen);
         *queued_p = rc == UCCL_OK;
         if (rc == UCCL_ERR_NOMEM) /* no slot free: the caller waits on the host */
             rc = UCCL_OK;

@@ -499,43 +499,34 @@ class Runner:
 
 # ---------------------------------------------------------------------------
 # scenario: the data matrix (same host or TCP, by the environment)
-def _two_sided(R, ep, conn, op, key, skind, dkind, lens, seeds) -> list[str]:
-    k = len(lens)
-    if R.rank == 0:
-        src = Bufs(R, skind, lens, SRC_GAP)
-        src.fill(seeds)
-        mrs = src.reg_tensors(ep) if op == "send_tensor" else src.reg(ep)
-        ptrs = src.ptrs()
-        if op == "send":
-            _ok(ep.send(conn, mrs[0], ptrs[0], lens[0]), "send")
-        elif op == "send_ipc":
-            _ok(ep.send_ipc(conn, mrs[0], ptrs[0], lens[0]), "send_ipc")
-        elif op == "sendv":
-            _ok(ep.sendv(conn, mrs, ptrs, lens, k), "sendv")
-        elif op == "send_async":
-            finish(ep, [_posted(ep.send_async(conn, m, p, n), "send_async")
-                        for m, p, n in zip(mrs, ptrs, lens)])
-        elif op == "send_tensor":
-            _ok(ep.send_tensor(conn, mrs[0], src.views()[0]), "send_tensor")
-        probs = src.check(seeds, "sender's source changed")
-        src.dereg(ep)
-        return probs
-    dst = Bufs(R, dkind, lens, DST_GAP)
-    mrs = dst.reg_tensors(ep) if op == "send_tensor" else dst.reg(ep)
-    ptrs = dst.ptrs()
-    if op == "send":
-        _ok(ep.recv(conn, mrs[0], ptrs[0], lens[0]), "recv")
-    elif op == "send_ipc":
-        _ok(ep.recv_ipc(conn, mrs[0], ptrs[0], lens[0]), "recv_ipc")
-    elif op == "sendv":
-        _ok(ep.recvv(conn, mrs, ptrs, lens, k), "recvv")
+# two-sided op -> (the sender's call, the receiver's call)
+_TWO_SIDED = {"send": ("send", "recv"), "send_ipc": ("send_ipc", "recv_ipc"),
+              "sendv": ("sendv", "recvv"), "send_async": ("send_async", "recv_async"),
+              "send_tensor": ("send_tensor", "recv_tensor")}
+
+
+def _two_sided_call(ep, conn, op, name, bufs, mrs, ptrs, lens) -> None:
+    """One side of a two-sided op, through Endpoint method `name`."""
+    fn = getattr(ep, name)
+    if op == "sendv":
+        _ok(fn(conn, mrs, ptrs, lens, len(lens)), name)
     elif op == "send_async":
-        finish(ep, [_posted(ep.recv_async(conn, m, p, n), "recv_async")
-                    for m, p, n in zip(mrs, ptrs, lens)])
+        finish(ep, [_posted(fn(conn, m, p, n), name) for m, p, n in zip(mrs, ptrs, lens)])
     elif op == "send_tensor":
-        _ok(ep.recv_tensor(conn, mrs[0], dst.views()[0]), "recv_tensor")
-    probs = dst.check(seeds, "received")
-    dst.dereg(ep)
+        _ok(fn(conn, mrs[0], bufs.views()[0]), name)
+    else:
+        _ok(fn(conn, mrs[0], ptrs[0], lens[0]), name)
+
+
+def _two_sided(R, ep, conn, op, key, skind, dkind, lens, seeds) -> list[str]:
+    sender = R.rank == 0
+    bufs = Bufs(R, skind, lens, SRC_GAP) if sender else Bufs(R, dkind, lens, DST_GAP)
+    if sender:
+        bufs.fill(seeds)
+    mrs = bufs.reg_tensors(ep) if op == "send_tensor" else bufs.reg(ep)
+    _two_sided_call(ep, conn, op, _TWO_SIDED[op][0 if sender else 1], bufs, mrs, bufs.ptrs(), lens)
+    probs = bufs.check(seeds, "sender's source changed" if sender else "received")
+    bufs.dereg(ep)
     return probs
 
 

@@ -22,6 +22,7 @@ import multiprocessing as mp
 from multiprocessing import connection as mp_connection
 import os
 import signal
+import subprocess
 import time
 import traceback
 from typing import Any, Callable
@@ -70,6 +71,19 @@ def sha(buf) -> str:
 
 def all_poison(buf: np.ndarray) -> bool:
     return bool(np.all(buf.view(np.uint8) == POISON))
+
+
+def kill_group(p) -> None:
+    """SIGKILL the process group a subprocess.Popen(start_new_session=True)
+    leads (the child and whatever it started), then reap it, bounded."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def addr(a: np.ndarray) -> int:

@@ -22,6 +22,8 @@ import time
 
 import pytest
 
+from _harness import kill_group
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_netns_worker.py")
@@ -102,17 +104,6 @@ def _kill_netns(ns: str) -> None:
         time.sleep(0.2)
 
 
-def _kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 def _run_job(nodes, mode: str, tmp_path) -> float:
     """Both torchruns of one job; fails naming the node that failed or hung."""
     base = {k: v for k, v in os.environ.items() if k not in _DROP}
@@ -145,7 +136,7 @@ def _run_job(nodes, mode: str, tmp_path) -> float:
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_group(p)
+                kill_group(p)
         for ns, _veth, _addr in nodes:
             _kill_netns(ns)  # orphaned workers of a killed or failed torchrun
     elapsed = time.monotonic() - t0

@@ -56,7 +56,7 @@ import time
 import pytest
 
 import _gpu_worker as W
-from _harness import BASE_ENV
+from _harness import BASE_ENV, kill_group
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -95,17 +95,6 @@ GRACE_S = 30.0     # once one rank has exited, how long the others may take
 def _seed() -> int:
     s = os.environ.get("UCCL_GPU_TEST_SEED")
     return int(s) if s else secrets.randbits(31)
-
-
-def _kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -166,7 +155,7 @@ def launch(scenario: str, world: int, *, params: dict, env: dict | None = None,
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill(p)
+                kill_group(p)
         for h in handles:
             h.close()
         del store
