@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (one H100, no registry there): build in place,
-# run tests/test_gpu.py, then the GPU p2p benchmarks, each against its
+# run tests/test_gpu.py and tests/test_gpu_stream_wait.py, then the GPU p2p benchmarks, each against its
 # reference timed in the same run (benchmark_uccl.py --compare auto):
 #   gpu->gpu send/recv and --write-ipc, 64K..1G      vs a CUDA IPC copy (ipc-copy)
 #   gpu->gpu 64 KiB one-way latency                  vs one IPC copy, host-synchronized
@@ -35,7 +35,7 @@ step() {
 }
 
 if [ "${TESTS:-1}" = 1 ]; then
-  step tests "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu.py
+  step tests "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu.py tests/test_gpu_stream_wait.py
   if [ -f "$out/gpu_tests.log" ]; then
     mv "$out/gpu_tests.log" "$out/gpu_tests.txt"
     tail -5 "$out/gpu_tests.txt"
