@@ -3,6 +3,8 @@
 Launch with torchrun, e.g.
     torchrun --nproc_per_node 4 benchmarks/benchmark_uccl_collective.py --op allgather \
         --sizes 1M,16M,64M --compare gloo --plot allgather.png
+    torchrun --nproc_per_node 2 benchmarks/benchmark_uccl_collective.py --device gpu \
+        --sizes 64K,16M,256M --compare ipc-copy
 
 --op allgather: every rank contributes --sizes bytes (per rank); the comparison
     is all_gather_into_tensor (all_gather_single where torch renamed it).  As nccl-tests: algbw = world x size / time,
@@ -18,9 +20,43 @@ Launch with torchrun, e.g.
     Sizes are the tensor's bytes (allgather: per rank; reduce_scatter: per
     rank's output).  busbw as nccl-tests: allreduce algbw x 2(N-1)/N,
     allgather/reduce_scatter/alltoall algbw x (N-1)/N, broadcast algbw.
+--device gpu: the tensors live on cuda:(LOCAL_RANK % device_count), so ranks
+    share a GPU when there are fewer GPUs than ranks.  The data is made on the
+    CPU with the same seeds as --device cpu, then moved.  Every timed loop
+    starts and ends with torch.cuda.synchronize(): a time includes the work's
+    completion on the GPU.
+--compare, the reference timed in the same run on the same tensors:
+  gloo      the same op on a Gloo group (the default).  With --device gpu,
+            Gloo's CUDA forms that work on a shared GPU: all_reduce,
+            broadcast, and for allgather the LIST all_gather into per-rank
+            views of the output (never all_gather_into_tensor on CUDA
+            tensors, which kills the process: "writev: Bad address").  The
+            others (send/recv, reduce_scatter, alltoall) are host-staged:
+            copied into pinned host buffers, run by Gloo there, copied back.
+  nccl      the same op through an NCCL group (--device gpu only).  NCCL's
+            2-rank communicator HANGS when the ranks share one GPU, so that
+            is refused unless --nccl-shared-gpu; meant for multi-GPU hosts.
+  ipc-copy  (--device gpu) the ceiling: only the cross-process copies the op
+            needs, timed alone.  Every rank maps its peers' send buffers
+            through CUDA IPC (torch.multiprocessing's reduce_tensor, handles
+            exchanged through Gloo) and, after a barrier, all ranks copy at
+            once: allgather, the N-1 peer chunks into the output (N(N-1)
+            copies in all); ring, the left neighbour's chunk; sendrecv, the
+            receiver's chunk.  --backend uccl: alltoall N-1 slices of size/N;
+            broadcast, every non-root copies the root's tensor;
+            reduce_scatter, N-1 slices of the output's size; allreduce,
+            2(N-1) slices of size/N (the movement of reduce-scatter +
+            allgather, without the arithmetic).  The issue's target: uccl
+            time <= 1.25x the copies' time at >= 16 MiB per rank.
+  none      uccl alone.
+"ratio" is uccl busbw / reference busbw (above 1: uccl is faster);
+"time_ratio" is uccl time / reference time.
 Every size is checked end to end on random data before it is timed (uccl's
-result against Gloo's on identical inputs in --backend uccl mode); each
-timing is the slowest rank's.
+result against Gloo's on identical inputs in --backend uccl mode; with
+--device gpu, Gloo's result computed on CPU copies), outputs poisoned with
+NaN before each check; the reference is checked the same way where its
+result is the op's (ipc-copy: the bytes it copied).  Each timing is the
+slowest rank's.
 """
 from __future__ import annotations
 
@@ -37,6 +73,14 @@ from bench_common import parse_sizes, pretty, write_results  # noqa: E402 (this 
 from tqdm import tqdm
 
 DEFAULT_SIZES = [1 << k for k in range(10, 27, 2)]  # 1K ... 64M per rank
+IPC_TARGET = 1.25          # ipc-copy: uccl time <= 1.25x the copies' time ...
+IPC_TARGET_FROM = 16 << 20  # ... at >= 16 MiB per rank
+NCCL_SHARED_NOTE = ("NCCL's 2-rank communicator hangs when the ranks share one GPU "
+                    "(DESIGN.md section 3)")
+
+
+def local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def get_args() -> argparse.Namespace:
@@ -52,7 +96,8 @@ def get_args() -> argparse.Namespace:
     p.add_argument("--ring", action="store_true", help="upstream's flag: same as --op ring")
     p.add_argument("--algorithm", choices=["auto", "direct", "ring"], default="auto",
                    help="allgather algorithm")
-    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                   help="where the tensors live (gpu: cuda:(LOCAL_RANK %% device_count))")
     p.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES,
                    help="comma-separated bytes per rank, e.g. 1K,64K,1M,16M")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per size "
@@ -64,7 +109,10 @@ def get_args() -> argparse.Namespace:
     p.add_argument("--intra", choices=["engine", "torch"], default="engine",
                    help="same-host peers through this engine (use_copy_engine_for_intra=True, "
                         "the default here) or through torch.distributed (upstream's default)")
-    p.add_argument("--compare", choices=["gloo", "nccl", "none"], default="gloo")
+    p.add_argument("--compare", choices=["gloo", "nccl", "ipc-copy", "none"], default="gloo",
+                   help="the reference timed in the same run (see below)")
+    p.add_argument("--nccl-shared-gpu", action="store_true",
+                   help="--compare nccl even when ranks share a GPU (where it hangs)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds, for every blocking call")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (rank 0)")
     p.add_argument("--csv", metavar="FILE", help="write results as CSV (rank 0)")
@@ -77,29 +125,138 @@ def get_args() -> argparse.Namespace:
         p.error(f"--backend uccl runs {', '.join(pg_ops)}")
     if args.backend == "context" and args.op not in ("allgather", "sendrecv", "ring"):
         p.error(f"--op {args.op} needs --backend uccl")
-    if args.device == "gpu":
-        p.error("--device gpu: the GPU transport lands with the CUDA IPC issue; CPU only for now")
-    if args.compare == "nccl":
-        p.error("--compare nccl needs --device gpu (not available yet); use --compare gloo")
+    if args.device == "gpu" and not torch.cuda.is_available():
+        p.error(f"--device gpu needs CUDA, and torch.cuda.is_available() is False here (torch "
+                f"{torch.__version__}); run on a machine with a GPU, or use --device cpu")
+    if args.compare == "nccl" and args.device != "gpu":
+        p.error("--compare nccl needs --device gpu (NCCL moves CUDA tensors); "
+                "use --compare gloo on CPU tensors")
+    if args.compare == "ipc-copy" and args.device != "gpu":
+        p.error("--compare ipc-copy needs --device gpu (it times CUDA IPC copies)")
+    if args.compare == "nccl" and local_world() > torch.cuda.device_count() \
+            and not args.nccl_shared_gpu:
+        p.error(f"--compare nccl: {local_world()} ranks on {torch.cuda.device_count()} GPU(s) "
+                f"share a GPU, and {NCCL_SHARED_NOTE}.  Use --compare ipc-copy or gloo here, "
+                f"or add --nccl-shared-gpu to try anyway")
     for s in args.sizes:
         if s % 4:
             p.error(f"size {s}: use multiples of 4 bytes (the data is float32)")
     return args
 
 
-class Runner:
-    """The timed operation for one size, through this engine or through Gloo."""
+def pick_device(args) -> torch.device:
+    if args.device != "gpu":
+        return torch.device("cpu")
+    idx = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(idx)
+    return torch.device("cuda", idx)
 
-    def __init__(self, args, ctx, rank: int, world: int):
-        self.args, self.ctx, self.rank, self.world = args, ctx, rank, world
+
+def settle(dev: torch.device) -> None:
+    """Wait for everything queued on the GPU (a no-op on the CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    if torch.equal(got, want):
+        return None
+    bad = (got != want).nonzero()
+    return f"at {bad.numel()} elements (first {bad[:4].flatten().tolist()})"
+
+
+class IpcCopies:
+    """The ipc-copy reference for one size: every rank maps the send buffer
+    (x) of each peer its plan reads from, through CUDA IPC, and run() makes
+    the plan's copies on the current stream.  plan: (peer, src_offset, n,
+    dst) with dst a view of this rank's output or scratch memory."""
+
+    def __init__(self, x: torch.Tensor, plan, group, world: int):
+        from torch.multiprocessing.reductions import reduce_tensor
+        self.group = group
+        handles = [None] * world
+        dist.all_gather_object(handles, reduce_tensor(x), group=group)
+        remote = {}
+        for peer in sorted({e[0] for e in plan}):
+            rebuild, rebuild_args = handles[peer]
+            remote[peer] = rebuild(*rebuild_args)
+        self.copies = [(dst, remote[peer][off:off + n]) for peer, off, n, dst in plan]
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+
+    def run(self) -> None:
+        for dst, src in self.copies:
+            dst.copy_(src)
+
+    def close(self) -> None:
+        self.copies = []
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)  # every mapping is closed before its owner moves on
+
+
+class _Bench:
+    """What both modes share: the reference (--compare) and its ipc-copy plan."""
+
+    def __init__(self, args, rank: int, world: int, dev: torch.device, obj_group, nccl_group):
+        self.args, self.rank, self.world, self.dev = args, rank, world, dev
+        self.gpu = dev.type == "cuda"
+        self.obj_group, self.nccl_group = obj_group, nccl_group
+        self.ipc: IpcCopies | None = None
+        self.scratch = None
+
+    def ref_label(self) -> str:
+        c = self.args.compare
+        if c == "gloo" and self.gpu:
+            return "gloo-" + self.gloo_cuda_form()
+        return c
+
+    def ref_open(self, size: int) -> None:
+        if self.args.compare == "ipc-copy":
+            plan, self.ipc_ranges = [], []
+            for peer, off, n, where, dst_off in self.ipc_plan(size):
+                buf = self.y if where == "y" else self.scratch
+                plan.append((peer, off, n, buf[dst_off:dst_off + n]))
+                if where == "y":   # what verify() can check against the op's result
+                    self.ipc_ranges.append((dst_off, n))
+            self.ipc = IpcCopies(self.x, plan, self.obj_group, self.world)
+
+    def ref_close(self) -> None:
+        if self.ipc is not None:
+            self.ipc.close()
+            self.ipc = None
+
+    def ref(self) -> None:
+        c = self.args.compare
+        if c == "gloo":
+            self.gloo()
+        elif c == "nccl":
+            self.nccl()
+        elif c == "ipc-copy":
+            self.ipc.run()
+
+
+class Runner(_Bench):
+    """The timed operation for one size, through this engine or the reference."""
+
+    def __init__(self, args, ctx, rank: int, world: int, dev, obj_group=None, nccl_group=None):
+        super().__init__(args, rank, world, dev, obj_group, nccl_group)
+        self.ctx = ctx
         self.right, self.left = (rank + 1) % world, (rank - 1) % world
         self.partner = rank ^ 1
+
+    def gloo_cuda_form(self) -> str:
+        return "list-allgather" if self.args.op == "allgather" else "host-staged"
 
     def buffers(self, size: int):
         n = size // 4
         g = torch.Generator().manual_seed(1234 + self.rank)
-        self.x = torch.rand(n, generator=g)
-        self.y = torch.empty(n * self.world if self.args.op == "allgather" else n)
+        self.x = torch.rand(n, generator=g).to(self.dev)
+        self.y = torch.empty(n * self.world if self.args.op == "allgather" else n, device=self.dev)
+        self.y_views = list(self.y.chunk(self.world)) if self.args.op == "allgather" else None
+        if self.gpu and self.args.compare == "gloo" and self.args.op != "allgather":
+            # Gloo's send/recv take host memory: stage through pinned buffers
+            self.xh = torch.empty(n, pin_memory=True)
+            self.yh = torch.empty(n, pin_memory=True)
 
     def expected(self, size: int) -> torch.Tensor | None:
         n = size // 4
@@ -115,6 +272,17 @@ class Runner:
         if self.args.dual or self.rank % 2:
             return of(self.partner)
         return None
+
+    def ipc_plan(self, size: int):
+        """(peer, src offset, elements, "y", dst offset) of every copy this rank makes."""
+        n, a = size // 4, self.args
+        if a.op == "allgather":
+            return [(p, 0, n, "y", p * n) for p in range(self.world) if p != self.rank]
+        if a.op == "ring":
+            return [(self.left, 0, n, "y", 0)]
+        if self.partner < self.world and (a.dual or self.rank % 2):
+            return [(self.partner, 0, n, "y", 0)]
+        return []
 
     def uccl(self) -> None:
         a, c = self.args, self.ctx
@@ -135,63 +303,147 @@ class Runner:
                  ([c.irecv(self.y, self.partner)] if recvs else [])
             c.wait_all(hs)
 
-    def gloo(self) -> None:
+    def _p2p(self, x, y, group) -> None:
+        """The ring step or the pair's send/recv as batch_isend_irecv."""
         a = self.args
-        if a.op == "allgather":
-            # torch 2.13 renames all_gather_into_tensor (and warns on the old name)
-            ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-            ag(self.y, self.x)
-        elif a.op == "ring":
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, self.x, self.right),
-                                              dist.P2POp(dist.irecv, self.y, self.left)]):
-                w.wait()
+        if a.op == "ring":
+            ops = [dist.P2POp(dist.isend, x, self.right, group=group),
+                   dist.P2POp(dist.irecv, y, self.left, group=group)]
         elif self.partner < self.world:
             ops = []
             if a.dual or self.rank % 2 == 0:
-                ops.append(dist.P2POp(dist.isend, self.x, self.partner))
+                ops.append(dist.P2POp(dist.isend, x, self.partner, group=group))
             if a.dual or self.rank % 2 == 1:
-                ops.append(dist.P2POp(dist.irecv, self.y, self.partner))
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+                ops.append(dist.P2POp(dist.irecv, y, self.partner, group=group))
+        else:
+            return
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
 
-    def check(self, size: int, fn, who: str) -> None:
+    def gloo(self) -> None:
+        a = self.args
+        if a.op == "allgather":
+            if self.gpu:
+                # the list form: all_gather_into_tensor on CUDA tensors kills the process
+                dist.all_gather(self.y_views, self.x)
+            else:
+                # torch 2.13 renames all_gather_into_tensor (and warns on the old name)
+                ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+                ag(self.y, self.x)
+        elif self.gpu:   # host-staged: Gloo's send/recv move host memory
+            sends = a.op == "ring" or a.dual or self.rank % 2 == 0
+            recvs = a.op == "ring" or a.dual or self.rank % 2 == 1
+            if self.partner >= self.world and a.op != "ring":
+                return
+            if sends:
+                self.xh.copy_(self.x)
+            self._p2p(self.xh, self.yh, None)
+            if recvs:
+                self.y.copy_(self.yh)
+        else:
+            self._p2p(self.x, self.y, None)
+
+    def nccl(self) -> None:
+        if self.args.op == "allgather":
+            ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+            ag(self.y, self.x, group=self.nccl_group)
+        else:
+            self._p2p(self.x, self.y, self.nccl_group)
+
+    def check(self, size: int, fn, who: str, ranges=None) -> None:
         self.y.fill_(float("nan"))  # poison
         fn()
+        settle(self.dev)
         want = self.expected(size)
-        if want is not None and not torch.equal(self.y, want):
-            bad = (self.y != want).nonzero()
-            raise SystemExit(f"[Rank {self.rank}] {who} {self.args.op} of {pretty(size)}: wrong "
-                             f"data at {bad.numel()} elements (first {bad[:4].flatten().tolist()})")
+        if want is None:
+            return
+        got = self.y.cpu()
+        parts = [(0, got.numel())] if ranges is None else ranges
+        for off, n in parts:
+            bad = mismatch(got[off:off + n], want[off:off + n])
+            if bad:
+                raise SystemExit(f"[Rank {self.rank}] {who} {self.args.op} of {pretty(size)} "
+                                 f"on {self.dev}: wrong data {bad}, elements {off}..{off + n}")
 
     def verify(self, size: int) -> None:
         self.check(size, self.uccl, "uccl")
-        if self.args.compare != "none":
-            self.check(size, self.gloo, self.args.compare)
+        if self.args.compare == "ipc-copy":
+            self.check(size, self.ref, "ipc-copy", self.ipc_ranges)
+        elif self.args.compare != "none":
+            self.check(size, self.ref, self.ref_label())
 
 
-class GroupRunner:
+class GroupRunner(_Bench):
     """--backend uccl: one torch.distributed call, through the "uccl" group
     (the default group) or through a Gloo group, on the same tensors."""
 
-    def __init__(self, args, gloo_group, rank: int, world: int):
-        self.args, self.gloo_group, self.rank, self.world = args, gloo_group, rank, world
+    def __init__(self, args, gloo_group, rank: int, world: int, dev, nccl_group=None):
+        super().__init__(args, rank, world, dev, gloo_group, nccl_group)
+        self.gloo_group = gloo_group
 
-    def buffers(self, size: int):
+    def gloo_cuda_form(self) -> str:
+        op = self.args.op
+        if op == "allgather":
+            return "list-allgather"
+        return "host-staged" if op in ("reduce_scatter", "alltoall") else "cuda"
+
+    def sizes(self, size: int):
         n, w, op = size // 4, self.world, self.args.op
         n_in = n * w if op == "reduce_scatter" else n
         n_out = {"allgather": n * w, "reduce_scatter": n, "alltoall": n}.get(op, 0)
+        return n, n_in, n_out
+
+    def buffers(self, size: int):
+        n, n_in, n_out = self.sizes(size)
         g = torch.Generator().manual_seed(1234 + self.rank)
         # small integers: every summation order gives the same floats, so
         # uccl's result must equal Gloo's bit for bit
-        self.x = torch.randint(0, 64, (n_in,), generator=g).float()
-        self.y = torch.empty(n_out)
+        self.x_init = torch.randint(0, 64, (n_in,), generator=g).float()
+        self.x = self.x_init.to(self.dev)
+        self.y = torch.empty(n_out, device=self.dev)
+        self.y_views = list(self.y.chunk(self.world)) if self.args.op == "allgather" else None
+        self.staged = (self.gpu and self.args.compare == "gloo"
+                       and self.gloo_cuda_form() == "host-staged")
+        if self.staged:
+            self.xh = torch.empty(n_in, pin_memory=True)
+            self.yh = torch.empty(n_out, pin_memory=True)
+        if self.gpu and self.args.compare == "ipc-copy":
+            c = n // self.world
+            need = {"reduce_scatter": (self.world - 1) * n, "broadcast": n,
+                    "allreduce": 2 * (self.world - 1) * c}.get(self.args.op, 0)
+            self.scratch = torch.empty(need, device=self.dev) if need else None
 
-    def run(self, group) -> None:
-        op, x, y = self.args.op, self.x, self.y
+    def ipc_plan(self, size: int):
+        """(peer, src offset, elements, "y"|"scratch", dst offset): the
+        cross-process copies the op moves, without its arithmetic."""
+        n, _, _ = self.sizes(size)
+        w, r, op = self.world, self.rank, self.args.op
+        peers = [p for p in range(w) if p != r]
+        c = n // w
+        if op == "allgather":
+            return [(p, 0, n, "y", p * n) for p in peers]
+        if op == "alltoall":
+            return [(p, r * c, c, "y", p * c) for p in peers]
+        if op == "reduce_scatter":
+            return [(p, r * n, n, "scratch", k * n) for k, p in enumerate(peers)]
+        if op == "broadcast":
+            return [] if r == 0 else [(0, 0, n, "scratch", 0)]
+        # allreduce: reduce-scatter phase (our slice of every peer), then
+        # allgather phase (every peer's slice)
+        return ([(p, r * c, c, "scratch", k * c) for k, p in enumerate(peers)] +
+                [(p, p * c, c, "scratch", (w - 1 + k) * c) for k, p in enumerate(peers)])
+
+    def run(self, group, x=None, y=None, list_allgather=False) -> None:
+        op = self.args.op
+        x = self.x if x is None else x
+        y = self.y if y is None else y
         if op == "allreduce":
             dist.all_reduce(x, group=group)
         elif op == "allgather":
-            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(y, x, group=group)
+            if list_allgather:
+                dist.all_gather(self.y_views, x, group=group)
+            else:
+                getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(y, x, group=group)
         elif op == "reduce_scatter":
             getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(y, x, group=group)
         elif op == "broadcast":
@@ -203,30 +455,58 @@ class GroupRunner:
         self.run(None)
 
     def gloo(self) -> None:
-        self.run(self.gloo_group)
+        if not self.gpu:
+            self.run(self.gloo_group)
+        elif self.staged:
+            self.xh.copy_(self.x)
+            self.run(self.gloo_group, self.xh, self.yh)
+            self.y.copy_(self.yh)
+        else:  # Gloo's CUDA forms that work on a shared GPU
+            self.run(self.gloo_group, list_allgather=self.args.op == "allgather")
+
+    def nccl(self) -> None:
+        self.run(self.nccl_group)
+
+    def _result(self, fn) -> tuple[torch.Tensor, torch.Tensor]:
+        self.x.copy_(self.x_init)
+        self.y.fill_(float("nan"))  # poison
+        fn()
+        settle(self.dev)
+        return self.x.cpu(), self.y.cpu()
 
     def verify(self, size: int) -> None:
-        x0 = self.x.clone()
-        results = []
-        for group in (None, self.gloo_group):
-            self.x.copy_(x0)
-            self.y.fill_(float("nan"))  # poison
-            self.run(group)
-            results.append((self.x.clone(), self.y.clone()))
-        self.x.copy_(x0)
-        for name, got, want in zip(("in/out tensor", "output"), results[0], results[1]):
-            if not torch.equal(got, want):
-                bad = (got != want).nonzero()
-                raise SystemExit(f"[Rank {self.rank}] uccl {self.args.op} of {pretty(size)}: "
-                                 f"{name} differs from Gloo's at {bad.numel()} elements (first "
-                                 f"{bad[:4].flatten().tolist()})")
+        if self.gpu:
+            # Gloo on CPU copies: the result the CUDA runs must match
+            xc = self.x_init.clone()
+            yc = torch.full((self.y.numel(),), float("nan"))
+            self.run(self.gloo_group, xc, yc)
+            want = (xc, yc)
+        else:
+            want = self._result(self.gloo)
+        checks = [("uccl", self.uccl)]
+        if self.gpu and self.args.compare in ("gloo", "nccl"):
+            checks.append((self.ref_label(), self.ref))
+        for who, fn in checks:
+            got = self._result(fn)
+            for name, g, w in zip(("in/out tensor", "output"), got, want):
+                bad = mismatch(g, w)
+                if bad:
+                    raise SystemExit(f"[Rank {self.rank}] {who} {self.args.op} of {pretty(size)} "
+                                     f"on {self.dev}: {name} differs from Gloo's "
+                                     f"{'(on CPU copies) ' if self.gpu else ''}{bad}")
+        self.x.copy_(self.x_init)
 
 
-def timed(fn, iters: int, group=None) -> float:
+def timed(fn, iters: int, group=None, dev: torch.device | None = None) -> float:
+    """Seconds per call, the slowest rank's: every rank starts after a
+    barrier with its GPU idle, and stops the clock once its GPU is done."""
+    dev = dev or torch.device("cpu")
+    settle(dev)
     dist.barrier(group=group)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    settle(dev)
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
     return float(dt) / iters
@@ -258,7 +538,7 @@ def plot(rows, args, world: int) -> None:
     xs = [r["size"] for r in rows]
     ax.plot(xs, [r["uccl_busbw_GBps"] for r in rows], "o-", label="uccl_collective")
     if args.compare != "none":
-        ax.plot(xs, [r[f"{args.compare}_busbw_GBps"] for r in rows], "s--", label=args.compare)
+        ax.plot(xs, [r["ref_busbw_GBps"] for r in rows], "s--", label=rows[0]["ref"])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes per rank")
     ax.set_ylabel("busbw (GB/s)")
@@ -270,7 +550,15 @@ def plot(rows, args, world: int) -> None:
     fig.savefig(args.plot, dpi=120)
 
 
-def setup(args):
+def describe_device(dev: torch.device, world: int) -> str:
+    if dev.type != "cuda":
+        return "device cpu"
+    n = torch.cuda.device_count()
+    share = f", {local_world()} ranks share {n} GPU(s)" if local_world() > n else ""
+    return f"device {dev} ({torch.cuda.get_device_name(dev)}{share})"
+
+
+def setup(args, dev: torch.device):
     """(runner, group for the bookkeeping, header line, finalize)."""
     timeout = timedelta(seconds=args.timeout)
     if args.backend == "uccl":
@@ -280,33 +568,40 @@ def setup(args):
         setup_s = time.perf_counter() - t0
         rank, world = dist.get_rank(), dist.get_world_size()
         gloo = dist.new_group(backend="gloo", timeout=timeout)
+        nccl = dist.new_group(backend="nccl", timeout=timeout) if args.compare == "nccl" else None
+        r = GroupRunner(args, gloo, rank, world, dev, nccl)
         ctx = dist.group.WORLD.context
         peers = sorted(set(ctx.transport_to(p) for p in range(world) if p != rank))
         head = (f"[Rank 0] dist.{args.op} through the uccl process group, {world} ranks, "
                 f"peers via {'/'.join(peers)}, init_process_group {setup_s * 1e3:.1f} ms, "
-                f"torch {torch.__version__}, compare gloo")
-        return GroupRunner(args, gloo, rank, world), gloo, head, lambda: None
+                f"torch {torch.__version__}, {describe_device(dev, world)}, "
+                f"compare {r.ref_label()}")
+        return r, gloo, head, lambda: None
     dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
+    nccl = dist.new_group(backend="nccl", timeout=timeout) if args.compare == "nccl" else None
     from uccl_collective import collective
+    kw = {"local_gpu_idx": dev.index} if dev.type == "cuda" else {}
     ctx = collective.init_collective(use_copy_engine_for_intra=args.intra == "engine",
-                                     timeout_s=args.timeout)
+                                     timeout_s=args.timeout, **kw)
     setup_s = torch.tensor([ctx.setup_seconds], dtype=torch.float64)
     dist.all_reduce(setup_s, op=dist.ReduceOp.MAX)
     peers = sorted(set(ctx.transport_to(p) for p in range(world) if p != rank))
+    r = Runner(args, ctx, rank, world, dev, None, nccl)
     head = (f"[Rank 0] uccl {args.op} ({args.algorithm if args.op == 'allgather' else '-'}), "
             f"{world} ranks, peers via {'/'.join(peers)}, setup {setup_s.item() * 1e3:.1f} ms, "
-            f"torch {torch.__version__}, compare {args.compare}")
-    return Runner(args, ctx, rank, world), None, head, collective.finalize_collective
+            f"torch {torch.__version__}, {describe_device(dev, world)}, compare {r.ref_label()}")
+    return r, None, head, collective.finalize_collective
 
 
 def main() -> None:
     args = get_args()
     os.environ.setdefault("UCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # the ranks share the host's cores with the engine's threads
-    if args.backend == "uccl" and args.compare == "none":
+    if args.backend == "uccl" and args.compare == "none" and args.device == "cpu":
         args.compare = "gloo"   # the check compares with Gloo's result
-    r, sync, head, finalize = setup(args)
+    dev = pick_device(args)
+    r, sync, head, finalize = setup(args, dev)
     rank, world = r.rank, r.world
     if world < 2:
         raise SystemExit("run at least 2 processes (torchrun --nproc_per_node N)")
@@ -318,34 +613,47 @@ def main() -> None:
             sys.stdout.flush()
 
     say(head)
+    if args.compare == "nccl":
+        say(f"[Rank 0] note: {NCCL_SHARED_NOTE}; --compare nccl is for hosts with a GPU per rank")
     label = {"allgather": "Allgather", "ring": "Ring", "sendrecv": "SendRecv",
              "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter",
              "broadcast": "Broadcast", "alltoall": "AllToAll"}[args.op]
     label += " Async" if args.async_api else ""
+    ref_name = r.ref_label()
+    key = args.compare.replace("-", "_")
     rows = []
     for size in tqdm(args.sizes, desc="sizes", unit="size", leave=False,
                      disable=not lead or not sys.stderr.isatty()):
         iters = args.iters or (20 if size <= 16 << 20 else 10)
         r.buffers(size)
+        r.ref_open(size)
         r.verify(size)
         for _ in range(args.warmup):
             r.uccl()
-        t = timed(r.uccl, iters, sync)
+        t = timed(r.uccl, iters, sync, dev)
         algbw, busbw = bandwidths(args.op, size, world, t, args.dual)
-        row = {"op": args.op, "backend": args.backend, "world": world, "size": size,
-               "size_str": pretty(size), "iters": iters, "uccl_us": t * 1e6,
+        row = {"op": args.op, "backend": args.backend, "device": args.device, "world": world,
+               "size": size, "size_str": pretty(size), "iters": iters, "uccl_us": t * 1e6,
                "uccl_algbw_GBps": algbw, "uccl_busbw_GBps": busbw}
         say(f"[Rank 0] {label} {pretty(size)} : {algbw * 8:.2f} Gbps | {algbw:.2f} GB/s "
             f"(algbw), busbw {busbw:.2f} GB/s, {t * 1e6:.1f} us")
         if args.compare != "none":
             for _ in range(args.warmup):
-                r.gloo()
-            g = timed(r.gloo, iters, sync)
+                r.ref()
+            g = timed(r.ref, iters, sync, dev)
             galg, gbus = bandwidths(args.op, size, world, g, args.dual)
-            row.update({f"{args.compare}_us": g * 1e6, f"{args.compare}_algbw_GBps": galg,
-                        f"{args.compare}_busbw_GBps": gbus, "ratio": busbw / gbus})
-            say(f"         {args.compare:>5} busbw {gbus:.2f} GB/s, {g * 1e6:.1f} us  "
-                f"ratio {busbw / gbus:.2f}x")
+            row.update({"ref": ref_name, "ref_us": g * 1e6, "ref_algbw_GBps": galg,
+                        "ref_busbw_GBps": gbus,
+                        f"{key}_us": g * 1e6, f"{key}_algbw_GBps": galg,
+                        f"{key}_busbw_GBps": gbus, "ratio": busbw / gbus, "time_ratio": t / g})
+            verdict = ""
+            if args.compare == "ipc-copy" and size >= IPC_TARGET_FROM:
+                met = t / g <= IPC_TARGET
+                row.update(target_time_ratio=IPC_TARGET, target_met=met)
+                verdict = f", target <= {IPC_TARGET:.2f}x: {'met' if met else 'missed'}"
+            say(f"         {ref_name:>5} busbw {gbus:.2f} GB/s, {g * 1e6:.1f} us  "
+                f"ratio {busbw / gbus:.2f}x (time uccl/{args.compare} {t / g:.2f}x{verdict})")
+        r.ref_close()
         rows.append(row)
     if lead:
         write_results(rows, args)

@@ -46,16 +46,24 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
 void uccl_comm_shutdown(uccl_comm_t *cm);
 void uccl_comm_destroy(uccl_comm_t *cm);
 
+/* Stream order: `mark` (uccl_stream_mark of the caller's CUDA stream at
+ * the call, or NULL) is the point the operation waits for before it posts
+ * anything, so peers never touch a buffer before the work queued ahead of
+ * the call is done.  The operation takes the mark (frees it), also when
+ * submission fails.  Its transfers then go out with UCCL_STREAM_NONE. */
+
 /* Post a batch of sends and receives (in order, after every operation
  * submitted before it). */
-int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, uint64_t *op_p);
+int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void *mark,
+                  uint64_t *op_p);
 /* Allgather: send (this rank's chunk) to every rank; recv[r] receives rank
  * r's chunk (recv[r].len must be what rank r sends: a mismatch fails the
  * receiver).  recv[rank] may be send itself (in place) or a copy target.
  * async 0: the caller waits at once and advances it itself (no thread
  * handoff); 1: the worker thread advances it while nobody waits. */
 int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
-                        const struct uccl_coll_buf *recv, int algo, int async, uint64_t *op_p);
+                        const struct uccl_coll_buf *recv, int algo, int async, void *mark,
+                        uint64_t *op_p);
 
 /* UCCL_OK: done; UCCL_INPROGRESS: the slice passed; past the deadline the
  * operation is aborted (nothing lands in its buffers after this returns)

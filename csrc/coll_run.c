@@ -4,9 +4,11 @@
  * that arrivals need no wake-up), and cleaning up after a failure so that
  * nothing lands in the operation's buffers once it has been reported. */
 #define _GNU_SOURCE
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "comm.h"
 #include "sock.h"
@@ -31,6 +33,7 @@ void uccl__op_free(struct uccl__op *o)
     free(o->x.id);
     free(o->x.recv);
     free(o->fwd);
+    uccl_stream_mark_free(o->mark);
     free(o);
 }
 
@@ -68,7 +71,8 @@ int uccl__coll_post(struct uccl__comm *cm, struct uccl__op *o, int kind, int pee
     int recv = (kind & ~UCCL_XFER_BLOCKING) == UCCL_XFER_RECV;
     uint64_t conn = recv ? cm->recv_conn[peer] : cm->send_conn[peer];
     uint64_t id;
-    int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0, 0, &id);
+    int rc = uccl_ep_post(cm->ep, kind, conn, b->mr, b->ptr + off, len, NULL, 0,
+                          UCCL_STREAM_NONE, &id);
     if (rc)
         return uccl__op_err(o, rc, "%s: %s rank %d: %s", o->algo->name,
                             recv ? "recv from" : "send to", peer, uccl_last_error());
@@ -149,9 +153,40 @@ int uccl__coll_finish_transfers(struct uccl__comm *cm, struct uccl__op *o, uint6
     return UCCL_OK;
 }
 
+/* Wait until the caller's stream reaches o's mark, or `until` passes
+ * (spinning briefly, then yielding, then napping: a GPU producer may run
+ * for milliseconds). */
+static int wait_mark(struct uccl__op *o, uint64_t until)
+{
+    for (unsigned i = 0;; i++) {
+        int q = uccl_stream_mark_poll(o->mark);
+        if (q > 0) {
+            uccl_stream_mark_free(o->mark);
+            o->mark = NULL;
+            return UCCL_OK;
+        }
+        if (q < 0)
+            return uccl__op_err(o, q, "%s: %s", o->algo->name, uccl_last_error());
+        uint64_t now = uccl__now_ns();
+        if (now >= o->deadline)
+            return uccl__op_err(o, UCCL_ERR_TIMEOUT, "%s: the caller's CUDA stream did not reach "
+                                "the operation within the timeout", o->algo->name);
+        if (now >= until)
+            return UCCL_INPROGRESS;
+        if (i < 64)
+            continue;
+        if (i < 1024)
+            sched_yield();
+        else
+            usleep(20);
+    }
+}
+
 int uccl__coll_advance(struct uccl__comm *cm, struct uccl__op *o, uint64_t until)
 {
     int rc;
+    if (o->phase == 0 && o->mark && (rc = wait_mark(o, until)))
+        return rc;
     if (o->phase == 0) {
         if ((rc = o->algo->start(cm, o)))
             return rc;

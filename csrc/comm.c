@@ -254,7 +254,9 @@ static int check_peer(const struct uccl__comm *cm, int peer, int kind)
     return UCCL_OK;
 }
 
-int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, uint64_t *op_p)
+/* A p2p operation, checked and made (not submitted). */
+static int p2p_make(struct uccl__comm *cm, const struct uccl_coll_p2p *ops, int n,
+                    struct uccl__op **o_p)
 {
     if (n < 1)
         return uccl__err(UCCL_ERR_INVALID, "an empty batch of %d operations", n);
@@ -280,11 +282,26 @@ int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, uint6
     memcpy(o->p2p, ops, (size_t)n * sizeof(*ops));
     o->algo = &uccl__coll_p2p;
     o->n = n;
+    *o_p = o;
+    return UCCL_OK;
+}
+
+int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void *mark,
+                  uint64_t *op_p)
+{
+    struct uccl__op *o = NULL;
+    int rc = p2p_make(cm, ops, n, &o);
+    if (rc) {
+        uccl_stream_mark_free(mark);
+        return rc;
+    }
+    o->mark = mark;
     return submit(cm, o, 1, op_p);
 }
 
-int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
-                        const struct uccl_coll_buf *recv, int algo, int async, uint64_t *op_p)
+/* An allgather, checked and made (not submitted). */
+static int allgather_make(struct uccl__comm *cm, const struct uccl_coll_buf *send,
+                          const struct uccl_coll_buf *recv, int algo, struct uccl__op **o_p)
 {
     int n = cm->size, me = cm->rank, rc;
     if (algo != UCCL_AG_AUTO && algo != UCCL_AG_DIRECT && algo != UCCL_AG_RING)
@@ -324,6 +341,21 @@ int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
     memcpy(o->recv, recv, (size_t)n * sizeof(*recv));
     o->send = *send;
     o->algo = algo == UCCL_AG_RING ? &uccl__coll_ring : &uccl__coll_direct;
+    *o_p = o;
+    return UCCL_OK;
+}
+
+int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
+                        const struct uccl_coll_buf *recv, int algo, int async, void *mark,
+                        uint64_t *op_p)
+{
+    struct uccl__op *o = NULL;
+    int rc = allgather_make(cm, send, recv, algo, &o);
+    if (rc) {
+        uccl_stream_mark_free(mark);
+        return rc;
+    }
+    o->mark = mark;
     return submit(cm, o, async, op_p);
 }
 

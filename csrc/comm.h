@@ -74,6 +74,7 @@ struct uccl__op {
     uint64_t *tmp_mr;            /* registrations made for this operation */
     int ntmp;
     uint64_t deadline;
+    void *mark;                  /* the caller's stream must reach it first (uccl_stream_mark) */
     struct uccl__xlist x;
     TAILQ_ENTRY(uccl__op) link;  /* in the communicator's queue while queued */
     int queued;

@@ -144,3 +144,26 @@ void uccl__gate_fini(struct uccl__gate *g)
                  "its CUDA stream");
     }
 }
+
+/* ------------------------------------------------------------------------- */
+/* stream marks (uccl.h), for layers above that order their own work          */
+
+int uccl_stream_mark(int dev, uintptr_t stream, void **mark_p)
+{
+    return uccl__gpu_event_record(dev, stream, mark_p);
+}
+
+int uccl_stream_mark_poll(void *mark)
+{
+    return mark ? uccl__gpu_event_poll(mark) : 1;
+}
+
+int uccl_stream_mark_wait(void *mark, uint64_t timeout_ns)
+{
+    return mark ? uccl__gpu_event_wait(mark, timeout_ns) : UCCL_OK;
+}
+
+void uccl_stream_mark_free(void *mark)
+{
+    uccl__gpu_event_free(mark);
+}

@@ -225,6 +225,24 @@ static int parse_p2p_item(PyObject *item, void *out)
     return parse_buf(b, &e->buf);
 }
 
+/* The mark of the caller's CUDA stream (dev >= 0), NULL for host-only
+ * operations or an idle stream; -1 with an exception set. */
+static int stream_mark(uccl__py_endpoint *self, int dev, uint64_t stream, void **mark_p)
+{
+    *mark_p = NULL;
+    if (dev < 0)
+        return 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_stream_mark(dev, (uintptr_t)stream, mark_p);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        uccl__py_ep_fail(self, rc);
+        return -1;
+    }
+    return 0;
+}
+
 /* After a submission: its error, or the op id, or (wait) its outcome. */
 static PyObject *comm_submitted(uccl__py_endpoint *self, int rc, uint64_t id, int wait,
                                 PyObject *timeout)
@@ -234,43 +252,56 @@ static PyObject *comm_submitted(uccl__py_endpoint *self, int rc, uint64_t id, in
     return wait ? comm_wait_loop(self, id, timeout) : PyLong_FromUnsignedLongLong(id);
 }
 
-/* p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None)
- * -> op_id; with wait, posts and waits in one call -> True. */
+/* p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None, dev=-1, stream=0)
+ * -> op_id; with wait, posts and waits in one call -> True.  dev >= 0: the
+ * operation starts after the work queued on CUDA stream `stream` of device
+ * dev before this call. */
 static PyObject *Comm_p2p(PyObject *op, PyObject *args)
 {
     uccl__py_comm *cself = (uccl__py_comm *)op;
     uccl__py_endpoint *self;
     PyObject *seq, *timeout = Py_None;
-    int wait = 0;
-    if (!PyArg_ParseTuple(args, "O|pO", &seq, &wait, &timeout) || !(self = comm_ep(cself)))
+    int wait = 0, dev = -1;
+    uint64_t stream = 0;
+    void *mark;
+    if (!PyArg_ParseTuple(args, "O|pOiO&", &seq, &wait, &timeout, &dev, uccl__py_to_u64,
+                          &stream) || !(self = comm_ep(cself)))
         return NULL;
     Py_ssize_t n = 0;
     struct uccl_coll_p2p *ops = parse_seq(seq, sizeof(*ops), parse_p2p_item, &n);
     if (!ops)
         return NULL;
+    if (stream_mark(self, dev, stream, &mark)) {
+        PyMem_Free(ops);
+        return NULL;
+    }
     uint64_t id = 0;
     int rc;
     uccl_comm_t *cm = self->comm;
     uccl__py_ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_comm_p2p(cm, ops, (int)n, &id);
+    rc = uccl_comm_p2p(cm, ops, (int)n, mark, &id);
     Py_END_ALLOW_THREADS
     uccl__py_ep_leave(self);
     PyMem_Free(ops);
     return comm_submitted(self, rc, id, wait, timeout);
 }
 
-/* allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False, timeout=None)
+/* allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False, timeout=None,
+ *           dev=-1, stream=0)
  * async: -> op_id.  Blocking: submits and waits in one call (no window in
- * which an interrupt could leave the operation unwatched) -> True. */
+ * which an interrupt could leave the operation unwatched) -> True.  dev,
+ * stream: as p2p. */
 static PyObject *Comm_allgather(PyObject *op, PyObject *args)
 {
     uccl__py_comm *cself = (uccl__py_comm *)op;
     uccl__py_endpoint *self;
     PyObject *sendt, *recvl, *timeout = Py_None;
-    int algo, async = 0;
-    if (!PyArg_ParseTuple(args, "OOi|pO", &sendt, &recvl, &algo, &async, &timeout) ||
-        !(self = comm_ep(cself)))
+    int algo, async = 0, dev = -1;
+    uint64_t stream = 0;
+    void *mark;
+    if (!PyArg_ParseTuple(args, "OOi|pOiO&", &sendt, &recvl, &algo, &async, &timeout, &dev,
+                          uccl__py_to_u64, &stream) || !(self = comm_ep(cself)))
         return NULL;
     struct uccl_coll_buf send;
     if (parse_buf(sendt, &send))
@@ -285,12 +316,16 @@ static PyObject *Comm_allgather(PyObject *op, PyObject *args)
         PyMem_Free(recv);
         return PyErr_Format(PyExc_ValueError, "%zd receive buffers for world size %d", n, size);
     }
+    if (stream_mark(self, dev, stream, &mark)) {
+        PyMem_Free(recv);
+        return NULL;
+    }
     uint64_t id = 0;
     int rc;
     uccl_comm_t *cm = self->comm;
     uccl__py_ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_comm_allgather(cm, &send, recv, algo, async, &id);
+    rc = uccl_comm_allgather(cm, &send, recv, algo, async, mark, &id);
     Py_END_ALLOW_THREADS
     uccl__py_ep_leave(self);
     PyMem_Free(recv);
@@ -345,9 +380,11 @@ static PyObject *Comm_pick_algo(PyObject *op, PyObject *args)
 
 static PyMethodDef Comm_methods[] = {
     {"p2p", Comm_p2p, METH_VARARGS,
-     "p2p([(op, peer, (ptr, len, mr))], wait=False, timeout=None) -> op_id or True"},
+     "p2p([(op, peer, (ptr, len, mr))], wait=False, timeout=None, dev=-1, stream=0) -> op_id "
+     "or True"},
     {"allgather", Comm_allgather, METH_VARARGS,
-     "allgather(send, recvs, algo, async=False, timeout=None) -> op_id (async) or True"},
+     "allgather(send, recvs, algo, async=False, timeout=None, dev=-1, stream=0) -> op_id "
+     "(async) or True"},
     {"wait", Comm_wait, METH_VARARGS,
      "wait(op_id, timeout=None) -> True; raises if it failed; forgets it"},
     {"test", Comm_test, METH_VARARGS,

@@ -69,6 +69,26 @@ int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr);
  * memory ignores `stream`. */
 int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t ptr, size_t len,
                  const uint8_t *fifo, size_t fifo_len, uintptr_t stream, uint64_t *xfer_p);
+/* `stream` for callers that ordered the stream themselves (the
+ * communicator, which waits for its caller's stream once per operation):
+ * the transfer starts at once. */
+#define UCCL_STREAM_NONE ((uintptr_t)-1)
+
+/* Stream marks: the point a CUDA stream (of device dev; 0: the legacy
+ * default stream) has reached now.  *mark_p is NULL where the stream has
+ * no work left.  poll: 1 reached, 0 not yet, < 0 the stream's work failed;
+ * wait: polls until reached or timeout_ns (UCCL_ERR_TIMEOUT). */
+int uccl_stream_mark(int dev, uintptr_t stream, void **mark_p);
+int uccl_stream_mark_poll(void *mark);
+int uccl_stream_mark_wait(void *mark, uint64_t timeout_ns);
+void uccl_stream_mark_free(void *mark);
+
+/* Host-released stream waits: `stream` of device dev waits (without
+ * blocking the host) until uccl_ep_flag_set(ep, *flag_p) is called; the
+ * caller must call it exactly once, whatever happens.  UCCL_ERR_NOMEM:
+ * every slot is taken (wait on the host instead). */
+int uccl_ep_stream_flag(uccl_ep_t *ep, int dev, uintptr_t stream, uint64_t *flag_p);
+int uccl_ep_flag_set(uccl_ep_t *ep, uint64_t flag);
 /* Order `stream` (a CUstream of the buffer's device; 0: the legacy default
  * stream) after transfer xfer of device memory without blocking the host:
  * work queued there next runs once the transfer has finished (the stream

@@ -65,7 +65,7 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
     rc = uccl__mem_keys(&ep->local.mem, mr, ptr, len, c->tp, c, &r->local_key, &r->key_for_peer,
                         &r->mkind);
     void *ev = NULL; /* device memory: the caller's stream reaches this call */
-    if (rc == UCCL_OK && UCCL_MK_ON_GPU(r->mkind) && len > 0)
+    if (rc == UCCL_OK && UCCL_MK_ON_GPU(r->mkind) && len > 0 && stream != UCCL_STREAM_NONE)
         rc = uccl__gpu_event_record(UCCL_MK_DEV(r->mkind), stream, &ev);
     if (rc == UCCL_OK && ev && blocking) { /* we wait anyway: wait for the stream here */
         rc = uccl__gpu_event_wait(ev, ep->local.timeout_ns);
@@ -204,6 +204,43 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
     return rc;
 }
 
+/* The endpoint's pool of stream-wait flags, made on first use. */
+static int ep_flags(struct uccl__ep *ep, int dev, struct uccl__gpu_flags **flags_p)
+{
+    int rc = UCCL_OK;
+    pthread_mutex_lock(&ep->mu);
+    if (!ep->flags)
+        rc = uccl__gpu_flags_new(dev, &ep->flags);
+    *flags_p = ep->flags;
+    pthread_mutex_unlock(&ep->mu);
+    return rc;
+}
+
+int uccl_ep_stream_flag(uccl_ep_t *ep, int dev, uintptr_t stream, uint64_t *flag_p)
+{
+    int rc = uccl__ep_check_open(ep);
+    struct uccl__gpu_flags *flags;
+    uint32_t *slot, gen;
+    if (rc == UCCL_OK)
+        rc = ep_flags(ep, dev, &flags);
+    if (rc == UCCL_OK)
+        rc = uccl__gpu_flag_wait(flags, dev, stream, &slot, &gen);
+    if (rc == UCCL_OK)
+        *flag_p = (uint64_t)gen << 32 | uccl__gpu_flag_index(flags, slot);
+    return rc;
+}
+
+int uccl_ep_flag_set(uccl_ep_t *ep, uint64_t flag)
+{
+    pthread_mutex_lock(&ep->mu);
+    struct uccl__gpu_flags *flags = ep->flags;
+    pthread_mutex_unlock(&ep->mu);
+    if (!flags)
+        return uccl__err(UCCL_ERR_INVALID, "stream flag %llu: no flag was handed out",
+                         (unsigned long long)flag);
+    return uccl__gpu_flag_release(flags, (unsigned)(flag & 0xffffffffu), (uint32_t)(flag >> 32));
+}
+
 int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *queued_p)
 {
     struct uccl__req *r = req_lookup(ep, xfer);
@@ -219,11 +256,8 @@ int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *que
     } else if (atomic_load(&r->state) == UCCL_REQ_PENDING) {
         uint32_t *slot, gen;
         int dev = UCCL_MK_DEV(r->mkind);
-        pthread_mutex_lock(&ep->mu); /* the pool, made on first use */
-        if (!ep->flags)
-            rc = uccl__gpu_flags_new(dev, &ep->flags);
-        struct uccl__gpu_flags *flags = ep->flags;
-        pthread_mutex_unlock(&ep->mu);
+        struct uccl__gpu_flags *flags;
+        rc = ep_flags(ep, dev, &flags);
         if (rc == UCCL_OK)
             rc = uccl__gpu_flag_wait(flags, dev, stream, &slot, &gen);
         if (rc == UCCL_OK)

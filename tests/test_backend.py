@@ -218,7 +218,7 @@ def _full_plan(ws: int) -> list[tuple[str, str, dict]]:
     # errors, then the group must still work
     for err in ("agit_size", "agit_dtype", "ag_list", "premul", "bitop_float", "bad_root",
                 "send_self", "a2a_splits", "rs_size", "typeerror", "recv_anysource",
-                "recv_noncontig", "avg_bool", "cuda"):
+                "recv_noncontig", "avg_bool", "device"):
         add(f"err-{err.replace('_', '-')}", "err_" + err)
     add("usable-after-errors", "after_errors")
     # DDP, then (last: it destroys the groups) destroy and re-init
@@ -1282,13 +1282,12 @@ def _case_err_avg_bool(R, i, p):
             ValueError, "AVG", "bool")
 
 
-def _case_err_cuda(R, i, p):
+def _case_err_device(R, i, p):
     import torch
     import torch.distributed as dist
-    if not torch.cuda.is_available():
-        return "SKIP: no CUDA device here (torch %s): a CUDA tensor cannot be made" % \
-            torch.__version__
-    _raises(lambda: dist.all_reduce(torch.ones(4, device="cuda")), ValueError, "cuda")
+    # CPU and CUDA tensors are moved (CUDA: tests/test_gpu_collective.py);
+    # a tensor on any other device is refused, naming it.
+    _raises(lambda: dist.all_reduce(torch.ones(4, device="meta")), ValueError, "meta")
     return None
 
 

@@ -1,5 +1,6 @@
 """Reductions for the "uccl" process group: the engine moves the bytes,
-torch computes on the receiving rank.
+torch computes on the receiving rank (on the GPU for CUDA tensors: each
+post then waits for the current stream's reductions, not the host).
 
 all_reduce = reduce-scatter + allgather: each rank sends and receives
 2(N-1)/N of the tensor.  Across hosts the reduce-scatter is a pipelined
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _engine
+from .collective import stream_args
 
 R = dist.ReduceOp.RedOpType
 _SEND, _RECV = _engine.OP_SEND, _engine.OP_RECV
@@ -64,7 +66,8 @@ def allgather_chunks(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]]) -> N
     views of one checked tensor."""
     esz, base = flat.element_size(), flat.data_ptr()
     bufs = [(base + s * esz, (e - s) * esz, 0) for s, e in chunk]
-    ctx._cm().allgather(bufs[ctx.rank], bufs, _engine.AG_AUTO, False, ctx.timeout_s)
+    ctx._cm().allgather(bufs[ctx.rank], bufs, _engine.AG_AUTO, False, ctx.timeout_s,
+                        *stream_args((flat,)))
 
 
 def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combine: Callable,
@@ -206,8 +209,11 @@ def _wait(cm, op: int | None, timeout: float) -> None:
         cm.wait(op, timeout)
 
 
-def _post(cm, entries: list) -> int | None:
-    return cm.p2p(entries) if entries else None
+def _post(cm, entries: list, gpu: tuple[int, int]) -> int | None:
+    """Post entries; on a GPU (gpu = stream_args) they go out once the
+    current stream has done what is queued on it (the reductions whose
+    results they send, or that read the scratch they receive into)."""
+    return cm.p2p(entries, False, None, *gpu) if entries else None
 
 
 def _span(base: int, esz: int, a: int, b: int) -> tuple[int, int, int]:
@@ -247,6 +253,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     base = flat.data_ptr()
     sbase = [scratch[i].data_ptr() for i in range(2)]
     timeout = ctx.timeout_s
+    gpu = stream_args((flat,))
 
     # pieces of what step s sends (chunk me-s-1) and receives (chunk me-s-2)
     send_pieces = [_pieces(chunk[(me - s - 1) % n], piece) for s in range(n - 1)]
@@ -260,7 +267,7 @@ def ring_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             a, b = recv_pieces[s][p]
             off = a - chunk[(me - s - 2) % n][0]
             entries.append((_RECV, left, _span(sbase[s % 2], esz, off, off + b - a)))
-        return _post(cm, entries)
+        return _post(cm, entries, gpu)
 
     # Every rank submits the (step, piece) operations in this one order, so
     # posts match on every connection; at most WINDOW are in flight (a deep
@@ -320,6 +327,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
     base = flat.data_ptr()
     pieces = [_pieces(c, piece) for c in chunk]
     timeout = ctx.timeout_s
+    gpu = stream_args((flat,))
 
     def submit(p: int) -> int | None:
         entries = [(_SEND, r, _span(base, esz, *pieces[r][p])) for r in peers
@@ -328,7 +336,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             a, b = pieces[me][p]
             entries += [(_RECV, r, _span(sbase[i], esz, a - mine[0], b - mine[0]))
                         for i, r in enumerate(peers)]
-        return _post(cm, entries)
+        return _post(cm, entries, gpu)
 
     def submit_gather(p: int) -> int | None:
         entries = []
@@ -336,7 +344,7 @@ def direct_reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]],
             entries += [(_SEND, r, _span(base, esz, *pieces[me][p])) for r in peers]
         entries += [(_RECV, r, _span(base, esz, *pieces[r][p])) for r in peers  # theirs, in place
                     if p < len(pieces[r])]
-        return _post(cm, entries)
+        return _post(cm, entries, gpu)
 
     # Every rank submits in this one order: RS(0..W-1), then per piece p:
     # [AG(p)], RS(p+W).  Posts match per connection.

@@ -175,6 +175,32 @@ class Runner:
         # closed: the endpoint is gone, so this ends at once
         threading.Thread(target=settle, daemon=True).start()
 
+    def when_done(self, task: Task, then: Callable[[], None]) -> None:
+        """Call then() on a delivery thread once task has run and what it
+        left in flight has settled (or failed, or timed out): Work.wait()'s
+        release of a CUDA stream.  then() runs whatever happens."""
+        def settle() -> None:
+            try:
+                deadline = time.monotonic() + self.timeout_s
+                self.drive(task, deadline, run_here=False)
+                task.settle_pending(deadline)
+            except BaseException:
+                pass   # the task's own error stays with it (exception(), the group's next call)
+            finally:
+                then()
+        with self._cv:
+            if self._delivery is None and not self._closed:
+                self._delivery = ThreadPoolExecutor(self.DELIVERY_THREADS,
+                                                    thread_name_prefix=f"uccl-pg-{self._name}-fut")
+            ex = self._delivery
+        try:
+            if ex is not None:
+                ex.submit(settle)
+                return
+        except RuntimeError:
+            pass   # shut down
+        threading.Thread(target=settle, daemon=True).start()
+
     def future_of(self, task: Task) -> torch.futures.Future:
         with self._cv:
             if task.future is None:
@@ -243,11 +269,23 @@ class Runner:
 class Work(dist._Work):
     """A process-group operation: wait() raises its error; get_future()'s
     value is the list of output tensors (what DDP communication hooks
-    expect)."""
+    expect).
 
-    def __init__(self, runner: Runner, task: Task):
+    On CUDA tensors wait() behaves as ProcessGroupNCCL's: it makes the
+    caller's current stream wait for the operation without blocking the
+    host (the stream waits on a flag the engine's pool hands out, released
+    once the operation has finished, failed or timed out).  An error that
+    comes after wait() returned is then raised by exception(), and by the
+    group's next operation (a failed operation poisons the group).
+    synchronize() is wait(), as with NCCL.  get_future()'s future is
+    completed once the bytes are in place, so its wait() blocks the host
+    (stricter than NCCL's CUDA-aware future, never earlier)."""
+
+    def __init__(self, runner: Runner, task: Task, cuda_device: int | None = None,
+                 endpoint: Any = None):
         super().__init__()
         self._runner, self._task = runner, task
+        self._dev, self._ep = cuda_device, endpoint
 
     def _done(self) -> bool:
         return self._task.ran and self._task.settle_pending(None)
@@ -255,6 +293,8 @@ class Work(dist._Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         own = bool(secs) and 0 < secs < self._runner.timeout_s
+        if self._dev is not None and not own and self._stream_wait():
+            return True
         deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task
         self._runner.drive(t, deadline, run_here=not own, give_up=not own)
@@ -262,6 +302,32 @@ class Work(dist._Work):
         if t.error is not None:
             raise t.error
         return True
+
+    def _stream_wait(self) -> bool:
+        """The current stream waits for the task; False: wait on the host
+        (it is over already, so its error can be raised now, or no flag
+        was free)."""
+        t = self._task
+        if t.ran and t.settle_pending(None):
+            return False
+        ep = self._ep
+        try:
+            flag = ep._stream_flag(self._dev, torch.cuda.current_stream(self._dev).cuda_stream)
+        except Exception:
+            return False   # endpoint closed: the host wait reports it
+        if flag is None:
+            return False
+
+        def release() -> None:
+            try:
+                ep._flag_set(flag)
+            except Exception:
+                pass   # closed meanwhile: closing the endpoint released every waiting stream
+        self._runner.when_done(t, release)
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()   # as WorkNCCL::synchronize: on CUDA the current stream waits
 
     def is_completed(self) -> bool:
         return self._done()
@@ -279,9 +345,6 @@ class Work(dist._Work):
 
     def source_rank(self) -> int:
         raise UcclError("source_rank: this backend has no receive-from-any-source")
-
-    def synchronize(self) -> None:
-        self.wait()
 
     def get_future(self) -> torch.futures.Future:
         return self._runner.future_of(self._task)

@@ -44,7 +44,7 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     on inference tensors, and the gradient of what the caller computed
     before it is unchanged."""
     with torch.no_grad():
-        a = torch.empty(0, dtype=t.dtype)
+        a = torch.empty(0, dtype=t.dtype, device=t.device)
         a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
     return a
 
@@ -55,10 +55,28 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"{what}: {t.layout} tensors are not supported (dense tensors only)")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: tensor on {t.device}; this build of the uccl backend moves "
-                         "CPU tensors (the GPU transport is a separate issue)")
+    if not (t.is_cuda or t.device.type == "cpu"):
+        raise ValueError(f"{what}: tensor on {t.device}; the uccl backend moves CPU and CUDA "
+                         "tensors")
     return _alias(t)
+
+
+def _cuda_device(*groups: Any) -> int | None:
+    """The CUDA device of an operation's tensors (nested in lists), or None
+    when all are on the CPU.  One device per operation, as with NCCL."""
+    dev = None
+    stack = list(groups)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                if dev is not None and x.device.index != dev:
+                    raise ValueError(f"the CUDA tensors of one operation must be on one device, "
+                                     f"got cuda:{dev} and cuda:{x.device.index}")
+                dev = x.device.index
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return dev
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -113,7 +131,8 @@ class _Staged:
         if t.is_contiguous():
             self.t = t
         else:
-            self.t = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+            self.t = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype,
+                                                                device=t.device)
 
     def back(self) -> None:
         if self.t is not self.orig:
@@ -136,7 +155,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         self._closed = False
         # [0]: the algorithms' scratch; [1]: working copies of inputs
-        self._scratch_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        self._scratch_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._streams: dict[int, Any] = {}   # per CUDA device: where tasks' kernels run
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -182,12 +202,17 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- task plumbing ----------------------------------------------------------
     def _submit(self, fn: Callable[[], list | None], result: list, opts: Any = None,
-                p2p: bool = False) -> Work:
+                p2p: bool = False, uses: Sequence = ()) -> Work:
         """Queue fn (the runner runs it in issue order).  A blocking call
-        (opts.asyncOp False) runs it here and raises its error at once."""
+        (opts.asyncOp False) runs it here and raises its error at once.
+        result and uses hold the operation's tensors (lists of them too):
+        on CUDA tensors it runs stream-ordered (_on_gpu)."""
         if self._closed:
             raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
+        dev = _cuda_device(result, uses)
+        if dev is not None:
+            fn = self._on_gpu(fn, dev)
         task = Task(fn, result)
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
@@ -195,7 +220,34 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             task.settle_pending(deadline)
             if task.error is not None:
                 raise task.error
-        return Work(self._runner, task)
+        return Work(self._runner, task, dev, self._ctx.ep)
+
+    def _on_gpu(self, fn: Callable, dev: int) -> Callable:
+        """fn as a task on CUDA tensors, ordered as ProcessGroupNCCL orders
+        its kernels: it starts after the work queued on the caller's current
+        stream before the call, and its own kernels (copies, reductions) run
+        on the group's stream for the device, never on the caller's, which
+        Work.wait() may already have told to wait for this very task.  The
+        task ends only once that stream has finished, so its outputs are in
+        place when it counts as done."""
+        caller = torch.cuda.current_stream(dev)
+        ready = None
+        if not caller.query():   # work queued there: the task starts after it
+            ready = torch.cuda.Event()
+            ready.record(caller)
+        own = self._streams.get(dev)
+        if own is None:
+            own = self._streams[dev] = torch.cuda.Stream(dev)
+
+        def run():
+            with torch.cuda.stream(own):
+                if ready is not None:
+                    own.wait_event(ready)
+                try:
+                    return fn()
+                finally:
+                    own.synchronize()
+        return run
 
     # -- allgather ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -211,7 +263,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             ctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
             for s in staged:
                 s.back()
-        return self._submit(run, output_tensors, opts)
+        return self._submit(run, output_tensors, opts, uses=[inp])
 
     def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
         out, inp = _tensor(out, f"{what} output"), _tensor(inp, f"{what} input")
@@ -231,7 +283,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
-        return self._submit(run, [output_tensor], opts)
+        return self._submit(run, [output_tensor], opts, uses=[input_tensor])
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self._allgather_base(output_tensor, input_tensor, opts)
@@ -245,7 +297,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         def run():
             for r in runs:
                 r()
-        return self._submit(run, list(outputs), opts)
+        return self._submit(run, list(outputs), opts, uses=list(inputs))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
@@ -271,7 +323,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             # bytes of every input, back to back (dtypes may differ)
             flat = torch.cat([i.contiguous().reshape(-1).view(torch.uint8) for i in ins]) \
                 if ins else torch.empty(0, dtype=torch.uint8)
-            got = torch.empty(n * flat.numel(), dtype=torch.uint8)
+            got = torch.empty(n * flat.numel(), dtype=torch.uint8, device=flat.device)
             ctx.allgather(flat, got)
             for r, outs in enumerate(out_lists):
                 off = r * flat.numel()
@@ -280,7 +332,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                     # cloned: a view as o's dtype needs an aligned offset
                     o.copy_(got[off:off + nb].clone().view(o.dtype).reshape(o.shape))
                     off += nb
-        return self._submit(run, output_lists, opts)
+        return self._submit(run, output_lists, opts, uses=ins)
 
     # -- reductions ---------------------------------------------------------------
     def _reduce_fn(self, opts: Any, dtype: torch.dtype, what: str):
@@ -288,44 +340,47 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         _reduce.check_op(op, dtype, what)
         return op
 
-    def _scratch(self, nbytes: int, slot: int = 0) -> torch.Tensor:
+    def _scratch(self, nbytes: int, slot: int = 0, device: Any = "cpu") -> torch.Tensor:
         """A uint8 buffer of nbytes, reused across operations (one task runs
         at a time): fresh memory would page-fault as the engine fills it.
         Slot 0 is the algorithms'; slot 1 holds _work_copy's."""
-        if self._scratch_bufs[slot].numel() < nbytes:
-            self._scratch_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return self._scratch_bufs[slot][:nbytes]
+        key = (slot, torch.device(device))
+        buf = self._scratch_bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch_bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
 
     def _work_copy(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """parts back to back in a reused 1-D buffer the reduction may
         overwrite (the inputs stay as they are)."""
         numel = sum(p.numel() for p in parts)
-        flat = self._scratch(numel * dtype.itemsize, 1).view(dtype)
+        flat = self._scratch(numel * dtype.itemsize, 1, parts[0].device).view(dtype)
         off = 0
         for p in parts:
             flat[off:off + p.numel()].view(p.shape).copy_(p)
             off += p.numel()
         return flat
 
-    def _combine(self, op: R, dtype: torch.dtype) -> Callable:
-        return self._par.wrap(_reduce.combiner(op, dtype))
+    def _combine(self, op: R, dtype: torch.dtype, device: torch.device) -> Callable:
+        fn = _reduce.combiner(op, dtype)
+        return fn if device.type == "cuda" else self._par.wrap(fn)  # CPU: split over threads
 
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
         ctx, n = self._ctx, self.size()
         if n > 1:
-            combine = self._combine(op, flat.dtype)
+            combine = self._combine(op, flat.dtype, flat.device)
+            scratch = lambda nb: self._scratch(nb, 0, flat.device)  # noqa: E731
             nbytes = flat.numel() * flat.element_size()
             if nbytes <= _reduce.SMALL_BYTES or flat.numel() < n:
-                got = self._scratch(n * nbytes).view(flat.dtype).view(n, flat.numel())
+                got = scratch(n * nbytes).view(flat.dtype).view(n, flat.numel())
                 ctx.allgather(flat, got.reshape(-1))
                 flat.copy_(got[0])
                 for r in range(1, n):   # rank order: the same on every rank
                     combine(flat, got[r])
             else:
                 chunk = _reduce.bounds(flat.numel(), n)
-                _reduce.reduce_scatter(ctx, flat, chunk, combine, self._scratch,
-                                       allgather=True)
+                _reduce.reduce_scatter(ctx, flat, chunk, combine, scratch, allgather=True)
         if op == R.AVG:
             _reduce.finish_avg(flat, n)
 
@@ -377,8 +432,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         k = out.numel()
         chunk = [(r * k, (r + 1) * k) for r in range(n)]
         if n > 1:
-            _reduce.reduce_scatter(ctx, flat, chunk, self._combine(op, flat.dtype),
-                                   self._scratch)
+            _reduce.reduce_scatter(ctx, flat, chunk, self._combine(op, flat.dtype, flat.device),
+                                   lambda nb: self._scratch(nb, 0, flat.device))
         mine = flat[me * k:(me + 1) * k]
         if op == R.AVG:
             _reduce.finish_avg(mine, n)
@@ -400,7 +455,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         return self._submit(lambda: self._reduce_scatter_flat(out, self._work_copy([inp], inp.dtype),
                                                               op),
-                            [output_tensor], opts)
+                            [output_tensor], opts, uses=[input_tensor])
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self._reduce_scatter_base(output_tensor, input_tensor, opts)
@@ -414,7 +469,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         def run():
             for o, i, op in checked:
                 self._reduce_scatter_flat(o, self._work_copy([i], i.dtype), op)
-        return self._submit(run, list(outputs), opts)
+        return self._submit(run, list(outputs), opts, uses=list(inputs))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
@@ -428,7 +483,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         op = self._reduce_fn(opts, out.dtype, what)
         return self._submit(lambda: self._reduce_scatter_flat(out, self._work_copy(ins, out.dtype),
                                                               op),
-                            list(output_tensors), opts)
+                            list(output_tensors), opts, uses=ins)
 
     # -- rooted and personalised ----------------------------------------------
     def _root(self, opts: Any, what: str) -> int:
@@ -466,7 +521,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
             for s in staged:
                 s.back()
-        return self._submit(run, output_tensors, opts)
+        return self._submit(run, output_tensors, opts, uses=[inp])
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
@@ -479,7 +534,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             s = _Staged(out, copy_in=False)
             self._star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
             s.back()
-        return self._submit(run, list(output_tensors), opts)
+        return self._submit(run, list(output_tensors), opts, uses=ins)
 
     def _star(self, what: str, root: int, at_root: list[torch.Tensor], mine: torch.Tensor,
               to_root: bool) -> None:
@@ -546,7 +601,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
             self._exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
             s.back()
-        return self._submit(run, [output_tensor], opts)
+        return self._submit(run, [output_tensor], opts, uses=[inp])
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes,
                           input_split_sizes, opts=None):
@@ -573,7 +628,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
             for s in staged:
                 s.back()
-        return self._submit(run, list(output_tensors), opts)
+        return self._submit(run, list(output_tensors), opts, uses=ins)
 
     # -- point to point -------------------------------------------------------
     def _peer(self, peer: int, what: str) -> int:

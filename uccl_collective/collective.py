@@ -73,10 +73,32 @@ def _tensor_buf(t: Any, what: str) -> tuple[int, int]:
     if not t.is_contiguous():
         raise ValueError(f"{what}: tensor is not contiguous (shape={tuple(t.shape)}, "
                          f"stride={tuple(t.stride())}); call .contiguous() first")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: tensor is on {t.device}; this engine moves CPU tensors "
-                         "(the GPU transport is not part of this build)")
+    if not (t.is_cuda or t.device.type == "cpu"):
+        raise ValueError(f"{what}: tensor is on {t.device}; this engine moves CPU and CUDA "
+                         "tensors")
     return int(t.data_ptr()), int(t.numel() * t.element_size())
+
+
+NO_STREAM = (-1, 0)
+
+
+def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
+    """(device, stream) the engine orders an operation after: torch's current
+    CUDA stream of the tensors' device (the operation starts once the work
+    queued there before the call is done, as NCCL's kernels do), or
+    NO_STREAM when no tensor is on a GPU.  The CUDA tensors of one operation
+    must share a device, as with NCCL."""
+    dev = -1
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            d = t.device.index
+            if dev >= 0 and d != dev:
+                raise ValueError(f"one operation's CUDA tensors must be on one device, got "
+                                 f"cuda:{dev} and cuda:{d}")
+            dev = d
+    if dev < 0:
+        return NO_STREAM
+    return dev, torch.cuda.current_stream(dev).cuda_stream
 
 
 class Handle:
@@ -91,7 +113,10 @@ class Handle:
     torch.distributed part that times out cannot be cancelled (torch offers
     no way): its Gloo timeout still bounds it.  A handle dropped before its
     operation finished hands it (and its tensors) to the context, which
-    keeps them until the operation is over."""
+    keeps them until the operation is over.  On CUDA tensors wait() returns
+    once the bytes are in place, so any work queued after it (on any stream)
+    sees them; the operation itself started only after the work queued on
+    the caller's current stream before the call."""
 
     __slots__ = ("_cm", "_ops", "_works", "_done", "_error", "_keep", "_orphans", "_lock",
                  "__weakref__")
@@ -413,19 +438,32 @@ class CollectiveContext:
             if self._engine_peer[peer]:
                 engine.append((_SEND if kind == "send" else _RECV, peer, self._buf(t, what)))
             else:
+                self._check_torch_route(t, what)
+        gpu = stream_args(t for _, t, _ in entries)
+        for kind, t, peer in entries:
+            if not self._engine_peer[peer]:
                 fn = dist.isend if kind == "send" else dist.irecv
                 gpeer = peer if self._group is None else dist.get_global_rank(self._group, peer)
                 works.append(fn(t, gpeer, group=self._group))
         if blocking and not works:
-            cm.p2p(engine, True, self.timeout_s)
+            cm.p2p(engine, True, self.timeout_s, *gpu)
             return None
-        ops = [cm.p2p(engine)] if engine else []
+        ops = [cm.p2p(engine, False, None, *gpu)] if engine else []
         h = Handle(cm, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
                    self._orphans)
         if blocking:
             h.wait(self.timeout_s)
             return None
         return h
+
+    def _check_torch_route(self, t: torch.Tensor, what: str) -> None:
+        """Gloo reads a CUDA tensor's device pointer as host memory and
+        kills the process ("writev: Bad address"): refuse first."""
+        if t.is_cuda and dist.get_backend(self._group) == "gloo":
+            raise ValueError(f"{what}: a CUDA tensor to a same-node peer goes through "
+                             "torch.distributed when use_copy_engine_for_intra=False, and its "
+                             "backend (gloo) cannot move CUDA tensors; use "
+                             "use_copy_engine_for_intra=True, or a backend that can (nccl, uccl)")
 
     def _watch(self, work) -> Future:
         """A Future done when a torch.distributed Work is: Gloo's p2p works
@@ -550,12 +588,14 @@ class CollectiveContext:
         engine_only = self._engine_only
         if engine_only and not uneven and isinstance(recv, torch.Tensor):
             send, bufs = self._flat_bufs(send_tensor, recv, what)
-            return cm.allgather(send, bufs, algo, async_op, self.timeout_s), None
+            gpu = stream_args((send_tensor, recv))
+            return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
         bufs = [self._buf(c, what) for c in chunks]
         if engine_only:
-            return cm.allgather(send, bufs, algo, async_op, self.timeout_s), None
+            gpu = stream_args([send_tensor, *chunks])
+            return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu), None
         # Some peers go through torch.distributed (same node, copy engine off).
         algo = cm.pick_algo(algo, send[1])
         if chunks[me].data_ptr() != send_tensor.data_ptr():
