@@ -55,8 +55,8 @@ Every size is checked end to end on random data before it is timed (uccl's
 result against Gloo's on identical inputs in --backend uccl mode; with
 --device gpu, Gloo's result computed on CPU copies), outputs poisoned with
 NaN before each check; the reference is checked the same way where its
-result is the op's (ipc-copy: the bytes it copied).  Each timing is the
-slowest rank's.
+result is the op's (ipc-copy of the context ops: the bytes it copied).
+Each timing is the slowest rank's.
 """
 from __future__ import annotations
 
@@ -399,7 +399,7 @@ class GroupRunner(_Bench):
         # small integers: every summation order gives the same floats, so
         # uccl's result must equal Gloo's bit for bit
         self.x_init = torch.randint(0, 64, (n_in,), generator=g).float()
-        self.x = self.x_init.to(self.dev)
+        self.x = self.x_init.to(self.dev, copy=True)
         self.y = torch.empty(n_out, device=self.dev)
         self.y_views = list(self.y.chunk(self.world)) if self.args.op == "allgather" else None
         self.staged = (self.gpu and self.args.compare == "gloo"
@@ -411,7 +411,7 @@ class GroupRunner(_Bench):
             c = n // self.world
             need = {"reduce_scatter": (self.world - 1) * n, "broadcast": n,
                     "allreduce": 2 * (self.world - 1) * c}.get(self.args.op, 0)
-            self.scratch = torch.empty(need, device=self.dev) if need else None
+            self.scratch = torch.empty(need, device=self.dev)
 
     def ipc_plan(self, size: int):
         """(peer, src offset, elements, "y"|"scratch", dst offset): the
@@ -472,7 +472,7 @@ class GroupRunner(_Bench):
         self.y.fill_(float("nan"))  # poison
         fn()
         settle(self.dev)
-        return self.x.cpu(), self.y.cpu()
+        return self.x.to("cpu", copy=True), self.y.to("cpu", copy=True)
 
     def verify(self, size: int) -> None:
         if self.gpu:

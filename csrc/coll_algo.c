@@ -105,11 +105,15 @@ static size_t clockwise_part(const struct uccl__comm *cm, size_t len)
     return ((len / 2) + 4095) & ~(size_t)4095;
 }
 
-static void copy_own(struct uccl__comm *cm, struct uccl__op *o)
+/* This rank's own chunk into its place (host or GPU memory: the engine's
+ * copy, which tells them apart). */
+static int copy_own(struct uccl__comm *cm, struct uccl__op *o)
 {
     struct uccl_coll_buf *own = &o->recv[cm->rank];
-    if (own->ptr != o->send.ptr && o->send.len)
-        memmove((void *)own->ptr, (const void *)o->send.ptr, o->send.len);
+    int rc = uccl_ep_copy(cm->ep, own->ptr, o->send.ptr, o->send.len);
+    return rc ? uccl__op_err(o, rc, "%s: this rank's own chunk: %s", o->algo->name,
+                             uccl_last_error())
+              : UCCL_OK;
 }
 
 /* Both allgathers: register the buffers; the flag receives are posted with.
@@ -137,7 +141,7 @@ static int start_direct(struct uccl__comm *cm, struct uccl__op *o)
     for (int i = 1; i < n && rc == UCCL_OK; i++)
         rc = uccl__coll_post(cm, o, UCCL_XFER_SEND, (me + i) % n, &o->send, 0, o->send.len);
     if (rc == UCCL_OK)
-        copy_own(cm, o);
+        rc = copy_own(cm, o);
     for (int i = 1; i < n && rc == UCCL_OK; i++) {
         int r = (me - i + n) % n;
         rc = uccl__coll_post(cm, o, UCCL_XFER_RECV | rflag, r, &o->recv[r], 0, o->recv[r].len);
@@ -157,17 +161,15 @@ static int start_ring(struct uccl__comm *cm, struct uccl__op *o)
     int n = cm->size, me = cm->rank, rflag, rc = allgather_setup(cm, o, &rflag);
     if (rc)
         return rc;
-    if (n == 1) {
-        copy_own(cm, o);
-        return UCCL_OK;
-    }
+    if (n == 1)
+        return copy_own(cm, o);
     int left = (me - 1 + n) % n, right = (me + 1) % n;
     size_t h = clockwise_part(cm, o->send.len);
     rc = post_pieces(cm, o, UCCL_XFER_SEND, right, -1, 0, h, -1);
     if (rc == UCCL_OK && n > 2)
         rc = post_pieces(cm, o, UCCL_XFER_SEND, left, -1, h, o->send.len - h, -1);
     if (rc == UCCL_OK)
-        copy_own(cm, o);
+        rc = copy_own(cm, o);
     for (int s = 0; s < n - 1 && rc == UCCL_OK; s++) {
         int cw = (me - 1 - s + 2 * n) % n, ccw = (me + 1 + s) % n;
         size_t hc = clockwise_part(cm, o->recv[cw].len);

@@ -83,6 +83,11 @@ int uccl_stream_mark_poll(void *mark);
 int uccl_stream_mark_wait(void *mark, uint64_t timeout_ns);
 void uccl_stream_mark_free(void *mark);
 
+/* Copy len bytes from src to dst within this process, host or device
+ * memory in any pairing (classified here: no registration needed); done
+ * when it returns.  Host to host may overlap (memmove). */
+int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len);
+
 /* Host-released stream waits: `stream` of device dev waits (without
  * blocking the host) until uccl_ep_flag_set(ep, *flag_p) is called; the
  * caller must call it exactly once, whatever happens.  UCCL_ERR_NOMEM:

@@ -6,8 +6,10 @@
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdio.h>
+#include <string.h>
 #include <unistd.h>
 
+#include "cuda_loader.h"
 #include "engine.h"
 #include "gpu.h"
 #include "status.h"
@@ -202,6 +204,28 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
         rc = outcome(ep, r);
     uccl__req_put(r);
     return rc;
+}
+
+int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len)
+{
+    if (len == 0 || dst == src)
+        return UCCL_OK;
+    if (!uccl__cuda_initialised()) { /* no CUDA memory can exist in this process */
+        memmove((void *)dst, (const void *)src, len);
+        return UCCL_OK;
+    }
+    struct uccl__gpu_info d, s;
+    int rc = uccl__gpu_classify(dst, len, &d);
+    if (rc == UCCL_OK)
+        rc = uccl__gpu_classify(src, len, &s);
+    if (rc)
+        return rc;
+    if (!UCCL_MK_ON_GPU(d.mkind) && !UCCL_MK_ON_GPU(s.mkind)) {
+        memmove((void *)dst, (const void *)src, len);
+        return UCCL_OK;
+    }
+    return uccl__gpu_copy_kinds((void *)dst, d.mkind, (const void *)src, s.mkind, len,
+                                ep->local.timeout_ns);
 }
 
 /* The endpoint's pool of stream-wait flags, made on first use. */

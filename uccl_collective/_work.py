@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,16 +34,26 @@ import torch.distributed as dist
 
 from .p2p import UcclError, UcclTimeoutError
 
+#: Work.wait() on CUDA tensors: wait on the host until the bytes are in place
+#: (the default), or with UCCL_PG_STREAM_WAIT=1 order the caller's stream
+#: without blocking the host.  Off by default: the stream then waits on a
+#: flag that Python threads release, and a synchronous copy from that stream
+#: (DDP's construction does one: broadcast, wait(), then a blocking copy to
+#: the host) hung the job on the H100 (cause not found; see the README).
+STREAM_WAIT = os.environ.get("UCCL_PG_STREAM_WAIT", "0") == "1"
+
 #: Runner.submit's run_now for point-to-point posts: run here only when
 #: nothing is ahead (a post must not wait behind a long collective).
 IF_IDLE = "if-idle"
 
 
 class Task:
-    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock")
+    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device")
 
-    def __init__(self, fn: Callable[[], list | None] | None, result: list):
+    def __init__(self, fn: Callable[[], list | None] | None, result: list,
+                 device: int | None = None):
         self.fn, self.result = fn, result
+        self.device = device          # CUDA device of its tensors, or None
         self.ran = False
         self.error: BaseException | None = None
         self.pending: list = []       # Handles the task left in flight
@@ -204,7 +215,10 @@ class Runner:
     def future_of(self, task: Task) -> torch.futures.Future:
         with self._cv:
             if task.future is None:
-                task.future = torch.futures.Future()
+                # A future holding CUDA tensors must be told their device:
+                # one made for the CPU refuses them when completed.
+                task.future = torch.futures.Future() if task.device is None else \
+                    torch.futures.Future(devices=[torch.device("cuda", task.device)])
                 # A fresh future has no callbacks yet: when the task is over
                 # it completes right here, so value() works at once after
                 # wait(), as torch documents.
@@ -293,7 +307,7 @@ class Work(dist._Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         own = bool(secs) and 0 < secs < self._runner.timeout_s
-        if self._dev is not None and not own and self._stream_wait():
+        if self._dev is not None and not own and STREAM_WAIT and self._stream_wait():
             return True
         deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task

@@ -213,7 +213,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         dev = _cuda_device(result, uses)
         if dev is not None:
             fn = self._on_gpu(fn, dev)
-        task = Task(fn, result)
+        task = Task(fn, result, dev)
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
