@@ -16,7 +16,9 @@
 # PACK=1 packs coll/ into $out/coll_logs.tgz and removes the folder (for the
 # device tool, which brings back at most 8 files).  Every step runs under
 # `timeout`, capped so that the whole script ends within BUDGET_S seconds
-# (default 530: under 9 minutes) whatever hangs.
+# (default 530: under 9 minutes) whatever hangs.  MPS=1 runs everything
+# under CUDA MPS (the daemon is started here and stopped at the end): the
+# processes then share one GPU context instead of time-slicing theirs.
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/device_build.sh"
@@ -24,6 +26,13 @@ budget=${BUDGET_S:-530}
 logs=$out/coll
 mkdir -p "$logs"
 echo "build done ($((SECONDS - start))s elapsed); logs in $logs"
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS=1: cannot start nvidia-cuda-mps-control"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  echo "CUDA MPS on"
+fi
 
 # step NAME LIMIT_S CMD...: run CMD (output to $logs/NAME.log) under
 # timeout, at most LIMIT_S seconds and never past the budget.

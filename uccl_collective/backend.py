@@ -63,19 +63,25 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
 
 def _cuda_device(*groups: Any) -> int | None:
     """The CUDA device of an operation's tensors (nested in lists), or None
-    when all are on the CPU.  One device per operation, as with NCCL."""
-    dev = None
+    when all are on the CPU.  One device per operation, as with NCCL (and
+    no mixing of CPU and CUDA tensors)."""
+    dev, cpu = None, False
     stack = list(groups)
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
-            if x.is_cuda:
-                if dev is not None and x.device.index != dev:
-                    raise ValueError(f"the CUDA tensors of one operation must be on one device, "
-                                     f"got cuda:{dev} and cuda:{x.device.index}")
+            if not x.is_cuda:
+                cpu = True
+            elif dev is not None and x.device.index != dev:
+                raise ValueError(f"the CUDA tensors of one operation must be on one device, "
+                                 f"got cuda:{dev} and cuda:{x.device.index}")
+            else:
                 dev = x.device.index
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
+    if dev is not None and cpu:
+        raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
+                         "them all on one device")
     return dev
 
 

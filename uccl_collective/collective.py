@@ -87,10 +87,15 @@ def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
     CUDA stream of the tensors' device (the operation starts once the work
     queued there before the call is done, as NCCL's kernels do), or
     NO_STREAM when no tensor is on a GPU.  The CUDA tensors of one operation
-    must share a device, as with NCCL."""
-    dev = -1
+    must share a device, as with NCCL, and an operation does not mix CPU and
+    CUDA tensors (as neither NCCL nor Gloo does: an allgather of a CUDA send
+    tensor into host memory failed on the H100, so it is refused up front)."""
+    dev, cpu = -1, False
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
+        if isinstance(t, torch.Tensor):
+            if not t.is_cuda:
+                cpu = True
+                continue
             d = t.device.index
             if dev >= 0 and d != dev:
                 raise ValueError(f"one operation's CUDA tensors must be on one device, got "
@@ -98,6 +103,9 @@ def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
             dev = d
     if dev < 0:
         return NO_STREAM
+    if cpu:
+        raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
+                         "them all on one device")
     return dev, torch.cuda.current_stream(dev).cuda_stream
 
 
