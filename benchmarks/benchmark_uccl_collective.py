@@ -48,6 +48,11 @@ Launch with torchrun, e.g.
             2(N-1) slices of size/N (the movement of reduce-scatter +
             allgather, without the arithmetic).  The issue's target: uccl
             time <= 1.25x the copies' time at >= 16 MiB per rank.
+            --ipc-own-copy adds to an allgather's copies the one of the
+            rank's own chunk into the output, which an out-of-place
+            allgather also makes: on one GPU shared by the ranks every copy
+            draws on the same memory bandwidth, so that copy costs as much
+            as a peer's (N/(N-1) of the cross-process copies' time).
   none      uccl alone.
 "ratio" is uccl busbw / reference busbw (above 1: uccl is faster);
 "time_ratio" is uccl time / reference time.
@@ -111,6 +116,10 @@ def get_args() -> argparse.Namespace:
                         "the default here) or through torch.distributed (upstream's default)")
     p.add_argument("--compare", choices=["gloo", "nccl", "ipc-copy", "none"], default="gloo",
                    help="the reference timed in the same run (see below)")
+    p.add_argument("--ipc-own-copy", action="store_true",
+                   help="ipc-copy of allgather (both modes): add the copy of this rank's own "
+                        "chunk into the output, which an out-of-place allgather also makes "
+                        "(the issue's target counts only the N(N-1) cross-process chunks)")
     p.add_argument("--nccl-shared-gpu", action="store_true",
                    help="--compare nccl even when ranks share a GPU (where it hangs)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds, for every blocking call")
@@ -176,8 +185,12 @@ class IpcCopies:
         self.group = group
         handles = [None] * world
         dist.all_gather_object(handles, reduce_tensor(x), group=group)
+        me = dist.get_rank(group)
         remote = {}
         for peer in sorted({e[0] for e in plan}):
+            if peer == me:   # this rank's own chunk (--ipc-own-copy): a local copy
+                remote[peer] = x
+                continue
             rebuild, rebuild_args = handles[peer]
             remote[peer] = rebuild(*rebuild_args)
         self.copies = [(dst, remote[peer][off:off + n]) for peer, off, n, dst in plan]
@@ -277,7 +290,8 @@ class Runner(_Bench):
         """(peer, src offset, elements, "y", dst offset) of every copy this rank makes."""
         n, a = size // 4, self.args
         if a.op == "allgather":
-            return [(p, 0, n, "y", p * n) for p in range(self.world) if p != self.rank]
+            return [(p, 0, n, "y", p * n) for p in range(self.world)
+                    if p != self.rank or a.ipc_own_copy]
         if a.op == "ring":
             return [(self.left, 0, n, "y", 0)]
         if self.partner < self.world and (a.dual or self.rank % 2):
@@ -421,7 +435,7 @@ class GroupRunner(_Bench):
         peers = [p for p in range(w) if p != r]
         c = n // w
         if op == "allgather":
-            return [(p, 0, n, "y", p * n) for p in peers]
+            return [(p, 0, n, "y", p * n) for p in (range(w) if self.args.ipc_own_copy else peers)]
         if op == "alltoall":
             return [(p, r * c, c, "y", p * c) for p in peers]
         if op == "reduce_scatter":

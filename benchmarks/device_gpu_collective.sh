@@ -16,9 +16,13 @@
 # PACK=1 packs coll/ into $out/coll_logs.tgz and removes the folder (for the
 # device tool, which brings back at most 8 files).  Every step runs under
 # `timeout`, capped so that the whole script ends within BUDGET_S seconds
-# (default 530: under 9 minutes) whatever hangs.  MPS=1 runs everything
-# under CUDA MPS (the daemon is started here and stopped at the end): the
-# processes then share one GPU context instead of time-slicing theirs.
+# (default 530: under 9 minutes) whatever hangs.  Everything runs under
+# CUDA MPS (the daemon is started here and stopped at the end; MPS=0 runs
+# without): processes sharing one GPU then run their work side by side
+# instead of time-slicing the GPU.  Without MPS, a copy waited for on the
+# host costs ~275 us when 2 processes do it at once and ~550 us with 4
+# (benchmarks/gpu_share_floor.py; BENCHMARKS.md), whatever moves it: that
+# is the shared GPU, not the library, and it hides everything else.
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/device_build.sh"
@@ -26,7 +30,7 @@ budget=${BUDGET_S:-530}
 logs=$out/coll
 mkdir -p "$logs"
 echo "build done ($((SECONDS - start))s elapsed); logs in $logs"
-if [ "${MPS:-0}" = 1 ]; then
+if [ "${MPS:-1}" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "MPS=1: cannot start nvidia-cuda-mps-control"; exit 1; }
@@ -74,6 +78,8 @@ if [ "${BENCH:-1}" = 1 ]; then
   }
   for n in 2 4; do
     bench ag_ipc "$n" 100 --compare ipc-copy --sizes 64K,1M,16M,64M,256M
+    # the same against the copies an out-of-place allgather makes (its own chunk too)
+    bench ag_ipc_own "$n" 60 --compare ipc-copy --ipc-own-copy --sizes 16M,64M,256M
     if [ "$n" = 2 ]; then
       # the 64 KiB allgather's time per call, many calls (target <= 40 us)
       bench ag_64k 2 60 --compare ipc-copy --sizes 64K --iters 1000 --warmup 50
@@ -97,7 +103,7 @@ logs = sys.argv[1]
 fmt = lambda v, w=9, p=1: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
 print(f"{'run':<16} {'n':>2} {'size':>7}  {'uccl us':>9} {'busbw':>8}  {'reference':<22} "
       f"{'ref us':>9} {'busbw':>8}  {'uccl/ref':>8}  target")
-order = ["ag_ipc", "ag_64k", "ag_gloo", "pg_allgather", "pg_allreduce"]
+order = ["ag_ipc", "ag_ipc_own", "ag_64k", "ag_gloo", "pg_allgather", "pg_allreduce"]
 runs = []
 for path in glob.glob(os.path.join(logs, "*.json")):
     run, n = os.path.basename(path)[:-5].rsplit("_n", 1)

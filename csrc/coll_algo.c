@@ -55,6 +55,11 @@ const struct uccl__coll_algo uccl__coll_p2p = {
     .name = "p2p", .posted_is_done = 1, .start = start_p2p,
 };
 
+/* The same batch, done once every transfer is (what a stream waits for). */
+const struct uccl__coll_algo uccl__coll_p2p_all = {
+    .name = "p2p", .start = start_p2p,
+};
+
 /* ------------------------------------------------------------------------- */
 /* allgather                                                                  */
 
@@ -106,11 +111,13 @@ static size_t clockwise_part(const struct uccl__comm *cm, size_t len)
 }
 
 /* This rank's own chunk into its place (host or GPU memory: the engine's
- * copy, which tells them apart). */
+ * copy, which tells them apart).  Within GPU memory it is only started
+ * (o->own_copy), so the receives are posted at once and the copy engine
+ * runs it alongside them; finishing the operation waits for it. */
 static int copy_own(struct uccl__comm *cm, struct uccl__op *o)
 {
     struct uccl_coll_buf *own = &o->recv[cm->rank];
-    int rc = uccl_ep_copy(cm->ep, own->ptr, o->send.ptr, o->send.len);
+    int rc = uccl_ep_copy_start(cm->ep, own->ptr, o->send.ptr, o->send.len, &o->own_copy);
     return rc ? uccl__op_err(o, rc, "%s: this rank's own chunk: %s", o->algo->name,
                              uccl_last_error())
               : UCCL_OK;

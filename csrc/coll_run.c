@@ -34,6 +34,10 @@ void uccl__op_free(struct uccl__op *o)
     free(o->x.recv);
     free(o->fwd);
     uccl_stream_mark_free(o->mark);
+    if (o->own_copy) { /* only after a failure's cleanup could not wait it out */
+        uccl_stream_mark_wait(o->own_copy, 10000000000ull);
+        uccl_stream_mark_free(o->own_copy);
+    }
     free(o);
 }
 
@@ -92,6 +96,10 @@ void uccl__coll_cleanup(struct uccl__comm *cm, struct uccl__op *o, int failed)
         uccl_ep_release(cm->ep, o->x.id[i]);
     }
     o->x.waited = o->x.n;
+    if (o->own_copy && uccl_stream_mark_wait(o->own_copy, uccl_ep_timeout_ns(cm->ep)) == UCCL_OK) {
+        uccl_stream_mark_free(o->own_copy); /* nothing of it lands after this */
+        o->own_copy = NULL;
+    }
     for (int i = 0; i < o->ntmp; i++)
         uccl_ep_dereg(cm->ep, o->tmp_mr[i]);
     o->ntmp = 0;
@@ -132,6 +140,35 @@ static int wait_one(struct uccl__comm *cm, struct uccl__op *o, int i, uint64_t d
     return rc;
 }
 
+/* Wait until *mark is reached (then free it), or `until` passes (spinning
+ * briefly, then yielding, then napping: a GPU producer may run for
+ * milliseconds).  what: the mark, in the timeout's message. */
+static int wait_mark(struct uccl__op *o, void **mark, uint64_t until, const char *what)
+{
+    for (unsigned i = 0;; i++) {
+        int q = uccl_stream_mark_poll(*mark);
+        if (q > 0) {
+            uccl_stream_mark_free(*mark);
+            *mark = NULL;
+            return UCCL_OK;
+        }
+        if (q < 0)
+            return uccl__op_err(o, q, "%s: %s", o->algo->name, uccl_last_error());
+        uint64_t now = uccl__now_ns();
+        if (now >= o->deadline)
+            return uccl__op_err(o, UCCL_ERR_TIMEOUT, "%s: %s did not end within the timeout",
+                                o->algo->name, what);
+        if (now >= until)
+            return UCCL_INPROGRESS;
+        if (i < 64)
+            continue;
+        if (i < 1024)
+            sched_yield();
+        else
+            usleep(20);
+    }
+}
+
 /* Wait for every transfer o posted, releasing them, until `until`
  * (resumable: cursor and x.waited say how far it got).  Receives first:
  * they need this rank (or its threads) to copy, while a send only waits for
@@ -149,43 +186,17 @@ int uccl__coll_finish_transfers(struct uccl__comm *cm, struct uccl__op *o, uint6
             return rc;
         uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
     }
+    if (o->own_copy && (rc = wait_mark(o, &o->own_copy, until, "the copy of this rank's chunk")))
+        return rc;
     uccl__coll_cleanup(cm, o, 0);
     return UCCL_OK;
-}
-
-/* Wait until the caller's stream reaches o's mark, or `until` passes
- * (spinning briefly, then yielding, then napping: a GPU producer may run
- * for milliseconds). */
-static int wait_mark(struct uccl__op *o, uint64_t until)
-{
-    for (unsigned i = 0;; i++) {
-        int q = uccl_stream_mark_poll(o->mark);
-        if (q > 0) {
-            uccl_stream_mark_free(o->mark);
-            o->mark = NULL;
-            return UCCL_OK;
-        }
-        if (q < 0)
-            return uccl__op_err(o, q, "%s: %s", o->algo->name, uccl_last_error());
-        uint64_t now = uccl__now_ns();
-        if (now >= o->deadline)
-            return uccl__op_err(o, UCCL_ERR_TIMEOUT, "%s: the caller's CUDA stream did not reach "
-                                "the operation within the timeout", o->algo->name);
-        if (now >= until)
-            return UCCL_INPROGRESS;
-        if (i < 64)
-            continue;
-        if (i < 1024)
-            sched_yield();
-        else
-            usleep(20);
-    }
 }
 
 int uccl__coll_advance(struct uccl__comm *cm, struct uccl__op *o, uint64_t until)
 {
     int rc;
-    if (o->phase == 0 && o->mark && (rc = wait_mark(o, until)))
+    if (o->phase == 0 && o->mark &&
+        (rc = wait_mark(o, &o->mark, until, "the work queued on the caller's CUDA stream")))
         return rc;
     if (o->phase == 0) {
         if ((rc = o->algo->start(cm, o)))

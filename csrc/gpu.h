@@ -78,6 +78,11 @@ void uccl__gpu_import_put(struct uccl__gpu_import *imp);
 int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
                    uint64_t timeout_ns);
 
+/* Queue a copy of len bytes on this thread's copy-start stream of device
+ * dev and return at once: *ev_p is an event that completes with it
+ * (uccl__gpu_event_poll/wait/free), NULL when len is 0. */
+int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void **ev_p);
+
 /* A copy between local memory of kinds dst_mk and src_mk: memcpy between
  * host memory, else uccl__gpu_copy on the device copy_dev picks. */
 int uccl__gpu_copy_kinds(void *dst, uint32_t dst_mk, const void *src, uint32_t src_mk, size_t len,

@@ -22,8 +22,8 @@
  * each) per device: copies of different threads never queue behind each
  * other, and none waits for the legacy default stream torch works on. */
 struct lanes {
-    cu_stream s[MAX_STREAMS];
-    cu_event e[MAX_STREAMS];
+    cu_stream s[MAX_STREAMS + 1]; /* [0, UCCL_P2P_CUDA_STREAMS): copies; the next: copy_start's */
+    cu_event e[MAX_STREAMS + 1];
     int n;
 };
 struct thread_lanes {
@@ -158,6 +158,36 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
         return uccl__err(rc, "copying %zu bytes 0x%zx -> 0x%zx on device %d: %s", len,
                          (size_t)src, (size_t)dst, dev, uccl_last_error());
     return rc;
+}
+
+int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void **ev_p)
+{
+    *ev_p = NULL;
+    if (len == 0)
+        return UCCL_OK;
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    unsigned side = lanes_wanted(); /* a stream of its own: the thread's copies never queue behind it */
+    struct lanes *l = NULL;
+    if ((rc = lanes_get(dev, side + 1, &l)) != UCCL_OK)
+        return rc;
+    cu_event ev;
+    cu_result r = cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "creating an event");
+    r = cu->MemcpyAsync((cu_ptr)(uintptr_t)dst, (cu_ptr)(uintptr_t)src, len, l->s[side]);
+    if (r == CU_OK)
+        r = cu->EventRecord(ev, l->s[side]);
+    if (r != CU_OK) {
+        while (cu->StreamQuery(l->s[side]) == CU_ERR_NOT_READY) /* what was queued ends first */
+            sched_yield();
+        cu->EventDestroy(ev);
+        return uccl__cuda_err(r, "queueing a GPU copy");
+    }
+    *ev_p = ev;
+    return UCCL_OK;
 }
 
 /* The device to work on for a copy between memory kinds a and b. */

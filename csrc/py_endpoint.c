@@ -548,44 +548,6 @@ static PyObject *Endpoint_stream_wait(PyObject *op, PyObject *args)
     return PyBool_FromLong(queued);
 }
 
-/* _stream_flag(dev, stream) -> flag, or None when every slot is taken:
- * the stream waits until _flag_set(flag), which the caller must call once,
- * whatever happens (the process group's GPU Work.wait()). */
-static PyObject *Endpoint_stream_flag(PyObject *op, PyObject *args)
-{
-    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
-    int dev;
-    uint64_t stream, flag = 0;
-    if (!PyArg_ParseTuple(args, "iO&", &dev, uccl__py_to_u64, &stream) || uccl__py_ep_check(self))
-        return NULL;
-    int rc;
-    uccl__py_ep_enter(self);
-    Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_stream_flag(self->ep, dev, (uintptr_t)stream, &flag);
-    Py_END_ALLOW_THREADS
-    uccl__py_ep_leave(self);
-    if (rc == UCCL_ERR_NOMEM)
-        Py_RETURN_NONE;
-    if (rc)
-        return uccl__py_ep_fail(self, rc);
-    return PyLong_FromUnsignedLongLong(flag);
-}
-
-/* _flag_set(flag): the stream waiting on flag goes on. */
-static PyObject *Endpoint_flag_set(PyObject *op, PyObject *args)
-{
-    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
-    uint64_t flag;
-    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &flag) || uccl__py_ep_check(self))
-        return NULL;
-    uccl__py_ep_enter(self);
-    int rc = uccl_ep_flag_set(self->ep, flag);
-    uccl__py_ep_leave(self);
-    if (rc)
-        return uccl__py_ep_fail(self, rc);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Endpoint_poll_async(PyObject *op, PyObject *args)
 {
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
@@ -675,9 +637,6 @@ static PyMethodDef Endpoint_methods[] = {
     {"poll_async", Endpoint_poll_async, METH_VARARGS, "poll_async(transfer_id) -> (True, is_done)"},
     {"_stream_wait", Endpoint_stream_wait, METH_VARARGS,
      "_stream_wait(transfer_id, stream) -> bool (the stream waits; False: host memory)"},
-    {"_stream_flag", Endpoint_stream_flag, METH_VARARGS,
-     "_stream_flag(dev, stream) -> flag or None: the stream waits until _flag_set(flag)"},
-    {"_flag_set", Endpoint_flag_set, METH_VARARGS, "_flag_set(flag): release its stream"},
     {"release", Endpoint_release, METH_VARARGS, "release(transfer_id): forget a finished id"},
     {"advertise", Endpoint_advertise, METH_VARARGS,
      "advertise(conn_id, mr_id, addr, len) -> (True, fifo_item)"},

@@ -87,6 +87,11 @@ void uccl_stream_mark_free(void *mark);
  * memory in any pairing (classified here: no registration needed); done
  * when it returns.  Host to host may overlap (memmove). */
 int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len);
+/* The same, started: where device memory is involved the copy is queued on
+ * the copy engine and *mark_p is a stream mark that is reached when it is
+ * done (uccl_stream_mark_poll/wait/free); otherwise it is done here and
+ * *mark_p is NULL. */
+int uccl_ep_copy_start(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p);
 
 /* Host-released stream waits: `stream` of device dev waits (without
  * blocking the host) until uccl_ep_flag_set(ep, *flag_p) is called; the

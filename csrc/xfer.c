@@ -206,8 +206,11 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
     return rc;
 }
 
-int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len)
+/* uccl_ep_copy and uccl_ep_copy_start: mark_p NULL copies to the end. */
+static int local_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p)
 {
+    if (mark_p)
+        *mark_p = NULL;
     if (len == 0 || dst == src)
         return UCCL_OK;
     if (!uccl__cuda_initialised()) { /* no CUDA memory can exist in this process */
@@ -224,8 +227,22 @@ int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len)
         memmove((void *)dst, (const void *)src, len);
         return UCCL_OK;
     }
+    if (mark_p && UCCL_MK_ON_GPU(d.mkind) && UCCL_MK_ON_GPU(s.mkind) &&
+        UCCL_MK_DEV(d.mkind) == UCCL_MK_DEV(s.mkind))
+        return uccl__gpu_copy_start(UCCL_MK_DEV(d.mkind), (void *)dst, (const void *)src, len,
+                                    mark_p);
     return uccl__gpu_copy_kinds((void *)dst, d.mkind, (const void *)src, s.mkind, len,
                                 ep->local.timeout_ns);
+}
+
+int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len)
+{
+    return local_copy(ep, dst, src, len, NULL);
+}
+
+int uccl_ep_copy_start(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p)
+{
+    return local_copy(ep, dst, src, len, mark_p);
 }
 
 /* The endpoint's pool of stream-wait flags, made on first use. */

@@ -34,21 +34,75 @@ import torch.distributed as dist
 
 from .p2p import UcclError, UcclTimeoutError
 
-#: Work.wait() on CUDA tensors: wait on the host until the bytes are in place
-#: (the default), or with UCCL_PG_STREAM_WAIT=1 order the caller's stream
-#: without blocking the host.  Off by default: the stream then waits on a
-#: flag that Python threads release, and a synchronous copy from that stream
-#: (DDP's construction does one: broadcast, wait(), then a blocking copy to
-#: the host) hung the job on the H100 (cause not found; see the README).
-STREAM_WAIT = os.environ.get("UCCL_PG_STREAM_WAIT", "0") == "1"
+#: Work.wait() of a collective on CUDA tensors: order the caller's current
+#: stream after the operation without blocking the host, as ProcessGroupNCCL
+#: does (the default), or with UCCL_PG_STREAM_WAIT=0 wait on the host until
+#: the bytes are in place.  Such a collective is enqueued on the group's
+#: stream when it is issued (see Enqueued), so the stream goes on with no
+#: Python thread involved: a blocking CUDA call that holds the GIL right
+#: after wait() cannot deadlock it.
+STREAM_WAIT = os.environ.get("UCCL_PG_STREAM_WAIT", "1") != "0"
 
 #: Runner.submit's run_now for point-to-point posts: run here only when
 #: nothing is ahead (a post must not wait behind a long collective).
 IF_IDLE = "if-idle"
 
 
+class Enqueued:
+    """What a task on CUDA tensors put on the group's stream: engine
+    operations (ids of the context's communicator, each holding the stream
+    until it ends) and the event recorded after all of it.  A pending
+    handle of its task: test() and wait() look at the operations (releasing
+    each once finished) and then at the event."""
+
+    def __init__(self, cm):
+        self.cm = cm
+        self.ids: list[int] = []          # appended by the context while the task runs
+        self.end = torch.cuda.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _collect(self, timeout: float | None) -> bool:
+        with self._lock:
+            while self.ids and self.error is None:
+                try:
+                    if timeout is None:
+                        if not self.cm.test(self.ids[0]):
+                            return False
+                    else:
+                        self.cm.wait(self.ids[0], timeout)
+                except BaseException as e:
+                    self.error = e
+                    break
+                self.ids.pop(0)
+            if self.error is not None:
+                raise self.error
+            return True
+
+    def test(self) -> bool:
+        return self._collect(None) and self.end.query()
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._collect(timeout)
+        while not self.end.query():   # polled: a wedged stream must not hang the host
+            if time.monotonic() > deadline:
+                raise UcclTimeoutError(f"the operation's CUDA work did not finish within "
+                                       f"{timeout:g} s")
+            time.sleep(50e-6)
+
+    def failure(self) -> BaseException | None:
+        """The first failed operation's error, if one has failed by now."""
+        try:
+            self._collect(None)
+        except BaseException:
+            pass
+        return self.error
+
+
 class Task:
-    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device")
+    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device",
+                 "enqueued")
 
     def __init__(self, fn: Callable[[], list | None] | None, result: list,
                  device: int | None = None):
@@ -59,6 +113,7 @@ class Task:
         self.pending: list = []       # Handles the task left in flight
         self.future: torch.futures.Future | None = None
         self.lock = threading.Lock()  # one thread settles the pending handles
+        self.enqueued: Enqueued | None = None   # a task on CUDA tensors, enqueued
 
     def settle_pending(self, deadline: float | None) -> bool:
         """After the task ran: wait for (deadline) or test (None) what it
@@ -186,32 +241,6 @@ class Runner:
         # closed: the endpoint is gone, so this ends at once
         threading.Thread(target=settle, daemon=True).start()
 
-    def when_done(self, task: Task, then: Callable[[], None]) -> None:
-        """Call then() on a delivery thread once task has run and what it
-        left in flight has settled (or failed, or timed out): Work.wait()'s
-        release of a CUDA stream.  then() runs whatever happens."""
-        def settle() -> None:
-            try:
-                deadline = time.monotonic() + self.timeout_s
-                self.drive(task, deadline, run_here=False)
-                task.settle_pending(deadline)
-            except BaseException:
-                pass   # the task's own error stays with it (exception(), the group's next call)
-            finally:
-                then()
-        with self._cv:
-            if self._delivery is None and not self._closed:
-                self._delivery = ThreadPoolExecutor(self.DELIVERY_THREADS,
-                                                    thread_name_prefix=f"uccl-pg-{self._name}-fut")
-            ex = self._delivery
-        try:
-            if ex is not None:
-                ex.submit(settle)
-                return
-        except RuntimeError:
-            pass   # shut down
-        threading.Thread(target=settle, daemon=True).start()
-
     def future_of(self, task: Task) -> torch.futures.Future:
         with self._cv:
             if task.future is None:
@@ -285,21 +314,21 @@ class Work(dist._Work):
     value is the list of output tensors (what DDP communication hooks
     expect).
 
-    On CUDA tensors wait() behaves as ProcessGroupNCCL's: it makes the
-    caller's current stream wait for the operation without blocking the
-    host (the stream waits on a flag the engine's pool hands out, released
-    once the operation has finished, failed or timed out).  An error that
-    comes after wait() returned is then raised by exception(), and by the
-    group's next operation (a failed operation poisons the group).
-    synchronize() is wait(), as with NCCL.  get_future()'s future is
-    completed once the bytes are in place, so its wait() blocks the host
-    (stricter than NCCL's CUDA-aware future, never earlier)."""
+    On a collective of CUDA tensors wait() behaves as ProcessGroupNCCL's: it
+    makes the caller's current stream wait for the operation (the event its
+    task recorded on the group's stream) without blocking the host.  An
+    error that comes after wait() returned is then raised by exception(),
+    and by the group's next operation (a failed operation poisons the
+    group).  Point-to-point operations on CUDA tensors, and wait() with a
+    timeout of its own, wait on the host.  synchronize() is wait(), as with
+    NCCL.  get_future()'s future is completed once the bytes are in place,
+    so its wait() blocks the host (stricter than NCCL's CUDA-aware future,
+    never earlier)."""
 
-    def __init__(self, runner: Runner, task: Task, cuda_device: int | None = None,
-                 endpoint: Any = None):
+    def __init__(self, runner: Runner, task: Task, cuda_device: int | None = None):
         super().__init__()
         self._runner, self._task = runner, task
-        self._dev, self._ep = cuda_device, endpoint
+        self._dev = cuda_device
 
     def _done(self) -> bool:
         return self._task.ran and self._task.settle_pending(None)
@@ -307,37 +336,18 @@ class Work(dist._Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         own = bool(secs) and 0 < secs < self._runner.timeout_s
-        if self._dev is not None and not own and STREAM_WAIT and self._stream_wait():
-            return True
         deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task
         self._runner.drive(t, deadline, run_here=not own, give_up=not own)
+        if t.error is None and t.enqueued is not None and STREAM_WAIT and not own:
+            err = t.enqueued.failure()
+            if err is not None:
+                raise err
+            torch.cuda.current_stream(self._dev).wait_event(t.enqueued.end)
+            return True
         t.settle_pending(deadline)
         if t.error is not None:
             raise t.error
-        return True
-
-    def _stream_wait(self) -> bool:
-        """The current stream waits for the task; False: wait on the host
-        (it is over already, so its error can be raised now, or no flag
-        was free)."""
-        t = self._task
-        if t.ran and t.settle_pending(None):
-            return False
-        ep = self._ep
-        try:
-            flag = ep._stream_flag(self._dev, torch.cuda.current_stream(self._dev).cuda_stream)
-        except Exception:
-            return False   # endpoint closed: the host wait reports it
-        if flag is None:
-            return False
-
-        def release() -> None:
-            try:
-                ep._flag_set(flag)
-            except Exception:
-                pass   # closed meanwhile: closing the endpoint released every waiting stream
-        self._runner.when_done(t, release)
         return True
 
     def synchronize(self) -> None:

@@ -13,6 +13,7 @@ with torch on the receiving rank (_reduce.py).
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import time
 from typing import Any, Callable, Sequence
@@ -20,9 +21,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _reduce
+from . import _reduce, _reduce_gpu
 from ._reduce import R
-from ._work import IF_IDLE, Runner, Task, Work
+from ._work import IF_IDLE, Enqueued, Runner, Task, Work
 from .collective import CollectiveContext
 from .p2p import UcclError
 
@@ -83,6 +84,18 @@ def _cuda_device(*groups: Any) -> int | None:
         raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
                          "them all on one device")
     return dev
+
+
+def _tensors_in(*groups: Any) -> list[torch.Tensor]:
+    """The tensors in (nested lists of) groups."""
+    out, stack = [], list(groups)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -163,6 +176,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         # [0]: the algorithms' scratch; [1]: working copies of inputs
         self._scratch_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._streams: dict[int, Any] = {}   # per CUDA device: where tasks' kernels run
+        self._inflight: collections.deque[Enqueued] = collections.deque()
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -217,6 +231,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         dev = _cuda_device(result, uses)
+        if dev is not None and not p2p:
+            return self._submit_enqueued(fn, result, uses, dev, sync)
         if dev is not None:
             fn = self._on_gpu(fn, dev)
         task = Task(fn, result, dev)
@@ -226,7 +242,62 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             task.settle_pending(deadline)
             if task.error is not None:
                 raise task.error
-        return Work(self._runner, task, dev, self._ctx.ep)
+        return Work(self._runner, task, dev)
+
+    def _stream(self, dev: int) -> Any:
+        own = self._streams.get(dev)
+        if own is None:
+            own = self._streams[dev] = torch.cuda.Stream(dev)
+        return own
+
+    def _submit_enqueued(self, fn: Callable, result: list, uses: Sequence, dev: int,
+                         sync: bool) -> Work:
+        """A collective on CUDA tensors, put on the group's stream for the
+        device as ProcessGroupNCCL puts its kernels: after the work queued
+        on the caller's current stream before the call, with its engine
+        operations enqueued too (CollectiveContext._enqueued), so that the
+        whole of it proceeds without the host.  The task itself only queues
+        (it runs on this thread unless earlier tasks are still queued);
+        Work.wait() makes the caller's stream wait for its end event."""
+        caller = torch.cuda.current_stream(dev)
+        side = self._stream(dev)
+        ready = None
+        if not caller.query():   # work queued there: the operation starts after it
+            ready = torch.cuda.Event()
+            ready.record(caller)
+        ctx = self._ctx
+        enq = Enqueued(ctx._cm())
+        tensors = _tensors_in(result, uses)
+
+        def run():
+            with torch.cuda.stream(side):
+                if ready is not None:
+                    side.wait_event(ready)
+                ctx._enqueued = enq.ids
+                try:
+                    fn()
+                finally:
+                    ctx._enqueued = None
+                    enq.end.record(side)
+                    # the caching allocator must not hand their memory out
+                    # again before the group's stream is past them (NCCL's rule)
+                    for t in tensors:
+                        t.record_stream(side)
+            return [enq]
+        task = Task(run, result, dev)
+        task.enqueued = enq
+        while self._inflight:   # forget what has ended (bounded memory without waits)
+            try:
+                if not self._inflight[0].test():
+                    break
+            except Exception:
+                pass   # failed: the communicator is poisoned and says so at the next call
+            self._inflight.popleft()
+        self._inflight.append(enq)
+        self._runner.submit(task, True if sync else IF_IDLE, time.monotonic() + self._timeout)
+        if task.ran and task.error is not None:
+            raise task.error
+        return Work(self._runner, task, dev)
 
     def _on_gpu(self, fn: Callable, dev: int) -> Callable:
         """fn as a task on CUDA tensors, ordered as ProcessGroupNCCL orders
@@ -241,9 +312,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if not caller.query():   # work queued there: the task starts after it
             ready = torch.cuda.Event()
             ready.record(caller)
-        own = self._streams.get(dev)
-        if own is None:
-            own = self._streams[dev] = torch.cuda.Stream(dev)
+        own = self._stream(dev)
 
         def run():
             with torch.cuda.stream(own):
@@ -373,6 +442,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
+        if flat.is_cuda:
+            _reduce_gpu.allreduce(self._ctx, flat, op,
+                                  lambda nb: self._scratch(nb, 0, flat.device))
+            return
         ctx, n = self._ctx, self.size()
         if n > 1:
             combine = self._combine(op, flat.dtype, flat.device)
@@ -431,10 +504,25 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 t.copy_(work.view(t.shape))
         return self._submit(run, list(tensors), opts)
 
-    def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op: R) -> None:
+    def _rs_input(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """A reduce-scatter's input as one flat tensor: on CUDA a lone
+        contiguous input is used as it is (the GPU reduction only reads it);
+        otherwise a working copy (the CPU reduction overwrites it)."""
+        if len(parts) == 1 and parts[0].is_cuda and parts[0].is_contiguous():
+            return parts[0].reshape(-1)
+        return self._work_copy(parts, dtype)
+
+    def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op: R,
+                             what: str = "reduce_scatter") -> None:
         """out <- this rank's chunk of the reduction of flat (n equal chunks;
         flat is scratch: it is overwritten)."""
         ctx, n, me = self._ctx, self.size(), self.rank()
+        if flat.is_cuda:
+            s = _Staged(out, copy_in=False)
+            _reduce_gpu.reduce_scatter(ctx, s.t, flat, op,
+                                       lambda nb: self._scratch(nb, 0, flat.device), what)
+            s.back()
+            return
         k = out.numel()
         chunk = [(r * k, (r + 1) * k) for r in range(n)]
         if n > 1:
@@ -459,9 +547,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
-        return self._submit(lambda: self._reduce_scatter_flat(out, self._work_copy([inp], inp.dtype),
-                                                              op),
-                            [output_tensor], opts, uses=[input_tensor])
+        return self._submit(
+            lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
+            [output_tensor], opts, uses=[input_tensor])
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self._reduce_scatter_base(output_tensor, input_tensor, opts)
@@ -474,7 +562,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
         def run():
             for o, i, op in checked:
-                self._reduce_scatter_flat(o, self._work_copy([i], i.dtype), op)
+                self._reduce_scatter_flat(o, self._rs_input([i], i.dtype), op, what)
         return self._submit(run, list(outputs), opts, uses=list(inputs))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
@@ -487,9 +575,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of input tensors")
         ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
         op = self._reduce_fn(opts, out.dtype, what)
-        return self._submit(lambda: self._reduce_scatter_flat(out, self._work_copy(ins, out.dtype),
-                                                              op),
-                            list(output_tensors), opts, uses=ins)
+        return self._submit(
+            lambda: self._reduce_scatter_flat(out, self._rs_input(ins, out.dtype), op, what),
+            list(output_tensors), opts, uses=ins)
 
     # -- rooted and personalised ----------------------------------------------
     def _root(self, opts: Any, what: str) -> int:

@@ -1,0 +1,118 @@
+"""Reductions of the "uccl" process group on CUDA tensors, enqueued.
+
+The group runs a task on CUDA tensors with its CollectiveContext in enqueue
+mode (CollectiveContext._enqueued): each engine operation goes on the
+group's stream like a kernel, starting after the work queued there and
+holding back what is queued after it until its transfers are over, with no
+host thread in between.  So a reduction here is a fixed sequence queued at
+the call: exchange, one reduction kernel, exchange.  Nothing waits on the
+host, and nothing after the call needs Python (or the GIL) to make progress.
+
+all_reduce: up to GPU_SMALL_BYTES, one allgather of the whole tensor and a
+reduction of the n rows (one round of copies); above, a direct
+reduce-scatter (rank r receives chunk r from every rank, n-1 copies in
+flight, and reduces the n rows in one kernel) then an allgather of the
+reduced chunks in place: each rank moves 2(n-1)/n of the tensor.  Only the
+owner of a chunk reduces it, from the rows in rank order, and the others
+receive its result, so every rank ends bitwise identical.
+
+On one GPU shared by several processes the copies and the reduction compete
+for the same memory bandwidth, so there is nothing to gain from pipelining
+pieces (each piece would add a round of posts and stream waits): a chunk
+moves in one piece.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ._reduce import allgather_chunks, bounds, finish_avg
+
+R = dist.ReduceOp.RedOpType
+
+#: CUDA tensors up to this many bytes are all-reduced by one allgather of the
+#: whole tensor and a local reduction.
+GPU_SMALL_BYTES = int(os.environ.get("UCCL_PG_GPU_SMALL_KB", "1024")) << 10
+
+_BITWISE = {R.BAND: torch.Tensor.bitwise_and_, R.BOR: torch.Tensor.bitwise_or_,
+            R.BXOR: torch.Tensor.bitwise_xor_}
+
+
+def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: R) -> None:
+    """out (1-D, rows.shape[1] elements) <- rows[0] op rows[1] op ... (rows:
+    contiguous, one per rank in rank order), one kernel where torch has
+    one.  AVG is SUM here (finish_avg divides)."""
+    dtype = rows.dtype
+    if op in (R.SUM, R.AVG):
+        if dtype == torch.bool:
+            torch.any(rows, 0, out=out)
+        else:
+            torch.sum(rows, 0, dtype=dtype, out=out)
+    elif op == R.PRODUCT:
+        if dtype == torch.bool:
+            torch.all(rows, 0, out=out)
+        else:
+            torch.prod(rows, 0, dtype=dtype, out=out)
+    elif op == R.MIN:
+        torch.amin(rows, 0, out=out)
+    elif op == R.MAX:
+        torch.amax(rows, 0, out=out)
+    else:
+        fn = _BITWISE[op]
+        out.copy_(rows[0])
+        for r in range(1, rows.shape[0]):
+            fn(out, rows[r])
+
+
+def _exchange_chunks(ctx, src: torch.Tensor, chunk: list[tuple[int, int]],
+                     rows: torch.Tensor, what: str) -> None:
+    """Rank r's rows[r] <- every rank's src[chunk[me]] (rows[me] copied
+    here): the reduce-scatter exchange, one enqueued batch."""
+    me, n = ctx.rank, ctx.world_size
+    a, b = chunk[me]
+    rows[me].copy_(src[a:b])
+    entries = [("send", src[s:e], r) for r, (s, e) in enumerate(chunk) if r != me]
+    entries += [("recv", rows[r], r) for r in range(n) if r != me]
+    ctx._p2p(entries, what, blocking=True)
+
+
+def allreduce(ctx, flat: torch.Tensor, op: R, scratch: Callable[[int], torch.Tensor],
+              what: str = "all_reduce") -> None:
+    """flat (contiguous, 1-D, on the current stream's device) <- its
+    reduction over the group, enqueued on the current stream."""
+    n, me = ctx.world_size, ctx.rank
+    numel, esz = flat.numel(), flat.element_size()
+    if n > 1 and numel:
+        if numel * esz <= GPU_SMALL_BYTES or numel < n:
+            rows = scratch(n * numel * esz).view(flat.dtype).view(n, numel)
+            ctx.allgather(flat, rows.reshape(-1))
+            reduce_rows(rows, flat, op)
+        else:
+            chunk = bounds(numel, n)
+            a, b = chunk[me]
+            rows = scratch(n * (b - a) * esz).view(flat.dtype).view(n, b - a)
+            _exchange_chunks(ctx, flat, chunk, rows, what)
+            reduce_rows(rows, flat[a:b], op)
+            allgather_chunks(ctx, flat, chunk)
+    if op == R.AVG:
+        finish_avg(flat, n)
+
+
+def reduce_scatter(ctx, out: torch.Tensor, flat: torch.Tensor, op: R,
+                   scratch: Callable[[int], torch.Tensor], what: str) -> None:
+    """out (contiguous, k elements) <- this rank's chunk of the reduction of
+    flat (n chunks of k, read only), enqueued on the current stream."""
+    n, me, k = ctx.world_size, ctx.rank, out.numel()
+    esz = flat.element_size()
+    chunk = [(r * k, (r + 1) * k) for r in range(n)]
+    if n > 1 and k:
+        rows = scratch(n * k * esz).view(flat.dtype).view(n, k)
+        _exchange_chunks(ctx, flat, chunk, rows, what)
+        reduce_rows(rows, out.view(-1), op)
+    else:
+        out.view(-1).copy_(flat[me * k:(me + 1) * k])
+    if op == R.AVG:
+        finish_avg(out, n)
