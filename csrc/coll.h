@@ -50,21 +50,12 @@ void uccl_comm_destroy(uccl_comm_t *cm);
  * the call, or NULL) is the point the operation waits for before it posts
  * anything, so peers never touch a buffer before the work queued ahead of
  * the call is done.  The operation takes the mark (frees it), also when
- * submission fails.  Its transfers then go out with UCCL_STREAM_NONE.
- *
- * `release` (a flag of uccl_ep_stream_flag, or 0) is set by the operation
- * when it ends, done or failed, also when submission fails: a CUDA stream
- * can wait for the operation with no host thread involved (the process
- * group enqueues its GPU work this way, as NCCL enqueues kernels). */
+ * submission fails.  Its transfers then go out with UCCL_STREAM_NONE. */
 
 /* Post a batch of sends and receives (in order, after every operation
- * submitted before it).  Without `release` it counts as done once posted
- * (its waiters collect the transfers: a send and a later receive of one
- * rank may pair with a peer's in the other order); with `release` it ends
- * when all of its transfers have, so a batch must not need a later
- * operation of its rank to complete. */
+ * submitted before it). */
 int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void *mark,
-                  uint64_t release, uint64_t *op_p);
+                  uint64_t *op_p);
 /* Allgather: send (this rank's chunk) to every rank; recv[r] receives rank
  * r's chunk (recv[r].len must be what rank r sends: a mismatch fails the
  * receiver).  recv[rank] may be send itself (in place) or a copy target.
@@ -72,7 +63,7 @@ int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void 
  * handoff); 1: the worker thread advances it while nobody waits. */
 int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
                         const struct uccl_coll_buf *recv, int algo, int async, void *mark,
-                        uint64_t release, uint64_t *op_p);
+                        uint64_t *op_p);
 
 /* UCCL_OK: done; UCCL_INPROGRESS: the slice passed; past the deadline the
  * operation is aborted (nothing lands in its buffers after this returns)

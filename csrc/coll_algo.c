@@ -55,11 +55,6 @@ const struct uccl__coll_algo uccl__coll_p2p = {
     .name = "p2p", .posted_is_done = 1, .start = start_p2p,
 };
 
-/* The same batch, done once every transfer is (what a stream waits for). */
-const struct uccl__coll_algo uccl__coll_p2p_all = {
-    .name = "p2p", .start = start_p2p,
-};
-
 /* ------------------------------------------------------------------------- */
 /* allgather                                                                  */
 

@@ -91,20 +91,9 @@ static void fail_comm(struct uccl__comm *cm, int status, const char *msg)
     snprintf(cm->fail_msg, sizeof(cm->fail_msg), "%s", msg);
 }
 
-/* o has ended (done or failed): the stream waiting for it may go on. */
-static void release_stream(struct uccl__comm *cm, struct uccl__op *o)
-{
-    if (o->release) {
-        uccl_ep_flag_set(cm->ep, o->release);
-        o->release = 0;
-    }
-}
-
 /* Under cm->mu: an operation that will never run. */
-static void fail_queued(struct uccl__comm *cm, struct uccl__op *o, int status, const char *why,
-                        const char *detail)
+static void fail_queued(struct uccl__op *o, int status, const char *why, const char *detail)
 {
-    release_stream(cm, o);
     o->state = UCCL_OPST_FAILED;
     o->status = status;
     snprintf(o->msg, sizeof(o->msg), "%s%.300s%s", why, detail, *detail ? ")" : "");
@@ -133,7 +122,7 @@ static int take(struct uccl__comm *cm, struct uccl__op *o)
     if (!cm->cur) {
         unlink_queued(cm, o);
         if (cm->failed || cm->stop) {
-            fail_queued(cm, o, cm->stop ? UCCL_ERR_CLOSED : cm->fail_status,
+            fail_queued(o, cm->stop ? UCCL_ERR_CLOSED : cm->fail_status,
                         cm->stop ? "not run: the communicator was shut down"
                                  : "not run: an earlier operation on this communicator failed (",
                         cm->stop ? "" : cm->fail_msg);
@@ -154,11 +143,8 @@ static void settle(struct uccl__comm *cm, struct uccl__op *o, int rc, int ok_sta
 {
     if (rc == UCCL_OK) {
         o->state = ok_state;
-        if (ok_state == UCCL_OPST_DONE)
-            release_stream(cm, o);
         return;
     }
-    release_stream(cm, o);
     o->status = rc;
     o->state = UCCL_OPST_FAILED;
     fail_comm(cm, rc, o->msg);
@@ -230,7 +216,6 @@ static int submit(struct uccl__comm *cm, struct uccl__op *o, int async, uint64_t
         rc = uccl__idmap_put(&cm->ops, o->id, o);
     }
     if (rc) {
-        release_stream(cm, o);
         pthread_mutex_unlock(&cm->mu);
         uccl__op_free(o);
         return rc;
@@ -301,27 +286,16 @@ static int p2p_make(struct uccl__comm *cm, const struct uccl_coll_p2p *ops, int 
     return UCCL_OK;
 }
 
-/* A submission refused before its operation was made: what it was given
- * is let go (the mark freed, the stream released). */
-static int refuse(struct uccl__comm *cm, int rc, void *mark, uint64_t release)
-{
-    uccl_stream_mark_free(mark);
-    if (release)
-        uccl_ep_flag_set(cm->ep, release);
-    return rc;
-}
-
 int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void *mark,
-                  uint64_t release, uint64_t *op_p)
+                  uint64_t *op_p)
 {
     struct uccl__op *o = NULL;
     int rc = p2p_make(cm, ops, n, &o);
-    if (rc)
-        return refuse(cm, rc, mark, release);
+    if (rc) {
+        uccl_stream_mark_free(mark);
+        return rc;
+    }
     o->mark = mark;
-    o->release = release;
-    if (release)
-        o->algo = &uccl__coll_p2p_all; /* a stream waits for its end, not its posting */
     return submit(cm, o, 1, op_p);
 }
 
@@ -373,14 +347,15 @@ static int allgather_make(struct uccl__comm *cm, const struct uccl_coll_buf *sen
 
 int uccl_comm_allgather(uccl_comm_t *cm, const struct uccl_coll_buf *send,
                         const struct uccl_coll_buf *recv, int algo, int async, void *mark,
-                        uint64_t release, uint64_t *op_p)
+                        uint64_t *op_p)
 {
     struct uccl__op *o = NULL;
     int rc = allgather_make(cm, send, recv, algo, &o);
-    if (rc)
-        return refuse(cm, rc, mark, release);
+    if (rc) {
+        uccl_stream_mark_free(mark);
+        return rc;
+    }
     o->mark = mark;
-    o->release = release;
     return submit(cm, o, async, op_p);
 }
 
@@ -439,7 +414,7 @@ int uccl_comm_wait(uccl_comm_t *cm, uint64_t id, uint64_t deadline, uint64_t sli
             atomic_store(&o->abort, 1);
             if (o->state == UCCL_OPST_QUEUED && !runnable(cm, o)) { /* behind another one */
                 unlink_queued(cm, o);
-                fail_queued(cm, o, UCCL_ERR_TIMEOUT, "timed out while queued behind earlier "
+                fail_queued(o, UCCL_ERR_TIMEOUT, "timed out while queued behind earlier "
                             "operations", "");
                 fail_comm(cm, UCCL_ERR_TIMEOUT, o->msg);
                 pthread_cond_broadcast(&cm->cv);
@@ -533,7 +508,7 @@ void uccl_comm_shutdown(uccl_comm_t *cm)
         run_slice(cm, cm->cur, 0); /* stops it: nothing lands in its buffers afterwards */
     for (struct uccl__op *o; (o = TAILQ_FIRST(&cm->queue));) {
         unlink_queued(cm, o);
-        fail_queued(cm, o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
+        fail_queued(o, UCCL_ERR_CLOSED, "the communicator was shut down", "");
     }
     pthread_cond_broadcast(&cm->cv);
     pthread_mutex_unlock(&cm->mu);

@@ -40,8 +40,7 @@ struct uccl__coll_algo {
     int (*start)(struct uccl__comm *cm, struct uccl__op *o);
 };
 
-extern const struct uccl__coll_algo uccl__coll_p2p, uccl__coll_p2p_all, uccl__coll_direct,
-    uccl__coll_ring;
+extern const struct uccl__coll_algo uccl__coll_p2p, uccl__coll_direct, uccl__coll_ring;
 
 struct uccl__xlist {             /* transfers an operation posted, in order */
     uint64_t *id;
@@ -76,7 +75,6 @@ struct uccl__op {
     int ntmp;
     uint64_t deadline;
     void *mark;                  /* the caller's stream must reach it first (uccl_stream_mark) */
-    uint64_t release;            /* a stream flag set when it ends, done or failed (0: none) */
     void *own_copy;              /* allgather: this rank's chunk being copied (a mark), or NULL */
     struct uccl__xlist x;
     TAILQ_ENTRY(uccl__op) link;  /* in the communicator's queue while queued */

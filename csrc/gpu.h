@@ -116,10 +116,6 @@ int uccl__gpu_flag_wait(struct uccl__gpu_flags *f, int dev, uintptr_t stream, ui
                         uint32_t *gen_p);
 /* The transfer finished: release the waiting stream and the slot. */
 void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen);
-/* The same by the slot's index, for flags handed to callers outside the
- * engine: UCCL_ERR_INVALID unless (index, gen) is a slot taken now. */
-int uccl__gpu_flag_release(struct uccl__gpu_flags *f, unsigned index, uint32_t gen);
-unsigned uccl__gpu_flag_index(const struct uccl__gpu_flags *f, const uint32_t *slot);
 
 /* Page-locked host memory (portable to every context) for staging. */
 int uccl__gpu_host_alloc(int dev, size_t len, void **p);

@@ -360,20 +360,3 @@ void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen)
     f->used[slot - f->page] = 0;
     pthread_mutex_unlock(&f->mu);
 }
-
-unsigned uccl__gpu_flag_index(const struct uccl__gpu_flags *f, const uint32_t *slot)
-{
-    return (unsigned)(slot - f->page);
-}
-
-int uccl__gpu_flag_release(struct uccl__gpu_flags *f, unsigned index, uint32_t gen)
-{
-    pthread_mutex_lock(&f->mu);
-    int ok = index < FLAG_SLOTS && f->used[index] && f->gen[index] == gen;
-    pthread_mutex_unlock(&f->mu);
-    if (!ok)
-        return uccl__err(UCCL_ERR_INVALID, "stream flag %u/%u is not one handed out and unset",
-                         index, gen);
-    uccl__gpu_flag_set(f, &f->page[index], gen);
-    return UCCL_OK;
-}

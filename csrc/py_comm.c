@@ -243,37 +243,6 @@ static int stream_mark(uccl__py_endpoint *self, int dev, uint64_t stream, void *
     return 0;
 }
 
-/* enqueue: the operation goes on CUDA stream `stream` of device dev as a
- * kernel would: it starts after the work queued there (its mark), and the
- * stream waits (no host thread involved) until it ends (*release_p, set by
- * the communicator); -1 with an exception set. */
-static int stream_enqueue(uccl__py_endpoint *self, int dev, uint64_t stream, void **mark_p,
-                          uint64_t *release_p)
-{
-    *mark_p = NULL;
-    *release_p = 0;
-    if (dev < 0) {
-        PyErr_SetString(PyExc_ValueError, "enqueue needs a CUDA device and stream (dev >= 0)");
-        return -1;
-    }
-    if (stream_mark(self, dev, stream, mark_p))
-        return -1;
-    int rc;
-    uccl_ep_t *ep = self->ep;
-    uccl__py_ep_enter(self);
-    Py_BEGIN_ALLOW_THREADS
-    rc = uccl_ep_stream_flag(ep, dev, (uintptr_t)stream, release_p);
-    Py_END_ALLOW_THREADS
-    uccl__py_ep_leave(self);
-    if (rc) {
-        uccl_stream_mark_free(*mark_p);
-        *mark_p = NULL;
-        uccl__py_ep_fail(self, rc);
-        return -1;
-    }
-    return 0;
-}
-
 /* After a submission: its error, or the op id, or (wait) its outcome. */
 static PyObject *comm_submitted(uccl__py_endpoint *self, int rc, uint64_t id, int wait,
                                 PyObject *timeout)
@@ -283,36 +252,26 @@ static PyObject *comm_submitted(uccl__py_endpoint *self, int rc, uint64_t id, in
     return wait ? comm_wait_loop(self, id, timeout) : PyLong_FromUnsignedLongLong(id);
 }
 
-/* p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None, dev=-1, stream=0,
- *     enqueue=False)
+/* p2p([(op, peer, (ptr, len, mr)), ...], wait=False, timeout=None, dev=-1, stream=0)
  * -> op_id; with wait, posts and waits in one call -> True.  dev >= 0: the
  * operation starts after the work queued on CUDA stream `stream` of device
- * dev before this call; enqueue: and that stream waits for its end (it
- * then ends when all of its transfers have: see uccl_comm_p2p). */
+ * dev before this call. */
 static PyObject *Comm_p2p(PyObject *op, PyObject *args)
 {
     uccl__py_comm *cself = (uccl__py_comm *)op;
     uccl__py_endpoint *self;
     PyObject *seq, *timeout = Py_None;
-    int wait = 0, dev = -1, enqueue = 0;
-    uint64_t stream = 0, release = 0;
+    int wait = 0, dev = -1;
+    uint64_t stream = 0;
     void *mark;
-    if (!PyArg_ParseTuple(args, "O|pOiO&p", &seq, &wait, &timeout, &dev, uccl__py_to_u64,
-                          &stream, &enqueue) || !(self = comm_ep(cself)))
+    if (!PyArg_ParseTuple(args, "O|pOiO&", &seq, &wait, &timeout, &dev, uccl__py_to_u64,
+                          &stream) || !(self = comm_ep(cself)))
         return NULL;
     Py_ssize_t n = 0;
     struct uccl_coll_p2p *ops = parse_seq(seq, sizeof(*ops), parse_p2p_item, &n);
     if (!ops)
         return NULL;
-    if (enqueue ? stream_enqueue(self, dev, stream, &mark, &release)
-                : stream_mark(self, dev, stream, &mark)) {
-        PyMem_Free(ops);
-        return NULL;
-    }
-    if (enqueue)
-        wait = 0;
-    if (check_comm(self)) { /* closed while the GIL was released: it released every stream */
-        uccl_stream_mark_free(mark);
+    if (stream_mark(self, dev, stream, &mark)) {
         PyMem_Free(ops);
         return NULL;
     }
@@ -321,7 +280,7 @@ static PyObject *Comm_p2p(PyObject *op, PyObject *args)
     uccl_comm_t *cm = self->comm;
     uccl__py_ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_comm_p2p(cm, ops, (int)n, mark, release, &id);
+    rc = uccl_comm_p2p(cm, ops, (int)n, mark, &id);
     Py_END_ALLOW_THREADS
     uccl__py_ep_leave(self);
     PyMem_Free(ops);
@@ -329,20 +288,20 @@ static PyObject *Comm_p2p(PyObject *op, PyObject *args)
 }
 
 /* allgather((ptr, len, mr), [(ptr, len, mr)] * size, algo, async=False, timeout=None,
- *           dev=-1, stream=0, enqueue=False)
+ *           dev=-1, stream=0)
  * async: -> op_id.  Blocking: submits and waits in one call (no window in
  * which an interrupt could leave the operation unwatched) -> True.  dev,
- * stream, enqueue: as p2p (enqueue is async). */
+ * stream: as p2p. */
 static PyObject *Comm_allgather(PyObject *op, PyObject *args)
 {
     uccl__py_comm *cself = (uccl__py_comm *)op;
     uccl__py_endpoint *self;
     PyObject *sendt, *recvl, *timeout = Py_None;
-    int algo, async = 0, dev = -1, enqueue = 0;
-    uint64_t stream = 0, release = 0;
+    int algo, async = 0, dev = -1;
+    uint64_t stream = 0;
     void *mark;
-    if (!PyArg_ParseTuple(args, "OOi|pOiO&p", &sendt, &recvl, &algo, &async, &timeout, &dev,
-                          uccl__py_to_u64, &stream, &enqueue) || !(self = comm_ep(cself)))
+    if (!PyArg_ParseTuple(args, "OOi|pOiO&", &sendt, &recvl, &algo, &async, &timeout, &dev,
+                          uccl__py_to_u64, &stream) || !(self = comm_ep(cself)))
         return NULL;
     struct uccl_coll_buf send;
     if (parse_buf(sendt, &send))
@@ -357,15 +316,7 @@ static PyObject *Comm_allgather(PyObject *op, PyObject *args)
         PyMem_Free(recv);
         return PyErr_Format(PyExc_ValueError, "%zd receive buffers for world size %d", n, size);
     }
-    if (enqueue ? stream_enqueue(self, dev, stream, &mark, &release)
-                : stream_mark(self, dev, stream, &mark)) {
-        PyMem_Free(recv);
-        return NULL;
-    }
-    if (enqueue)
-        async = 1;
-    if (check_comm(self)) { /* closed while the GIL was released: it released every stream */
-        uccl_stream_mark_free(mark);
+    if (stream_mark(self, dev, stream, &mark)) {
         PyMem_Free(recv);
         return NULL;
     }
@@ -374,7 +325,7 @@ static PyObject *Comm_allgather(PyObject *op, PyObject *args)
     uccl_comm_t *cm = self->comm;
     uccl__py_ep_enter(self);
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_comm_allgather(cm, &send, recv, algo, async, mark, release, &id);
+    rc = uccl_comm_allgather(cm, &send, recv, algo, async, mark, &id);
     Py_END_ALLOW_THREADS
     uccl__py_ep_leave(self);
     PyMem_Free(recv);
@@ -429,11 +380,11 @@ static PyObject *Comm_pick_algo(PyObject *op, PyObject *args)
 
 static PyMethodDef Comm_methods[] = {
     {"p2p", Comm_p2p, METH_VARARGS,
-     "p2p([(op, peer, (ptr, len, mr))], wait=False, timeout=None, dev=-1, stream=0, "
-     "enqueue=False) -> op_id or True"},
+     "p2p([(op, peer, (ptr, len, mr))], wait=False, timeout=None, dev=-1, stream=0) -> op_id "
+     "or True"},
     {"allgather", Comm_allgather, METH_VARARGS,
-     "allgather(send, recvs, algo, async=False, timeout=None, dev=-1, stream=0, "
-     "enqueue=False) -> op_id (async) or True"},
+     "allgather(send, recvs, algo, async=False, timeout=None, dev=-1, stream=0) -> op_id "
+     "(async) or True"},
     {"wait", Comm_wait, METH_VARARGS,
      "wait(op_id, timeout=None) -> True; raises if it failed; forgets it"},
     {"test", Comm_test, METH_VARARGS,

@@ -93,12 +93,6 @@ int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len);
  * *mark_p is NULL. */
 int uccl_ep_copy_start(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p);
 
-/* Host-released stream waits: `stream` of device dev waits (without
- * blocking the host) until uccl_ep_flag_set(ep, *flag_p) is called; the
- * caller must call it exactly once, whatever happens.  UCCL_ERR_NOMEM:
- * every slot is taken (wait on the host instead). */
-int uccl_ep_stream_flag(uccl_ep_t *ep, int dev, uintptr_t stream, uint64_t *flag_p);
-int uccl_ep_flag_set(uccl_ep_t *ep, uint64_t flag);
 /* Order `stream` (a CUstream of the buffer's device; 0: the legacy default
  * stream) after transfer xfer of device memory without blocking the host:
  * work queued there next runs once the transfer has finished (the stream

@@ -257,31 +257,6 @@ static int ep_flags(struct uccl__ep *ep, int dev, struct uccl__gpu_flags **flags
     return rc;
 }
 
-int uccl_ep_stream_flag(uccl_ep_t *ep, int dev, uintptr_t stream, uint64_t *flag_p)
-{
-    int rc = uccl__ep_check_open(ep);
-    struct uccl__gpu_flags *flags;
-    uint32_t *slot, gen;
-    if (rc == UCCL_OK)
-        rc = ep_flags(ep, dev, &flags);
-    if (rc == UCCL_OK)
-        rc = uccl__gpu_flag_wait(flags, dev, stream, &slot, &gen);
-    if (rc == UCCL_OK)
-        *flag_p = (uint64_t)gen << 32 | uccl__gpu_flag_index(flags, slot);
-    return rc;
-}
-
-int uccl_ep_flag_set(uccl_ep_t *ep, uint64_t flag)
-{
-    pthread_mutex_lock(&ep->mu);
-    struct uccl__gpu_flags *flags = ep->flags;
-    pthread_mutex_unlock(&ep->mu);
-    if (!flags)
-        return uccl__err(UCCL_ERR_INVALID, "stream flag %llu: no flag was handed out",
-                         (unsigned long long)flag);
-    return uccl__gpu_flag_release(flags, (unsigned)(flag & 0xffffffffu), (uint32_t)(flag >> 32));
-}
-
 int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *queued_p)
 {
     struct uccl__req *r = req_lookup(ep, xfer);

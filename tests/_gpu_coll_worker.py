@@ -31,7 +31,7 @@ Data: every input comes from a seed (the run's seed, the case, the rank),
 so every rank can compute what every other rank sends; outputs are
 poisoned (every byte POISON, plus a GUARD tail that must stay POISON).
 Without CUDA (UCCL_GPU_TESTS_DRYRUN=1) the device is the CPU and the cases
-that only mean something on a GPU (stream order, the non-blocking wait)
+that only mean something on a GPU (stream order)
 report "SKIP: ...".
 
 This module imports only the standard library (and _gpu_worker, which does
@@ -73,10 +73,9 @@ KILL_TIMEOUT_S = 20.0     # the kill scenario's groups and contexts
 KILL_BOUND_S = 40.0       # ... within which the survivors' operations must raise
 STUCK_S = 20.0            # a case that raised after this long stops the run
 SLEEP_CYCLES = W.SLEEP_CYCLES        # torch.cuda._sleep: ~0.1 s on an H100
-NONBLOCK_SLEEP_S = 1.5    # the GPU spin queued before the async all_reduce whose wait() is timed
 DDP_STEPS, FSDP_STEPS = 20, 5
 #: kinds that need a GPU: skipped (with the reason) on CPU
-GPU_ONLY = ("stream_ag", "stream_p2p", "stream_pg", "nonblocking_wait", "kill_stream")
+GPU_ONLY = ("stream_ag", "stream_p2p", "stream_pg", "kill_stream")
 
 
 # ---------------------------------------------------------------------------
@@ -223,11 +222,10 @@ def backend_plan(ws: int, big) -> list:
     add("barrier-waits-for-late-rank", "barrier")
     add("all_gather_object", "obj", api="all_gather_object")
     add("broadcast_object_list", "obj", api="broadcast_object_list")
-    # stream order and the non-blocking wait (GPU only)
+    # stream order (GPU only)
     for op in ("ar", "agit"):
         for mode in ("blocking", "async", "async-side-stream", "blocking-side-stream"):
             add(f"stream-{op}-{mode}", "stream_pg", op=op, mode=mode)
-    add("async-wait-does-not-block-host", "nonblocking_wait")
     # training (last: they can spoil a group)
     add(f"ddp-{DDP_STEPS}-steps-vs-gloo", "ddp")
     add(f"fsdp2-{FSDP_STEPS}-steps-vs-local", "fsdp")
@@ -1118,7 +1116,7 @@ def _case_obj(x: X, i, p):
 
 
 # ---------------------------------------------------------------------------
-# backend cases: stream order, the non-blocking wait
+# backend cases: stream order
 def _case_stream_pg(x: X, i, p):
     """all_reduce (in place) / all_gather_into_tensor right after a late fill
     of the input (and a late poison of the output), blocking or async with
@@ -1155,49 +1153,6 @@ def _case_stream_pg(x: X, i, p):
     same(got, exp, "output read right after the call" + ("" if blocking else " and wait()"))
     if back is not None:
         guard_ok(seen, nb, "output")
-
-
-def _case_nonblocking_wait(x: X, i, p):
-    """A ~1.5 s GPU spin, then a fill of the input, then an async all_reduce
-    and work.wait(), then a clone: issue and wait() together must take a
-    small part of the spin (the stream waits, not the host), and the clone
-    must hold the sum.  The stream wait is opt-in (UCCL_PG_STREAM_WAIT=1;
-    the default waits on the host): switched on for this case alone."""
-    from uccl_collective import _work
-    saved, _work.STREAM_WAIT = _work.STREAM_WAIT, True
-    try:
-        _nonblocking_wait(x)
-    finally:
-        _work.STREAM_WAIT = saved
-
-
-def _nonblocking_wait(x: X) -> None:
-    torch, dist, ws = x.torch, x.dist, x.ws
-    t0 = time.monotonic()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    x.sync()
-    cycles = int(SLEEP_CYCLES * NONBLOCK_SLEEP_S / max(time.monotonic() - t0, 1e-3))
-    t = torch.zeros(4097, device=x.dev)
-    x.sync()
-    x.align()
-    t0 = time.monotonic()
-    torch.cuda._sleep(cycles)
-    t.fill_(float(x.me + 1))
-    w = dist.all_reduce(t, async_op=True)
-    issued = time.monotonic() - t0
-    assert w.wait() is True
-    host = time.monotonic() - t0
-    seen = t.clone()
-    x.sync()
-    spin = time.monotonic() - t0
-    x.R.info["nonblocking_wait"] = dict(issue_s=round(issued, 4), issue_and_wait_s=round(host, 4),
-                                        spin_s=round(spin, 3))
-    w.get_future().wait()
-    assert spin >= 0.5, f"the GPU spin lasted only {spin:.2f} s: the timing says nothing"
-    assert host < spin / 4, (f"all_reduce(async_op=True) + wait() took {host:.3f} s of the "
-                             f"{spin:.2f} s GPU spin queued before it (issue {issued:.3f} s): "
-                             "wait() blocked the host")
-    same(seen, torch.full((4097,), float(ws * (ws + 1) // 2)), "the clone queued after wait()")
 
 
 # ---------------------------------------------------------------------------
@@ -1392,7 +1347,7 @@ PG_CASES = {
     "ag": _case_ag, "agit": _case_agit, "bcast": _case_bcast, "a2a": _case_a2a,
     "a2as": _case_a2as, "gather": _case_gather, "scatter": _case_scatter, "p2p": _case_p2p,
     "async": _case_async, "barrier": _case_barrier, "obj": _case_obj,
-    "stream_pg": _case_stream_pg, "nonblocking_wait": _case_nonblocking_wait, "ddp": _case_ddp,
+    "stream_pg": _case_stream_pg, "ddp": _case_ddp,
     "fsdp": _case_fsdp, "end": _case_pg_end,
 }
 KILL_CASES = {"kill_setup": _case_kill_setup, "kill_op": _case_kill_op,

@@ -66,7 +66,8 @@ def allgather_chunks(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]]) -> N
     views of one checked tensor."""
     esz, base = flat.element_size(), flat.data_ptr()
     bufs = [(base + s * esz, (e - s) * esz, 0) for s, e in chunk]
-    ctx._engine_allgather(ctx._cm(), bufs[ctx.rank], bufs, _engine.AG_AUTO, False, (flat,))
+    ctx._cm().allgather(bufs[ctx.rank], bufs, _engine.AG_AUTO, False, ctx.timeout_s,
+                        *stream_args((flat,)))
 
 
 def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combine: Callable,

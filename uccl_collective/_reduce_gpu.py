@@ -1,12 +1,9 @@
-"""Reductions of the "uccl" process group on CUDA tensors, enqueued.
+"""Reductions of the "uccl" process group on CUDA tensors.
 
-The group runs a task on CUDA tensors with its CollectiveContext in enqueue
-mode (CollectiveContext._enqueued): each engine operation goes on the
-group's stream like a kernel, starting after the work queued there and
-holding back what is queued after it until its transfers are over, with no
-host thread in between.  So a reduction here is a fixed sequence queued at
-the call: exchange, one reduction kernel, exchange.  Nothing waits on the
-host, and nothing after the call needs Python (or the GIL) to make progress.
+A task on CUDA tensors runs on the group's stream (backend._on_gpu): every
+engine operation starts once that stream has reached it (its mark), and
+torch computes the reduction there.  A reduction is a short fixed sequence:
+exchange, one reduction kernel, exchange.
 
 all_reduce: up to GPU_SMALL_BYTES, one allgather of the whole tensor and a
 reduction of the n rows (one round of copies); above, a direct
@@ -16,10 +13,10 @@ reduced chunks in place: each rank moves 2(n-1)/n of the tensor.  Only the
 owner of a chunk reduces it, from the rows in rank order, and the others
 receive its result, so every rank ends bitwise identical.
 
-On one GPU shared by several processes the copies and the reduction compete
-for the same memory bandwidth, so there is nothing to gain from pipelining
-pieces (each piece would add a round of posts and stream waits): a chunk
-moves in one piece.
+A chunk moves in one piece, unlike the CPU path's pipeline (_reduce.py):
+each piece costs a round of posts and waits (tens of microseconds on a
+GPU), and on one GPU shared by the ranks the copies and the reduction
+compete for the same memory bandwidth, so pieces would overlap nothing.
 """
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,75 +33,13 @@ import torch.distributed as dist
 
 from .p2p import UcclError, UcclTimeoutError
 
-#: Work.wait() of a collective on CUDA tensors: order the caller's current
-#: stream after the operation without blocking the host, as ProcessGroupNCCL
-#: does (the default), or with UCCL_PG_STREAM_WAIT=0 wait on the host until
-#: the bytes are in place.  Such a collective is enqueued on the group's
-#: stream when it is issued (see Enqueued), so the stream goes on with no
-#: Python thread involved: a blocking CUDA call that holds the GIL right
-#: after wait() cannot deadlock it.
-STREAM_WAIT = os.environ.get("UCCL_PG_STREAM_WAIT", "1") != "0"
-
 #: Runner.submit's run_now for point-to-point posts: run here only when
 #: nothing is ahead (a post must not wait behind a long collective).
 IF_IDLE = "if-idle"
 
 
-class Enqueued:
-    """What a task on CUDA tensors put on the group's stream: engine
-    operations (ids of the context's communicator, each holding the stream
-    until it ends) and the event recorded after all of it.  A pending
-    handle of its task: test() and wait() look at the operations (releasing
-    each once finished) and then at the event."""
-
-    def __init__(self, cm):
-        self.cm = cm
-        self.ids: list[int] = []          # appended by the context while the task runs
-        self.end = torch.cuda.Event()
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def _collect(self, timeout: float | None) -> bool:
-        with self._lock:
-            while self.ids and self.error is None:
-                try:
-                    if timeout is None:
-                        if not self.cm.test(self.ids[0]):
-                            return False
-                    else:
-                        self.cm.wait(self.ids[0], timeout)
-                except BaseException as e:
-                    self.error = e
-                    break
-                self.ids.pop(0)
-            if self.error is not None:
-                raise self.error
-            return True
-
-    def test(self) -> bool:
-        return self._collect(None) and self.end.query()
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        self._collect(timeout)
-        while not self.end.query():   # polled: a wedged stream must not hang the host
-            if time.monotonic() > deadline:
-                raise UcclTimeoutError(f"the operation's CUDA work did not finish within "
-                                       f"{timeout:g} s")
-            time.sleep(50e-6)
-
-    def failure(self) -> BaseException | None:
-        """The first failed operation's error, if one has failed by now."""
-        try:
-            self._collect(None)
-        except BaseException:
-            pass
-        return self.error
-
-
 class Task:
-    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device",
-                 "enqueued")
+    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device")
 
     def __init__(self, fn: Callable[[], list | None] | None, result: list,
                  device: int | None = None):
@@ -113,7 +50,6 @@ class Task:
         self.pending: list = []       # Handles the task left in flight
         self.future: torch.futures.Future | None = None
         self.lock = threading.Lock()  # one thread settles the pending handles
-        self.enqueued: Enqueued | None = None   # a task on CUDA tensors, enqueued
 
     def settle_pending(self, deadline: float | None) -> bool:
         """After the task ran: wait for (deadline) or test (None) what it
@@ -314,21 +250,18 @@ class Work(dist._Work):
     value is the list of output tensors (what DDP communication hooks
     expect).
 
-    On a collective of CUDA tensors wait() behaves as ProcessGroupNCCL's: it
-    makes the caller's current stream wait for the operation (the event its
-    task recorded on the group's stream) without blocking the host.  An
-    error that comes after wait() returned is then raised by exception(),
-    and by the group's next operation (a failed operation poisons the
-    group).  Point-to-point operations on CUDA tensors, and wait() with a
-    timeout of its own, wait on the host.  synchronize() is wait(), as with
-    NCCL.  get_future()'s future is completed once the bytes are in place,
-    so its wait() blocks the host (stricter than NCCL's CUDA-aware future,
-    never earlier)."""
+    On CUDA tensors wait() returns once the bytes are in place (it waits on
+    the host, unlike ProcessGroupNCCL's, which only orders the current
+    stream): the engine's transfers are driven by host threads, and a CUDA
+    stream made to wait for a host-released flag can hold back, through the
+    few hardware work queues that CUDA maps streams onto, the very copies
+    that would release it (seen on the H100: README, "GPU tensors").
+    synchronize() is wait(), as with NCCL.  get_future()'s future is
+    completed once the bytes are in place."""
 
-    def __init__(self, runner: Runner, task: Task, cuda_device: int | None = None):
+    def __init__(self, runner: Runner, task: Task):
         super().__init__()
         self._runner, self._task = runner, task
-        self._dev = cuda_device
 
     def _done(self) -> bool:
         return self._task.ran and self._task.settle_pending(None)
@@ -339,12 +272,6 @@ class Work(dist._Work):
         deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task
         self._runner.drive(t, deadline, run_here=not own, give_up=not own)
-        if t.error is None and t.enqueued is not None and STREAM_WAIT and not own:
-            err = t.enqueued.failure()
-            if err is not None:
-                raise err
-            torch.cuda.current_stream(self._dev).wait_event(t.enqueued.end)
-            return True
         t.settle_pending(deadline)
         if t.error is not None:
             raise t.error

@@ -13,7 +13,6 @@ with torch on the receiving rank (_reduce.py).
 """
 from __future__ import annotations
 
-import collections
 import datetime
 import time
 from typing import Any, Callable, Sequence
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from . import _reduce, _reduce_gpu
 from ._reduce import R
-from ._work import IF_IDLE, Enqueued, Runner, Task, Work
+from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
 from .p2p import UcclError
 
@@ -84,18 +83,6 @@ def _cuda_device(*groups: Any) -> int | None:
         raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
                          "them all on one device")
     return dev
-
-
-def _tensors_in(*groups: Any) -> list[torch.Tensor]:
-    """The tensors in (nested lists of) groups."""
-    out, stack = [], list(groups)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -176,7 +163,6 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         # [0]: the algorithms' scratch; [1]: working copies of inputs
         self._scratch_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._streams: dict[int, Any] = {}   # per CUDA device: where tasks' kernels run
-        self._inflight: collections.deque[Enqueued] = collections.deque()
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -231,8 +217,6 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         dev = _cuda_device(result, uses)
-        if dev is not None and not p2p:
-            return self._submit_enqueued(fn, result, uses, dev, sync)
         if dev is not None:
             fn = self._on_gpu(fn, dev)
         task = Task(fn, result, dev)
@@ -242,62 +226,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             task.settle_pending(deadline)
             if task.error is not None:
                 raise task.error
-        return Work(self._runner, task, dev)
+        return Work(self._runner, task)
 
     def _stream(self, dev: int) -> Any:
         own = self._streams.get(dev)
         if own is None:
             own = self._streams[dev] = torch.cuda.Stream(dev)
         return own
-
-    def _submit_enqueued(self, fn: Callable, result: list, uses: Sequence, dev: int,
-                         sync: bool) -> Work:
-        """A collective on CUDA tensors, put on the group's stream for the
-        device as ProcessGroupNCCL puts its kernels: after the work queued
-        on the caller's current stream before the call, with its engine
-        operations enqueued too (CollectiveContext._enqueued), so that the
-        whole of it proceeds without the host.  The task itself only queues
-        (it runs on this thread unless earlier tasks are still queued);
-        Work.wait() makes the caller's stream wait for its end event."""
-        caller = torch.cuda.current_stream(dev)
-        side = self._stream(dev)
-        ready = None
-        if not caller.query():   # work queued there: the operation starts after it
-            ready = torch.cuda.Event()
-            ready.record(caller)
-        ctx = self._ctx
-        enq = Enqueued(ctx._cm())
-        tensors = _tensors_in(result, uses)
-
-        def run():
-            with torch.cuda.stream(side):
-                if ready is not None:
-                    side.wait_event(ready)
-                ctx._enqueued = enq.ids
-                try:
-                    fn()
-                finally:
-                    ctx._enqueued = None
-                    enq.end.record(side)
-                    # the caching allocator must not hand their memory out
-                    # again before the group's stream is past them (NCCL's rule)
-                    for t in tensors:
-                        t.record_stream(side)
-            return [enq]
-        task = Task(run, result, dev)
-        task.enqueued = enq
-        while self._inflight:   # forget what has ended (bounded memory without waits)
-            try:
-                if not self._inflight[0].test():
-                    break
-            except Exception:
-                pass   # failed: the communicator is poisoned and says so at the next call
-            self._inflight.popleft()
-        self._inflight.append(enq)
-        self._runner.submit(task, True if sync else IF_IDLE, time.monotonic() + self._timeout)
-        if task.ran and task.error is not None:
-            raise task.error
-        return Work(self._runner, task, dev)
 
     def _on_gpu(self, fn: Callable, dev: int) -> Callable:
         """fn as a task on CUDA tensors, ordered as ProcessGroupNCCL orders

@@ -262,11 +262,6 @@ class CollectiveContext:
         self._waiter: ThreadPoolExecutor | None = None
         self._orphans: list[Handle] = []   # what dropped, unfinished handles still run
         self.transports: dict[int, str] = {}
-        # Set by the uccl process group while it runs a task on CUDA tensors:
-        # engine operations on a GPU are then enqueued on the current stream
-        # (they start after its work, and it waits for their end, with no
-        # host thread involved) and their ids appended here, not waited for.
-        self._enqueued: list[int] | None = None
 
     # -- setup ---------------------------------------------------------------
     def init(self) -> "CollectiveContext":
@@ -459,10 +454,7 @@ class CollectiveContext:
                 gpeer = peer if self._group is None else dist.get_global_rank(self._group, peer)
                 works.append(fn(t, gpeer, group=self._group))
         if blocking and not works:
-            if self._enqueued is not None and gpu[0] >= 0:
-                self._enqueued.append(cm.p2p(engine, False, None, *gpu, True))
-            else:
-                cm.p2p(engine, True, self.timeout_s, *gpu)
+            cm.p2p(engine, True, self.timeout_s, *gpu)
             return None
         ops = [cm.p2p(engine, False, None, *gpu)] if engine else []
         h = Handle(cm, ops, [self._watch(w) for w in works], [t for _, t, _ in entries],
@@ -604,14 +596,14 @@ class CollectiveContext:
         engine_only = self._engine_only
         if engine_only and not uneven and isinstance(recv, torch.Tensor):
             send, bufs = self._flat_bufs(send_tensor, recv, what)
-            return self._engine_allgather(cm, send, bufs, algo, async_op,
-                                          (send_tensor, recv)), None
+            gpu = stream_args((send_tensor, recv))
+            return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
         bufs = [self._buf(c, what) for c in chunks]
         if engine_only:
-            return self._engine_allgather(cm, send, bufs, algo, async_op,
-                                          [send_tensor, *chunks]), None
+            gpu = stream_args([send_tensor, *chunks])
+            return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu), None
         # Some peers go through torch.distributed (same node, copy engine off).
         algo = cm.pick_algo(algo, send[1])
         if chunks[me].data_ptr() != send_tensor.data_ptr():
@@ -626,16 +618,6 @@ class CollectiveContext:
             out_c, in_c = chunks[(me - s) % n], chunks[(me - s - 1) % n]
             self._p2p([("send", out_c, right), ("recv", in_c, left)], what, blocking=True)
         return None, Handle(cm)
-
-    def _engine_allgather(self, cm, send, bufs, algo: int, async_op: bool, tensors) -> int | None:
-        """The engine's allgather of checked buffers: its op id (async_op), or
-        None once done; or enqueued on the GPU (see _enqueued), then None."""
-        gpu = stream_args(tensors)
-        if self._enqueued is not None and gpu[0] >= 0:
-            self._enqueued.append(cm.allgather(send, bufs, algo, True, self.timeout_s, *gpu,
-                                               True))
-            return None
-        return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu)
 
     def _run_allgather(self, send_tensor, recv, algorithm, what, uneven) -> None:
         # Blocking: this thread advances the operation itself (no handoff),
