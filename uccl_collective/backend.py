@@ -14,6 +14,7 @@ with torch on the receiving rank (_reduce.py).
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -218,7 +219,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         dev = _cuda_device(result, uses)
         if dev is not None:
-            fn = self._on_gpu(fn, dev)
+            fn = self._on_gpu(fn, dev, sync)
         task = Task(fn, result, dev)
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
@@ -234,25 +235,40 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             own = self._streams[dev] = torch.cuda.Stream(dev)
         return own
 
-    def _on_gpu(self, fn: Callable, dev: int) -> Callable:
+    def _on_gpu(self, fn: Callable, dev: int, sync: bool) -> Callable:
         """fn as a task on CUDA tensors, ordered as ProcessGroupNCCL orders
         its kernels: it starts after the work queued on the caller's current
-        stream before the call, and its own kernels (copies, reductions) run
-        on the group's stream for the device, never on the caller's, which
-        Work.wait() may already have told to wait for this very task.  The
-        task ends only once that stream has finished, so its outputs are in
-        place when it counts as done."""
+        stream before the call.  The task ends only once its kernels
+        (copies, reductions) have finished, so its outputs are in place when
+        it counts as done.
+
+        A blocking call that runs its task on the calling thread (the usual
+        case: nothing queued ahead of it) runs the kernels on the caller's
+        current stream itself: no event, no stream switch, and the engine's
+        start condition is that stream's own progress.  Otherwise (async_op,
+        or run by another thread) they run on the group's stream for the
+        device, after an event of the caller's: work the caller queues after
+        an async call is not held up behind the operation (DDP overlaps its
+        backward pass with the all_reduces this way)."""
         caller = torch.cuda.current_stream(dev)
+        tid = threading.get_ident() if sync else None
         ready = None
-        if not caller.query():   # work queued there: the task starts after it
+        if tid is None and not caller.query():   # work queued there: the task starts after it
             ready = torch.cuda.Event()
             ready.record(caller)
         own = self._stream(dev)
 
         def run():
+            if threading.get_ident() == tid:
+                try:
+                    return fn()
+                finally:
+                    caller.synchronize()
             with torch.cuda.stream(own):
                 if ready is not None:
                     own.wait_event(ready)
+                elif tid is not None and not caller.query():   # a blocking call run elsewhere
+                    own.wait_stream(caller)
                 try:
                     return fn()
                 finally:
