@@ -106,9 +106,12 @@ int uccl__sock_listen(const char *bind_ip, int port, int *fd_p, int *port_p)
                          "bind(port %d): %s", port, strerror(e));
     }
     if (listen(fd, 256) < 0) {
+        /* EADDRINUSE here: another socket bound the same port (SO_REUSEADDR
+         * lets both bind while neither listens) and listened first. */
         int e = errno;
         close(fd);
-        return uccl__err(UCCL_ERR_IO, "listen(): %s", strerror(e));
+        return uccl__err(e == EADDRINUSE ? UCCL_ERR_UNAVAIL : UCCL_ERR_IO,
+                         "listen(port %d): %s", port, strerror(e));
     }
     socklen_t sl = sizeof(sa);
     getsockname(fd, (struct sockaddr *)&sa, &sl);
