@@ -11,6 +11,7 @@ reads and writes; the side that accepts receives and advertises.
 from __future__ import annotations
 
 import atexit
+import enum
 import sys
 import weakref
 from typing import Any, Sequence
@@ -18,7 +19,8 @@ from typing import Any, Sequence
 from . import _engine
 from ._engine import UcclError, UcclTimeoutError
 
-__all__ = ["Endpoint", "UcclError", "UcclTimeoutError", "buffer_of", "current_stream"]
+__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "buffer_of",
+           "current_stream"]
 
 OP_SEND, OP_RECV = _engine.OP_SEND, _engine.OP_RECV
 OP_WRITE, OP_READ = _engine.OP_WRITE, _engine.OP_READ
@@ -57,6 +59,29 @@ def current_stream() -> int:
         return int(torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
     except AttributeError:  # private names moved: the public way, slower
         return int(torch.cuda.current_stream().cuda_stream)
+
+
+class FloatType(enum.IntEnum):
+    """Upstream's element types of a registration (``reg(ptr, size,
+    floatType=...)``), which upstream uses to compress floating-point data
+    on the wire (DietGPU).  Accepted and checked here, so upstream code runs
+    unchanged, but nothing is compressed: every transfer moves the bytes as
+    they are."""
+    kUndefined = 0
+    kFloat16 = 1
+    kBFloat16 = 2
+    kFloat32 = 3
+
+
+def _float_type(value: Any, what: str) -> FloatType:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what}: floatType must be a p2p.FloatType, got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        return FloatType(value)
+    except ValueError:
+        known = ", ".join(f"{m.name}={m.value}" for m in FloatType)
+        raise ValueError(f"{what}: floatType {value} is not a FloatType ({known})") from None
 
 
 def _lists(name: str, num_iovs: int, *lists: Sequence) -> None:
@@ -109,6 +134,33 @@ class Endpoint(_engine.Endpoint):
         """Same-host form of accept(); returns (success, remote_gpu_idx, conn_id)."""
         ok, _ip, gpu, conn_id = self.accept(timeout)
         return ok, gpu, conn_id
+
+    # -- memory ------------------------------------------------------------
+    def reg(self, ptr: int, size: int, floatType: Any = FloatType.kUndefined):
+        """reg(ptr, size, floatType=FloatType.kUndefined) -> (True, mr_id).
+        floatType is upstream's compression hint: checked, not used."""
+        _float_type(floatType, "reg")
+        return super().reg(ptr, size)
+
+    def regv(self, ptrs: Sequence[int], sizes: Sequence[int]):
+        """Register several regions at once -> (True, [mr_id, ...]).  If one
+        fails, those registered before it are deregistered and the error is
+        raised."""
+        ptrs, sizes = list(ptrs), list(sizes)
+        if len(ptrs) != len(sizes):
+            raise ValueError(f"regv: {len(ptrs)} pointers but {len(sizes)} sizes")
+        mr_ids: list[int] = []
+        try:
+            for ptr, size in zip(ptrs, sizes):
+                mr_ids.append(super().reg(ptr, size)[1])
+        except BaseException:
+            for mr in mr_ids:
+                try:
+                    self.dereg(mr)
+                except Exception:  # noqa: BLE001 - the first error is the one to raise
+                    pass
+            raise
+        return True, mr_ids
 
     # -- two-sided ---------------------------------------------------------
     def send(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:

@@ -1,0 +1,115 @@
+"""Upstream's API names and argument forms (issue 12) that this package
+accepts so that upstream code runs with only its import changed: so far
+p2p.FloatType with reg(ptr, size, floatType=...) and keyword arguments, and
+regv.  Data moves between two endpoints of this process over loopback;
+bytes are random, receive buffers poisoned, and compared end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from uccl_collective import p2p
+from uccl_collective.p2p import FloatType
+
+from _harness import GUARD, addr, all_poison, poisoned, rand_bytes
+
+
+def _pair(endpoints):
+    """(sender, receiver, send conn, recv conn) over loopback."""
+    rx, tx = endpoints(), endpoints()
+    ip, port = rx.address()
+    ok, conn = tx.connect(ip, -1, port)
+    assert ok
+    ok, _ip, _gpu, rconn = rx.accept()
+    assert ok
+    return tx, rx, conn, rconn
+
+
+def test_float_type_names_and_values():
+    """The names upstream's scripts use, with DietGPU's values."""
+    assert p2p.FloatType is FloatType
+    assert {m.name: int(m) for m in FloatType} == {
+        "kUndefined": 0, "kFloat16": 1, "kBFloat16": 2, "kFloat32": 3}
+
+
+@pytest.mark.parametrize("ft", list(FloatType) + [0, 3])
+def test_reg_with_float_type_moves_the_bytes(endpoints, ft):
+    """reg(ptr, size, floatType) in every form registers as reg(ptr, size):
+    a transfer of random bytes from and into such regions lands intact,
+    uncompressed, with the guard past the receive region untouched."""
+    tx, rx, conn, rconn = _pair(endpoints)
+    n = 4097
+    src = rand_bytes(n, 71)
+    dst = poisoned(n)
+    ok, smr = tx.reg(addr(src), n, ft)
+    assert ok
+    ok, rmr = rx.reg(ptr=addr(dst), size=n, floatType=ft)
+    assert ok
+    ok, tid = tx.send_async(conn, smr, addr(src), n)
+    assert ok
+    assert rx.recv(rconn, rmr, addr(dst), n) is True
+    for _ in range(100000):
+        ok, done = tx.poll_async(tid)
+        if done:
+            break
+    assert done
+    assert np.array_equal(dst[:n], src)
+    assert all_poison(dst[n:n + GUARD])
+
+
+@pytest.mark.parametrize("bad,exc,words", [
+    (7, ValueError, ["floatType 7", "kFloat32=3"]),
+    (-1, ValueError, ["floatType -1"]),
+    ("kFloat32", TypeError, ["floatType", "str"]),
+    (True, TypeError, ["floatType", "bool"]),
+    (1.0, TypeError, ["floatType", "float"]),
+])
+def test_reg_rejects_a_bad_float_type(endpoints, bad, exc, words):
+    """An unknown floatType raises, naming the value (and the known ones);
+    nothing is registered."""
+    ep = endpoints()
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(exc) as e:
+        ep.reg(addr(buf), 64, floatType=bad)
+    for w in words:
+        assert w in str(e.value)
+    ok, mr = ep.reg(addr(buf), 64)     # the next registration is the first one made
+    assert ok and mr == 1
+
+
+def test_regv_registers_each_region(endpoints):
+    """regv(ptrs, sizes) -> (True, [mr_id per region]); each id carries a
+    transfer of its own region's bytes."""
+    tx, rx, conn, rconn = _pair(endpoints)
+    sizes = [1, 4097, 65536]
+    srcs = [rand_bytes(n, 80 + i) for i, n in enumerate(sizes)]
+    dsts = [poisoned(n) for n in sizes]
+    ok, smrs = tx.regv([addr(s) for s in srcs], sizes)
+    assert ok is True and len(smrs) == 3 and len(set(smrs)) == 3
+    ok, rmrs = rx.regv(ptrs=[addr(d) for d in dsts], sizes=sizes)
+    assert ok is True and len(rmrs) == 3
+    for src, dst, smr, rmr, n in zip(srcs, dsts, smrs, rmrs, sizes):
+        ok, tid = tx.send_async(conn, smr, addr(src), n)
+        assert ok
+        assert rx.recv(rconn, rmr, addr(dst), n) is True
+        for _ in range(100000):
+            ok, done = tx.poll_async(tid)
+            if done:
+                break
+        assert done
+        assert np.array_equal(dst[:n], src) and all_poison(dst[n:n + GUARD])
+
+
+def test_regv_failure_registers_nothing(endpoints):
+    """A region that cannot be registered raises with its reason, and the
+    regions registered before it in the same call are deregistered."""
+    ep = endpoints()
+    a = np.zeros(32, np.uint8)
+    with pytest.raises(ValueError) as e:
+        ep.regv([addr(a), 0], [32, 8])
+    assert "address 0" in str(e.value)
+    with pytest.raises(ValueError):
+        ep.dereg(1)                    # the first region's id was given back
+    with pytest.raises(ValueError) as e:
+        ep.regv([addr(a)], [32, 8])
+    assert "1 pointers but 2 sizes" in str(e.value)
