@@ -88,6 +88,7 @@ def _plan(ws: int) -> list[tuple[str, str, dict]]:
         cases.append((f"{cx}-test-polls-to-true", "test_poll", dict(cx=cx)))
         for err in ("recv-size", "dtype", "algo", "peer", "noncontig"):
             cases.append((f"{cx}-err-{err}", "err_" + err.replace("-", "_"), dict(cx=cx)))
+        cases.append((f"{cx}-upstream-forms", "upstream_forms", dict(cx=cx)))
         cases.append((f"{cx}-usable-after-errors", "ag",
                       dict(cx=cx, api="allgather", algo="auto", dt="float32", n=4097,
                            form="tensor")))
@@ -506,9 +507,9 @@ def _case_err_recv_size(R, i, p):
     import torch
     api, ws, me = R.api(p["cx"]), R.ws, R.me
     s = torch.zeros(10)
-    _raises(lambda: api.allgather(s, torch.zeros(10 * ws + 1)), ValueError, str(10 * ws + 1),
+    # (a larger recv is accepted, as upstream: case upstream_forms)
+    _raises(lambda: api.allgather(s, torch.zeros(10 * ws - 1)), ValueError, str(10 * ws - 1),
             "elements")
-    _raises(lambda: api.allgather(s, torch.zeros(10 * ws - 1)), ValueError, "elements")
     _raises(lambda: api.iallgather(s, torch.zeros(10)), ValueError, "elements")
     bad = [torch.zeros(10) for _ in range(ws)]
     bad[R.right] = torch.zeros(11)
@@ -542,9 +543,9 @@ def _case_err_algo(R, i, p):
 
 def _case_err_peer(R, i, p):
     import torch
-    api, ws, me, C = R.api(p["cx"]), R.ws, R.me, R.C
+    api, ws, C = R.api(p["cx"]), R.ws, R.C
     t = torch.zeros(10)
-    for bad in (ws, ws + 7, -1, me):
+    for bad in (ws, ws + 7, -1):
         _raises(lambda: api.send(t, dst=bad), ValueError, f"peer rank {bad}")
         _raises(lambda: api.recv(t, src=bad), ValueError, f"peer rank {bad}")
         _raises(lambda: api.isend(t, bad), ValueError, f"peer rank {bad}")
@@ -554,7 +555,66 @@ def _case_err_peer(R, i, p):
         _raises(lambda: api.batch_isend_irecv([C.P2POp("recv", t, bad)]), ValueError,
                 f"peer rank {bad}")
     _raises(lambda: api.send(t, dst=float(R.right)), TypeError, "int")
+    _raises(lambda: api.send(t, dst=True), TypeError, "int")
     _raises(lambda: C.P2POp("bcast", t, R.right), ValueError, "'bcast'")
+
+
+def _case_upstream_forms(R, i, p):
+    """What upstream's scripts write, accepted: an op with the caller's own
+    rank is skipped (nothing is copied, the handle is done at once); numpy
+    integer peers; (op, tensor, peer) tuples in batch_isend_irecv; a recv
+    larger than world_size chunks (the part past them untouched);
+    wait_all(iallgather(...)) and iterating its result; the attributes
+    upstream's CollectiveContext has."""
+    import numpy as np
+    import torch
+    api, ws, me, C = R.api(p["cx"]), R.ws, R.me, R.C
+    n = 257
+    # own rank: skipped, buffer untouched
+    got, back = _poisoned(n, "int64")
+    src = _gen(_seed(i, me), n, "int64")
+    api.send(src, dst=me)
+    api.recv(got, src=me)
+    assert bool((back == POISON).all()), "a skipped recv from this rank wrote into its buffer"
+    h = api.isend(src, np.int64(me))
+    assert api.test(h) is True and api.wait(h) is True
+    assert api.wait(api.irecv(got, me)) is True
+    assert bool((back == POISON).all())
+    # numpy peers and tuples, with a self entry among them
+    ops = [("send", _gen(_seed(i, me, R.right), n, "int64"), np.int32(R.right)),
+           (C.irecv, got, np.int64(R.left)), ("send", src, me)]
+    api.wait_all(api.batch_isend_irecv(ops))
+    _same(got, _gen(_seed(i, R.left, me), n, "int64"), "batch of tuples with numpy peers")
+    _guard_ok(back, n * 8, "batch of tuples with numpy peers")
+    # a larger recv, through wait_all(iallgather) and iteration over its result
+    big, bback = _poisoned(ws * n + 5, "int64")
+    hs = api.iallgather(_gen(_seed(i, me, 99), n, "int64"), big)
+    assert [x for x in hs] == [hs]
+    assert api.wait_all(hs) is True
+    exp = torch.cat([_gen(_seed(i, r, 99), n, "int64") for r in range(ws)])
+    _same(big[:ws * n], exp, "allgather into a larger recv")
+    _guard_ok(bback, ws * n * 8, "allgather into a larger recv (the part past the chunks)")
+    api.wait_all([[api.iallgather(torch.zeros(1), torch.zeros(ws))], []])
+    # upstream's attributes
+    ctx = api if isinstance(api, C.CollectiveContext) else C.get_collective()
+    assert ctx.initialized is True and ctx.P2POp is C.P2POp
+    assert ctx.dist_backend == "gloo"
+    sc, rc = ctx.send_connections, ctx.recv_connections
+    assert len(sc) == len(rc) == ws and sc[me] is None and rc[me] is None
+    for r in range(ws):
+        if r != me and ctx.transport_to(r) != "torch.distributed":
+            assert isinstance(sc[r], int) and isinstance(rc[r], int)
+    assert ctx.local_connections == [r != me for r in range(ws)]   # one host here
+    t = torch.zeros(64)
+    assert ctx.check_tensor_registered(t) is False
+    mr = ctx.register_tensor(t)
+    assert ctx.check_tensor_registered(t[8:16]) is True
+    assert ctx.memory_regions[t.data_ptr()] == mr
+    assert ctx.deregister_tensor(t) is True and t.data_ptr() not in ctx.memory_regions
+    from uccl_collective.p2p import FloatType as F
+    assert ctx.float_type_from_tensor(torch.zeros(1, dtype=torch.bfloat16)) == F.kBFloat16
+    assert ctx.float_type_from_tensor(torch.zeros(1)) == F.kFloat32
+    assert ctx.float_type_from_tensor(torch.zeros(1, dtype=torch.int64)) == F.kUndefined
 
 
 def _case_err_noncontig(R, i, p):
@@ -703,10 +763,16 @@ def _case_mismatch_p2p(R, i, p):
 
 def _case_finalize(R, i, p):
     import torch
-    C, ce = R.C, R.ctxs["ce"]
-    _raises(lambda: C.init_collective(use_copy_engine_for_intra=True), RuntimeError,
-            "already")
+    C, ce, ws = R.C, R.ctxs["ce"], R.ws
     assert C.get_collective() is ce
+    # a second init_collective replaces the default context (upstream's
+    # behaviour), finalizing the old one
+    new = C.init_collective(use_copy_engine_for_intra=True, timeout_s=CTX_TIMEOUT)
+    assert new is not ce and C.get_collective() is new and ce.ep is None
+    out, back = _poisoned(ws, "int64")
+    new.allgather(torch.full((1,), R.me, dtype=torch.int64), out)
+    _same(out, torch.arange(ws), "allgather on the replacing context")
+    _guard_ok(back, ws * 8, "allgather on the replacing context")
     C.finalize_collective()
     _raises(C.get_collective, RuntimeError, "init_collective")
     _raises(lambda: C.allgather(torch.zeros(1), torch.zeros(R.ws)), RuntimeError)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import numbers
 import os
 import secrets
 import threading
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _engine
-from .p2p import Endpoint, UcclError, UcclTimeoutError
+from .p2p import Endpoint, FloatType, UcclError, UcclTimeoutError
 
 __all__ = [
     "CollectiveContext", "Handle", "P2POp", "init_collective", "get_collective",
@@ -143,6 +144,11 @@ class Handle:
         self._orphans = orphans
         self._lock = threading.Lock()  # one thread advances it at a time
 
+    def __iter__(self):
+        """A handle is also the one-element list of handles that upstream's
+        iallgather returns, so `for h in ctx.iallgather(...)` works."""
+        yield self
+
     def __del__(self):
         if not self._done and (self._ops or self._works) and self._orphans is not None:
             self._orphans.append(Handle(self._cm, self._ops, self._works, self._keep))
@@ -214,6 +220,16 @@ class Handle:
         return self.test()
 
 
+def _flatten_handles(handles: Any) -> list:
+    """Handles out of a Handle or (nested) lists of them, in order."""
+    if isinstance(handles, Handle):
+        return [handles]
+    out = []
+    for h in handles:
+        out.extend(_flatten_handles(h) if isinstance(h, (list, tuple)) else [h])
+    return out
+
+
 class P2POp:
     """One entry of batch_isend_irecv: op is "send"/"recv" or isend/irecv."""
 
@@ -269,6 +285,7 @@ class CollectiveContext:
         self._waiter: ThreadPoolExecutor | None = None
         self._orphans: list[Handle] = []   # what dropped, unfinished handles still run
         self.transports: dict[int, str] = {}
+        self._conns: tuple[list[int], list[int]] = ([], [])
 
     # -- setup ---------------------------------------------------------------
     def init(self) -> "CollectiveContext":
@@ -360,6 +377,7 @@ class CollectiveContext:
             recv_conns[r] = conn
         for r in peers:
             self.transports[r] = ep.conn_transport(send_conns[r])
+        self._conns = (send_conns, recv_conns)
         self._comm = _engine.Communicator(ep, me, n, send_conns, recv_conns)
 
     def _sweep(self) -> None:
@@ -406,6 +424,61 @@ class CollectiveContext:
     def __exit__(self, *exc) -> None:
         self.finalize()
 
+    # -- upstream's attributes ---------------------------------------------------
+    P2POp = P2POp
+
+    @property
+    def initialized(self) -> bool:
+        return self.ep is not None
+
+    @property
+    def dist_backend(self) -> str | None:
+        """The backend of the torch.distributed group this context bootstraps
+        through (None when it was given a store instead)."""
+        if self._store is not None or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.get_backend(self._group)
+
+    def _conn_list(self, which: int) -> list[int | None]:
+        conns = self._conns[which]
+        return [conns[r] if r < len(conns) and conns[r] else None for r in range(self.world_size)]
+
+    @property
+    def send_connections(self) -> list[int | None]:
+        """Per rank, the engine connection this rank sends to it on (None:
+        this rank, or a peer reached through torch.distributed)."""
+        return self._conn_list(0)
+
+    @property
+    def recv_connections(self) -> list[int | None]:
+        """Per rank, the engine connection this rank receives from it on."""
+        return self._conn_list(1)
+
+    @property
+    def local_connections(self) -> list[bool]:
+        """Per rank, whether it is on this node (its engine connections, if
+        any, are same-host: shared memory and CUDA IPC)."""
+        nodes = getattr(self, "nodes", None)
+        if not nodes:
+            return []
+        return [r != self.rank and nodes[r] == nodes[self.rank] for r in range(self.world_size)]
+
+    @property
+    def memory_regions(self) -> dict[int, int]:
+        """Registered tensors: data pointer -> mr_id."""
+        return {ptr: mr for ptr, (_p, _n, mr) in self._regs.items()}
+
+    def check_tensor_registered(self, t: torch.Tensor) -> bool:
+        """Whether t lies inside a tensor given to register_tensor()."""
+        return self._buf(t, "check_tensor_registered")[2] != 0
+
+    @staticmethod
+    def float_type_from_tensor(t: torch.Tensor) -> FloatType:
+        """Upstream's compression type of a tensor's dtype (kUndefined for
+        anything but float16, bfloat16 and float32)."""
+        return {torch.float16: FloatType.kFloat16, torch.bfloat16: FloatType.kBFloat16,
+                torch.float32: FloatType.kFloat32}.get(t.dtype, FloatType.kUndefined)
+
     # -- registration ----------------------------------------------------------
     def register_tensor(self, t: torch.Tensor) -> int:
         ptr, size = _tensor_buf(t, "register_tensor")
@@ -431,10 +504,13 @@ class CollectiveContext:
                 return ptr, size, mr
         return ptr, size, 0
 
-    def _check_peer(self, peer: int, what: str) -> int:
-        if not isinstance(peer, int) or isinstance(peer, bool):
+    def _check_peer(self, peer: Any, what: str, own: bool = False) -> int:
+        """peer as an int (numpy integers too); own: this rank's own number
+        is allowed (point-to-point calls skip it, as upstream does)."""
+        if isinstance(peer, bool) or not isinstance(peer, numbers.Integral):
             raise TypeError(f"{what}: peer rank must be an int, got {type(peer).__name__}")
-        if not 0 <= peer < self.world_size or peer == self.rank:
+        peer = int(peer)
+        if not 0 <= peer < self.world_size or (peer == self.rank and not own):
             raise ValueError(f"{what}: peer rank {peer} is not another rank in "
                              f"0..{self.world_size - 1} (this is rank {self.rank})")
         return peer
@@ -445,9 +521,15 @@ class CollectiveContext:
         """Posts the batch; a Handle, or None when blocking (then waited for:
         engine-only batches in the one engine call that posts them)."""
         cm = self._cm()
+        checked = []
         for kind, t, peer in entries:  # everything is checked before anything is posted
-            self._check_peer(peer, what)
+            peer = self._check_peer(peer, what, own=True)
             _tensor_buf(t, what)
+            if peer != self.rank:   # to or from itself: skipped, as upstream does
+                checked.append((kind, t, peer))
+        entries = checked
+        if not entries:
+            return None if blocking else Handle(cm)
         engine, works = [], []
         for kind, t, peer in entries:
             if self._engine_peer[peer]:
@@ -505,9 +587,11 @@ class CollectiveContext:
     def wait(self, handle: Handle, timeout: float | None = None) -> bool:
         return handle.wait(timeout)
 
-    def wait_all(self, handles: Iterable[Handle], timeout: float | None = None) -> bool:
+    def wait_all(self, handles: Handle | Iterable, timeout: float | None = None) -> bool:
+        """Wait for every handle: a Handle, or a (nested) list of them, as
+        iallgather's result is upstream."""
         first = None
-        for h in list(handles):
+        for h in _flatten_handles(handles):
             try:
                 h.wait(timeout)
             except BaseException as e:  # wait for the rest, then raise the first
@@ -517,12 +601,15 @@ class CollectiveContext:
         return True
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
-        """Posts every op at once (in order); returns one handle per op."""
+        """Posts every op at once (in order); returns one handle per op.  An
+        entry is a P2POp or an (op, tensor, peer) tuple."""
         ops = list(ops)
         for i, o in enumerate(ops):
+            if isinstance(o, (tuple, list)) and len(o) == 3:
+                ops[i] = o = P2POp(*o)
             if not isinstance(o, P2POp):
                 raise TypeError(f"batch_isend_irecv: entry {i} is {type(o).__name__}, "
-                                "not a P2POp")
+                                "not a P2POp or an (op, tensor, peer) tuple")
         if not ops:
             return []
         h = self._p2p([(o.op, o.tensor, o.peer) for o in ops], "batch_isend_irecv")
@@ -543,9 +630,9 @@ class CollectiveContext:
                             f"{type(send_tensor).__name__}")
         if recv.dtype != send_tensor.dtype:
             raise ValueError(f"{what}: recv dtype {recv.dtype} != send dtype {send_tensor.dtype}")
-        if recv.numel() != n * send_tensor.numel():
+        if recv.numel() < n * send_tensor.numel():
             raise ValueError(f"{what}: recv has {recv.numel()} elements; world_size {n} x "
-                             f"send's {send_tensor.numel()} = {n * send_tensor.numel()} expected")
+                             f"send's {send_tensor.numel()} = {n * send_tensor.numel()} needed")
 
     def _recv_chunks(self, send_tensor: torch.Tensor, recv: Any, what: str,
                      uneven: bool) -> list[torch.Tensor]:
@@ -555,8 +642,8 @@ class CollectiveContext:
                 raise TypeError(f"{what}: recv_list must be a list of {n} tensors")
             self._check_flat(send_tensor, recv, what)
             _tensor_buf(recv, what)
-            return list(recv.reshape(-1).chunk(n)) if send_tensor.numel() else \
-                [recv.reshape(-1)[:0]] * n
+            k = send_tensor.numel()   # a larger recv keeps what lies past n chunks
+            return [recv.reshape(-1)[r * k:(r + 1) * k] for r in range(n)]
         if not isinstance(send_tensor, torch.Tensor):
             raise TypeError(f"{what}: send_tensor must be a torch.Tensor, got "
                             f"{type(send_tensor).__name__}")
@@ -662,10 +749,13 @@ _default_lock = threading.Lock()
 
 def init_collective(local_gpu_idx: int | None = None, use_copy_engine_for_intra: bool = False,
                     num_cpus: int = 4, **kwargs) -> CollectiveContext:
+    """Make and initialise the default context.  Called again, it replaces
+    the default context (finalizing the old one), as upstream does."""
     global _default
     with _default_lock:
         if _default is not None:
-            raise RuntimeError("init_collective() was already called; finalize_collective() first")
+            _default.finalize()
+            _default = None
         ctx = CollectiveContext(local_gpu_idx, use_copy_engine_for_intra, num_cpus, **kwargs)
         ctx.init()
         _default = ctx
