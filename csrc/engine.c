@@ -323,6 +323,8 @@ int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len)
     return UCCL_OK;
 }
 
+int uccl_local_ip(char *buf, size_t len) { return uccl__sock_local_ip(buf, len); }
+
 int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p)
 {
     struct uccl__meta m;
@@ -441,6 +443,28 @@ int uccl_ep_connect_meta(uccl_ep_t *ep, const uint8_t *meta, size_t meta_len, ui
         pthread_mutex_unlock(&ep->mu);
     }
     *conn_p = id;
+    return UCCL_OK;
+}
+
+int uccl_ep_conn_remove(uccl_ep_t *ep, uint64_t conn)
+{
+    pthread_mutex_lock(&ep->mu);
+    struct uccl__conn *c = ep->closed ? NULL : uccl__idmap_del(&ep->conns, conn);
+    if (c) { /* add_remote_endpoint must connect afresh next time */
+        struct uccl__remote *r = SLIST_FIRST(&ep->remotes), *next;
+        for (; r; r = next) {
+            next = SLIST_NEXT(r, link);
+            if (r->conn_id == conn) {
+                SLIST_REMOVE(&ep->remotes, r, uccl__remote, link);
+                free(r);
+            }
+        }
+    }
+    pthread_mutex_unlock(&ep->mu);
+    if (!c)
+        return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
+    uccl__conn_close(c); /* fails what is pending on it, tells the peer, joins its threads */
+    uccl__conn_put(c);   /* the table's reference */
     return UCCL_OK;
 }
 

@@ -344,6 +344,28 @@ static PyObject *Endpoint_conn_peer_rank(PyObject *op, PyObject *args)
     return PyLong_FromLong(rank);
 }
 
+/* remove_remote_endpoint(conn_id) -> True, or False when conn_id is no live
+ * connection (upstream's answer: nothing was there to remove). */
+static PyObject *Endpoint_remove_remote_endpoint(PyObject *op, PyObject *args)
+{
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    uint64_t conn;
+    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &conn) || uccl__py_ep_check(self))
+        return NULL;
+    int rc;
+    uccl_ep_t *ep = self->ep;
+    uccl__py_ep_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_ep_conn_remove(ep, conn);
+    Py_END_ALLOW_THREADS
+    uccl__py_ep_leave(self);
+    if (rc == UCCL_ERR_NOTFOUND)
+        Py_RETURN_FALSE;
+    if (rc)
+        return uccl__py_ep_fail(self, rc);
+    Py_RETURN_TRUE;
+}
+
 static PyObject *Endpoint_reg(PyObject *op, PyObject *args)
 {
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
@@ -625,6 +647,9 @@ static PyMethodDef Endpoint_methods[] = {
      "conn_transport(conn_id) -> 'tcp' | 'shm-cma' | 'shm-ring'"},
     {"_set_spin_us", Endpoint_set_spin_us, METH_VARARGS,
      "_set_spin_us(us): how long waiters poll before sleeping (call before transfers)"},
+    {"remove_remote_endpoint", Endpoint_remove_remote_endpoint, METH_VARARGS,
+     "remove_remote_endpoint(conn_id) -> True (closed and forgotten), False (no such "
+     "connection)"},
     {"conn_peer_rank", Endpoint_conn_peer_rank, METH_VARARGS,
      "conn_peer_rank(conn_id) -> the rank the peer gave in its handshake (-1: none)"},
     {"reg", Endpoint_reg, METH_VARARGS, "reg(ptr, size) -> (True, mr_id)"},

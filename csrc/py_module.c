@@ -105,9 +105,21 @@ static PyObject *mod_parse_metadata(PyObject *module, PyObject *args)
     return Py_BuildValue("(sii)", ip, port, gpu);
 }
 
+static PyObject *mod_get_oob_ip(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    char ip[64];
+    int rc = uccl_local_ip(ip, sizeof(ip));
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return PyUnicode_FromString(ip);
+}
+
 static PyMethodDef module_methods[] = {
     {"parse_metadata", mod_parse_metadata, METH_VARARGS,
      "parse_metadata(bytes) -> (ip, port, gpu_idx)"},
+    {"get_oob_ip", mod_get_oob_ip, METH_NOARGS,
+     "get_oob_ip() -> the IPv4 address endpoints advertise (UCCL_SOCKET_IFNAME)"},
     {NULL, NULL, 0, NULL},
 };
 

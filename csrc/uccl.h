@@ -55,6 +55,13 @@ int uccl_ep_set_passive(uccl_ep_t *ep);
 int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len);
 /* The rank the peer of a connection gave in its handshake (-1: none). */
 int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p);
+/* Close connection conn and forget it (add_remote_endpoint connects afresh
+ * to that peer afterwards); what was pending on it fails.
+ * UCCL_ERR_NOTFOUND: no such live connection. */
+int uccl_ep_conn_remove(uccl_ep_t *ep, uint64_t conn);
+/* The IPv4 address endpoints put in their metadata (UCCL_SOCKET_IFNAME, else
+ * the first interface that is up and not loopback). */
+int uccl_local_ip(char *buf, size_t len);
 
 int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p);
 int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr);

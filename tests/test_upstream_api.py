@@ -113,3 +113,51 @@ def test_regv_failure_registers_nothing(endpoints):
     with pytest.raises(ValueError) as e:
         ep.regv([addr(a)], [32, 8])
     assert "1 pointers but 2 sizes" in str(e.value)
+
+
+def _send_recv(tx, rx, conn, rconn, n, seed):
+    src, dst = rand_bytes(n, seed), poisoned(n)
+    smr, rmr = tx.reg(addr(src), n)[1], rx.reg(addr(dst), n)[1]
+    ok, tid = tx.send_async(conn, smr, addr(src), n)
+    assert ok
+    assert rx.recv(rconn, rmr, addr(dst), n) is True
+    assert tx.wait(tid) is True
+    assert np.array_equal(dst[:n], src) and all_poison(dst[n:n + GUARD])
+
+
+def test_remove_remote_endpoint(endpoints):
+    """add_remote_endpoint then remove_remote_endpoint: True once, then False
+    (as upstream: nothing left to remove; an id never made is False too);
+    the removed connection refuses transfers with a ValueError naming it, the
+    peer's side of it fails, and adding the same peer again connects afresh
+    (a new conn_id) and moves data."""
+    tx, rx = endpoints(), endpoints()
+    assert tx.remove_remote_endpoint(999999) is False
+    meta = rx.get_metadata()
+    ok, conn = tx.add_remote_endpoint(meta)
+    assert ok
+    assert tx.add_remote_endpoint(meta) == (True, conn)     # cached per peer
+    ok, _ip, _gpu, rconn = rx.accept()
+    _send_recv(tx, rx, conn, rconn, 4097, 91)
+    assert tx.remove_remote_endpoint(conn) is True
+    assert tx.remove_remote_endpoint(conn) is False
+    buf = rand_bytes(64, 92)
+    mr = tx.reg(addr(buf), 64)[1]
+    with pytest.raises(ValueError) as e:
+        tx.send(conn, mr, addr(buf), 64)
+    assert str(conn) in str(e.value)
+    dst = poisoned(64)
+    rmr = rx.reg(addr(dst), 64)[1]
+    with pytest.raises(p2p.UcclError):
+        rx.recv(rconn, rmr, addr(dst), 64)                 # the peer closed it
+    assert all_poison(dst)
+    ok, conn2 = tx.add_remote_endpoint(meta)
+    assert ok and conn2 != conn
+    ok, _ip, _gpu, rconn2 = rx.accept()
+    _send_recv(tx, rx, conn2, rconn2, 65536, 93)
+
+
+def test_get_oob_ip(endpoints):
+    """get_oob_ip() is the address endpoints advertise (UCCL_SOCKET_IFNAME=lo
+    in the tests)."""
+    assert p2p.get_oob_ip() == "127.0.0.1" == endpoints().address()[0]

@@ -20,7 +20,11 @@ from . import _engine
 from ._engine import UcclError, UcclTimeoutError
 
 __all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "buffer_of",
-           "current_stream"]
+           "current_stream", "get_oob_ip"]
+
+#: get_oob_ip() -> str: the IPv4 address endpoints put in their metadata
+#: (UCCL_SOCKET_IFNAME, else the first interface that is up, not loopback).
+get_oob_ip = _engine.get_oob_ip
 
 OP_SEND, OP_RECV = _engine.OP_SEND, _engine.OP_RECV
 OP_WRITE, OP_READ = _engine.OP_WRITE, _engine.OP_READ
