@@ -93,7 +93,8 @@ void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
 /* The settings of UCCL_P2P_* (timeouts, TCP streams, transport, shm mode)
  * into loc; on a bad value the reason is recorded and UCCL_ERR_INVALID or
  * UCCL_ERR_UNAVAIL returned. */
-static int read_settings(struct uccl__local *loc, double timeout_s, int *base_port_p)
+static int read_settings(struct uccl__local *loc, double timeout_s, int *base_port_p,
+                         size_t *done_cap_p)
 {
     int bad = 0;
     double t = timeout_s > 0
@@ -107,6 +108,7 @@ static int read_settings(struct uccl__local *loc, double timeout_s, int *base_po
         (unsigned)uccl__env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
     loc->chunk_bytes = (size_t)uccl__env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
     *base_port_p = (int)uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
+    *done_cap_p = (size_t)uccl__env_long("UCCL_P2P_DONE_IDS", 65536, 16, 1L << 30, &bad);
     if (bad)
         return UCCL_ERR_INVALID;
 
@@ -163,6 +165,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     pthread_mutex_init(&ep->mu, NULL);
     pthread_cond_init(&ep->cv, NULL);
     SLIST_INIT(&ep->remotes);
+    ep->done_floor = 1; /* ids start at 1 */
     uccl__mem_init(&loc->mem);
     uccl__pool_lazy_init(&loc->copy_pool);
     uccl__gate_init(&ep->gate);
@@ -175,7 +178,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
         goto err_free;
     }
     read_host_id(o->host_id, loc->host_id, sizeof(loc->host_id));
-    if ((status = read_settings(loc, o->timeout_s, &ep->base_port)) != UCCL_OK)
+    if ((status = read_settings(loc, o->timeout_s, &ep->base_port, &ep->done_cap)) != UCCL_OK)
         goto err_free;
 
     const char *sec = o->secret;

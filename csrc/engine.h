@@ -52,6 +52,8 @@ struct uccl__ep {
     uint64_t next_conn_id, next_req_id;
     struct uccl__idmap conns;    /* id -> connection (one reference) */
     struct uccl__idmap reqs;     /* transfer id -> request (one reference) or the done mark */
+    size_t done_marks, done_cap; /* done marks in reqs; UCCL_P2P_DONE_IDS (xfer.c) */
+    uint64_t done_floor;         /* ids below it that reqs lacks finished (or were released) */
     struct uccl__idmap incomplete; /* token -> accepted connection waiting for its streams */
     uint64_t acceptq[UCCL_ACCEPTQ_MAX];
     unsigned acceptq_head, acceptq_len;

@@ -344,6 +344,16 @@ static PyObject *Endpoint_conn_peer_rank(PyObject *op, PyObject *args)
     return PyLong_FromLong(rank);
 }
 
+/* _ids_held() -> how many transfer ids the engine's table holds (tests) */
+static PyObject *Endpoint_ids_held(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    if (uccl__py_ep_check(self))
+        return NULL;
+    return PyLong_FromSize_t(uccl_ep_ids_held(self->ep));
+}
+
 /* remove_remote_endpoint(conn_id) -> True, or False when conn_id is no live
  * connection (upstream's answer: nothing was there to remove). */
 static PyObject *Endpoint_remove_remote_endpoint(PyObject *op, PyObject *args)
@@ -647,6 +657,8 @@ static PyMethodDef Endpoint_methods[] = {
      "conn_transport(conn_id) -> 'tcp' | 'shm-cma' | 'shm-ring'"},
     {"_set_spin_us", Endpoint_set_spin_us, METH_VARARGS,
      "_set_spin_us(us): how long waiters poll before sleeping (call before transfers)"},
+    {"_ids_held", Endpoint_ids_held, METH_NOARGS,
+     "_ids_held() -> transfer ids the engine's table holds"},
     {"remove_remote_endpoint", Endpoint_remove_remote_endpoint, METH_VARARGS,
      "remove_remote_endpoint(conn_id) -> True (closed and forgotten), False (no such "
      "connection)"},

@@ -129,6 +129,9 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags
 /* Forget a finished transfer id (its answer is kept until then).  A
  * transfer still in flight cannot be released (UCCL_ERR_INVALID). */
 int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer);
+/* How many transfer ids the table holds now (in flight, or finished and
+ * not released; finished ids beyond UCCL_P2P_DONE_IDS are compacted). */
+size_t uccl_ep_ids_held(uccl_ep_t *ep);
 /* Give up on a pending transfer (e.g. its caller was interrupted): its
  * connection fails, and this returns once nothing can land in its buffer. */
 int uccl_ep_abort(uccl_ep_t *ep, uint64_t xfer, const char *why);

@@ -16,9 +16,36 @@
 #include "sock.h"
 
 /* A finished transfer keeps answering until release(); once its success
- * has been reported, the table keeps only this marker, not the request. */
+ * has been reported, the table keeps only this marker, not the request.
+ * Upstream-style code never releases ids, so the marks are bounded: past
+ * ep->done_cap of them, the oldest run of ids (from done_floor up to the
+ * first one still in flight or failed) is dropped from the table, and an id
+ * below done_floor that the table lacks answers "done" from then on (a
+ * released one too: it finished before it was released). */
 static const char done_marker;
 #define DONE_MARK ((void *)&done_marker)
+
+/* Under ep->mu: xfer's entry, DONE_MARK for a compacted finished id, or NULL. */
+static void *req_entry(struct uccl__ep *ep, uint64_t xfer)
+{
+    void *e = uccl__idmap_get(&ep->reqs, xfer);
+    return !e && xfer >= 1 && xfer < ep->done_floor ? DONE_MARK : e;
+}
+
+/* Under ep->mu: drop the oldest run of done marks once there are too many. */
+static void compact_done(struct uccl__ep *ep)
+{
+    while (ep->done_marks > ep->done_cap / 2 && ep->done_floor <= ep->next_req_id) {
+        void *e = uccl__idmap_get(&ep->reqs, ep->done_floor);
+        if (e && e != DONE_MARK)
+            break; /* still in flight, or failed and not released: it keeps its answer */
+        if (e) {
+            uccl__idmap_del(&ep->reqs, ep->done_floor);
+            ep->done_marks--;
+        }
+        ep->done_floor++;
+    }
+}
 
 static const char *op_name(int op)
 {
@@ -109,7 +136,7 @@ out:
 static struct uccl__req *req_lookup(struct uccl__ep *ep, uint64_t xfer)
 {
     pthread_mutex_lock(&ep->mu);
-    struct uccl__req *r = uccl__idmap_get(&ep->reqs, xfer);
+    struct uccl__req *r = req_entry(ep, xfer);
     if (r && r != DONE_MARK)
         uccl__req_get(r);
     pthread_mutex_unlock(&ep->mu);
@@ -124,8 +151,11 @@ static void mark_done(struct uccl__ep *ep, struct uccl__req *r)
 {
     pthread_mutex_lock(&ep->mu);
     int swap = uccl__idmap_get(&ep->reqs, r->id) == r;
-    if (swap)
+    if (swap) {
         uccl__idmap_put(&ep->reqs, r->id, DONE_MARK);
+        if (++ep->done_marks > ep->done_cap)
+            compact_done(ep);
+    }
     pthread_mutex_unlock(&ep->mu);
     if (swap)
         uccl__req_put(r); /* the table's reference */
@@ -343,10 +373,18 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags
     return done;
 }
 
+size_t uccl_ep_ids_held(uccl_ep_t *ep)
+{
+    pthread_mutex_lock(&ep->mu);
+    size_t n = ep->reqs.live;
+    pthread_mutex_unlock(&ep->mu);
+    return n;
+}
+
 int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer)
 {
     pthread_mutex_lock(&ep->mu);
-    struct uccl__req *r = uccl__idmap_get(&ep->reqs, xfer);
+    struct uccl__req *r = req_entry(ep, xfer);
     if (r && r != DONE_MARK &&
         (atomic_load(&r->state) == UCCL_REQ_PENDING || atomic_load(&r->busy) > 0)) {
         pthread_mutex_unlock(&ep->mu);
@@ -354,8 +392,8 @@ int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer)
         return uccl__err(UCCL_ERR_INVALID, "transfer_id %llu is still in flight: wait for it "
                          "(or close the endpoint) before releasing it", (unsigned long long)xfer);
     }
-    if (r)
-        uccl__idmap_del(&ep->reqs, xfer);
+    if (r && uccl__idmap_del(&ep->reqs, xfer) == DONE_MARK)
+        ep->done_marks--;
     pthread_mutex_unlock(&ep->mu);
     if (!r)
         return uccl__err(UCCL_ERR_NOTFOUND, "unknown transfer_id %llu (never issued, or "

@@ -161,3 +161,53 @@ def test_get_oob_ip(endpoints):
     """get_oob_ip() is the address endpoints advertise (UCCL_SOCKET_IFNAME=lo
     in the tests)."""
     assert p2p.get_oob_ip() == "127.0.0.1" == endpoints().address()[0]
+
+
+def _loop_never_released(tx, rx, conn, rconn, n_xfers, seed):
+    """Upstream's style: post, poll until done, never release.  Returns
+    every id each side got, and the most ids either table held."""
+    src, dst = rand_bytes(8 * n_xfers, seed), poisoned(8 * n_xfers)
+    smr, rmr = tx.reg(addr(src), src.size)[1], rx.reg(addr(dst), dst.size)[1]
+    sids, rids, most = [], [], 0
+    for k in range(n_xfers):
+        rid = rx.recv_async(rconn, rmr, addr(dst) + 8 * k, 8)[1]
+        sid = tx.send_async(conn, smr, addr(src) + 8 * k, 8)[1]
+        for ep, t in ((tx, sid), (rx, rid)):
+            for _ in range(1_000_000):
+                if ep.poll_async(t) == (True, True):
+                    break
+            else:
+                raise AssertionError(f"transfer {t} not done")
+        sids.append(sid)
+        rids.append(rid)
+        most = max(most, tx._ids_held(), rx._ids_held())
+    assert np.array_equal(dst[:src.size], src), "the bytes of the loop did not all land"
+    return sids, rids, most
+
+
+def test_unreleased_ids_stay_bounded(endpoints, monkeypatch):
+    """A loop of async transfers that never calls release() keeps at most
+    UCCL_P2P_DONE_IDS finished ids per endpoint (here 64, over 3000
+    transfers), every id ever returned still answers done (a second poll is
+    never a use after free), and release() of a recent id still forgets it."""
+    monkeypatch.setenv("UCCL_P2P_DONE_IDS", "64")
+    tx, rx, conn, rconn = _pair(endpoints)
+    sids, rids, most = _loop_never_released(tx, rx, conn, rconn, 3000, 95)
+    assert most <= 64 + 2, f"the id tables grew to {most} entries (bound 64)"
+    for ep, ids in ((tx, sids), (rx, rids)):
+        for t in ids[:5] + ids[1500:1505] + ids[-5:]:
+            assert ep.poll_async(t) == (True, True)
+            assert ep.wait(t) is True
+        assert ep.release(ids[-1]) is True
+        with pytest.raises(ValueError) as e:
+            ep.poll_async(ids[-1])
+        assert str(ids[-1]) in str(e.value)
+
+
+def test_unreleased_ids_are_held_up_to_the_bound(endpoints):
+    """The same loop under the default bound (65,536) holds every id it got,
+    each answering done: the bound above is what kept those tables small."""
+    tx, rx, conn, rconn = _pair(endpoints)
+    sids, rids, most = _loop_never_released(tx, rx, conn, rconn, 500, 96)
+    assert most >= 500 and tx._ids_held() >= 500 and rx._ids_held() >= 500
+    assert tx.poll_async(sids[0]) == (True, True) and rx.poll_async(rids[0]) == (True, True)
