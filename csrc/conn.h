@@ -60,6 +60,7 @@ struct uccl__req {
     int eager;                   /* send: its bytes follow the RTS, or sit in eager_slot */
     int eager_slot;              /* send over shared memory: the slot it occupies, or -1 */
     int posted;                  /* recv: in the connection's posted queue (under conn->mu) */
+    int capacity;                /* recv: len is the most it takes (UCCL_XFER_CAPACITY) */
     TAILQ_ENTRY(uccl__req) link; /* ... its place there */
 };
 

@@ -4,9 +4,9 @@
  * Two-sided (connector sends, acceptor receives; k-th send matches k-th recv):
  *   sender -> RTS{seq, len, addr}  (eager, len <= 64 KiB: the bytes come with
  *                                   it, behind it on a socket or in a slot)
- *   receiver, once a recv is posted and the RTS is in:
- *     sizes differ      -> NACK{seq, len = posted size}; both sides fail with
- *                          the two sizes, nothing is written
+ *   receiver, once a recv is posted and the RTS is in (a capacity recv takes
+ *   a shorter message: its len becomes the message's):
+ *     sizes differ      -> NACK{seq, len = posted size}; both sides fail
  *     eager             -> copy, FIN
  *     direct transport  -> pull len bytes from addr into the recv buffer, FIN
  *     stream transport  -> CTS{seq}; the sender streams the bytes; every chunk
@@ -36,7 +36,6 @@
  * the peer may close at once and its BYE must not find that request pending.
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <linux/futex.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -253,6 +252,8 @@ static void try_match(struct uccl__conn *c)
         r->posted = 0;
         STAILQ_REMOVE_HEAD(&c->rtsq, link);
         int stream = 0, push = 0;
+        if (r->capacity && rts->len < r->len)
+            r->len = rts->len;
         if (rts->seq != r->seq) {
             pthread_mutex_unlock(&c->mu);
             uccl__conn_fail(c, UCCL_ERR_PROTO, "message %llu arrived where %llu was expected",

@@ -344,6 +344,25 @@ static PyObject *Endpoint_conn_peer_rank(PyObject *op, PyObject *args)
     return PyLong_FromLong(rank);
 }
 
+/* received_bytes(transfer_id) -> the bytes a finished transfer moved */
+static PyObject *Endpoint_received_bytes(PyObject *op, PyObject *args)
+{
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    uint64_t id;
+    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &id) || uccl__py_ep_check(self))
+        return NULL;
+    size_t len = 0;
+    int rc = uccl_ep_xfer_len(self->ep, id, &len);
+    if (rc == UCCL_INPROGRESS) {
+        PyErr_Format(PyExc_ValueError, "transfer_id %llu is still in flight: wait for it first",
+                     (unsigned long long)id);
+        return NULL;
+    }
+    if (rc)
+        return uccl__py_ep_fail(self, rc);
+    return PyLong_FromSize_t(len);
+}
+
 /* _ids_held() -> how many transfer ids the engine's table holds (tests) */
 static PyObject *Endpoint_ids_held(PyObject *op, PyObject *unused)
 {
@@ -657,6 +676,9 @@ static PyMethodDef Endpoint_methods[] = {
      "conn_transport(conn_id) -> 'tcp' | 'shm-cma' | 'shm-ring'"},
     {"_set_spin_us", Endpoint_set_spin_us, METH_VARARGS,
      "_set_spin_us(us): how long waiters poll before sleeping (call before transfers)"},
+    {"received_bytes", Endpoint_received_bytes, METH_VARARGS,
+     "received_bytes(transfer_id) -> bytes the finished transfer moved (a recv's may be fewer "
+     "than it posted: the size is a capacity)"},
     {"_ids_held", Endpoint_ids_held, METH_NOARGS,
      "_ids_held() -> transfer ids the engine's table holds"},
     {"remove_remote_endpoint", Endpoint_remove_remote_endpoint, METH_VARARGS,

@@ -160,6 +160,7 @@ static int module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "OP_RECV", UCCL_XFER_RECV) < 0 ||
         PyModule_AddIntConstant(m, "OP_WRITE", UCCL_XFER_WRITE) < 0 ||
         PyModule_AddIntConstant(m, "OP_READ", UCCL_XFER_READ) < 0 ||
+        PyModule_AddIntConstant(m, "XFER_CAPACITY", UCCL_XFER_CAPACITY) < 0 ||
         PyModule_AddIntConstant(m, "METADATA_SIZE", UCCL_META_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "AG_AUTO", UCCL_AG_AUTO) < 0 ||

@@ -26,6 +26,10 @@ struct uccl_ep_opts {
 enum { UCCL_XFER_SEND = 1, UCCL_XFER_RECV, UCCL_XFER_WRITE, UCCL_XFER_READ };
 /* OR'ed into op: the caller waits at once (its thread may do the copy). */
 #define UCCL_XFER_BLOCKING 0x100
+/* OR'ed into a recv: its size is a capacity, as upstream's: a shorter
+ * message is taken (nothing lands past it; uccl_ep_xfer_len tells how much
+ * came); without it the sizes must match exactly (the collectives' rule). */
+#define UCCL_XFER_CAPACITY 0x200
 
 int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p);
 /* Fail everything pending, stop every thread; idempotent. */
@@ -129,6 +133,10 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags
 /* Forget a finished transfer id (its answer is kept until then).  A
  * transfer still in flight cannot be released (UCCL_ERR_INVALID). */
 int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer);
+/* The bytes a finished transfer moved (a capacity recv's may be fewer than
+ * it posted).  UCCL_INPROGRESS while it runs; UCCL_ERR_NOTFOUND for an
+ * unknown, released or compacted id (UCCL_P2P_DONE_IDS). */
+int uccl_ep_xfer_len(uccl_ep_t *ep, uint64_t xfer, size_t *len_p);
 /* How many transfer ids the table holds now (in flight, or finished and
  * not released; finished ids beyond UCCL_P2P_DONE_IDS are compacted). */
 size_t uccl_ep_ids_held(uccl_ep_t *ep);

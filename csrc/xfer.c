@@ -22,14 +22,18 @@
  * first one still in flight or failed) is dropped from the table, and an id
  * below done_floor that the table lacks answers "done" from then on (a
  * released one too: it finished before it was released). */
-static const char done_marker;
-#define DONE_MARK ((void *)&done_marker)
+/* A done mark is the transfer's length, tagged in the low bit (requests are
+ * aligned pointers); a compacted id's length is no longer known. */
+#define DONE_MARK_OF(len) ((void *)(((uintptr_t)(len) << 1) | 1u))
+#define IS_DONE(e) (((uintptr_t)(e) & 1u) != 0)
+#define DONE_LEN(e) ((size_t)((uintptr_t)(e) >> 1))
+#define DONE_COMPACTED DONE_MARK_OF(UINTPTR_MAX >> 1)
 
-/* Under ep->mu: xfer's entry, DONE_MARK for a compacted finished id, or NULL. */
+/* Under ep->mu: xfer's entry (a request or a done mark), or NULL. */
 static void *req_entry(struct uccl__ep *ep, uint64_t xfer)
 {
     void *e = uccl__idmap_get(&ep->reqs, xfer);
-    return !e && xfer >= 1 && xfer < ep->done_floor ? DONE_MARK : e;
+    return !e && xfer >= 1 && xfer < ep->done_floor ? DONE_COMPACTED : e;
 }
 
 /* Under ep->mu: drop the oldest run of done marks once there are too many. */
@@ -37,7 +41,7 @@ static void compact_done(struct uccl__ep *ep)
 {
     while (ep->done_marks > ep->done_cap / 2 && ep->done_floor <= ep->next_req_id) {
         void *e = uccl__idmap_get(&ep->reqs, ep->done_floor);
-        if (e && e != DONE_MARK)
+        if (e && !IS_DONE(e))
             break; /* still in flight, or failed and not released: it keeps its answer */
         if (e) {
             uccl__idmap_del(&ep->reqs, ep->done_floor);
@@ -65,7 +69,8 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
     if (rc)
         return rc;
     int blocking = (op & UCCL_XFER_BLOCKING) != 0;
-    op &= ~UCCL_XFER_BLOCKING;
+    int capacity = (op & UCCL_XFER_CAPACITY) != 0;
+    op &= ~(UCCL_XFER_BLOCKING | UCCL_XFER_CAPACITY);
     if (op < UCCL_XFER_SEND || op > UCCL_XFER_READ)
         return uccl__err(UCCL_ERR_INVALID, "unknown transfer kind %d", op);
     struct uccl__fifo_item f = {0};
@@ -91,6 +96,7 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
         goto out;
     }
+    r->capacity = capacity && op == UCCL_XFER_RECV;
     rc = uccl__mem_keys(&ep->local.mem, mr, ptr, len, c->tp, c, &r->local_key, &r->key_for_peer,
                         &r->mkind);
     void *ev = NULL; /* device memory: the caller's stream reaches this call */
@@ -132,12 +138,12 @@ out:
     return rc;
 }
 
-/* The request behind xfer (with a reference), DONE_MARK, or NULL. */
+/* The request behind xfer (with a reference), a done mark, or NULL. */
 static struct uccl__req *req_lookup(struct uccl__ep *ep, uint64_t xfer)
 {
     pthread_mutex_lock(&ep->mu);
     struct uccl__req *r = req_entry(ep, xfer);
-    if (r && r != DONE_MARK)
+    if (r && !IS_DONE(r))
         uccl__req_get(r);
     pthread_mutex_unlock(&ep->mu);
     if (!r)
@@ -152,7 +158,7 @@ static void mark_done(struct uccl__ep *ep, struct uccl__req *r)
     pthread_mutex_lock(&ep->mu);
     int swap = uccl__idmap_get(&ep->reqs, r->id) == r;
     if (swap) {
-        uccl__idmap_put(&ep->reqs, r->id, DONE_MARK);
+        uccl__idmap_put(&ep->reqs, r->id, DONE_MARK_OF(r->len));
         if (++ep->done_marks > ep->done_cap)
             compact_done(ep);
     }
@@ -188,7 +194,7 @@ int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p)
     struct uccl__req *r = req_lookup(ep, xfer);
     if (!r)
         return UCCL_ERR_NOTFOUND;
-    if (r == DONE_MARK) {
+    if (IS_DONE(r)) {
         *done_p = 1;
         return UCCL_OK;
     }
@@ -211,7 +217,7 @@ int uccl_ep_wait(uccl_ep_t *ep, uint64_t xfer, uint64_t deadline_ns, uint64_t sl
     struct uccl__req *r = req_lookup(ep, xfer);
     if (!r)
         return UCCL_ERR_NOTFOUND;
-    if (r == DONE_MARK)
+    if (IS_DONE(r))
         return UCCL_OK;
     uint64_t now = uccl__now_ns();
     uint64_t wait = deadline_ns > now ? deadline_ns - now : 0;
@@ -292,7 +298,7 @@ int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *que
     struct uccl__req *r = req_lookup(ep, xfer);
     if (!r)
         return UCCL_ERR_NOTFOUND;
-    if (r == DONE_MARK) {
+    if (IS_DONE(r)) {
         *queued_p = 1;
         return UCCL_OK;
     }
@@ -322,7 +328,7 @@ int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *que
 
 static int req_finished(struct uccl__req *r)
 {
-    return r == DONE_MARK || (atomic_load(&r->state) != UCCL_REQ_PENDING &&
+    return IS_DONE(r) || (atomic_load(&r->state) != UCCL_REQ_PENDING &&
                               atomic_load(&r->busy) == 0);
 }
 
@@ -335,8 +341,8 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags
     int nr = 0, nc = 0, done = 0, first_pending = 0;
     for (int i = 0; i < n && nr < PROGRESS_MAX; i++) {
         struct uccl__req *r = req_lookup(ep, xfers[i]);
-        if (!r || r == DONE_MARK || req_finished(r)) {
-            if (r && r != DONE_MARK)
+        if (!r || IS_DONE(r) || req_finished(r)) {
+            if (r && !IS_DONE(r))
                 uccl__req_put(r);
             done++;
             if (i == 0 && !all)
@@ -373,6 +379,30 @@ int uccl_ep_progress(uccl_ep_t *ep, const uint64_t *xfers, int n, unsigned flags
     return done;
 }
 
+int uccl_ep_xfer_len(uccl_ep_t *ep, uint64_t xfer, size_t *len_p)
+{
+    pthread_mutex_lock(&ep->mu);
+    void *e = req_entry(ep, xfer);
+    int rc = UCCL_OK;
+    if (!e || e == DONE_COMPACTED) {
+        rc = uccl__err(UCCL_ERR_NOTFOUND, "transfer_id %llu: %s", (unsigned long long)xfer,
+                       e ? "its length is no longer kept (more than UCCL_P2P_DONE_IDS ids "
+                           "finished after it)" : "unknown (never issued, or released)");
+    } else if (IS_DONE(e)) {
+        *len_p = DONE_LEN(e);
+    } else {
+        struct uccl__req *r = e;
+        if (atomic_load(&r->state) != UCCL_REQ_DONE)
+            rc = atomic_load(&r->state) == UCCL_REQ_PENDING
+                     ? UCCL_INPROGRESS
+                     : uccl__err(r->status, "%s", r->msg);
+        else
+            *len_p = r->len;
+    }
+    pthread_mutex_unlock(&ep->mu);
+    return rc;
+}
+
 size_t uccl_ep_ids_held(uccl_ep_t *ep)
 {
     pthread_mutex_lock(&ep->mu);
@@ -385,20 +415,20 @@ int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer)
 {
     pthread_mutex_lock(&ep->mu);
     struct uccl__req *r = req_entry(ep, xfer);
-    if (r && r != DONE_MARK &&
+    if (r && !IS_DONE(r) &&
         (atomic_load(&r->state) == UCCL_REQ_PENDING || atomic_load(&r->busy) > 0)) {
         pthread_mutex_unlock(&ep->mu);
         /* Releasing would let the bytes land in a buffer its owner believes free. */
         return uccl__err(UCCL_ERR_INVALID, "transfer_id %llu is still in flight: wait for it "
                          "(or close the endpoint) before releasing it", (unsigned long long)xfer);
     }
-    if (r && uccl__idmap_del(&ep->reqs, xfer) == DONE_MARK)
+    if (r && IS_DONE(uccl__idmap_del(&ep->reqs, xfer)))
         ep->done_marks--;
     pthread_mutex_unlock(&ep->mu);
     if (!r)
         return uccl__err(UCCL_ERR_NOTFOUND, "unknown transfer_id %llu (never issued, or "
                          "released)", (unsigned long long)xfer);
-    if (r != DONE_MARK)
+    if (!IS_DONE(r))
         uccl__req_put(r);
     return UCCL_OK;
 }
@@ -406,7 +436,7 @@ int uccl_ep_release(uccl_ep_t *ep, uint64_t xfer)
 int uccl_ep_abort(uccl_ep_t *ep, uint64_t xfer, const char *why)
 {
     struct uccl__req *r = req_lookup(ep, xfer);
-    if (!r || r == DONE_MARK)
+    if (!r || IS_DONE(r))
         return r ? UCCL_OK : UCCL_ERR_NOTFOUND;
     if (atomic_load(&r->state) == UCCL_REQ_PENDING)
         uccl__conn_fail(r->conn, UCCL_ERR_IO, "transfer %llu abandoned: %s",
@@ -422,7 +452,7 @@ static void put_req_entry(uint64_t k, void *v, void *arg)
 {
     (void)k;
     (void)arg;
-    if (v != DONE_MARK)
+    if (!IS_DONE(v))
         uccl__req_put(v);
 }
 

@@ -624,8 +624,8 @@ def test_transfer_ids_retained_until_release(transport):
 # The iov right after the mismatched one is large, so that it is still in
 # flight when the mismatch is reported (before the fix recvv returned then
 # and the rest of the iovs landed afterwards).
-SEND_SIZES = [8 * MiB + 5, 4 * MiB, 128 * MiB + 3, 60_000, 4097]
-RECV_SIZES = [8 * MiB + 5, 4 * MiB + 4096, 128 * MiB + 3, 60_000, 4097]
+SEND_SIZES = [8 * MiB + 5, 4 * MiB + 4096, 128 * MiB + 3, 60_000, 4097]
+RECV_SIZES = [8 * MiB + 5, 4 * MiB, 128 * MiB + 3, 60_000, 4097]   # iov 1: too small
 BAD = 1
 
 
@@ -667,8 +667,9 @@ def _sendv_side(ch):
 
 @pytest.mark.parametrize("transport", ["tcp", "shm-cma", "shm-ring"])
 def test_vector_size_mismatch_leaves_no_partial_iov(transport):
-    """sendv/recvv of five iovs (8 MiB+5, 4 MiB, 128 MiB+3, 60,000 B eager, 4097 B)
-    where the receiver posts 4 MiB+4096 for the second: both calls raise (a
+    """sendv/recvv of five iovs (8 MiB+5, 4 MiB+4096, 128 MiB+3, 60,000 B eager, 4097 B)
+    where the second is sent as 4 MiB+4096 into a recv of 4 MiB (a recv's
+    size is a capacity, so only a larger send is a mismatch): both calls raise (a
     mismatch naming both sizes, not a timeout); the mismatched iov's buffer
     is untouched; every other iov is either byte-exact (guard intact) or
     untouched -- never partially written; once recvv returned nothing lands

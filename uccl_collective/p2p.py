@@ -26,7 +26,10 @@ __all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "buffer_of"
 #: (UCCL_SOCKET_IFNAME, else the first interface that is up, not loopback).
 get_oob_ip = _engine.get_oob_ip
 
-OP_SEND, OP_RECV = _engine.OP_SEND, _engine.OP_RECV
+OP_SEND = _engine.OP_SEND
+# A recv's size is a capacity, as upstream's: a shorter message is taken
+# (nothing lands past it; received_bytes(id) tells how much came).
+OP_RECV = _engine.OP_RECV | _engine.XFER_CAPACITY
 OP_WRITE, OP_READ = _engine.OP_WRITE, _engine.OP_READ
 
 
