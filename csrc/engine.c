@@ -312,7 +312,7 @@ void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p)
 
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep) { return ep->local.timeout_ns; }
 
-int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len)
+int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len, size_t *len_p)
 {
     if (out_len < UCCL_META_SIZE)
         return uccl__err(UCCL_ERR_INVALID, "metadata buffer too small");
@@ -322,7 +322,13 @@ int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len)
     snprintf(m.ip, sizeof(m.ip), "%s", ep->ip);
     snprintf(m.host_id, sizeof(m.host_id), "%s", loc->host_id);
     memcpy(m.secret, loc->secret, loc->secret_len);
+    /* Without a secret, upstream's own form: its scripts parse it themselves. */
+    if (loc->secret_len == 0 && uccl__meta_encode_upstream(&m, out) == UCCL_OK) {
+        *len_p = UCCL_META_UPSTREAM_SIZE;
+        return UCCL_OK;
+    }
     uccl__meta_encode(&m, out);
+    *len_p = UCCL_META_SIZE;
     return UCCL_OK;
 }
 

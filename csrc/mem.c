@@ -203,6 +203,16 @@ static struct uccl__mr *mr_covering(struct uccl__mem *m, uint64_t mr_id, uintptr
     return mr;
 }
 
+size_t uccl__mem_room(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len)
+{
+    pthread_mutex_lock(&m->mu);
+    struct uccl__mr *mr = uccl__idmap_get(&m->mrs, mr_id);
+    if (mr && ptr >= mr->addr && ptr - mr->addr <= mr->len && len > mr->len - (ptr - mr->addr))
+        len = mr->len - (ptr - mr->addr);
+    pthread_mutex_unlock(&m->mu);
+    return len;
+}
+
 int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len,
                    const struct uccl__tp_ops *tp, struct uccl__conn *c, uint64_t *local_key_p,
                    uint64_t *peer_key_p, uint32_t *mkind_p)

@@ -74,6 +74,10 @@ typedef void (*uccl__mem_stop_fn)(void *arg, uint64_t conn_id, uint64_t mr_id);
 int uccl__mem_dereg(struct uccl__mem *m, uint64_t mr_id, uint64_t timeout_ns,
                     uccl__mem_stop_fn stop, void *arg);
 
+/* A capacity recv (upstream's rule) may post more than its region holds past
+ * ptr: it takes at most what the region holds (nothing can land beyond it). */
+size_t uccl__mem_room(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len);
+
 /* Is [ptr, ptr + len) inside region mr_id, and (device memory) still the
  * allocation that was registered?  If so, the keys transport tp needs to
  * move it over connection c: local_key (this side's, from mem_reg: the

@@ -161,10 +161,11 @@ static PyObject *Endpoint_get_metadata(PyObject *op, PyObject *unused)
     if (uccl__py_ep_check(self))
         return NULL;
     uint8_t buf[UCCL_META_SIZE];
-    int rc = uccl_ep_metadata(self->ep, buf, sizeof(buf));
+    size_t len = 0;
+    int rc = uccl_ep_metadata(self->ep, buf, sizeof(buf), &len);
     if (rc)
         return uccl__py_ep_fail(self, rc);
-    return PyBytes_FromStringAndSize((const char *)buf, sizeof(buf));
+    return PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)len);
 }
 
 static PyObject *Endpoint_address(PyObject *op, PyObject *unused)

@@ -36,7 +36,10 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p);
 void uccl_ep_close(uccl_ep_t *ep);
 void uccl_ep_destroy(uccl_ep_t *ep);
 
-int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len);
+/* The bytes a peer connects with (out_len >= 192): upstream's 10-byte form
+ * when the endpoint has no secret (its scripts parse it themselves), else
+ * this engine's 192-byte form, which carries the secret. */
+int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len, size_t *len_p);
 int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p);
 void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);

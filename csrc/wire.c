@@ -1,6 +1,8 @@
 #define _GNU_SOURCE
 #include "wire.h"
 
+#include <arpa/inet.h>
+
 #include <string.h>
 
 #include "status.h"
@@ -248,12 +250,34 @@ void uccl__meta_encode(const struct uccl__meta *m, uint8_t out[UCCL_META_SIZE])
     memcpy(out + 130, m->secret, m->secret_len <= UCCL_SECRET_MAX ? m->secret_len : 0);
 }
 
+int uccl__meta_encode_upstream(const struct uccl__meta *m, uint8_t out[UCCL_META_UPSTREAM_SIZE])
+{
+    if (inet_pton(AF_INET, m->ip, out) != 1)
+        return uccl__err(UCCL_ERR_INVALID, "address '%s' is not IPv4", m->ip);
+    out[4] = (uint8_t)(m->port >> 8);
+    out[5] = (uint8_t)m->port;
+    memcpy(out + 6, &m->gpu_idx, 4); /* native order, as upstream's struct "i" */
+    return UCCL_OK;
+}
+
 int uccl__meta_decode(const uint8_t *in, size_t in_len, struct uccl__meta *m)
 {
     uint16_t type;
+    if (in_len == UCCL_META_UPSTREAM_SIZE) {
+        memset(m, 0, sizeof(*m));
+        inet_ntop(AF_INET, in, m->ip, sizeof(m->ip));
+        m->port = (uint32_t)in[4] << 8 | in[5];
+        memcpy(&m->gpu_idx, in + 6, 4);
+        if (m->port == 0)
+            return uccl__err(UCCL_ERR_INVALID, "endpoint metadata (10 bytes): port 0");
+        return UCCL_OK;
+    }
+    if (in_len == 22)
+        return uccl__err(UCCL_ERR_INVALID, "endpoint metadata of 22 bytes is upstream's IPv6 "
+                         "form; this engine connects over IPv4 only");
     if (in_len != UCCL_META_SIZE)
-        return uccl__err(UCCL_ERR_INVALID, "endpoint metadata must be %d bytes, got %zu",
-                         UCCL_META_SIZE, in_len);
+        return uccl__err(UCCL_ERR_INVALID, "endpoint metadata must be %d bytes (or upstream's "
+                         "%d), got %zu", UCCL_META_SIZE, UCCL_META_UPSTREAM_SIZE, in_len);
     if (check_head(in, UCCL_META_MAGIC, "endpoint metadata", &type))
         return uccl__err(UCCL_ERR_INVALID, "%s", uccl_last_error());
     memset(m, 0, sizeof(*m));

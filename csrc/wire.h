@@ -117,6 +117,12 @@ struct uccl__meta {
     uint8_t secret[UCCL_SECRET_MAX];
 };
 void uccl__meta_encode(const struct uccl__meta *m, uint8_t out[UCCL_META_SIZE]);
+/* Upstream UCCL's form, which its scripts parse themselves: IPv4 address (4
+ * bytes), port (2, network order), GPU index (int32, native order); no host
+ * id (the handshake carries it) and no secret.  Fails unless ip is IPv4. */
+#define UCCL_META_UPSTREAM_SIZE 10
+int uccl__meta_encode_upstream(const struct uccl__meta *m, uint8_t out[UCCL_META_UPSTREAM_SIZE]);
+/* Either form (upstream's IPv6 form, 22 bytes, is refused with the reason). */
 int uccl__meta_decode(const uint8_t *in, size_t in_len, struct uccl__meta *m);
 
 #endif

@@ -81,6 +81,8 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
             return uccl__err(UCCL_ERR_INVALID, "%s of %zu bytes exceeds the %llu bytes the "
                              "peer advertised", op_name(op), len, (unsigned long long)f.len);
     }
+    if (capacity && op == UCCL_XFER_RECV)
+        len = uccl__mem_room(&ep->local.mem, mr, ptr, len);
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
         return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);

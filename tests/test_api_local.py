@@ -28,18 +28,38 @@ def test_exceptions_hierarchy():
 
 
 def test_metadata_roundtrip(endpoints):
-    """get_metadata() is 192 bytes that parse_metadata() turns back into the
-    endpoint's loopback address, listening port and gpu index (-1: CPU)."""
+    """Without a secret, get_metadata() is upstream's 10 bytes (IPv4 address,
+    port in network order, GPU index as a native int32: upstream's scripts
+    parse it themselves); with one, 192 bytes that carry the secret.  Both
+    parse back into the loopback address, listening port and gpu index (-1:
+    CPU), and a peer connects with either."""
+    import socket
+    import struct
     ep = endpoints()
     meta = ep.get_metadata()
-    assert isinstance(meta, bytes) and len(meta) == 192
     ip, port = ep.address()
     assert ip == "127.0.0.1", "UCCL_SOCKET_IFNAME=lo must pick the loopback address"
     assert 0 < port < 65536
+    assert isinstance(meta, bytes) and len(meta) == 10
+    assert (socket.inet_ntop(socket.AF_INET, meta[:4]), struct.unpack("!H", meta[4:6])[0],
+            struct.unpack("i", meta[6:10])[0]) == (ip, port, -1)
     assert Endpoint.parse_metadata(meta) == (ip, port, -1)
     assert ep.timeout_s == 5.0 and ep.closed is False
     gpu_ep = endpoints(local_gpu_idx=3)
     assert Endpoint.parse_metadata(gpu_ep.get_metadata())[2] == 3
+    sec = endpoints(secret="s3cret")
+    smeta = sec.get_metadata()
+    assert len(smeta) == 192 and b"s3cret" in smeta
+    assert Endpoint.parse_metadata(smeta) == ("127.0.0.1", sec.address()[1], -1)
+    for target, m in ((ep, meta), (sec, smeta)):
+        ok, conn = endpoints(secret="s3cret" if target is sec else None).add_remote_endpoint(m)
+        assert ok and target.accept()[0] is True
+
+
+def test_metadata_upstream_ipv6_form_is_refused_with_the_reason():
+    """Upstream's 22-byte (IPv6) form parses to an error that says so."""
+    with pytest.raises(ValueError, match="IPv6"):
+        Endpoint.parse_metadata(bytes(22))
 
 
 def test_parse_metadata_rejects_wrong_length():

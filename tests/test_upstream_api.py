@@ -211,3 +211,46 @@ def test_unreleased_ids_are_held_up_to_the_bound(endpoints):
     sids, rids, most = _loop_never_released(tx, rx, conn, rconn, 500, 96)
     assert most >= 500 and tx._ids_held() >= 500 and rx._ids_held() >= 500
     assert tx.poll_async(sids[0]) == (True, True) and rx.poll_async(rids[0]) == (True, True)
+
+
+def test_connect_names_the_gpu_by_index_or_bus_id(endpoints):
+    """connect(remote_gpu_bdf=...) as upstream's newer API spells it: an index
+    or a PCI bus id string (with the port, which a bus id cannot give); a bus
+    id without a port, or a GPU of another type, is refused up front."""
+    rx = endpoints()
+    ip, port = rx.address()
+    for kw in (dict(remote_gpu_bdf=0), dict(remote_gpu_bdf="0000:3b:00.0"),
+               dict(remote_gpu_idx=0)):
+        ok, conn = endpoints().connect(remote_ip_addr=ip, remote_port=port, **kw)
+        assert ok and conn >= 0 and rx.accept()[0] is True
+    with pytest.raises(ValueError) as e:
+        endpoints().connect(ip, remote_gpu_bdf="0000:3b:00.0")
+    assert "0000:3b:00.0" in str(e.value) and "remote_port" in str(e.value)
+    with pytest.raises(TypeError):
+        endpoints().connect(ip, 1.5, port)
+
+
+def test_recv_may_post_more_than_its_region(endpoints):
+    """Upstream's scripts post a recv of twice the registered size: the
+    region bounds what it takes (the size is a capacity), so a message that
+    fits the region lands and nothing past the region is written, and one
+    larger than the region fails both sides without writing."""
+    tx, rx, conn, rconn = _pair(endpoints)
+    n = 4096
+    dst = poisoned(n)                      # n bytes registered, a guard after them
+    rmr = rx.reg(addr(dst), n)[1]
+    src = rand_bytes(n + 512, 97)
+    smr = tx.reg(addr(src), src.size)[1]
+    ok, tid = tx.send_async(conn, smr, addr(src), n)
+    ok, rid = rx.recv_async(rconn, rmr, addr(dst), 2 * n)
+    assert rx.wait(rid) is True and tx.wait(tid) is True
+    assert rx.received_bytes(rid) == n
+    assert np.array_equal(dst[:n], src[:n]) and all_poison(dst[n:])
+    dst[:n] = dst[n]                       # poison again
+    ok, tid = tx.send_async(conn, smr, addr(src), n + 512)
+    with pytest.raises(ValueError) as e:
+        rx.recv(rconn, rmr, addr(dst), 2 * n)
+    assert str(n + 512) in str(e.value)
+    with pytest.raises(ValueError):
+        tx.wait(tid)
+    assert all_poison(dst)

@@ -91,6 +91,21 @@ def _float_type(value: Any, what: str) -> FloatType:
         raise ValueError(f"{what}: floatType {value} is not a FloatType ({known})") from None
 
 
+def _gpu_index(gpu: Any, port: int, what: str) -> int:
+    """A peer's GPU as an index: an int, or a PCI bus id string (upstream's
+    newer API), which names no index: then only an explicit port will do."""
+    if isinstance(gpu, str):
+        if port == -1:
+            raise ValueError(f"{what}: the GPU {gpu!r} is named by PCI bus id, which does not "
+                             "give its well-known port (UCCL_P2P_BASE_PORT + GPU index): pass "
+                             "remote_port (parse_metadata() returns it)")
+        return 0
+    if isinstance(gpu, bool) or not isinstance(gpu, int):
+        raise TypeError(f"{what}: the remote GPU must be an index (int) or a PCI bus id (str), "
+                        f"got {type(gpu).__name__}")
+    return gpu
+
+
 def _lists(name: str, num_iovs: int, *lists: Sequence) -> None:
     if num_iovs < 0:
         raise ValueError(f"{name}: num_iovs must be >= 0, got {num_iovs}")
@@ -133,9 +148,22 @@ class Endpoint(_engine.Endpoint):
         self.close()
 
     # -- connections ------------------------------------------------------
-    def connect_local(self, remote_gpu_idx: int, remote_port: int = -1):
+    def connect(self, remote_ip_addr: str, remote_gpu_idx: Any = 0, remote_port: int = -1,
+                rank: int = -1, secret: Any = None, *, remote_gpu_bdf: Any = None):
+        """connect(remote_ip_addr, remote_gpu_idx=0, remote_port=-1) -> (True, conn_id).
+        The peer's GPU may be named as upstream's newer API does, by PCI bus
+        id (remote_gpu_bdf="0000:3b:00.0"), or by index; it only picks the
+        peer's well-known port (UCCL_P2P_BASE_PORT + index) when remote_port
+        is -1, so a bus id needs remote_port."""
+        gpu = remote_gpu_idx if remote_gpu_bdf is None else remote_gpu_bdf
+        return super().connect(remote_ip_addr, _gpu_index(gpu, remote_port, "connect"),
+                               remote_port, rank, secret)
+
+    def connect_local(self, remote_gpu_idx: Any = 0, remote_port: int = -1, *,
+                      remote_gpu_bdf: Any = None):
         """Same-host form of connect()."""
-        return self.connect("127.0.0.1", remote_gpu_idx, remote_port)
+        return self.connect("127.0.0.1", remote_gpu_idx, remote_port,
+                            remote_gpu_bdf=remote_gpu_bdf)
 
     def accept_local(self, timeout: float | None = None):
         """Same-host form of accept(); returns (success, remote_gpu_idx, conn_id)."""
