@@ -312,6 +312,8 @@ void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p)
 
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep) { return ep->local.timeout_ns; }
 
+const char *uccl_ep_host_id(uccl_ep_t *ep) { return ep->local.host_id; }
+
 int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len, size_t *len_p)
 {
     if (out_len < UCCL_META_SIZE)
@@ -553,15 +555,31 @@ int uccl_ep_reg(uccl_ep_t *ep, uintptr_t addr, size_t len, uint64_t *mr_p)
     return rc ? rc : uccl__mem_reg(&ep->local.mem, addr, len, mr_p);
 }
 
-/* dereg's last resort: a peer access that would not end. */
+/* dereg's last resort: a peer access that would not end.  conn_id 0 (a
+ * window offered to any connection): each accepted connection may be it. */
 static void stop_conn(void *arg, uint64_t conn_id, uint64_t mr_id)
 {
-    struct uccl__conn *c = uccl__ep_conn_get(arg, conn_id);
-    if (c) {
-        uccl__conn_fail(c, UCCL_ERR_TIMEOUT, "region %llu was deregistered while the peer "
-                        "was still reading or writing it", (unsigned long long)mr_id);
-        uccl__conn_put(c);
+    struct uccl__ep *ep = arg;
+    size_t n = 0;
+    struct uccl__conn **v = NULL, *one = NULL;
+    if (conn_id == 0) {
+        pthread_mutex_lock(&ep->mu);
+        v = conn_list(ep, &n);
+        for (size_t i = 0; i < n; i++)
+            uccl__conn_get(v[i]);
+        pthread_mutex_unlock(&ep->mu);
+    } else if ((one = uccl__ep_conn_get(ep, conn_id)) != NULL) {
+        v = &one;
+        n = 1;
     }
+    for (size_t i = 0; i < n; i++) {
+        if (!v[i]->is_connector)
+            uccl__conn_fail(v[i], UCCL_ERR_TIMEOUT, "region %llu was deregistered while the "
+                            "peer was still reading or writing it", (unsigned long long)mr_id);
+        uccl__conn_put(v[i]);
+    }
+    if (v != &one)
+        free(v);
 }
 
 int uccl_ep_dereg(uccl_ep_t *ep, uint64_t mr_id)
@@ -577,11 +595,12 @@ int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr,
         return rc;
     if (out_len < UCCL_FIFO_ITEM_SIZE)
         return uccl__err(UCCL_ERR_INVALID, "fifo item buffer too small");
-    struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
-    if (!c)
+    struct uccl__conn *c = conn ? uccl__ep_conn_get(ep, conn) : NULL;
+    if (conn && !c)
         return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
-    int acceptor = !c->is_connector;
-    uccl__conn_put(c);
+    int acceptor = !c || !c->is_connector;
+    if (c)
+        uccl__conn_put(c);
     if (!acceptor)
         return uccl__err(UCCL_ERR_INVALID, "conn_id %llu was made by connect(): advertise on "
                          "the accepting side, whose peer then reads or writes",

@@ -269,7 +269,7 @@ struct uccl__window *uccl__mem_window_check(struct uccl__mem *m, uint64_t conn_i
     struct uccl__window *copy = NULL;
     pthread_mutex_lock(&m->mu);
     struct uccl__window *w = uccl__idmap_get(&m->windows, window);
-    if (!w || w->conn_id != conn_id || w->token != token) {
+    if (!w || (w->conn_id && w->conn_id != conn_id) || w->token != token) {
         *status_p = uccl__err(UCCL_ERR_NOTFOUND, "window %llu was not advertised on "
                               "connection %llu (or its token is wrong)",
                               (unsigned long long)window, (unsigned long long)conn_id);

@@ -655,6 +655,15 @@ static PyObject *Endpoint_get_timeout(PyObject *op, void *closure)
     return PyFloat_FromDouble((double)uccl_ep_timeout_ns(self->ep) / 1e9);
 }
 
+static PyObject *Endpoint_get_host_id(PyObject *op, void *closure)
+{
+    (void)closure;
+    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
+    if (uccl__py_ep_check(self))
+        return NULL;
+    return PyUnicode_FromString(uccl_ep_host_id(self->ep));
+}
+
 static PyObject *Endpoint_get_closed(PyObject *op, void *closure)
 {
     (void)closure;
@@ -706,6 +715,8 @@ static PyMethodDef Endpoint_methods[] = {
 static PyGetSetDef Endpoint_getset[] = {
     {"timeout_s", Endpoint_get_timeout, NULL, "default timeout of blocking calls, seconds", NULL},
     {"closed", Endpoint_get_closed, NULL, "True once close() ran", NULL},
+    {"host_id", Endpoint_get_host_id, NULL,
+     "this endpoint's host identity (peers with the same one may use shared memory)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

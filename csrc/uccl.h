@@ -43,6 +43,9 @@ int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len, size_t *len_p)
 int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p);
 void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
+/* This endpoint's host identity (UCCL_P2P_HOST_ID, else the kernel's boot
+ * id): peers with the same one may use same-host transports. */
+const char *uccl_ep_host_id(uccl_ep_t *ep);
 /* How long a waiter polls before it sleeps (UCCL_P2P_SPIN_US).  Call before
  * any transfer; 0 suits more busy threads than cores, where polling only
  * takes the core from the peer being waited for. */
@@ -147,6 +150,12 @@ size_t uccl_ep_ids_held(uccl_ep_t *ep);
  * connection fails, and this returns once nothing can land in its buffer. */
 int uccl_ep_abort(uccl_ep_t *ep, uint64_t xfer, const char *why);
 
+/* A descriptor (UCCL_FIFO_ITEM_SIZE bytes into out) that lets the peer of
+ * accepted connection conn read and write [addr, +len) of region mr, and
+ * nothing else; conn 0: the peer of any accepted connection that holds the
+ * descriptor (upstream's newer advertise(mr_id, ptr, size) and transfer
+ * API): the descriptor's random token is then the capability.  Revoked by
+ * dereg(mr). */
 int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr, size_t len,
                       uint8_t *out, size_t out_len);
 

@@ -165,7 +165,7 @@ def _shm_hello(typ, token, host, shm_name=b""):
 
 def host_of(ep):
     """The endpoint's host id: a peer with the same one may use shared memory."""
-    return bytes(ep.get_metadata())[62:126].split(b"\0")[0]
+    return ep.host_id.encode()
 
 
 class Queues:

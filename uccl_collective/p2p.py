@@ -18,8 +18,9 @@ from typing import Any, Sequence
 
 from . import _engine
 from ._engine import UcclError, UcclTimeoutError
+from ._xfer_api import TransferAPI, XferDesc
 
-__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "buffer_of",
+__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "XferDesc", "buffer_of",
            "current_stream", "get_oob_ip"]
 
 #: get_oob_ip() -> str: the IPv4 address endpoints put in their metadata
@@ -125,7 +126,7 @@ def _close_all() -> None:
         ep.close()
 
 
-class Endpoint(_engine.Endpoint):
+class Endpoint(TransferAPI, _engine.Endpoint):
     """Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1)
 
     local_gpu_idx=None means CPU only.  timeout_s bounds every blocking call
@@ -254,7 +255,28 @@ class Endpoint(_engine.Endpoint):
         return self._vector("recvv", OP_RECV, conn_id, mr_id_list, ptr_list, size_list, num_iovs)
 
     # -- one-sided ---------------------------------------------------------
-    def advertisev(self, conn_id, mr_id_list, addr_list, len_list, num_iovs):
+    def advertise(self, *args):
+        """advertise(conn_id, mr_id, addr, len) -> (True, fifo_item): for the
+        peer of that accepted connection; or, as upstream's newer API,
+        advertise(mr_id, ptr, size): for the peer of any connection of this
+        endpoint that holds the descriptor."""
+        if len(args) == 3:
+            return super().advertise(0, *args)
+        if len(args) != 4:
+            raise TypeError(f"advertise takes (conn_id, mr_id, addr, len) or (mr_id, ptr, size), "
+                            f"got {len(args)} arguments")
+        return super().advertise(*args)
+
+    def advertisev(self, *args):
+        """advertisev(conn_id, mr_id_list, addr_list, len_list, num_iovs) or,
+        as upstream's newer API, advertisev(mr_id_v, ptr_v, size_v, num_iovs)
+        (any connection) -> (True, [fifo_item, ...])."""
+        if len(args) == 4:
+            args = (0, *args)
+        if len(args) != 5:
+            raise TypeError("advertisev takes (conn_id, mr_ids, addrs, lens, num_iovs) or "
+                            f"(mr_ids, ptrs, sizes, num_iovs), got {len(args)} arguments")
+        conn_id, mr_id_list, addr_list, len_list, num_iovs = args
         _lists("advertisev", num_iovs, mr_id_list, addr_list, len_list)
         return True, [self.advertise(conn_id, mr_id_list[i], addr_list[i], len_list[i])[1]
                       for i in range(num_iovs)]
@@ -286,6 +308,8 @@ class Endpoint(_engine.Endpoint):
     write_ipc_async, read_ipc_async = write_async, read_async
     writev_ipc, readv_ipc = writev, readv
     advertise_ipc, advertisev_ipc = _engine.Endpoint.advertise, advertisev
+    sendv_ipc_async, recvv_ipc_async = TransferAPI.sendv_async, TransferAPI.recvv_async
+    writev_ipc_async, readv_ipc_async = TransferAPI.writev_async, TransferAPI.readv_async
 
     # -- torch tensors and numpy arrays -----------------------------------
     def reg_tensor(self, t) -> int:

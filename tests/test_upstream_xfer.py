@@ -1,0 +1,156 @@
+"""Upstream's newer one-sided API (issue 12): register_memory,
+get_serialized_descs / deserialize_descs, transfer and deregister_memory
+with XferDesc; advertise(mr_id, ptr, size) without a connection; one id for
+several transfers (transfer() of several descriptors, sendv_async and the
+other vectored async calls).  Two endpoints of this process over loopback;
+random bytes, poisoned destinations, compared end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from uccl_collective import p2p
+from uccl_collective.p2p import XferDesc
+
+from _harness import GUARD, addr, all_poison, poisoned, rand_bytes
+
+
+def _pair(endpoints):
+    """(initiator, target, initiator's conn, target's conn)."""
+    tgt, ini = endpoints(), endpoints()
+    ok, conn = ini.add_remote_endpoint(tgt.get_metadata())
+    ok2, _ip, _gpu, tconn = tgt.accept()
+    assert ok and ok2
+    return ini, tgt, conn, tconn
+
+
+def _wait(ep, tid, bound=200000):
+    for _ in range(bound):
+        if ep.poll_async(tid) == (True, True):
+            return
+    raise AssertionError(f"transfer {tid} not done")
+
+
+SIZES = [1, 4097, 65536, 1 << 20]
+
+
+def test_register_serialize_transfer_write_and_read(endpoints):
+    """register_memory on both sides, the target's descriptors serialized and
+    deserialized on the initiator, then transfer("write") of four buffers in
+    one call (one id) and transfer("read") back into fresh buffers: every
+    byte lands, nothing past any range; deregister_memory revokes the
+    target's descriptors (a later write fails, writing nothing)."""
+    ini, tgt, conn, _ = _pair(endpoints)
+    srcs = [rand_bytes(n, 300 + i) for i, n in enumerate(SIZES)]
+    dsts = [poisoned(n) for n in SIZES]
+    tdescs = tgt.register_memory([d[:n] for d, n in zip(dsts, SIZES)])
+    assert [(d.addr, d.size) for d in tdescs] == [(addr(d), n) for d, n in zip(dsts, SIZES)]
+    assert all(d["addr"] == d.addr and "rkeys" in d for d in tdescs)
+    wire = tgt.get_serialized_descs(tdescs)
+    assert isinstance(wire, bytes)
+    remote = ini.deserialize_descs(wire)
+    assert remote == tdescs and all(r.mr_id == 0 for r in remote)
+    local = ini.register_memory(srcs)
+    ok, tid = ini.transfer(conn, "write", local, remote)
+    assert ok
+    _wait(ini, tid)
+    assert ini.wait(tid) is True
+    for s, d, n in zip(srcs, dsts, SIZES):
+        assert np.array_equal(d[:n], s) and all_poison(d[n:n + GUARD])
+    assert ini.release(tid) is True
+    with pytest.raises(ValueError):
+        ini.poll_async(tid)
+    # read back into fresh buffers
+    backs = [poisoned(n) for n in SIZES]
+    bl = ini.register_memory([b[:n] for b, n in zip(backs, SIZES)])
+    ok, tid = ini.transfer(conn, "read", bl, remote)
+    assert ini.wait(tid) is True
+    for s, b, n in zip(srcs, backs, SIZES):
+        assert np.array_equal(b[:n], s) and all_poison(b[n:n + GUARD])
+    # revoked
+    assert tgt.deregister_memory(tdescs) is True
+    for d in dsts:
+        d[:] = d[-1]
+    with pytest.raises((ValueError, p2p.UcclError)):
+        ok, tid = ini.transfer(conn, "write", local[:1], remote[:1])
+        ini.wait(tid)
+    assert all(all_poison(d) for d in dsts)
+
+
+def test_connectionless_advertise(endpoints):
+    """advertise(mr_id, ptr, size) (upstream's newer form) gives a descriptor
+    any connected peer may use: two initiators write into the same window
+    through their own connections; the range still bounds each access."""
+    tgt = endpoints()
+    n = 8192
+    dst = poisoned(n)
+    mr = tgt.reg(addr(dst), n)[1]
+    ok, fifo = tgt.advertise(mr, addr(dst), n)
+    assert ok and len(fifo) == p2p._engine.FIFO_ITEM_SIZE
+    for k in range(2):
+        ini = endpoints()
+        ok, conn = ini.add_remote_endpoint(tgt.get_metadata())
+        assert tgt.accept()[0] is True
+        src = rand_bytes(n // 2, 400 + k)
+        smr = ini.reg(addr(src), src.size)[1]
+        assert ini.write(conn, smr, addr(src), n // 2, fifo) is True
+        assert np.array_equal(dst[:n // 2], src)
+        big = rand_bytes(n + 1, 410 + k)
+        bmr = ini.reg(addr(big), big.size)[1]
+        with pytest.raises(ValueError) as e:
+            ini.write(conn, bmr, addr(big), n + 1, fifo)
+        assert str(n + 1) in str(e.value)
+    assert all_poison(dst[n:])
+
+
+def test_vectored_async_calls_have_one_id(endpoints):
+    """sendv_async/recvv_async and writev_async/readv_async return one id for
+    all their iovs; it answers poll_async and wait like any other, and
+    release() forgets all of it."""
+    ini, tgt, conn, tconn = _pair(endpoints)
+    sizes = [3, 4097, 70000]
+    srcs = [rand_bytes(n, 500 + i) for i, n in enumerate(sizes)]
+    dsts = [poisoned(n) for n in sizes]
+    smrs = ini.regv([addr(s) for s in srcs], sizes)[1]
+    dmrs = tgt.regv([addr(d) for d in dsts], sizes)[1]
+    ok, rid = tgt.recvv_async(tconn, dmrs, [addr(d) for d in dsts], sizes, 3)
+    ok, sid = ini.sendv_async(conn, smrs, [addr(s) for s in srcs], sizes, 3)
+    _wait(ini, sid)
+    _wait(tgt, rid)
+    for s, d, n in zip(srcs, dsts, sizes):
+        assert np.array_equal(d[:n], s) and all_poison(d[n:n + GUARD])
+    assert ini.release(sid) and tgt.release(rid)
+    fifos = tgt.advertisev(dmrs, [addr(d) for d in dsts], sizes, 3)[1]
+    news = [rand_bytes(n, 600 + i) for i, n in enumerate(sizes)]
+    nmrs = ini.regv([addr(s) for s in news], sizes)[1]
+    ok, wid = ini.writev_async(conn, nmrs, [addr(s) for s in news], sizes, fifos, 3)
+    assert ini.wait(wid) is True
+    for s, d, n in zip(news, dsts, sizes):
+        assert np.array_equal(d[:n], s) and all_poison(d[n:n + GUARD])
+    backs = [poisoned(n) for n in sizes]
+    bmrs = ini.regv([addr(b) for b in backs], sizes)[1]
+    ok, rdid = ini.readv_async(conn, bmrs, [addr(b) for b in backs], sizes, fifos, 3)
+    assert ini.wait(rdid) is True
+    for s, b, n in zip(news, backs, sizes):
+        assert np.array_equal(b[:n], s) and all_poison(b[n:n + GUARD])
+
+
+def test_xfer_api_rejects_bad_input(endpoints):
+    """Bad entries raise naming the problem, before anything is registered or
+    posted."""
+    ep = endpoints()
+    with pytest.raises(TypeError):
+        ep.register_memory([123])
+    assert ep.register_memory([]) == []
+    assert ep.deserialize_descs(ep.get_serialized_descs([])) == []
+    with pytest.raises(ValueError, match="header"):
+        ep.deserialize_descs(b"nonsense")
+    with pytest.raises(TypeError, match="XferDesc"):
+        ep.get_serialized_descs(["x"])
+    d = XferDesc(1, 8, 1, [1], [0] * 3)
+    with pytest.raises(ValueError, match="rkeys"):
+        ep.get_serialized_descs([d])
+    with pytest.raises(ValueError, match="op_name"):
+        ep.transfer(1, "copy", [], [])
+    with pytest.raises(ValueError, match="2 local"):
+        ep.transfer(1, "write", [d, d], [d])

@@ -1,0 +1,248 @@
+"""Upstream UCCL's newer one-sided API on the Endpoint (a mixin of
+p2p.Endpoint): register_memory / get_serialized_descs / deserialize_descs /
+transfer / deregister_memory with XferDesc, the connection-free
+advertise(mr_id, ptr, size), and one transfer id for several transfers
+(transfer() of several descriptors, and the vectored *_async calls).
+
+A descriptor made here is offered to any connection of this endpoint (the
+engine's advertise with conn 0): whoever holds its bytes, and is connected
+here, may read and write exactly that range, until deregister_memory().
+Its random token is the capability, so treat serialized descriptors as
+credentials, as upstream's rkeys are.
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+from typing import Any, Sequence
+
+from . import _engine
+
+FIFO = _engine.FIFO_ITEM_SIZE
+_WORDS = FIFO // 4
+_HEAD = struct.Struct("<4sI")      # magic, count
+_ITEM = struct.Struct(f"<QQ{FIFO}s")
+_MAGIC = b"UXD1"
+# ids of grouped transfers: far above the engine's, which count up from 1
+_GROUP_BASE = 1 << 62
+
+
+class XferDesc:
+    """A registered range as upstream's register_memory() returns it: addr,
+    size, mr_id (this endpoint's), lkeys (the region) and rkeys (the
+    descriptor a peer needs, as 32-bit words).  Fields read as attributes or,
+    as upstream's older tests do, as items (desc["addr"])."""
+
+    __slots__ = ("addr", "size", "mr_id", "lkeys", "rkeys")
+
+    def __init__(self, addr: int = 0, size: int = 0, mr_id: int = 0,
+                 lkeys: Sequence[int] = (), rkeys: Sequence[int] = ()):
+        self.addr, self.size, self.mr_id = int(addr), int(size), int(mr_id)
+        self.lkeys, self.rkeys = list(lkeys), list(rkeys)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__slots__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.__slots__
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, XferDesc) and all(
+            getattr(self, k) == getattr(other, k) for k in ("addr", "size", "rkeys"))
+
+    def __repr__(self) -> str:
+        return f"<XferDesc addr={self.addr} size={self.size} mr_id={self.mr_id}>"
+
+    def fifo(self) -> bytes:
+        """The engine descriptor behind rkeys."""
+        if len(self.rkeys) != _WORDS:
+            raise ValueError(f"XferDesc at {self.addr:#x}: rkeys holds {len(self.rkeys)} words, "
+                             f"a descriptor of this engine is {_WORDS} (register_memory() or "
+                             "deserialize_descs() make them)")
+        return struct.pack(f"<{_WORDS}I", *self.rkeys)
+
+
+def _descs(seq: Any, what: str) -> list[XferDesc]:
+    out = list(seq)
+    for i, d in enumerate(out):
+        if not isinstance(d, XferDesc):
+            raise TypeError(f"{what}: entry {i} is {type(d).__name__}, not an XferDesc")
+    return out
+
+
+class TransferAPI:
+    """Mixed into p2p.Endpoint (which provides reg, dereg, _post, poll_async,
+    wait, release and the engine's advertise)."""
+
+    # -- one id for several transfers ------------------------------------------
+    def _group(self, ids: list[int]) -> int:
+        """One id standing for several engine transfers (all must finish)."""
+        if len(ids) == 1:
+            return ids[0]
+        if not hasattr(self, "_groups"):
+            self._groups: dict[int, list[int]] = {}
+            self._group_ids = itertools.count(_GROUP_BASE)
+        gid = next(self._group_ids)
+        self._groups[gid] = list(ids)
+        return gid
+
+    def _parts(self, transfer_id: int) -> list[int] | None:
+        groups = getattr(self, "_groups", None)
+        return groups.get(transfer_id) if groups else None
+
+    def poll_async(self, transfer_id: int):
+        parts = self._parts(transfer_id)
+        if parts is None:
+            return super().poll_async(transfer_id)
+        for t in parts:   # every part answers (errors included) before the group is done
+            if not super().poll_async(t)[1]:
+                return True, False
+        return True, True
+
+    def wait(self, transfer_id: int, timeout: float | None = None) -> bool:
+        parts = self._parts(transfer_id)
+        if parts is None:
+            return super().wait(transfer_id, timeout)
+        first = None
+        for t in parts:   # all of them, so nothing lands after an error is raised
+            try:
+                super().wait(t, timeout)
+            except BaseException as e:  # noqa: BLE001 - the first one is raised
+                first = first or e
+        if first is not None:
+            raise first
+        return True
+
+    def release(self, transfer_id: int) -> bool:
+        parts = self._parts(transfer_id)
+        if parts is None:
+            return super().release(transfer_id)
+        for t in parts:
+            if not super().poll_async(t)[1]:
+                raise ValueError(f"transfer_id {transfer_id} is still in flight: wait for it "
+                                 "before releasing it")
+        for t in parts:
+            super().release(t)
+        del self._groups[transfer_id]
+        return True
+
+    def _post_all(self, what: str, op: int, conn_id: int, mrs, ptrs, sizes, fifos=None) -> int:
+        mrs, ptrs, sizes = list(mrs), list(ptrs), list(sizes)
+        if not (len(mrs) == len(ptrs) == len(sizes)) or (fifos is not None and
+                                                          len(fifos) != len(mrs)):
+            raise ValueError(f"{what}: lists of different lengths ({len(mrs)} mr ids, "
+                             f"{len(ptrs)} pointers, {len(sizes)} sizes"
+                             + (f", {len(fifos)} descriptors)" if fifos is not None else ")"))
+        if not mrs:
+            raise ValueError(f"{what}: nothing to transfer (empty lists)")
+        from .p2p import current_stream
+        stream, ids = current_stream(), []
+        try:
+            for i in range(len(mrs)):
+                fifo = None if fifos is None else bytes(fifos[i])
+                ids.append(self._post(op, conn_id, mrs[i], ptrs[i], sizes[i], fifo, stream))
+        except BaseException:
+            for t in ids:   # what was posted ends before we raise
+                try:
+                    super().wait(t)
+                    super().release(t)
+                except Exception:  # noqa: BLE001 - the posting error is the one to raise
+                    pass
+            raise
+        return self._group(ids)
+
+    # -- upstream's vectored async calls ----------------------------------------
+    def sendv_async(self, conn_id, mr_id_v, ptr_v, size_v, num_iovs=None):
+        from .p2p import OP_SEND
+        return True, self._post_all("sendv_async", OP_SEND, conn_id, mr_id_v, ptr_v, size_v)
+
+    def recvv_async(self, conn_id, mr_id_v, ptr_v, size_v, num_iovs=None):
+        from .p2p import OP_RECV
+        return True, self._post_all("recvv_async", OP_RECV, conn_id, mr_id_v, ptr_v, size_v)
+
+    def writev_async(self, conn_id, mr_id_v, src_v, size_v, fifo_items, num_iovs=None):
+        from .p2p import OP_WRITE
+        return True, self._post_all("writev_async", OP_WRITE, conn_id, mr_id_v, src_v, size_v,
+                                    fifo_items)
+
+    def readv_async(self, conn_id, mr_id_v, dst_v, size_v, fifo_items, num_iovs=None):
+        from .p2p import OP_READ
+        return True, self._post_all("readv_async", OP_READ, conn_id, mr_id_v, dst_v, size_v,
+                                    fifo_items)
+
+    # -- register_memory and transfer ------------------------------------------
+    def register_memory(self, tensor_list: Sequence) -> list[XferDesc]:
+        """Register and describe each tensor (or numpy array): one XferDesc
+        per entry, offered to any connection of this endpoint."""
+        from .p2p import buffer_of
+        objs = list(tensor_list)
+        spans = [buffer_of(t) for t in objs]   # every entry checked before anything is made
+        made: list[XferDesc] = []
+        try:
+            for addr, size in spans:
+                mr = self.reg(addr, size)[1]
+                fifo = _engine.Endpoint.advertise(self, 0, mr, addr, size)[1]
+                made.append(XferDesc(addr, size, mr, [mr],
+                                     struct.unpack(f"<{_WORDS}I", fifo)))
+        except BaseException:
+            self.deregister_memory(made)
+            raise
+        return made
+
+    def deregister_memory(self, desc_list: Sequence) -> bool:
+        """Deregister the regions of these descriptors (their descriptors stop
+        working: a peer's access after this fails)."""
+        for mr in dict.fromkeys(d.mr_id for d in _descs(desc_list, "deregister_memory")):
+            try:
+                self.dereg(mr)
+            except ValueError:
+                pass   # already gone: upstream's deregister is idempotent too
+        return True
+
+    @staticmethod
+    def get_serialized_descs(desc_list: Sequence) -> bytes:
+        """What a peer needs of these descriptors, as bytes (addr, size and
+        the engine descriptor of each; not the local mr_id)."""
+        descs = _descs(desc_list, "get_serialized_descs")
+        return _HEAD.pack(_MAGIC, len(descs)) + b"".join(
+            _ITEM.pack(d.addr, d.size, d.fifo()) for d in descs)
+
+    @staticmethod
+    def deserialize_descs(serialized_bytes: bytes) -> list[XferDesc]:
+        b = bytes(serialized_bytes)
+        if len(b) < _HEAD.size or b[:4] != _MAGIC:
+            raise ValueError(f"deserialize_descs: {len(b)} bytes that get_serialized_descs() "
+                             "did not make (bad header)")
+        n = _HEAD.unpack_from(b)[1]
+        if len(b) != _HEAD.size + n * _ITEM.size:
+            raise ValueError(f"deserialize_descs: {len(b)} bytes for {n} descriptors (expected "
+                             f"{_HEAD.size + n * _ITEM.size})")
+        out = []
+        for i in range(n):
+            addr, size, fifo = _ITEM.unpack_from(b, _HEAD.size + i * _ITEM.size)
+            out.append(XferDesc(addr, size, 0, [], struct.unpack(f"<{_WORDS}I", fifo)))
+        return out
+
+    def transfer(self, conn_id: int, op_name: str, local_desc_list: Sequence,
+                 remote_desc_list: Sequence):
+        """Write local ranges into the peer's (op_name "write") or read the
+        peer's into local ones ("read"), pairwise -> (True, transfer_id): one
+        id for all of them (poll_async, wait, release)."""
+        from .p2p import OP_READ, OP_WRITE
+        local = _descs(local_desc_list, "transfer")
+        remote = _descs(remote_desc_list, "transfer")
+        if len(local) != len(remote):
+            raise ValueError(f"transfer: {len(local)} local descriptors but {len(remote)} "
+                             "remote ones")
+        if op_name not in ("write", "read"):
+            raise ValueError(f"transfer: op_name must be 'write' or 'read', got {op_name!r}")
+        for i, (l, r) in enumerate(zip(local, remote)):
+            if l.size > r.size:
+                raise ValueError(f"transfer: local descriptor {i} has {l.size} bytes, the remote "
+                                 f"one {r.size}")
+        op = OP_WRITE if op_name == "write" else OP_READ
+        return True, self._post_all("transfer", op, conn_id, [d.mr_id for d in local],
+                                    [d.addr for d in local], [d.size for d in local],
+                                    [d.fifo() for d in remote])
