@@ -25,6 +25,16 @@ def _pair(endpoints):
     return tx, rx, conn, rconn
 
 
+def _exchange(tx, rx, conn, rconn, src, dst, smr, rmr, n):
+    """send_async of n bytes of src (region smr) into dst (region rmr), the
+    recv blocking; the bytes must land and nothing past them."""
+    ok, tid = tx.send_async(conn, smr, addr(src), n)
+    assert ok
+    assert rx.recv(rconn, rmr, addr(dst), n) is True
+    assert tx.wait(tid) is True
+    assert np.array_equal(dst[:n], src[:n]) and all_poison(dst[n:n + GUARD])
+
+
 def test_float_type_names_and_values():
     """The names upstream's scripts use, with DietGPU's values."""
     assert p2p.FloatType is FloatType
@@ -45,16 +55,7 @@ def test_reg_with_float_type_moves_the_bytes(endpoints, ft):
     assert ok
     ok, rmr = rx.reg(ptr=addr(dst), size=n, floatType=ft)
     assert ok
-    ok, tid = tx.send_async(conn, smr, addr(src), n)
-    assert ok
-    assert rx.recv(rconn, rmr, addr(dst), n) is True
-    for _ in range(100000):
-        ok, done = tx.poll_async(tid)
-        if done:
-            break
-    assert done
-    assert np.array_equal(dst[:n], src)
-    assert all_poison(dst[n:n + GUARD])
+    _exchange(tx, rx, conn, rconn, src, dst, smr, rmr, n)
 
 
 @pytest.mark.parametrize("bad,exc,words", [
@@ -89,15 +90,7 @@ def test_regv_registers_each_region(endpoints):
     ok, rmrs = rx.regv(ptrs=[addr(d) for d in dsts], sizes=sizes)
     assert ok is True and len(rmrs) == 3
     for src, dst, smr, rmr, n in zip(srcs, dsts, smrs, rmrs, sizes):
-        ok, tid = tx.send_async(conn, smr, addr(src), n)
-        assert ok
-        assert rx.recv(rconn, rmr, addr(dst), n) is True
-        for _ in range(100000):
-            ok, done = tx.poll_async(tid)
-            if done:
-                break
-        assert done
-        assert np.array_equal(dst[:n], src) and all_poison(dst[n:n + GUARD])
+        _exchange(tx, rx, conn, rconn, src, dst, smr, rmr, n)
 
 
 def test_regv_failure_registers_nothing(endpoints):
@@ -117,12 +110,7 @@ def test_regv_failure_registers_nothing(endpoints):
 
 def _send_recv(tx, rx, conn, rconn, n, seed):
     src, dst = rand_bytes(n, seed), poisoned(n)
-    smr, rmr = tx.reg(addr(src), n)[1], rx.reg(addr(dst), n)[1]
-    ok, tid = tx.send_async(conn, smr, addr(src), n)
-    assert ok
-    assert rx.recv(rconn, rmr, addr(dst), n) is True
-    assert tx.wait(tid) is True
-    assert np.array_equal(dst[:n], src) and all_poison(dst[n:n + GUARD])
+    _exchange(tx, rx, conn, rconn, src, dst, tx.reg(addr(src), n)[1], rx.reg(addr(dst), n)[1], n)
 
 
 def test_remove_remote_endpoint(endpoints):
