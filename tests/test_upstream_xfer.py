@@ -154,3 +154,58 @@ def test_xfer_api_rejects_bad_input(endpoints):
         ep.transfer(1, "copy", [], [])
     with pytest.raises(ValueError, match="2 local"):
         ep.transfer(1, "write", [d, d], [d])
+
+
+def test_ipc_calls_without_mr_id(endpoints):
+    """Upstream's IPC forms without an mr_id: send_ipc/recv_ipc (and _async),
+    advertise_ipc + write_ipc/read_ipc (and _async), advertisev_ipc +
+    writev_ipc/readv_ipc (and _async): each buffer is registered on first use
+    (once: a second call reuses it), the bytes land, nothing past them; a
+    dereg() of such a registration is honoured (the next call registers
+    afresh); the mr_id forms still work beside them."""
+    ini, tgt, conn, tconn = _pair(endpoints)
+    n = 4097
+    src, dst = rand_bytes(n, 700), poisoned(n)
+    ok, tid = ini.send_ipc_async(conn, addr(src), n)
+    assert tgt.recv_ipc(tconn, addr(dst), n) is True and ini.wait(tid) is True
+    assert np.array_equal(dst[:n], src) and all_poison(dst[n:n + GUARD])
+    held = dict(tgt._ipc_regs)
+    src2 = rand_bytes(n, 701)
+    ok, rid = tgt.recv_ipc_async(tconn, addr(dst), n)
+    assert ini.send_ipc(conn, addr(src2), n) is True and tgt.wait(rid) is True
+    assert np.array_equal(dst[:n], src2) and tgt._ipc_regs == held    # reused
+    # one-sided, single
+    ok, info = tgt.advertise_ipc(tconn, addr(dst), n)
+    src3 = rand_bytes(n, 702)
+    assert ini.write_ipc(conn, addr(src3), n, info) is True
+    assert np.array_equal(dst[:n], src3) and all_poison(dst[n:n + GUARD])
+    back = poisoned(n)
+    ok, tid = ini.read_ipc_async(conn, addr(back), n, info)
+    assert ini.wait(tid) is True and np.array_equal(back[:n], src3)
+    # one-sided, vectored
+    sizes = [1, 4097, 65536]
+    dsts = [poisoned(k) for k in sizes]
+    ok, infos = tgt.advertisev_ipc(tconn, [addr(d) for d in dsts], sizes)
+    srcs = [rand_bytes(k, 710 + i) for i, k in enumerate(sizes)]
+    assert ini.writev_ipc(conn, [addr(s) for s in srcs], sizes, infos) is True
+    for s, d, k in zip(srcs, dsts, sizes):
+        assert np.array_equal(d[:k], s) and all_poison(d[k:k + GUARD])
+    backs = [poisoned(k) for k in sizes]
+    ok, tid = ini.readv_ipc_async(conn, [addr(b) for b in backs], sizes, infos)
+    assert ini.wait(tid) is True
+    for s, b, k in zip(srcs, backs, sizes):
+        assert np.array_equal(b[:k], s) and all_poison(b[k:k + GUARD])
+    # dereg of an automatic registration, then the same buffer again
+    mr = tgt._ipc_regs[addr(dst)][1]
+    assert tgt.dereg(mr) is True and addr(dst) not in tgt._ipc_regs
+    ok, tid = ini.send_ipc_async(conn, addr(src), n)
+    assert tgt.recv_ipc(tconn, addr(dst), n) is True and ini.wait(tid) is True
+    assert np.array_equal(dst[:n], src)
+    # the mr_id form beside them
+    smr = ini.reg(addr(src2), n)[1]
+    rmr = tgt.reg(addr(dst), n)[1]
+    ok, tid = ini.send_ipc_async(conn, smr, addr(src2), n)
+    assert tgt.recv_ipc(tconn, rmr, addr(dst), n) is True and ini.wait(tid) is True
+    assert np.array_equal(dst[:n], src2)
+    with pytest.raises(TypeError, match="send_ipc takes"):
+        ini.send_ipc(conn, addr(src))

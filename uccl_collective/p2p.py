@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from . import _engine
 from ._engine import UcclError, UcclTimeoutError
+from ._ipc_api import IpcAPI
 from ._xfer_api import TransferAPI, XferDesc
 
 __all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "XferDesc", "buffer_of",
@@ -126,7 +127,7 @@ def _close_all() -> None:
         ep.close()
 
 
-class Endpoint(TransferAPI, _engine.Endpoint):
+class Endpoint(IpcAPI, TransferAPI, _engine.Endpoint):
     """Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1)
 
     local_gpu_idx=None means CPU only.  timeout_s bounds every blocking call
@@ -301,15 +302,8 @@ class Endpoint(TransferAPI, _engine.Endpoint):
         return self._vector("readv", OP_READ, conn_id, mr_id_list, dst_list, size_list,
                             num_iovs, [bytes(f) for f in fifo_items])
 
-    # -- upstream's same-host IPC names take the same paths -----------------
-    send_ipc, recv_ipc = send, recv
-    send_ipc_async, recv_ipc_async = send_async, recv_async
-    write_ipc, read_ipc = write, read
-    write_ipc_async, read_ipc_async = write_async, read_async
-    writev_ipc, readv_ipc = writev, readv
-    advertise_ipc, advertisev_ipc = _engine.Endpoint.advertise, advertisev
+    # -- upstream's same-host IPC names: _ipc_api.py (with or without mr_id) --
     sendv_ipc_async, recvv_ipc_async = TransferAPI.sendv_async, TransferAPI.recvv_async
-    writev_ipc_async, readv_ipc_async = TransferAPI.writev_async, TransferAPI.readv_async
 
     # -- torch tensors and numpy arrays -----------------------------------
     def reg_tensor(self, t) -> int:
