@@ -52,32 +52,27 @@ class IpcAPI:
         raise TypeError(f"{what} takes {forms}, got {len(args) + 1} arguments")
 
     # -- two-sided -------------------------------------------------------------
+    def _two_sided(self, what: str, fn, conn_id: int, a: tuple):
+        if self._arity(what, a, 2, (3,), "(conn_id, [mr_id,] ptr, size)"):
+            return fn(conn_id, self._auto_mr(*a), *a)
+        return fn(conn_id, *a)
+
     def send_ipc(self, conn_id: int, *a: Any):
-        if self._arity("send_ipc", a, 2, (3,), "(conn_id, [mr_id,] ptr, size)"):
-            return self.send(conn_id, self._auto_mr(*a), *a)
-        return self.send(conn_id, *a)
+        return self._two_sided("send_ipc", self.send, conn_id, a)
 
     def recv_ipc(self, conn_id: int, *a: Any):
-        if self._arity("recv_ipc", a, 2, (3,), "(conn_id, [mr_id,] ptr, size)"):
-            return self.recv(conn_id, self._auto_mr(*a), *a)
-        return self.recv(conn_id, *a)
+        return self._two_sided("recv_ipc", self.recv, conn_id, a)
 
     def send_ipc_async(self, conn_id: int, *a: Any):
-        if self._arity("send_ipc_async", a, 2, (3,), "(conn_id, [mr_id,] ptr, size)"):
-            return self.send_async(conn_id, self._auto_mr(*a), *a)
-        return self.send_async(conn_id, *a)
+        return self._two_sided("send_ipc_async", self.send_async, conn_id, a)
 
     def recv_ipc_async(self, conn_id: int, *a: Any):
-        if self._arity("recv_ipc_async", a, 2, (3,), "(conn_id, [mr_id,] ptr, size)"):
-            return self.recv_async(conn_id, self._auto_mr(*a), *a)
-        return self.recv_async(conn_id, *a)
+        return self._two_sided("recv_ipc_async", self.recv_async, conn_id, a)
+
+    def advertise_ipc(self, conn_id: int, *a: Any):
+        return self._two_sided("advertise_ipc", self.advertise, conn_id, a)
 
     # -- one-sided -------------------------------------------------------------
-    def advertise_ipc(self, conn_id: int, *a: Any):
-        if self._arity("advertise_ipc", a, 2, (3,), "(conn_id, [mr_id,] ptr, size)"):
-            return self.advertise(conn_id, self._auto_mr(*a), *a)
-        return self.advertise(conn_id, *a)
-
     def advertisev_ipc(self, conn_id: int, *a: Any):
         if self._arity("advertisev_ipc", a, 2, (4,),
                        "(conn_id, ptr_v, size_v) or (conn_id, mr_ids, addrs, lens, num_iovs)"):
