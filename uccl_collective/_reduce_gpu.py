@@ -20,19 +20,18 @@ compete for the same memory bandwidth, so pieces would overlap nothing.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ._reduce import allgather_chunks, bounds, finish_avg
+from ._reduce import _env_int, allgather_chunks, bounds, finish_avg
 
 R = dist.ReduceOp.RedOpType
 
 #: CUDA tensors up to this many bytes are all-reduced by one allgather of the
 #: whole tensor and a local reduction.
-GPU_SMALL_BYTES = int(os.environ.get("UCCL_PG_GPU_SMALL_KB", "1024")) << 10
+GPU_SMALL_BYTES = _env_int("UCCL_PG_GPU_SMALL_KB", 1024) << 10
 
 _BITWISE = {R.BAND: torch.Tensor.bitwise_and_, R.BOR: torch.Tensor.bitwise_or_,
             R.BXOR: torch.Tensor.bitwise_xor_}

@@ -77,54 +77,55 @@ class TransferAPI:
     wait, release and the engine's advertise)."""
 
     # -- one id for several transfers ------------------------------------------
+    # The engine's poll_async/wait/release stay the endpoint's methods (no
+    # Python layer on their hot path) until the first group id is made; then
+    # this instance's are replaced by group-aware ones.
     def _group(self, ids: list[int]) -> int:
         """One id standing for several engine transfers (all must finish)."""
         if len(ids) == 1:
             return ids[0]
-        if not hasattr(self, "_groups"):
+        if "_groups" not in self.__dict__:
             self._groups: dict[int, list[int]] = {}
             self._group_ids = itertools.count(_GROUP_BASE)
+            self.poll_async, self.wait = self._group_poll, self._group_wait
+            self.release = self._group_release
         gid = next(self._group_ids)
         self._groups[gid] = list(ids)
         return gid
 
-    def _parts(self, transfer_id: int) -> list[int] | None:
-        groups = getattr(self, "_groups", None)
-        return groups.get(transfer_id) if groups else None
-
-    def poll_async(self, transfer_id: int):
-        parts = self._parts(transfer_id)
+    def _group_poll(self, transfer_id: int):
+        parts = self._groups.get(transfer_id)
         if parts is None:
-            return super().poll_async(transfer_id)
+            return _engine.Endpoint.poll_async(self, transfer_id)
         for t in parts:   # every part answers (errors included) before the group is done
-            if not super().poll_async(t)[1]:
+            if not _engine.Endpoint.poll_async(self, t)[1]:
                 return True, False
         return True, True
 
-    def wait(self, transfer_id: int, timeout: float | None = None) -> bool:
-        parts = self._parts(transfer_id)
+    def _group_wait(self, transfer_id: int, timeout: float | None = None) -> bool:
+        parts = self._groups.get(transfer_id)
         if parts is None:
-            return super().wait(transfer_id, timeout)
+            return _engine.Endpoint.wait(self, transfer_id, timeout)
         first = None
         for t in parts:   # all of them, so nothing lands after an error is raised
             try:
-                super().wait(t, timeout)
+                _engine.Endpoint.wait(self, t, timeout)
             except BaseException as e:  # noqa: BLE001 - the first one is raised
                 first = first or e
         if first is not None:
             raise first
         return True
 
-    def release(self, transfer_id: int) -> bool:
-        parts = self._parts(transfer_id)
+    def _group_release(self, transfer_id: int) -> bool:
+        parts = self._groups.get(transfer_id)
         if parts is None:
-            return super().release(transfer_id)
+            return _engine.Endpoint.release(self, transfer_id)
         for t in parts:
-            if not super().poll_async(t)[1]:
+            if not _engine.Endpoint.poll_async(self, t)[1]:
                 raise ValueError(f"transfer_id {transfer_id} is still in flight: wait for it "
                                  "before releasing it")
         for t in parts:
-            super().release(t)
+            _engine.Endpoint.release(self, t)
         del self._groups[transfer_id]
         return True
 
@@ -146,8 +147,8 @@ class TransferAPI:
         except BaseException:
             for t in ids:   # what was posted ends before we raise
                 try:
-                    super().wait(t)
-                    super().release(t)
+                    _engine.Endpoint.wait(self, t)
+                    _engine.Endpoint.release(self, t)
                 except Exception:  # noqa: BLE001 - the posting error is the one to raise
                     pass
             raise

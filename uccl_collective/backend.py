@@ -466,7 +466,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op: R,
                              what: str = "reduce_scatter") -> None:
         """out <- this rank's chunk of the reduction of flat (n equal chunks;
-        flat is scratch: it is overwritten)."""
+        on the CPU flat is scratch and is overwritten, on CUDA only read:
+        see _rs_input)."""
         ctx, n, me = self._ctx, self.size(), self.rank()
         if flat.is_cuda:
             s = _Staged(out, copy_in=False)
