@@ -71,6 +71,9 @@ static void load(void)
         SYM(MemSetAccess, "cuMemSetAccess"), SYM(MemRelease, "cuMemRelease"),
         SYM(MemHostAlloc, "cuMemHostAlloc"), SYM(MemFreeHost, "cuMemFreeHost"),
         SYM(GetErrorString, "cuGetErrorString"),
+        SYM(DeviceGetPCIBusId, "cuDeviceGetPCIBusId"),
+        SYM(DeviceGetByPCIBusId, "cuDeviceGetByPCIBusId"),
+        SYM(DeviceGetCount, "cuDeviceGetCount"),
 #undef SYM
     };
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
@@ -113,6 +116,18 @@ int uccl__cuda_err(cu_result rc, const char *what)
     if (loaded && table.GetErrorString(rc, &s) != CU_OK)
         s = NULL;
     return uccl__err(UCCL_ERR_IO, "%s: CUDA error %d (%s)", what, rc, s ? s : "unknown");
+}
+
+int uccl__cuda_init(void)
+{
+    const struct uccl__cuda *cu = uccl__cuda();
+    if (!cu)
+        return UCCL_ERR_UNAVAIL;
+    pthread_mutex_lock(&ctx_mu);
+    cu_result r = init_done ? CU_OK : cu->Init(0);
+    init_done = r == CU_OK;
+    pthread_mutex_unlock(&ctx_mu);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuInit");
 }
 
 int uccl__cuda_use(int dev)

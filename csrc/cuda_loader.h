@@ -78,6 +78,9 @@ struct uccl__cuda {
     cu_result (*MemHostAlloc)(void **, size_t, unsigned);
     cu_result (*MemFreeHost)(void *);
     cu_result (*GetErrorString)(cu_result, const char **);
+    cu_result (*DeviceGetPCIBusId)(char *, int, cu_device);
+    cu_result (*DeviceGetByPCIBusId)(cu_device *, const char *);
+    cu_result (*DeviceGetCount)(int *);
 };
 
 /* The table, loading libcuda on first call (UCCL_CUDA_LIBRARY names another
@@ -90,6 +93,9 @@ const struct uccl__cuda *uccl__cuda(void);
  * without asking the driver (and without initialising CUDA in a process
  * that may still fork). */
 int uccl__cuda_initialised(void);
+
+/* Initialise the driver (cuInit) once; the other uccl__cuda_* do it too. */
+int uccl__cuda_init(void);
 
 /* Make device dev's primary context current on this thread. */
 int uccl__cuda_use(int dev);

@@ -13,6 +13,7 @@
 #include "cuda_loader.h"
 #include "log.h"
 #include "status.h"
+#include "uccl.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -522,4 +523,41 @@ void uccl__gpu_import_put(struct uccl__gpu_import *x)
     pthread_mutex_unlock(&imports.mu);
     if (close_now)
         import_close(x);
+}
+
+/* ------------------------------------------------------------------------- */
+/* GPUs by PCI bus id                                                          */
+
+int uccl_gpu_bus_id(int dev, char out[32])
+{
+    int rc = uccl__cuda_init();
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    int n = 0;
+    cu_device d;
+    if (cu->DeviceGetCount(&n) != CU_OK || dev < 0 || dev >= n || cu->DeviceGet(&d, dev) != CU_OK)
+        return uccl__err(UCCL_ERR_NOTFOUND, "no CUDA device %d (this host has %d)", dev, n);
+    cu_result r = cu->DeviceGetPCIBusId(out, 32, d);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "cuDeviceGetPCIBusId");
+    out[31] = '\0';
+    for (char *c = out; *c; c++) /* the driver spells hex digits in upper case */
+        if (*c >= 'A' && *c <= 'F')
+            *c = (char)(*c - 'A' + 'a');
+    return UCCL_OK;
+}
+
+int uccl_gpu_of_bus_id(const char *bdf, int *dev_p)
+{
+    int rc = uccl__cuda_init();
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    cu_device d;
+    if (cu->DeviceGetByPCIBusId(&d, bdf) != CU_OK)
+        return uccl__err(UCCL_ERR_NOTFOUND, "no CUDA device of this host has PCI bus id '%s'",
+                         bdf);
+    *dev_p = (int)d; /* a CUdevice is its ordinal */
+    return UCCL_OK;
 }

@@ -115,7 +115,35 @@ static PyObject *mod_get_oob_ip(PyObject *module, PyObject *unused)
     return PyUnicode_FromString(ip);
 }
 
+static PyObject *mod_gpu_bus_id(PyObject *module, PyObject *args)
+{
+    int dev;
+    if (!PyArg_ParseTuple(args, "i", &dev))
+        return NULL;
+    char bdf[32];
+    int rc = uccl_gpu_bus_id(dev, bdf);
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return PyUnicode_FromString(bdf);
+}
+
+static PyObject *mod_gpu_of_bus_id(PyObject *module, PyObject *args)
+{
+    const char *bdf;
+    if (!PyArg_ParseTuple(args, "s", &bdf))
+        return NULL;
+    int dev;
+    int rc = uccl_gpu_of_bus_id(bdf, &dev);
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return PyLong_FromLong(dev);
+}
+
 static PyMethodDef module_methods[] = {
+    {"gpu_bus_id", mod_gpu_bus_id, METH_VARARGS,
+     "gpu_bus_id(dev) -> the PCI bus id of CUDA device dev ('0000:3b:00.0')"},
+    {"gpu_of_bus_id", mod_gpu_of_bus_id, METH_VARARGS,
+     "gpu_of_bus_id(bdf) -> the index of this host's CUDA device with that PCI bus id"},
     {"parse_metadata", mod_parse_metadata, METH_VARARGS,
      "parse_metadata(bytes) -> (ip, port, gpu_idx)"},
     {"get_oob_ip", mod_get_oob_ip, METH_NOARGS,

@@ -42,6 +42,12 @@ void uccl_ep_destroy(uccl_ep_t *ep);
 int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len, size_t *len_p);
 int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p);
 void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
+/* GPUs by PCI bus id, as upstream's newer API names them: the bus id of
+ * CUDA device dev ("dddd:bb:dd.f", lower case), and the device of this host
+ * that a bus id names.  UCCL_ERR_UNAVAIL without a CUDA driver,
+ * UCCL_ERR_NOTFOUND for no such device. */
+int uccl_gpu_bus_id(int dev, char out[32]);
+int uccl_gpu_of_bus_id(const char *bdf, int *dev_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
 /* This endpoint's host identity (UCCL_P2P_HOST_ID, else the kernel's boot
  * id): peers with the same one may use same-host transports. */

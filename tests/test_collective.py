@@ -577,14 +577,30 @@ def _case_upstream_forms(R, i, p):
     api.recv(got, src=me)
     assert bool((back == POISON).all()), "a skipped recv from this rank wrote into its buffer"
     h = api.isend(src, np.int64(me))
+    assert isinstance(h, int) and h == -1, f"own-rank isend gave {h!r}, upstream's dummy id is -1"
     assert api.test(h) is True and api.wait(h) is True
     assert api.wait(api.irecv(got, me)) is True
     assert bool((back == POISON).all())
+    assert api.wait(-1) is True and api.test(-1) is True and api.wait_all([-1, h]) is True
+    for bad in (7, "h", None):
+        _raises(lambda: api.wait(bad), TypeError, "not a handle")
     # numpy peers and tuples, with a self entry among them
     ops = [("send", _gen(_seed(i, me, R.right), n, "int64"), np.int32(R.right)),
            (C.irecv, got, np.int64(R.left)), ("send", src, me)]
-    api.wait_all(api.batch_isend_irecv(ops))
+    hs = api.batch_isend_irecv(ops)
+    assert all(isinstance(h, int) for h in hs) and hs[0] > 0, f"handles are ids: {hs!r}"
+    api.wait_all(hs)
     _same(got, _gen(_seed(i, R.left, me), n, "int64"), "batch of tuples with numpy peers")
+    # isend/irecv: ids (ints), distinct, waited for through the context by id
+    r1, r2 = _poisoned(n, "int64"), _poisoned(n, "int64")
+    ids = [api.irecv(r1[0], R.left), api.isend(_gen(_seed(i, me, 7), n, "int64"), R.right),
+           api.irecv(r2[0], R.left), api.isend(_gen(_seed(i, me, 8), n, "int64"), R.right)]
+    assert all(type(x).__name__ == "Handle" and isinstance(x, int) for x in ids)
+    assert len({int(x) for x in ids}) == 4 and min(ids) > 0, f"ids not distinct: {ids!r}"
+    assert api.wait_all(ids) is True
+    _same(r1[0], _gen(_seed(i, R.left, 7), n, "int64"), "irecv by id")
+    _same(r2[0], _gen(_seed(i, R.left, 8), n, "int64"), "irecv by id")
+    _guard_ok(r1[1], n * 8, "irecv by id")
     _guard_ok(back, n * 8, "batch of tuples with numpy peers")
     # a larger recv, through wait_all(iallgather) and iteration over its result
     big, bback = _poisoned(ws * n + 5, "int64")

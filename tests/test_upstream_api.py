@@ -36,10 +36,11 @@ def _exchange(tx, rx, conn, rconn, src, dst, smr, rmr, n):
 
 
 def test_float_type_names_and_values():
-    """The names upstream's scripts use, with DietGPU's values."""
+    """The names upstream's scripts use (HEAD added the two fp8 kinds)."""
     assert p2p.FloatType is FloatType
     assert {m.name: int(m) for m in FloatType} == {
-        "kUndefined": 0, "kFloat16": 1, "kBFloat16": 2, "kFloat32": 3}
+        "kUndefined": 0, "kFloat16": 1, "kBFloat16": 2, "kFloat32": 3, "kFloat8E4M3FN": 4,
+        "kFloat8E5M2": 5}
 
 
 @pytest.mark.parametrize("ft", list(FloatType) + [0, 3])
@@ -216,6 +217,69 @@ def test_connect_names_the_gpu_by_index_or_bus_id(endpoints):
     assert "0000:3b:00.0" in str(e.value) and "remote_port" in str(e.value)
     with pytest.raises(TypeError):
         endpoints().connect(ip, 1.5, port)
+    # HEAD's keyword (remote_gpu), by bus id or index; a non-bus-id string
+    for gpu in ("0000:3B:00.0", "3b:00.0", 0):
+        ok, conn = endpoints().connect(ip, remote_gpu=gpu, remote_port=port)
+        assert ok and rx.accept()[0] is True
+    with pytest.raises(ValueError) as e:
+        endpoints().connect(ip, remote_gpu="gpu0", remote_port=port)
+    assert "'gpu0'" in str(e.value) and "PCI bus id" in str(e.value)
+    with pytest.raises(TypeError, match="once"):
+        endpoints().connect(ip, remote_gpu=0, remote_gpu_bdf=0, remote_port=port)
+
+
+def _head_meta(ip: str, port: int, bdf: str) -> bytes:
+    """Upstream HEAD's get_metadata() layout, built independently here:
+    address, port (network order), a length byte, the bus id."""
+    import ipaddress
+    import struct
+    return (ipaddress.ip_address(ip).packed + struct.pack("!H", port) + bytes([len(bdf)])
+            + bdf.encode())
+
+
+@pytest.mark.parametrize("ip,port,bdf", [
+    ("10.1.2.3", 4242, "0000:3b:00.0"), ("192.168.0.7", 1, ""), ("fe80::1", 65535, "3b:00.0"),
+    ("2001:db8::17", 30000, ""), ("127.0.0.1", 29517, "0000:E1:00.7")])
+def test_parse_metadata_reads_heads_form(ip, port, bdf):
+    """HEAD's metadata parses to (ip, port, bus id string), IPv4 and IPv6."""
+    assert p2p.Endpoint.parse_metadata(_head_meta(ip, port, bdf)) == (ip, port, bdf)
+
+
+def test_parse_metadata_keeps_the_older_forms(endpoints):
+    """681068e4's 10 bytes (with any GPU index, including ones whose first
+    byte would be a HEAD length byte) and this engine's secret form still
+    parse to an index; a HEAD form naming no bus id, or cut short, raises."""
+    import socket
+    import struct
+    for gpu in (0, 1, 3, 7, 12, 255, 1023):
+        meta = socket.inet_aton("10.9.8.7") + struct.pack("!H", 29600 + gpu) + struct.pack(
+            "=i", gpu)
+        assert p2p.Endpoint.parse_metadata(meta) == ("10.9.8.7", 29600 + gpu, gpu)
+    ep = endpoints(secret=b"s" * 16)
+    meta = ep.get_metadata()
+    assert len(meta) == 192 and p2p.Endpoint.parse_metadata(meta)[1:] == (ep.address()[1], -1)
+    for bad in (_head_meta("10.1.2.3", 5, "not-a-bdf"), _head_meta("10.1.2.3", 5, "0000:3b:00.0")[:-1],
+                b"", b"\x01" * 9):
+        with pytest.raises((ValueError, p2p.UcclError)):
+            p2p.Endpoint.parse_metadata(bad)
+
+
+def test_gpu_bdf_is_empty_without_a_gpu(endpoints):
+    """A CPU-only endpoint names no GPU; nor does one whose index the CUDA
+    driver does not have (or where there is no driver: this CI machine)."""
+    assert endpoints().gpu_bdf == ""
+    ep = p2p.Endpoint(local_gpu_idx=1000, port=0)
+    try:
+        assert ep.gpu_bdf == ""
+    finally:
+        ep.close()
+
+
+def test_xfer_handle_is_read_only():
+    h = p2p.XferHandle(3, "write", 77)
+    assert (h.conn_id, h.op_name, h.transfer_id) == (3, "write", 77)
+    with pytest.raises(AttributeError, match="read-only"):
+        h.transfer_id = 1
 
 
 def test_recv_may_post_more_than_its_region(endpoints):

@@ -27,6 +27,26 @@ _MAGIC = b"UXD1"
 _GROUP_BASE = 1 << 62
 
 
+class XferHandle:
+    """Upstream's record of a started transfer (conn_id, op_name,
+    transfer_id), read-only.  transfer() returns (True, transfer_id) here as
+    upstream's does; this type exists so code that names it keeps working."""
+
+    __slots__ = ("conn_id", "op_name", "transfer_id")
+
+    def __init__(self, conn_id: int, op_name: str, transfer_id: int):
+        object.__setattr__(self, "conn_id", int(conn_id))
+        object.__setattr__(self, "op_name", str(op_name))
+        object.__setattr__(self, "transfer_id", int(transfer_id))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"XferHandle.{name} is read-only")
+
+    def __repr__(self) -> str:
+        return (f"<XferHandle conn_id={self.conn_id} op_name={self.op_name!r} "
+                f"transfer_id={self.transfer_id}>")
+
+
 class XferDesc:
     """A registered range as upstream's register_memory() returns it: addr,
     size, mr_id (this endpoint's), lkeys (the region) and rkeys (the

@@ -117,9 +117,16 @@ def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
     return dev, torch.cuda.current_stream(dev).cuda_stream
 
 
-class Handle:
+_handle_ids = itertools.count(1)
+
+
+class Handle(int):
     """An operation in flight: engine operations and/or torch.distributed works
     (watched through Futures).
+
+    A handle is also an int, as upstream's isend/irecv return transfer ids:
+    a number unique in this process, or -1 for an operation with nothing to
+    move (to or from the caller's own rank), as upstream's dummy id.
 
     test() never blocks; wait() blocks (timeout in seconds, default the
     context's) and raises the operation's error.  Both may be called again
@@ -134,15 +141,17 @@ class Handle:
     sees them; the operation itself started only after the work queued on
     the caller's current stream before the call."""
 
-    __slots__ = ("_cm", "_ops", "_works", "_done", "_error", "_keep", "_orphans", "_lock",
-                 "__weakref__")
-
-    def __init__(self, cm: _engine.Communicator | None, ops: Sequence[int] = (),
-                 works: Sequence = (), keep: Any = None, orphans: list | None = None):
+    def __new__(cls, cm: _engine.Communicator | None, ops: Sequence[int] = (),
+                works: Sequence = (), keep: Any = None, orphans: list | None = None):
+        self = super().__new__(cls, next(_handle_ids) if (ops or works) else -1)
         self._cm, self._ops, self._works = cm, list(ops), list(works)
-        self._done, self._error, self._keep = False, None, keep
+        self._done, self._error, self._keep = not (ops or works), None, keep
         self._orphans = orphans
         self._lock = threading.Lock()  # one thread advances it at a time
+        return self
+
+    def __repr__(self) -> str:
+        return f"<Handle {int(self)} {'done' if self._done else 'in flight'}>"
 
     def __iter__(self):
         """A handle is also the one-element list of handles that upstream's
@@ -200,7 +209,7 @@ class Handle:
         if not self._lock.acquire(blocking=False):
             return False  # another thread is waiting for it: not known to be done yet
         try:
-            return self._settle(self._cm.test,
+            return self._settle(lambda op: self._cm.test(op),
                                 lambda w: w.done() and w.result() is not False)
         finally:
             self._lock.release()
@@ -220,13 +229,28 @@ class Handle:
         return self.test()
 
 
+_DONE = Handle(None)  # what upstream's dummy id -1 stands for
+
+
+def _handle(h: Any, what: str) -> Handle:
+    """h as a Handle: upstream's dummy id -1 (a plain int kept by the
+    caller) is an operation already done; any other plain value is not ours."""
+    if isinstance(h, Handle):
+        return h
+    if isinstance(h, numbers.Integral) and not isinstance(h, bool) and h == -1:
+        return _DONE
+    raise TypeError(f"{what}: {h!r} ({type(h).__name__}) is not a handle of this context "
+                    "(isend, irecv, batch_isend_irecv and iallgather return them)")
+
+
 def _flatten_handles(handles: Any) -> list:
     """Handles out of a Handle or (nested) lists of them, in order."""
-    if isinstance(handles, Handle):
-        return [handles]
+    if isinstance(handles, numbers.Integral):
+        return [_handle(handles, "wait_all")]
     out = []
     for h in handles:
-        out.extend(_flatten_handles(h) if isinstance(h, (list, tuple)) else [h])
+        out.extend(_flatten_handles(h) if isinstance(h, (list, tuple)) else
+                   [_handle(h, "wait_all")])
     return out
 
 
@@ -582,10 +606,10 @@ class CollectiveContext:
         self._p2p([("recv", tensor, src)], "recv", blocking=True)
 
     def test(self, handle: Handle) -> bool:
-        return handle.test()
+        return _handle(handle, "test").test()
 
     def wait(self, handle: Handle, timeout: float | None = None) -> bool:
-        return handle.wait(timeout)
+        return _handle(handle, "wait").wait(timeout)
 
     def wait_all(self, handles: Handle | Iterable, timeout: float | None = None) -> bool:
         """Wait for every handle: a Handle, or a (nested) list of them, as

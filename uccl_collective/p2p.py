@@ -19,9 +19,10 @@ from typing import Any, Sequence
 from . import _engine
 from ._engine import UcclError, UcclTimeoutError
 from ._ipc_api import IpcAPI
-from ._xfer_api import TransferAPI, XferDesc
+from ._metadata import gpu_bus_id, gpu_index as _gpu_index, parse_metadata
+from ._xfer_api import TransferAPI, XferDesc, XferHandle
 
-__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "XferDesc", "buffer_of",
+__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "XferDesc", "XferHandle", "buffer_of",
            "current_stream", "get_oob_ip"]
 
 #: get_oob_ip() -> str: the IPv4 address endpoints put in their metadata
@@ -80,6 +81,8 @@ class FloatType(enum.IntEnum):
     kFloat16 = 1
     kBFloat16 = 2
     kFloat32 = 3
+    kFloat8E4M3FN = 4  # upstream HEAD's
+    kFloat8E5M2 = 5
 
 
 def _float_type(value: Any, what: str) -> FloatType:
@@ -91,21 +94,6 @@ def _float_type(value: Any, what: str) -> FloatType:
     except ValueError:
         known = ", ".join(f"{m.name}={m.value}" for m in FloatType)
         raise ValueError(f"{what}: floatType {value} is not a FloatType ({known})") from None
-
-
-def _gpu_index(gpu: Any, port: int, what: str) -> int:
-    """A peer's GPU as an index: an int, or a PCI bus id string (upstream's
-    newer API), which names no index: then only an explicit port will do."""
-    if isinstance(gpu, str):
-        if port == -1:
-            raise ValueError(f"{what}: the GPU {gpu!r} is named by PCI bus id, which does not "
-                             "give its well-known port (UCCL_P2P_BASE_PORT + GPU index): pass "
-                             "remote_port (parse_metadata() returns it)")
-        return 0
-    if isinstance(gpu, bool) or not isinstance(gpu, int):
-        raise TypeError(f"{what}: the remote GPU must be an index (int) or a PCI bus id (str), "
-                        f"got {type(gpu).__name__}")
-    return gpu
 
 
 def _lists(name: str, num_iovs: int, *lists: Sequence) -> None:
@@ -137,10 +125,11 @@ class Endpoint(IpcAPI, TransferAPI, _engine.Endpoint):
     it, then any free port; port=0 takes any free port.
     """
 
-    parse_metadata = staticmethod(_engine.parse_metadata)
+    parse_metadata = staticmethod(parse_metadata)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._local_gpu = args[0] if args else kwargs.get("local_gpu_idx")
         _live.add(self)
 
     def __enter__(self) -> "Endpoint":
@@ -151,13 +140,18 @@ class Endpoint(IpcAPI, TransferAPI, _engine.Endpoint):
 
     # -- connections ------------------------------------------------------
     def connect(self, remote_ip_addr: str, remote_gpu_idx: Any = 0, remote_port: int = -1,
-                rank: int = -1, secret: Any = None, *, remote_gpu_bdf: Any = None):
+                rank: int = -1, secret: Any = None, *, remote_gpu_bdf: Any = None,
+                remote_gpu: Any = None):
         """connect(remote_ip_addr, remote_gpu_idx=0, remote_port=-1) -> (True, conn_id).
-        The peer's GPU may be named as upstream's newer API does, by PCI bus
-        id (remote_gpu_bdf="0000:3b:00.0"), or by index; it only picks the
-        peer's well-known port (UCCL_P2P_BASE_PORT + index) when remote_port
-        is -1, so a bus id needs remote_port."""
-        gpu = remote_gpu_idx if remote_gpu_bdf is None else remote_gpu_bdf
+        The peer's GPU may be named by index or, as upstream's newer API
+        does, by PCI bus id (remote_gpu_bdf="0000:3b:00.0", or remote_gpu=);
+        it only picks the peer's well-known port (UCCL_P2P_BASE_PORT + index)
+        when remote_port is -1, and a bus id does so only when it names a GPU
+        of this host (a peer on this host, or one laid out the same)."""
+        named = [g for g in (remote_gpu_bdf, remote_gpu) if g is not None]
+        if len(named) > 1:
+            raise TypeError("connect: name the remote GPU once (remote_gpu_bdf or remote_gpu)")
+        gpu = named[0] if named else remote_gpu_idx
         return super().connect(remote_ip_addr, _gpu_index(gpu, remote_port, "connect"),
                                remote_port, rank, secret)
 
@@ -167,8 +161,16 @@ class Endpoint(IpcAPI, TransferAPI, _engine.Endpoint):
         return self.connect("127.0.0.1", remote_gpu_idx, remote_port,
                             remote_gpu_bdf=remote_gpu_bdf)
 
+    @property
+    def gpu_bdf(self) -> str:
+        """This endpoint's GPU by PCI bus id ("" when CPU only, or where the
+        CUDA driver has no such device)."""
+        return gpu_bus_id(self._local_gpu)
+
     def accept_local(self, timeout: float | None = None):
-        """Same-host form of accept(); returns (success, remote_gpu_idx, conn_id)."""
+        """Same-host form of accept(); returns (success, remote_gpu, conn_id):
+        the peer's GPU as the index its handshake gave (upstream HEAD gives a
+        PCI bus id; both are accepted wherever a GPU is named)."""
         ok, _ip, gpu, conn_id = self.accept(timeout)
         return ok, gpu, conn_id
 
