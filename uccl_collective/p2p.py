@@ -20,6 +20,7 @@ from . import _engine
 from ._engine import UcclError, UcclTimeoutError
 from ._ipc_api import IpcAPI
 from ._metadata import gpu_bus_id, gpu_index as _gpu_index, parse_metadata
+from ._rendezvous import GroupAPI
 from ._xfer_api import TransferAPI, XferDesc, XferHandle
 
 __all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "XferDesc", "XferHandle", "buffer_of",
@@ -115,7 +116,7 @@ def _close_all() -> None:
         ep.close()
 
 
-class Endpoint(IpcAPI, TransferAPI, _engine.Endpoint):
+class Endpoint(IpcAPI, TransferAPI, GroupAPI, _engine.Endpoint):
     """Endpoint(local_gpu_idx=None, num_cpus=4, *, timeout_s=None, secret=None, port=-1)
 
     local_gpu_idx=None means CPU only.  timeout_s bounds every blocking call
