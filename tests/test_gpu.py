@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -344,3 +345,46 @@ def test_errors(alloc, case):
     res = _run("errors", 2, ("errors", alloc), env=ALLOC_ENV[alloc], timeout=120,
                params=_params(alloc=alloc))
     check(res, case, f"errors, allocator {alloc}")
+
+
+def test_gpu_named_by_pci_bus_id(monkeypatch):
+    """Upstream HEAD names GPUs by PCI bus id: Endpoint(0).gpu_bdf is device
+    0's bus id as torch reports it, it parses back out of HEAD's metadata
+    layout, and connect(remote_gpu_bdf=...) with no port finds the peer's
+    well-known port through this host's devices."""
+    _needs_gpu()
+    import socket
+    import struct
+
+    import numpy as np
+    import torch
+    from uccl_collective import p2p
+    props = torch.cuda.get_device_properties(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    monkeypatch.setenv("UCCL_P2P_BASE_PORT", str(base))
+    rx, tx = p2p.Endpoint(0, timeout_s=10), p2p.Endpoint(None, port=0, timeout_s=10)
+    try:
+        bdf = rx.gpu_bdf
+        assert re.fullmatch(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", bdf), bdf
+        if hasattr(props, "pci_bus_id"):
+            assert int(bdf.split(":")[1], 16) == props.pci_bus_id, (bdf, props.pci_bus_id)
+        assert rx.address()[1] == base, "the well-known port was taken: rerun"
+        head = socket.inet_aton("127.0.0.1") + struct.pack("!H", base) + bytes([len(bdf)]) + \
+            bdf.encode()
+        ip, port, got = p2p.Endpoint.parse_metadata(head)
+        assert (ip, port, got) == ("127.0.0.1", base, bdf)
+        ok, conn = tx.connect("127.0.0.1", remote_gpu_bdf=bdf)
+        ok2, _ip, _gpu, rconn = rx.accept()
+        assert ok and ok2
+        src = np.random.default_rng(base).integers(0, 256, 4099, dtype=np.uint8)
+        dst = np.full(4099 + 64, 0xAB, np.uint8)
+        smr, rmr = tx.reg(src.ctypes.data, src.size)[1], rx.reg(dst.ctypes.data, dst.size)[1]
+        tid = rx.recv_async(rconn, rmr, dst.ctypes.data, src.size)[1]
+        tx.send(conn, smr, src.ctypes.data, src.size)
+        rx.wait(tid)
+        assert np.array_equal(dst[:src.size], src) and (dst[src.size:] == 0xAB).all()
+    finally:
+        rx.close()
+        tx.close()
