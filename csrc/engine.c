@@ -473,7 +473,7 @@ int uccl_ep_conn_remove(uccl_ep_t *ep, uint64_t conn)
     }
     pthread_mutex_unlock(&ep->mu);
     if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
+        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
     uccl__conn_close(c); /* fails what is pending on it, tells the peer, joins its threads */
     uccl__conn_put(c);   /* the table's reference */
     return UCCL_OK;
@@ -525,7 +525,7 @@ int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len)
 {
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
+        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
     if (c->tp == &uccl__tp_shm)
         snprintf(buf, len, "shm-%s", c->direct ? "cma" : "ring");
     else
@@ -538,7 +538,7 @@ int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p)
 {
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
+        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
     *rank_p = c->peer_rank;
     uccl__conn_put(c);
     return UCCL_OK;
@@ -597,7 +597,7 @@ int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr,
         return uccl__err(UCCL_ERR_INVALID, "fifo item buffer too small");
     struct uccl__conn *c = conn ? uccl__ep_conn_get(ep, conn) : NULL;
     if (conn && !c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "unknown conn_id %llu", (unsigned long long)conn);
+        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
     int acceptor = !c || !c->is_connector;
     if (c)
         uccl__conn_put(c);

@@ -411,9 +411,9 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
         pthread_mutex_unlock(&c->mu);
         m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
-                               .seq = r->seq, .len = r->len,
+                               .seq = r->seq, .len = r->len, .aux = r->key_for_peer,
                                .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
-                               .token = r->fifo.token, .offset = 0, .aux = r->key_for_peer};
+                               .token = r->fifo.token, .offset = uccl__fifo_offset(&r->fifo)};
         uccl__conn_send_msg(c, &m);
         return UCCL_OK;
     }

@@ -28,8 +28,10 @@ PyObject *uccl__py_raise(PyObject *module, int status, const char *msg)
     uccl__py_state *st = state_of(module);
     PyObject *type;
     switch (status) {
-    case UCCL_ERR_INVALID:
     case UCCL_ERR_NOTFOUND:
+        type = st->unknown_id_error;
+        break;
+    case UCCL_ERR_INVALID:
     case UCCL_ERR_MISMATCH:
     case UCCL_ERR_CLOSED:
         type = PyExc_ValueError;
@@ -139,7 +141,37 @@ static PyObject *mod_gpu_of_bus_id(PyObject *module, PyObject *args)
     return PyLong_FromLong(dev);
 }
 
+static PyObject *mod_fifo_item(PyObject *module, PyObject *args)
+{
+    (void)module;
+    unsigned long long window, token, addr, len, base;
+    if (!PyArg_ParseTuple(args, "KKKKK", &window, &token, &addr, &len, &base))
+        return NULL;
+    uint8_t out[64];
+    uccl_fifo_make(window, token, addr, len, base, out);
+    return PyBytes_FromStringAndSize((const char *)out, sizeof(out));
+}
+
+static PyObject *mod_fifo_fields(PyObject *module, PyObject *args)
+{
+    const char *in;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y#", &in, &n))
+        return NULL;
+    uint64_t f[5];
+    int rc = uccl_fifo_read((const uint8_t *)in, (size_t)n, f);
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return Py_BuildValue("(KKKKK)", (unsigned long long)f[0], (unsigned long long)f[1],
+                         (unsigned long long)f[2], (unsigned long long)f[3],
+                         (unsigned long long)f[4]);
+}
+
 static PyMethodDef module_methods[] = {
+    {"fifo_item", mod_fifo_item, METH_VARARGS,
+     "fifo_item(window, token, addr, len, base) -> the 64-byte one-sided descriptor"},
+    {"fifo_fields", mod_fifo_fields, METH_VARARGS,
+     "fifo_fields(item) -> (window, token, addr, len, base), checked"},
     {"gpu_bus_id", mod_gpu_bus_id, METH_VARARGS,
      "gpu_bus_id(dev) -> the PCI bus id of CUDA device dev ('0000:3b:00.0')"},
     {"gpu_of_bus_id", mod_gpu_of_bus_id, METH_VARARGS,
@@ -167,8 +199,20 @@ static int module_exec(PyObject *m)
     Py_DECREF(bases);
     if (!st->timeout_error)
         return -1;
+    /* An id this side does not know: the caller's mistake (ValueError), and
+     * a RuntimeError, which upstream's scripts catch there. */
+    bases = PyTuple_Pack(2, PyExc_ValueError, PyExc_RuntimeError);
+    if (!bases)
+        return -1;
+    st->unknown_id_error = PyErr_NewExceptionWithDoc(
+        "uccl_collective.UcclUnknownIdError",
+        "A conn_id, mr_id or transfer_id this endpoint does not know.", bases, NULL);
+    Py_DECREF(bases);
+    if (!st->unknown_id_error)
+        return -1;
     if (PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
-        PyModule_AddObjectRef(m, "UcclTimeoutError", st->timeout_error) < 0)
+        PyModule_AddObjectRef(m, "UcclTimeoutError", st->timeout_error) < 0 ||
+        PyModule_AddObjectRef(m, "UcclUnknownIdError", st->unknown_id_error) < 0)
         return -1;
     PyObject *ep_type = PyType_FromModuleAndSpec(m, &uccl__py_endpoint_spec, NULL);
     if (!ep_type)
@@ -203,6 +247,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     uccl__py_state *st = state_of(m);
     Py_VISIT(st->error);
     Py_VISIT(st->timeout_error);
+    Py_VISIT(st->unknown_id_error);
     return 0;
 }
 
@@ -211,6 +256,7 @@ static int module_clear(PyObject *m)
     uccl__py_state *st = state_of(m);
     Py_CLEAR(st->error);
     Py_CLEAR(st->timeout_error);
+    Py_CLEAR(st->unknown_id_error);
     return 0;
 }
 

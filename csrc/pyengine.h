@@ -27,6 +27,7 @@
 typedef struct {
     PyObject *error;         /* UcclError(RuntimeError) */
     PyObject *timeout_error; /* UcclTimeoutError(UcclError, TimeoutError) */
+    PyObject *unknown_id_error; /* UcclUnknownIdError(ValueError, RuntimeError) */
 } uccl__py_state;
 
 typedef struct {

@@ -47,6 +47,12 @@ void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
  * that a bus id names.  UCCL_ERR_UNAVAIL without a CUDA driver,
  * UCCL_ERR_NOTFOUND for no such device. */
 int uccl_gpu_bus_id(int dev, char out[32]);
+/* One-sided descriptors (the 64 bytes advertise() returns) made from and
+ * read into their fields, so a caller can describe a range inside a window
+ * (base: where the window starts; 0 when addr is its start). */
+void uccl_fifo_make(uint64_t window, uint64_t token, uint64_t addr, uint64_t len, uint64_t base,
+                    uint8_t out[64]);
+int uccl_fifo_read(const uint8_t *in, size_t in_len, uint64_t fields[5]);
 int uccl_gpu_of_bus_id(const char *bdf, int *dev_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
 /* This endpoint's host identity (UCCL_P2P_HOST_ID, else the kernel's boot

@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include "wire.h"
+#include "uccl.h"
 
 #include <arpa/inet.h>
 
@@ -218,6 +219,26 @@ void uccl__fifo_encode(const struct uccl__fifo_item *f, uint8_t out[UCCL_FIFO_IT
     put64(out + 16, f->token);
     put64(out + 24, f->addr);
     put64(out + 32, f->len);
+    put64(out + 40, f->base);
+}
+
+void uccl_fifo_make(uint64_t window, uint64_t token, uint64_t addr, uint64_t len, uint64_t base,
+                    uint8_t out[UCCL_FIFO_ITEM_SIZE])
+{
+    struct uccl__fifo_item f = {.window = window, .token = token, .addr = addr, .len = len,
+                                .base = base};
+    uccl__fifo_encode(&f, out);
+}
+
+int uccl_fifo_read(const uint8_t *in, size_t in_len, uint64_t fields[5])
+{
+    struct uccl__fifo_item f;
+    int rc = uccl__fifo_decode(in, in_len, &f);
+    if (rc == UCCL_OK) {
+        fields[0] = f.window, fields[1] = f.token, fields[2] = f.addr, fields[3] = f.len;
+        fields[4] = f.base;
+    }
+    return rc;
 }
 
 int uccl__fifo_decode(const uint8_t *in, size_t in_len, struct uccl__fifo_item *f)
@@ -233,6 +254,11 @@ int uccl__fifo_decode(const uint8_t *in, size_t in_len, struct uccl__fifo_item *
     f->token = get64(in + 16);
     f->addr = get64(in + 24);
     f->len = get64(in + 32);
+    f->base = get64(in + 40);
+    if (f->base && (f->addr < f->base || f->addr - f->base > UINT64_MAX - f->len))
+        return uccl__err(UCCL_ERR_INVALID, "fifo_item: [%#llx, +%llu) does not lie past its "
+                         "window's start %#llx", (unsigned long long)f->addr,
+                         (unsigned long long)f->len, (unsigned long long)f->base);
     return UCCL_OK;
 }
 

@@ -102,9 +102,18 @@ int uccl__chunk_decode(const uint8_t in[UCCL_CHUNK_HDR_SIZE], uint64_t max_len,
 #define UCCL_FIFO_ITEM_SIZE 64
 struct uccl__fifo_item {
     uint64_t window, token, addr, len;
+    /* Where the window starts when [addr, +len) is a part of it (a range
+     * inside a registration that register_memory() shares); 0: at addr.
+     * The owner checks offset addr - base against the window it made. */
+    uint64_t base;
 };
 void uccl__fifo_encode(const struct uccl__fifo_item *f, uint8_t out[UCCL_FIFO_ITEM_SIZE]);
 int uccl__fifo_decode(const uint8_t *in, size_t in_len, struct uccl__fifo_item *f);
+/* Where [addr, +len) starts inside the window (decode checked it). */
+static inline uint64_t uccl__fifo_offset(const struct uccl__fifo_item *f)
+{
+    return f->base ? f->addr - f->base : 0;
+}
 
 /* ---- endpoint metadata (get_metadata / parse_metadata) ------------------- */
 #define UCCL_META_SIZE 192

@@ -7,7 +7,7 @@ _gpu_worker); they meet through a TCPStore the parent hosts (STORE_PORT),
 which every process group of the run is built on.  Scenarios:
 
   ctx      torch.distributed on Gloo (the bootstrap and the reference), one
-           CollectiveContext(0, use_copy_engine_for_intra=True): every
+           CollectiveContext(local_gpu_idx=0, use_copy_engine_for_intra=True): every
            method on CUDA tensors (see ctx_plan).
   backend  init_process_group("uccl") and a Gloo group over the same ranks:
            every dist.* op on CUDA tensors against Gloo on CPU copies, stream
@@ -1416,7 +1416,7 @@ def _init_pg(R, backend: str, timeout_s: float) -> None:
 
 def _context(timeout_s: float):
     from uccl_collective.collective import CollectiveContext
-    return CollectiveContext(0, use_copy_engine_for_intra=True, timeout_s=timeout_s).init()
+    return CollectiveContext(local_gpu_idx=0, use_copy_engine_for_intra=True, timeout_s=timeout_s).init()
 
 
 def scenario_ctx(R, run_args) -> None:

@@ -849,7 +849,8 @@ def _suite(rank, ws, port):
         verdicts["no-init"] = f"{type(e).__name__}: {e}"
     _init_gloo(rank, ws, port)
     ce = collective.init_collective(use_copy_engine_for_intra=True, timeout_s=CTX_TIMEOUT)
-    td = CollectiveContext(0, use_copy_engine_for_intra=False, timeout_s=CTX_TIMEOUT).init()
+    td = CollectiveContext(local_gpu_idx=0, use_copy_engine_for_intra=False,
+                           timeout_s=CTX_TIMEOUT).init()
     R = _R(rank, ws, {"ce": ce, "td": td})
     times = {}
     for i, (name, kind, params) in enumerate(_plan(ws)):

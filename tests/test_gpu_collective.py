@@ -12,7 +12,7 @@ and Gloo cannot gather CUDA tensors, so the reference is always Gloo on CPU
 copies of the same seeded inputs.
 
 Scenarios:
-  ctx      2, 3, 4 ranks; Gloo bootstraps, CollectiveContext(0,
+  ctx      2, 3, 4 ranks; Gloo bootstraps, CollectiveContext(local_gpu_idx=0,
            use_copy_engine_for_intra=True) on CUDA tensors: allgather and
            iallgather (direct, ring, auto; one output tensor or a list),
            allgatherv and iallgatherv (an empty chunk, mixed lengths),

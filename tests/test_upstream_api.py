@@ -346,3 +346,25 @@ def test_recv_may_post_more_than_its_region(endpoints):
     with pytest.raises(ValueError):
         tx.wait(tid)
     assert all_poison(dst)
+
+
+def test_get_endpoint_metadata_is_get_metadata(endpoints):
+    ep = endpoints()
+    assert ep.get_endpoint_metadata() == ep.get_metadata()
+
+
+def test_collective_context_takes_upstreams_argument_order():
+    """CollectiveContext(num_cpus, local_gpu_idx, use_copy_engine_for_intra)
+    and init_collective(...) in upstream's order; disable_uccl_intra (its
+    older name, inverted); a GPU index where num_cpus goes is refused."""
+    from uccl_collective.collective import CollectiveContext
+    ctx = CollectiveContext(2, 1, True)
+    assert (ctx.num_cpus, ctx.local_gpu_idx, ctx.use_copy_engine_for_intra) == (2, 1, True)
+    assert CollectiveContext(disable_uccl_intra=False).use_copy_engine_for_intra is True
+    assert CollectiveContext(4, 0, disable_uccl_intra=True).use_copy_engine_for_intra is False
+    with pytest.raises(ValueError, match="contradict"):
+        CollectiveContext(4, 0, True, disable_uccl_intra=True)
+    with pytest.raises(ValueError, match="num_cpus must be >= 1, got 0"):
+        CollectiveContext(0)
+    with pytest.raises(TypeError, match="num_cpus, local_gpu_idx"):
+        CollectiveContext(4, "cuda:0")

@@ -139,8 +139,11 @@ def test_xfer_api_rejects_bad_input(endpoints):
     """Bad entries raise naming the problem, before anything is registered or
     posted."""
     ep = endpoints()
-    with pytest.raises(TypeError):
-        ep.register_memory([123])
+    for bad in ([123], [np.zeros(4, np.uint8), "not a tensor"]):
+        with pytest.raises(TypeError) as e:
+            ep.register_memory(bad)
+        assert isinstance(e.value, RuntimeError), "upstream's tests catch RuntimeError here"
+        assert f"entry {len(bad) - 1}" in str(e.value)
     assert ep.register_memory([]) == []
     assert ep.deserialize_descs(ep.get_serialized_descs([])) == []
     with pytest.raises(ValueError, match="header"):
@@ -209,3 +212,64 @@ def test_ipc_calls_without_mr_id(endpoints):
     assert np.array_equal(dst[:n], src2)
     with pytest.raises(TypeError, match="send_ipc takes"):
         ini.send_ipc(conn, addr(src))
+
+
+def test_registrations_inside_one_share_its_keys(endpoints):
+    """Upstream's registration cache: the same buffer registered again, and
+    a range inside it, get their own mr_id but the same lkeys and rkeys
+    (len(lkeys) == len(rkeys) > 0); a peer's transfer through a sub-range's
+    descriptor lands exactly in that range; the keys keep working while any
+    descriptor sharing them is registered, and stop after the last."""
+    ini, tgt, conn, _ = _pair(endpoints)
+    n = 1 << 16
+    back = poisoned(n)
+    whole = back[:n]
+    d_whole, d_again = tgt.register_memory([whole]), tgt.register_memory([whole])
+    d_sub = tgt.register_memory([whole[1000:5097]])
+    ids = {d_whole[0].mr_id, d_again[0].mr_id, d_sub[0].mr_id}
+    assert len(ids) == 3
+    for d in (d_again[0], d_sub[0]):
+        assert d.lkeys == d.rkeys == d_whole[0].rkeys and len(d.rkeys) > 0
+    assert (d_sub[0].addr, d_sub[0].size) == (addr(back) + 1000, 4097)
+    remote_sub = ini.deserialize_descs(tgt.get_serialized_descs(d_sub))
+    assert remote_sub[0].lkeys == d_sub[0].lkeys and remote_sub == d_sub
+    src = rand_bytes(4097, 501)
+    local = ini.register_memory([src])
+    # the whole registration's own descriptors go first: the sub-range's keys live on
+    tgt.deregister_memory(d_whole + d_again)
+    ok, tid = ini.transfer(conn, "write", local, remote_sub)
+    assert ini.wait(tid) is True
+    assert np.array_equal(back[1000:5097], src)
+    assert all_poison(back[:1000]) and all_poison(back[5097:])
+    # a descriptor naming a range past the window its keys name is refused
+    # before anything moves, and a forged one by the owner (ACCESS)
+    wide = XferDesc(remote_sub[0].addr, n, 0, remote_sub[0].rkeys, remote_sub[0].rkeys)
+    with pytest.raises(ValueError, match="outside the registration"):
+        ini.transfer(conn, "write", ini.register_memory([rand_bytes(n, 502)]), [wide])
+    # the last one goes: the keys stop working, nothing lands
+    tgt.deregister_memory(d_sub)
+    back[:] = back[-1]
+    with pytest.raises((ValueError, p2p.UcclError)):
+        ok, tid = ini.transfer(conn, "write", local, remote_sub)
+        ini.wait(tid)
+    assert all_poison(back)
+
+
+def test_a_forged_range_past_its_window_is_refused_by_the_owner(endpoints):
+    """A one-sided descriptor whose start lies inside a window but whose
+    length runs past it (built by hand, as a hostile peer would) is refused
+    by the window's owner: the transfer fails and writes nothing."""
+    from uccl_collective import _engine
+    ini, tgt, conn, _ = _pair(endpoints)
+    back = poisoned(4096)
+    d = tgt.register_memory([back[:4096]])[0]
+    window, token = _engine.fifo_fields(d.fifo())[:2]
+    forged = _engine.fifo_item(window, token, d.addr + 4000, 200, d.addr)
+    src = rand_bytes(200, 503)
+    _, mr = ini.reg(addr(src), src.size)
+    with pytest.raises(p2p.UcclError) as e:
+        ini.write(conn, mr, addr(src), 200, forged)
+    assert "outside" in str(e.value)
+    assert all_poison(back)
+    with pytest.raises(ValueError, match="window"):
+        _engine.fifo_fields(_engine.fifo_item(window, token, d.addr - 1, 8, d.addr))

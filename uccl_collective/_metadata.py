@@ -61,7 +61,7 @@ def gpu_bus_id(index: int | None) -> str:
         return ""
     try:
         return _engine.gpu_bus_id(index)
-    except _engine.UcclError:
+    except (_engine.UcclError, ValueError):   # no driver; no such device
         return ""
 
 
@@ -75,7 +75,7 @@ def gpu_index(gpu: Any, port: int, what: str) -> int:
             raise ValueError(f"{what}: {gpu!r} is not a PCI bus id (like '0000:3b:00.0')")
         try:
             return _engine.gpu_of_bus_id(gpu)
-        except _engine.UcclError as e:
+        except (_engine.UcclError, ValueError) as e:   # no driver; not a device here
             if port != -1:
                 return 0
             raise ValueError(f"{what}: the GPU {gpu!r} is named by PCI bus id, and this host "

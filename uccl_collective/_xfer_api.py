@@ -19,10 +19,15 @@ from typing import Any, Sequence
 from . import _engine
 
 FIFO = _engine.FIFO_ITEM_SIZE
-_WORDS = FIFO // 4
+# A descriptor's keys (lkeys and rkeys alike): the window a registration is
+# offered through (window id, token, start address, length) as 8 32-bit
+# words, the same for every range inside that registration, as a NIC's keys
+# are for every range of one memory region.
+_KEYS = struct.Struct("<QQQQ")
+_WORDS = _KEYS.size // 4
 _HEAD = struct.Struct("<4sI")      # magic, count
-_ITEM = struct.Struct(f"<QQ{FIFO}s")
-_MAGIC = b"UXD1"
+_ITEM = struct.Struct(f"<QQ{_KEYS.size}s")
+_MAGIC = b"UXD2"
 # ids of grouped transfers: far above the engine's, which count up from 1
 _GROUP_BASE = 1 << 62
 
@@ -76,12 +81,68 @@ class XferDesc:
         return f"<XferDesc addr={self.addr} size={self.size} mr_id={self.mr_id}>"
 
     def fifo(self) -> bytes:
-        """The engine descriptor behind rkeys."""
+        """The engine's one-sided descriptor of exactly [addr, +size), inside
+        the window rkeys name (its owner checks that it lies inside)."""
         if len(self.rkeys) != _WORDS:
             raise ValueError(f"XferDesc at {self.addr:#x}: rkeys holds {len(self.rkeys)} words, "
-                             f"a descriptor of this engine is {_WORDS} (register_memory() or "
+                             f"a descriptor of this engine has {_WORDS} (register_memory() or "
                              "deserialize_descs() make them)")
-        return struct.pack(f"<{_WORDS}I", *self.rkeys)
+        window, token, base, length = _KEYS.unpack(struct.pack(f"<{_WORDS}I", *self.rkeys))
+        if not (base <= self.addr and self.addr + self.size <= base + length):
+            raise ValueError(f"XferDesc [{self.addr:#x}, +{self.size}) lies outside the "
+                             f"registration its keys name [{base:#x}, +{length})")
+        return _engine.fifo_item(window, token, self.addr, self.size, base)
+
+
+class RegisterError(TypeError, RuntimeError):
+    """register_memory() of something that is not a tensor or array: a
+    TypeError, and a RuntimeError as upstream raises there."""
+
+
+class _Shared:
+    __slots__ = ("addr", "size", "window_mr", "keys", "mrs")
+
+    def __init__(self, addr: int, size: int, window_mr: int, keys: Sequence[int]):
+        self.addr, self.size, self.window_mr = addr, size, window_mr
+        self.keys, self.mrs = list(keys), set()
+
+
+class _KeyCache:
+    """register_memory()'s registrations whose keys later ones share: a
+    window (advertised on its first mr) and the mr_ids that use its keys."""
+
+    def __init__(self):
+        self.shared: dict[tuple[int, int], _Shared] = {}
+        self.by_mr: dict[int, _Shared] = {}
+
+    def covering(self, addr: int, size: int) -> _Shared | None:
+        exact = self.shared.get((addr, size))
+        if exact is not None:
+            return exact
+        return next((e for e in self.shared.values()
+                     if e.addr <= addr and addr + size <= e.addr + e.size), None)
+
+    def add(self, addr: int, size: int, mr: int, keys: Sequence[int]) -> _Shared:
+        e = self.shared[(addr, size)] = _Shared(addr, size, mr, keys)
+        return e
+
+    def use(self, e: _Shared, mr: int) -> None:
+        e.mrs.add(mr)
+        self.by_mr[mr] = e
+
+    def drop(self, mr: int) -> list[int]:
+        """The mr_ids to deregister now that mr's descriptor goes: mr itself
+        (unless its window still serves others), and the window's own mr
+        once nothing uses it."""
+        e = self.by_mr.pop(mr, None)
+        if e is None:
+            return [mr]
+        e.mrs.discard(mr)
+        out = [] if mr == e.window_mr else [mr]
+        if not e.mrs:
+            del self.shared[(e.addr, e.size)]
+            out.append(e.window_mr)
+        return out
 
 
 def _descs(seq: Any, what: str) -> list[XferDesc]:
@@ -196,30 +257,53 @@ class TransferAPI:
     # -- register_memory and transfer ------------------------------------------
     def register_memory(self, tensor_list: Sequence) -> list[XferDesc]:
         """Register and describe each tensor (or numpy array): one XferDesc
-        per entry, offered to any connection of this endpoint."""
+        per entry, offered to any connection of this endpoint.  As upstream's
+        registration cache: a range inside one registered before gets its
+        own mr_id but the same keys (lkeys, rkeys), which stay valid until
+        the last descriptor sharing them is deregistered."""
         from .p2p import buffer_of
         objs = list(tensor_list)
-        spans = [buffer_of(t) for t in objs]   # every entry checked before anything is made
+        spans = []
+        for i, t in enumerate(objs):   # every entry checked before anything is made
+            try:
+                spans.append(buffer_of(t))
+            except TypeError as e:
+                raise RegisterError(f"register_memory: entry {i}: {e}") from None
+        cache = self.__dict__.get("_xfer_keys")
+        if cache is None:
+            cache = self._xfer_keys = _KeyCache()
         made: list[XferDesc] = []
         try:
             for addr, size in spans:
                 mr = self.reg(addr, size)[1]
-                fifo = _engine.Endpoint.advertise(self, 0, mr, addr, size)[1]
-                made.append(XferDesc(addr, size, mr, [mr],
-                                     struct.unpack(f"<{_WORDS}I", fifo)))
+                shared = cache.covering(addr, size)
+                if shared is None:
+                    try:
+                        fifo = _engine.Endpoint.advertise(self, 0, mr, addr, size)[1]
+                    except BaseException:
+                        self.dereg(mr)
+                        raise
+                    window, token = _engine.fifo_fields(fifo)[:2]
+                    shared = cache.add(addr, size, mr, struct.unpack(
+                        f"<{_WORDS}I", _KEYS.pack(window, token, addr, size)))
+                cache.use(shared, mr)
+                made.append(XferDesc(addr, size, mr, shared.keys, shared.keys))
         except BaseException:
             self.deregister_memory(made)
             raise
         return made
 
     def deregister_memory(self, desc_list: Sequence) -> bool:
-        """Deregister the regions of these descriptors (their descriptors stop
-        working: a peer's access after this fails)."""
+        """Deregister the regions of these descriptors.  Keys shared with a
+        descriptor still registered keep working; once the last one goes, a
+        peer's access through them fails."""
+        cache = self.__dict__.get("_xfer_keys")
         for mr in dict.fromkeys(d.mr_id for d in _descs(desc_list, "deregister_memory")):
-            try:
-                self.dereg(mr)
-            except ValueError:
-                pass   # already gone: upstream's deregister is idempotent too
+            for gone in (cache.drop(mr) if cache else [mr]):
+                try:
+                    self.dereg(gone)
+                except ValueError:
+                    pass   # already gone: upstream's deregister is idempotent too
         return True
 
     @staticmethod
@@ -227,8 +311,10 @@ class TransferAPI:
         """What a peer needs of these descriptors, as bytes (addr, size and
         the engine descriptor of each; not the local mr_id)."""
         descs = _descs(desc_list, "get_serialized_descs")
+        for d in descs:
+            d.fifo()   # keys of this engine, naming a window that holds the range
         return _HEAD.pack(_MAGIC, len(descs)) + b"".join(
-            _ITEM.pack(d.addr, d.size, d.fifo()) for d in descs)
+            _ITEM.pack(d.addr, d.size, struct.pack(f"<{_WORDS}I", *d.rkeys)) for d in descs)
 
     @staticmethod
     def deserialize_descs(serialized_bytes: bytes) -> list[XferDesc]:
@@ -242,8 +328,9 @@ class TransferAPI:
                              f"{_HEAD.size + n * _ITEM.size})")
         out = []
         for i in range(n):
-            addr, size, fifo = _ITEM.unpack_from(b, _HEAD.size + i * _ITEM.size)
-            out.append(XferDesc(addr, size, 0, [], struct.unpack(f"<{_WORDS}I", fifo)))
+            addr, size, keys = _ITEM.unpack_from(b, _HEAD.size + i * _ITEM.size)
+            words = struct.unpack(f"<{_WORDS}I", keys)
+            out.append(XferDesc(addr, size, 0, words, words))
         return out
 
     def transfer(self, conn_id: int, op_name: str, local_desc_list: Sequence,

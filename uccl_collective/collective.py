@@ -274,7 +274,10 @@ class P2POp:
 
 
 class CollectiveContext:
-    """CollectiveContext(local_gpu_idx=None, use_copy_engine_for_intra=False, num_cpus=4)
+    """CollectiveContext(num_cpus=4, local_gpu_idx=None, use_copy_engine_for_intra=False)
+
+    Upstream's argument order.  ``disable_uccl_intra`` (upstream's older
+    name) is accepted too: True is use_copy_engine_for_intra=False.
 
     Needs torch.distributed initialised (any backend), or ``store``, ``rank``
     and ``world_size`` given (how the "uccl" process group bootstraps; its
@@ -284,10 +287,21 @@ class CollectiveContext:
     300 s); ``group`` is the torch.distributed group same-node traffic uses
     when use_copy_engine_for_intra=False (default: the world)."""
 
-    def __init__(self, local_gpu_idx: int | None = None, use_copy_engine_for_intra: bool = False,
-                 num_cpus: int = 4, *, timeout_s: float | None = None, store: Any = None,
-                 rank: int | None = None, world_size: int | None = None, group: Any = None,
-                 key_prefix: str | None = None):
+    def __init__(self, num_cpus: int = 4, local_gpu_idx: int | None = None,
+                 use_copy_engine_for_intra: bool = False, *,
+                 disable_uccl_intra: bool | None = None, timeout_s: float | None = None,
+                 store: Any = None, rank: int | None = None, world_size: int | None = None,
+                 group: Any = None, key_prefix: str | None = None):
+        if disable_uccl_intra is not None:
+            if use_copy_engine_for_intra and disable_uccl_intra:
+                raise ValueError("CollectiveContext: use_copy_engine_for_intra=True and "
+                                 "disable_uccl_intra=True contradict each other")
+            use_copy_engine_for_intra = not disable_uccl_intra
+        for name, v in (("num_cpus", num_cpus), ("local_gpu_idx", local_gpu_idx)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise TypeError(f"CollectiveContext: {name} must be an int, got "
+                                f"{type(v).__name__} {v!r} (the order is num_cpus, "
+                                "local_gpu_idx, use_copy_engine_for_intra, as upstream's)")
         if local_gpu_idx is None:
             local_gpu_idx = int(os.environ.get("LOCAL_RANK", "0"))
         if local_gpu_idx < 0:
@@ -771,16 +785,17 @@ _default: CollectiveContext | None = None
 _default_lock = threading.Lock()
 
 
-def init_collective(local_gpu_idx: int | None = None, use_copy_engine_for_intra: bool = False,
-                    num_cpus: int = 4, **kwargs) -> CollectiveContext:
-    """Make and initialise the default context.  Called again, it replaces
-    the default context (finalizing the old one), as upstream does."""
+def init_collective(num_cpus: int = 4, local_gpu_idx: int | None = None,
+                    use_copy_engine_for_intra: bool = False, **kwargs) -> CollectiveContext:
+    """Make and initialise the default context (CollectiveContext's
+    arguments, in upstream's order).  Called again, it replaces the default
+    context (finalizing the old one), as upstream does."""
     global _default
     with _default_lock:
         if _default is not None:
             _default.finalize()
             _default = None
-        ctx = CollectiveContext(local_gpu_idx, use_copy_engine_for_intra, num_cpus, **kwargs)
+        ctx = CollectiveContext(num_cpus, local_gpu_idx, use_copy_engine_for_intra, **kwargs)
         ctx.init()
         _default = ctx
         return ctx

@@ -17,14 +17,14 @@ import weakref
 from typing import Any, Sequence
 
 from . import _engine
-from ._engine import UcclError, UcclTimeoutError
+from ._engine import UcclError, UcclTimeoutError, UcclUnknownIdError
 from ._ipc_api import IpcAPI
 from ._metadata import gpu_bus_id, gpu_index as _gpu_index, parse_metadata
 from ._rendezvous import GroupAPI
 from ._xfer_api import TransferAPI, XferDesc, XferHandle
 
-__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "XferDesc", "XferHandle", "buffer_of",
-           "current_stream", "get_oob_ip"]
+__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "UcclUnknownIdError",
+           "XferDesc", "XferHandle", "buffer_of", "current_stream", "get_oob_ip"]
 
 #: get_oob_ip() -> str: the IPv4 address endpoints put in their metadata
 #: (UCCL_SOCKET_IFNAME, else the first interface that is up, not loopback).
@@ -161,6 +161,10 @@ class Endpoint(IpcAPI, TransferAPI, GroupAPI, _engine.Endpoint):
         """Same-host form of connect()."""
         return self.connect("127.0.0.1", remote_gpu_idx, remote_port,
                             remote_gpu_bdf=remote_gpu_bdf)
+
+    def get_endpoint_metadata(self) -> bytes:
+        """Upstream's older name of get_metadata()."""
+        return self.get_metadata()
 
     @property
     def gpu_bdf(self) -> str:
