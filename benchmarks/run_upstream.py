@@ -21,6 +21,7 @@ passed, which failed and why (the last lines of their output).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -33,38 +34,59 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name, paths tried (HEAD's layout first, then the older one), launcher
-# ("python" or "torchrun:N"), arguments, what it needs (gpus: how many,
-# rdma: an RDMA NIC)
+def _entry(name, paths, launcher="python", args=(), gpus=0, modules=(), extras=()):
+    """One run: a file (paths tried in order: HEAD's layout, then the older
+    one), its launcher ("python", or "torchrun:N"), its arguments, what it
+    needs that a machine may lack (GPUs, Python packages), and the sibling
+    files it imports (copied beside it)."""
+    return dict(name=name, paths=list(paths), launcher=launcher, args=list(args), gpus=gpus,
+                modules=list(modules), extras=list(extras))
+
+
+def _t(f):
+    return [f"p2p/tests/{f}.py", f"p2p/{f}.py"]
+
+
+def _b(f):
+    return [f"p2p/benchmarks/{f}.py", f"p2p/{f}.py"]
+
+
+SMALL = ["--sizes", "1024,65536,1048576", "--iters", "5"]
+UTIL = ["p2p/benchmarks/util.py"]
+BENCH_RW = _b("benchmark_uccl_readwrite")
+# What each file needs was read off the file: GPU buffers ("cuda:0",
+# pin_memory), one GPU per LOCAL_RANK (torch.cuda.set_device(local_rank)),
+# and which ones start their own processes (python) or expect torchrun.
 ENTRIES = [
-    ("test_engine_send", ["p2p/tests/test_engine_send.py", "p2p/test_engine_send.py"],
-     "python", [], dict(gpus=0)),
-    ("test_engine_metadata", ["p2p/tests/test_engine_metadata.py",
-                              "p2p/test_engine_metadata.py"], "python", [], dict(gpus=0)),
-    ("test_engine_read", ["p2p/tests/test_engine_read.py", "p2p/test_engine_read.py"],
-     "torchrun:2", [], dict(gpus=0)),
-    ("test_engine_write", ["p2p/tests/test_engine_write.py", "p2p/test_engine_write.py"],
-     "torchrun:2", [], dict(gpus=0)),
-    ("test_engine_onesided_ipc", ["p2p/tests/test_engine_onesided_ipc.py"], "torchrun:2", [],
-     dict(gpus=1)),
-    ("test_engine_nvlink", ["p2p/tests/test_engine_nvlink.py", "p2p/test_engine_nvlink.py"],
-     "torchrun:2", [], dict(gpus=2)),
-    ("test_register_memory_cache", ["p2p/tests/test_register_memory_cache.py"], "torchrun:2",
-     [], dict(gpus=0)),
-    ("test_remove_remote_endpoint", ["p2p/tests/test_remove_remote_endpoint.py"],
-     "torchrun:2", [], dict(gpus=0)),
-    ("test_ray_api", ["p2p/tests/test_ray_api.py"], "torchrun:2", [], dict(gpus=0)),
-    ("benchmark_uccl", ["p2p/benchmarks/benchmark_uccl.py", "p2p/benchmark_uccl.py"],
-     "torchrun:2", ["--device", "cpu", "--sizes", "1024,65536,1048576", "--iters", "5"],
-     dict(gpus=0)),
-    ("benchmark_uccl_readwrite", ["p2p/benchmarks/benchmark_uccl_readwrite.py"], "torchrun:2",
-     ["--device", "cpu", "--sizes", "1024,65536", "--iters", "5"], dict(gpus=0)),
-    ("benchmark_uccl_collective", ["p2p/benchmarks/benchmark_uccl_collective.py"],
-     "torchrun:2", ["--sizes", "1024,65536", "--iters", "5"], dict(gpus=0)),
-    ("benchmark_uccl_allgather", ["p2p/benchmarks/benchmark_uccl_allgather.py"], "torchrun:2",
-     [], dict(gpus=0)),
-    ("benchmark_uccl_alltoall", ["p2p/benchmarks/benchmark_uccl_alltoall.py"], "torchrun:2",
-     [], dict(gpus=0)),
+    _entry("test_engine_send", _t("test_engine_send")),
+    _entry("test_engine_metadata", _t("test_engine_metadata")),
+    _entry("test_engine_read", _t("test_engine_read"), gpus=1),
+    _entry("test_engine_write", _t("test_engine_write"), gpus=1),
+    _entry("test_engine_onesided_ipc", _t("test_engine_onesided_ipc"), "torchrun:2", gpus=1),
+    _entry("test_engine_nvlink", _t("test_engine_nvlink"), "torchrun:2", gpus=2),
+    _entry("test_register_memory_cache", _t("test_register_memory_cache")),
+    _entry("test_remove_remote_endpoint", _t("test_remove_remote_endpoint"), "torchrun:2"),
+    _entry("test_ray_api", _t("test_ray_api"), gpus=1),
+    # benchmark_uccl's --device cpu path is broken upstream (numpy's
+    # itemsize read off the type): its GPU path is the one to run
+    _entry("benchmark_uccl", _b("benchmark_uccl"), "torchrun:2", ["--device", "gpu", *SMALL],
+           gpus=1),
+    _entry("benchmark_uccl --async-transfer", _b("benchmark_uccl"), "torchrun:2",
+           ["--device", "gpu", "--async-transfer", *SMALL], gpus=1),
+    _entry("benchmark_uccl --num-kvblocks 4", _b("benchmark_uccl"), "torchrun:2",
+           ["--device", "gpu", "--num-kvblocks", "4", *SMALL], gpus=1),
+    # --device cpu pins its buffers (pin_memory), which needs CUDA too
+    *[_entry(f"benchmark_uccl_readwrite {' '.join(extra)}", BENCH_RW, "torchrun:2",
+             [*extra, *SMALL], gpus=1)
+      for extra in (["--mode", "write"], ["--mode", "read"], ["--mode", "write", "--async-api"],
+                    ["--mode", "read", "--num-iovs", "4"], ["--mode", "write", "--lazy"],
+                    ["--mode", "write", "--device", "cpu"])],
+    _entry("benchmark_uccl_collective", _b("benchmark_uccl_collective"), "torchrun:2",
+           ["--sizes", "1024,65536", "--iters", "5"], gpus=2),
+    _entry("benchmark_uccl_allgather", _b("benchmark_uccl_allgather"), "torchrun:2", [], gpus=2,
+           extras=UTIL),
+    _entry("benchmark_uccl_alltoall", _b("benchmark_uccl_alltoall"), "torchrun:2", [], gpus=2,
+           modules=["nvtx"], extras=UTIL),
 ]
 
 IMPORTS = [  # (pattern, replacement): upstream's import lines -> this package
@@ -74,8 +96,9 @@ IMPORTS = [  # (pattern, replacement): upstream's import lines -> this package
     (re.compile(r"^(\s*)import uccl\.(p2p|collective) as\b", re.M), r"\1import uccl_collective.\2 as"),
     (re.compile(r"^(\s*)import uccl_p2p as\b", re.M), r"\1import uccl_collective.p2p as"),
     (re.compile(r"^(\s*)import uccl_p2p\b", re.M), r"\1from uccl_collective import p2p as uccl_p2p"),
+    (re.compile(r"^(\s*)import p2p\b", re.M), r"\1from uccl_collective import p2p"),
 ]
-LEFT = re.compile(r"^\s*(from uccl(\.\w+)? import|import uccl\b)", re.M)
+LEFT = re.compile(r"^\s*(from uccl(\.\w+)? import|import uccl\b|import p2p\b)", re.M)
 
 
 def rewrite(text: str) -> tuple[str, list[str]]:
@@ -114,6 +137,9 @@ def machine() -> dict:
     return dict(gpus=gpus, rdma=rdma)
 
 
+RANK_PREFIX = re.compile(r"^\[(default)?rank\d+\]:\s?")
+
+
 def run_one(path: str, launcher: str, args: list[str], timeout: float, workdir: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get("PYTHONPATH")) if p), PYTHONUNBUFFERED="1")
@@ -132,8 +158,12 @@ def run_one(path: str, launcher: str, args: list[str], timeout: float, workdir: 
         rc = "timeout"
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else \
             (e.stdout or "")
-    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("W1")]
-    trace = [ln for ln in lines if re.match(r"\w*(Error|Exception)\b.*:", ln.strip())]
+    # torchrun prefixes its children's lines with "[rankN]: " and ends with
+    # its own summary (ChildFailedError): the children's errors are the why
+    lines = [RANK_PREFIX.sub("", ln) for ln in out.splitlines()
+             if ln.strip() and not ln.startswith("W1")]
+    trace = [ln for ln in lines if re.match(r"\w*(Error|Exception)\b.*:", ln.strip())
+             and "ChildFailedError" not in ln]
     return dict(rc=rc, seconds=round(time.monotonic() - t0, 1), tail=trace[-2:] or lines[-6:],
                 traceback="Traceback (most recent call last)" in out)
 
@@ -154,33 +184,44 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="uccl-upstream-")
     results = []
     try:
-        for name, rels, launcher, args, needs in ENTRIES:
-            if a.only and name not in a.only:
+        for e in ENTRIES:
+            name = e["name"]
+            if a.only and name not in a.only and name.split()[0] not in a.only:
                 continue
-            dest = os.path.join(tmp, os.path.basename(rels[0]))
+            folder = tempfile.mkdtemp(dir=tmp)   # each run alone with its siblings
+            dest = os.path.join(folder, os.path.basename(e["paths"][0]))
             if a.fetch:
-                got = any(fetch(a.fetch, rel, dest) for rel in rels)
-                origin = f"{a.fetch}:{rels[0]}" if got else None
+                got = any(fetch(a.fetch, rel, dest) for rel in e["paths"])
+                origin = f"{a.fetch}:{e['paths'][0]}" if got else None
+                for rel in e["extras"] if got else ():
+                    fetch(a.fetch, rel, os.path.join(folder, os.path.basename(rel)))
             else:
-                found = find(a.src, rels)
+                found = find(a.src, e["paths"])
                 got = found is not None
                 if got:
                     shutil.copy(found, dest)
+                    for rel in e["extras"]:   # beside the file, or where the layout has it
+                        sib = os.path.join(os.path.dirname(found), os.path.basename(rel))
+                        sib = sib if os.path.isfile(sib) else find(a.src, [rel])
+                        if sib:
+                            shutil.copy(sib, folder)
                 origin = found
             row = dict(name=name, origin=origin)
+            missing = [m for m in e["modules"] if importlib.util.find_spec(m) is None]
             if not got:
                 row.update(result="absent", why="no such file at this commit / in this folder")
-            elif needs.get("gpus", 0) > have["gpus"]:
-                row.update(result="not run", why=f"needs {needs['gpus']} GPU(s); this machine "
+            elif e["gpus"] > have["gpus"]:
+                row.update(result="not run", why=f"needs {e['gpus']} GPU(s); this machine "
                                                  f"has {have['gpus']}")
-            elif needs.get("rdma") and not have["rdma"]:
-                row.update(result="not run", why="needs an RDMA NIC; this machine has none")
+            elif missing:
+                row.update(result="not run", why="needs the Python package(s) "
+                                                 f"{', '.join(missing)}, not installed here")
             else:
                 with open(dest) as f:
                     text, left = rewrite(f.read())
                 with open(dest, "w") as f:
                     f.write(text)
-                r = run_one(dest, launcher, args, a.timeout, tmp)
+                r = run_one(dest, e["launcher"], e["args"], a.timeout, folder)
                 # upstream's scripts often exit 0 when a child process failed:
                 # a traceback in the output is a failure too
                 ok = r["rc"] == 0 and not r["traceback"]

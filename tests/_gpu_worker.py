@@ -143,6 +143,9 @@ def case_names(scenario: str, params: dict) -> list[str]:
         names = [c[0] for c in stream_plan()]
     elif scenario == "errors":
         names = list(ERROR_STEPS)
+    elif scenario == "upstream":
+        from _gpu_upstream import upstream_plan
+        names = [c[0] for c in upstream_plan()]
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     return ["setup"] + names
@@ -958,6 +961,9 @@ def _scenario(name: str):
     if name == "errors":
         from _gpu_errors import scenario_errors   # its own file: long, and GPU-only
         return scenario_errors
+    if name == "upstream":
+        from _gpu_upstream import scenario_upstream   # its own file, as errors
+        return scenario_upstream
     return {"matrix": scenario_matrix, "ring": scenario_ring, "stream": scenario_stream}[name]
 
 

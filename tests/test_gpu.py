@@ -347,6 +347,25 @@ def test_errors(alloc, case):
     check(res, case, f"errors, allocator {alloc}")
 
 
+# --------------------------------------------------------------------------
+# upstream's names on GPU memory (issue 12)
+UPSTREAM_CASES = W.case_names("upstream", {})
+
+
+@pytest.mark.parametrize("case", UPSTREAM_CASES)
+def test_upstream_names(case):
+    """What upstream's scripts call, on GPU memory (and GPU to/from host),
+    between two processes: the IPC calls without an mr_id (two-sided,
+    one-sided, vectored, _async), sendv_async/recvv_async with one id, and
+    register_memory/get_serialized_descs/deserialize_descs/transfer (write,
+    read, and a range inside a registration sharing its keys) at 1, 4097
+    and 16 MiB+3 bytes, every byte and guard checked; 'setup' checks the
+    endpoint names its GPU by PCI bus id."""
+    _needs_gpu()
+    res = _run("upstream", 2, ("upstream",), timeout=150, params=_params())
+    check(res, case, "upstream names")
+
+
 def test_gpu_named_by_pci_bus_id(monkeypatch):
     """Upstream HEAD names GPUs by PCI bus id: Endpoint(0).gpu_bdf is device
     0's bus id as torch reports it, it parses back out of HEAD's metadata
