@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build in place, run upstream UCCL's own p2p
-# tests and benchmarks against this package (benchmarks/run_upstream.py)
-# from the folders UPSTREAM_SRC names (space-separated; upstream's files are
-# never committed: carry them, e.g. run's carry=["_upstream"]), then this
-# package's tests of the drop-in on GPU memory (test_gpu.py: the IPC forms,
-# register_memory/transfer, a GPU named by PCI bus id).
+# One call on the GPU machine: build in place, run this package's tests of
+# the drop-in on GPU memory (test_gpu.py -k "upstream or bus_id": the IPC
+# forms, register_memory/transfer, a GPU named by PCI bus id), then upstream
+# UCCL's own p2p tests and benchmarks against this package
+# (benchmarks/run_upstream.py) from the folders UPSTREAM_SRC names
+# (space-separated; upstream's files are never committed: carry them, e.g.
+# run's carry=["_upstream"]).
 # Output in $OUT (or ./bench_out/device): upstream_<n>.{md,json,log},
 # gpu_upstream_tests.txt.  Bounded by BUDGET_S seconds (default 540).
 set -uo pipefail
@@ -13,23 +14,21 @@ source "$(dirname "$0")/device_build.sh"
 budget=${BUDGET_S:-540}
 left() { echo $((budget - (SECONDS - start))); }
 
+lim=$(left); [ "$lim" -gt 240 ] && lim=240
+timeout -k 10 "$lim" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu.py \
+  -k "upstream or bus_id" > "$out/gpu_upstream_tests.txt" 2>&1
+echo "gpu tests: rc=$? ($((SECONDS - start))s)"
+tail -5 "$out/gpu_upstream_tests.txt"
+
 n=0
 for src in ${UPSTREAM_SRC:-_upstream/head _upstream/old}; do
   n=$((n + 1))
   lim=$(left); [ "$lim" -gt 300 ] && lim=300
   [ "$lim" -lt 30 ] && { echo "upstream $src: skipped, budget spent"; continue; }
   echo "== upstream files from $src"
-  timeout -k 10 "$lim" python3 benchmarks/run_upstream.py --src "$src" --timeout 100 \
+  timeout -k 10 "$lim" python3 benchmarks/run_upstream.py --src "$src" --timeout ${FILE_TIMEOUT:-60} \
     --markdown "$out/upstream_$n.md" --json "$out/upstream_$n.json" > "$out/upstream_$n.log" 2>&1
   echo "rc=$? ($((SECONDS - start))s)"
   cat "$out/upstream_$n.log"
 done
 
-lim=$(left)
-if [ "$lim" -gt 30 ]; then
-  timeout -k 10 "$lim" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu.py \
-    -k "bus_id or ipc or xfer or register or transfer or advertise" \
-    > "$out/gpu_upstream_tests.txt" 2>&1
-  echo "gpu tests: rc=$? ($((SECONDS - start))s)"
-  tail -5 "$out/gpu_upstream_tests.txt"
-fi
