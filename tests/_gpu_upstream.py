@@ -3,7 +3,9 @@ names a UCCL user switching from upstream calls, on GPU memory between two
 processes of one host: the IPC calls without an mr_id (send_ipc(conn, ptr,
 size), advertise_ipc / write_ipc / read_ipc(conn, ptr, size, info), the
 vectored and _async forms), the vectored async calls with one id
-(sendv_async / recvv_async), and register_memory / get_serialized_descs /
+(sendv_async / recvv_async), a recv posting more than comes (its size is a
+capacity), HEAD's advertise(mr_id, ptr, size) without a connection, and
+register_memory / get_serialized_descs /
 deserialize_descs / transfer, including a descriptor of a range inside a
 registration whose keys it shares.  Rank 0 sends, writes and reads; rank 1
 receives and is the target.  Every byte is checked, guards included
@@ -13,7 +15,7 @@ from __future__ import annotations
 from _gpu_worker import (DST_GAP, MiB, SRC_GAP, Bufs, Rank, Runner, _ok, _posted, finish,
                          fmt, make_endpoint, pair_connect)
 
-UPSTREAM_OPS = ("send_ipc", "send_ipc_async", "write_ipc", "write_ipc_async", "read_ipc",
+UPSTREAM_OPS = ("recv:capacity", "write:connless", "send_ipc", "send_ipc_async", "write_ipc", "write_ipc_async", "read_ipc",
                 "read_ipc_async", "writev_ipc", "readv_ipc", "writev_ipc_async",
                 "readv_ipc_async", "sendv_async", "transfer:write", "transfer:read",
                 "transfer:write:inside")
@@ -47,6 +49,16 @@ def _two_sided(R, ep, conn, op, key, bufs, lens) -> None:
     elif op == "send_ipc_async":
         fn = ep.send_ipc_async if sender else ep.recv_ipc_async
         finish(ep, [_posted(fn(conn, ptrs[0], lens[0]), op)])
+    elif op == "recv:capacity":   # a recv's size is a capacity: post more than comes
+        mrs = bufs.reg(ep)
+        if sender:
+            _ok(ep.send(conn, mrs[0], ptrs[0], lens[0]), op)
+        else:
+            tid = _posted(ep.recv_async(conn, mrs[0], ptrs[0], lens[0] + DST_GAP // 2), op)
+            assert ep.wait(tid) is True
+            got = ep.received_bytes(tid)
+            ep.release(tid)
+            assert got == lens[0], f"received_bytes {got}, sent {lens[0]}"
     else:  # sendv_async / recvv_async: one id for every iov
         mrs = bufs.reg(ep)
         fn = ep.sendv_async if sender else ep.recvv_async
@@ -79,6 +91,18 @@ def _one_sided(R, ep, conn, op, key, bufs, lens) -> None:
         R.sync()
         R.put(f"{key}/done", True)
         ep.deregister_memory(local)
+        return
+    if op == "write:connless":   # HEAD's advertise(mr_id, ptr, size): no connection
+        mrs = bufs.reg(ep)
+        if R.rank == 1:
+            ok, fifo = ep.advertise(mrs[0], ptrs[0], lens[0])
+            _ok(ok, "advertise(mr_id, ptr, size)")
+            R.put(f"{key}/info", bytes(fifo))
+            R.get(f"{key}/done")
+            return
+        _ok(ep.write(conn, mrs[0], ptrs[0], lens[0], R.get(f"{key}/info")), op)
+        R.sync()
+        R.put(f"{key}/done", True)
         return
     if R.rank == 1:
         if vec:
@@ -120,7 +144,7 @@ def _case(R, ep, conn, i, case) -> list[str]:
         if mine_is_src:
             bufs.fill(seeds)
         key = f"{name}/{n}"
-        if op in ("send_ipc", "send_ipc_async", "sendv_async"):
+        if op in ("send_ipc", "send_ipc_async", "sendv_async", "recv:capacity"):
             _two_sided(R, ep, conn, op, key, bufs, lens)
         else:
             _one_sided(R, ep, conn, op, key, bufs, lens)
