@@ -152,6 +152,20 @@ def test_get_oob_ip(endpoints):
     assert p2p.get_oob_ip() == "127.0.0.1" == endpoints().address()[0]
 
 
+def _post_and_poll(tx, rx, conn, rconn, smr, rmr, src_at, dst_at, n, what):
+    """One async pair in upstream's style: post both, poll each until done,
+    never release.  Returns (send id, recv id)."""
+    rid = rx.recv_async(rconn, rmr, dst_at, n)[1]
+    sid = tx.send_async(conn, smr, src_at, n)[1]
+    for ep, t in ((tx, sid), (rx, rid)):
+        for _ in range(10_000_000):
+            if ep.poll_async(t) == (True, True):
+                break
+        else:
+            raise AssertionError(f"transfer {t} ({what}) not done")
+    return sid, rid
+
+
 def _loop_never_released(tx, rx, conn, rconn, n_xfers, seed):
     """Upstream's style: post, poll until done, never release.  Returns
     every id each side got, and the most ids either table held."""
@@ -159,14 +173,8 @@ def _loop_never_released(tx, rx, conn, rconn, n_xfers, seed):
     smr, rmr = tx.reg(addr(src), src.size)[1], rx.reg(addr(dst), dst.size)[1]
     sids, rids, most = [], [], 0
     for k in range(n_xfers):
-        rid = rx.recv_async(rconn, rmr, addr(dst) + 8 * k, 8)[1]
-        sid = tx.send_async(conn, smr, addr(src) + 8 * k, 8)[1]
-        for ep, t in ((tx, sid), (rx, rid)):
-            for _ in range(1_000_000):
-                if ep.poll_async(t) == (True, True):
-                    break
-            else:
-                raise AssertionError(f"transfer {t} not done")
+        sid, rid = _post_and_poll(tx, rx, conn, rconn, smr, rmr, addr(src) + 8 * k,
+                                  addr(dst) + 8 * k, 8, f"number {k}")
         sids.append(sid)
         rids.append(rid)
         most = max(most, tx._ids_held(), rx._ids_held())
@@ -220,14 +228,8 @@ def test_a_million_unreleased_transfers_stay_bounded(endpoints):
     early, base, most = [], None, 0
     for k in range(1_000_000):
         off = 8 * (k % slots)
-        rid = rx.recv_async(rconn, rmr, addr(dst) + off, 8)[1]
-        sid = tx.send_async(conn, smr, addr(src) + off, 8)[1]
-        for ep, t in ((tx, sid), (rx, rid)):
-            for _ in range(10_000_000):
-                if ep.poll_async(t) == (True, True):
-                    break
-            else:
-                raise AssertionError(f"transfer {t} (number {k}) not done")
+        sid, rid = _post_and_poll(tx, rx, conn, rconn, smr, rmr, addr(src) + off,
+                                  addr(dst) + off, 8, f"number {k}")
         if k < 10:
             early.append((sid, rid))
         if k == 100_000:
