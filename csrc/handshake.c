@@ -10,6 +10,7 @@
 #include "local.h"
 #include "sock.h"
 #include "status.h"
+#include "transport.h"
 
 static void fill_hello(struct uccl__conn *c, int type, struct uccl__hello *h)
 {
@@ -29,6 +30,12 @@ static void fill_hello(struct uccl__conn *c, int type, struct uccl__hello *h)
     h->probe_cookie = loc->probe_word;
     h->listen_port = (uint32_t)loc->port;
     h->chunk_bytes = c->chunk_bytes;
+    /* Left to choose, the acceptor picks RDMA for another host only if we
+     * can take it too. */
+    const struct uccl__tp_ops *rdma = uccl__tp_registry[UCCL_TP_RDMA];
+    if (type == UCCL_HELLO_CONN && loc->forced_tp == UCCL_TP_AUTO && rdma &&
+        rdma->available() == UCCL_OK)
+        h->caps |= UCCL_CAP_RDMA;
 }
 
 int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint64_t deadline,
