@@ -10,9 +10,12 @@
  * write is the same against an advertised window; a one-sided read is an
  * RDMA READ of the window, whose rkeys came with the GO.
  *
- * Setting up: the connection's one extra socket (HELLO_STREAM, as TCP's
- * data streams) carries each side's QP numbers, PSNs, GIDs and LIDs once,
- * then closes; each side takes its QPs RESET -> INIT -> RTR -> RTS.  QP i
+ * Setting up: the connector opens one extra socket (HELLO_STREAM) and
+ * sends its QP numbers, PSNs, GIDs and LIDs right behind the HELLO; the
+ * acceptor, in the listener, takes its QPs RESET -> INIT -> RTR -> RTS and
+ * answers with its own before the ACK (handshake.c), so the connection is
+ * whole before either side sees it; the connector then does the same and
+ * the socket closes.  QP i
  * uses device i mod (devices here) and reaches the peer's device i mod
  * (devices there); a transfer is cut into chunks striped round-robin over
  * the QPs, so several NICs and several QPs carry one message.
@@ -74,8 +77,7 @@ struct rconn {
     size_t chunk;
     int sl, tc;
     atomic_int stop;
-    atomic_int ready;         /* QPs at RTS (the acceptor's come up on the progress thread) */
-    int setup_fd;             /* acceptor: the setup socket until the exchange is over */
+    atomic_int ready;         /* QPs at RTS */
     atomic_uint imm_seen;     /* WRITE_WITH_IMMs that landed here */
     atomic_uint next_imm;
     int thread;
@@ -180,20 +182,10 @@ static void backoff(unsigned *spins)
     usleep(us);
 }
 
-static int accept_setup(struct uccl__conn *c);
-
 static void *progress_main(void *arg)
 {
     struct uccl__conn *c = arg;
     struct rconn *t = c->tp_priv;
-    if (t->setup_fd >= 0) {
-        int rc = accept_setup(c);
-        if (rc)
-            uccl__conn_fail(c, rc == UCCL_ERR_NOMEM ? rc : UCCL_ERR_IO, "RDMA setup: %s",
-                            uccl_last_error());
-        else
-            atomic_store(&t->ready, 1);
-    }
     while (!atomic_load(&t->stop)) {
         if (progress(c) == 0)
             usleep(2000); /* only receives to repost: they are deep, and RNR retries forever */
@@ -420,7 +412,6 @@ static int rconn_new(struct uccl__conn *c, struct rconn **t_p)
     }
     for (unsigned i = 0; i < MAX_QPS; i++)
         pthread_mutex_init(&t->q[i].poll_mu, NULL);
-    t->setup_fd = -1;
     c->tp_priv = t;
     c->direct = 1;
     c->num_streams = 1; /* one setup socket */
@@ -529,26 +520,19 @@ static int rdma_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer
 
 static unsigned rdma_streams_needed(const struct uccl__conn *c) { (void)c; return 1; }
 
-/* Acceptor: keep the setup socket; the exchange runs on the progress
- * thread (accept_setup), since the connector speaks only after our ACK. */
+/* Acceptor, in the listener: the connector's QPs came right behind its
+ * HELLO_STREAM (so waiting for them is short); ours go back before the
+ * listener's ACK, and the connection is whole before accept() sees it. */
 static int rdma_add_stream(struct uccl__conn *c, int fd, unsigned index)
-{
-    struct rconn *t = c->tp_priv;
-    if (index != 0 || t->setup_fd >= 0)
-        return uccl__err(UCCL_ERR_PROTO, "RDMA setup socket %u duplicated or out of range", index);
-    t->setup_fd = fd;
-    return UCCL_OK;
-}
-
-/* Acceptor, on the setup socket: the connector's QPs first, then ours. */
-static int accept_setup(struct uccl__conn *c)
 {
     struct rconn *t = c->tp_priv;
     uint8_t buf[INFO_SIZE];
     struct peer_qp p[MAX_QPS];
     unsigned nqp, ndev, n;
-    uint64_t deadline = uccl__now_ns() + UCCL_HANDSHAKE_NS;
-    int rc = uccl__sock_recv_all(t->setup_fd, buf, sizeof(buf), deadline, 0);
+    uint64_t deadline = uccl__now_ns() + 2000000000ull;
+    if (index != 0 || t->q[0].qp)
+        return uccl__err(UCCL_ERR_PROTO, "RDMA setup socket %u duplicated or out of range", index);
+    int rc = uccl__sock_recv_all(fd, buf, sizeof(buf), deadline, 0);
     if (rc == UCCL_OK)
         rc = info_decode(buf, &nqp, &ndev, p);
     if (rc == UCCL_OK) {
@@ -560,8 +544,10 @@ static int accept_setup(struct uccl__conn *c)
     if (rc == UCCL_OK) {
         const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
         info_encode(t, d, n, buf);
-        rc = uccl__sock_send_all(t->setup_fd, buf, sizeof(buf), deadline);
+        rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
     }
+    if (rc == UCCL_OK)
+        atomic_store(&t->ready, 1);
     return rc;
 }
 
@@ -583,14 +569,11 @@ static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *a
     rc = qps_create(t, t->nqp);
     uint8_t buf[INFO_SIZE];
     struct peer_qp p[MAX_QPS];
-    if (rc == UCCL_OK)
-        rc = uccl__open_stream(c, 0, deadline, &fd);
+    uint8_t mine[INFO_SIZE];
     if (rc == UCCL_OK) {
-        info_encode(t, d, n, buf);
-        rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
+        info_encode(t, d, n, mine);
+        rc = uccl__open_setup_stream(c, deadline, mine, sizeof(mine), buf, sizeof(buf), &fd);
     }
-    if (rc == UCCL_OK)
-        rc = uccl__sock_recv_all(fd, buf, sizeof(buf), deadline, 1);
     if (rc == UCCL_OK)
         rc = info_decode(buf, &nqp, &ndev, p);
     if (rc == UCCL_OK && nqp != t->nqp)
@@ -623,8 +606,6 @@ static void rdma_conn_shutdown(struct uccl__conn *c)
     const struct uccl__ibv *ib = uccl__ibv();
     if (!t || !ib || atomic_exchange(&t->stop, 1))
         return;
-    if (t->setup_fd >= 0) /* the acceptor's exchange may be waiting on it */
-        shutdown(t->setup_fd, SHUT_RDWR);
     for (unsigned i = 0; i < t->nqp; i++)
         if (t->q[i].qp) {
             struct ibv_qp_attr_s a = {.qp_state = IBV_QPS_ERR_};
@@ -652,8 +633,6 @@ static void rdma_conn_free(struct uccl__conn *c)
     if (!t)
         return;
     rdma_conn_destroy(c);
-    if (t->setup_fd >= 0)
-        close(t->setup_fd);
     for (unsigned i = 0; ib && i < MAX_QPS; i++) {
         if (t->q[i].qp)
             ib->destroy_qp(t->q[i].qp);
