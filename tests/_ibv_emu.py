@@ -30,6 +30,23 @@ def path() -> str:
     return str(OUT)
 
 
+CHECK = SRC / "build" / "emu_check"
+
+
+def check_path() -> str:
+    """The emulator's own test driver (ibv_emu/emu_check.c), built if stale."""
+    srcs = [SRC / "emu_check.c", ROOT / "csrc" / "ibv_loader.h"]
+    if CHECK.exists() and all(CHECK.stat().st_mtime >= s.stat().st_mtime for s in srcs):
+        return str(CHECK)
+    CHECK.parent.mkdir(exist_ok=True)
+    tmp = CHECK.with_name(f"emu_check.{os.getpid()}")
+    subprocess.run([os.environ.get("CC", "gcc"), "-std=c11", "-O1", "-g", "-Wall", "-Wextra",
+                    "-Werror", f"-I{ROOT / 'csrc'}", "-o", str(tmp), str(SRC / "emu_check.c"),
+                    "-ldl"], check=True, timeout=120)
+    os.replace(tmp, CHECK)
+    return str(CHECK)
+
+
 def env(**extra) -> dict:
     """Environment that makes the engine use the emulator over RDMA."""
     return {"UCCL_P2P_TRANSPORT": "rdma", "UCCL_IBVERBS_LIB": path(), **extra}

@@ -113,7 +113,7 @@ struct swr {                      /* a send work request, copied at post */
     struct swr *next;
 };
 struct rwr { uint64_t wr_id; int nsge; struct ibv_sge_s sge[MAX_SGE]; struct rwr *next; };
-struct rsp { uint32_t type, status, len; char *data; struct rsp *next; };
+struct rsp { uint32_t type, status, len, fatal; char *data; struct rsp *next; };
 
 struct emu_qp {
     struct ibv_qp_s qp;
@@ -123,6 +123,8 @@ struct emu_qp {
     uint32_t dest_qpn;
     unsigned access;
     int rnr_retry, min_rnr_timer, sq_sig_all, stop, threads, linked;
+    int refused;                  /* NAKed a request for access: later ones are dropped */
+    uint64_t req_bytes, reqs;     /* what this QP asked of its peer (UCCL_IBV_EMU_STATS) */
     struct swr *sq, **sq_tail;    /* posted, not yet sent */
     struct swr *out, **out_tail;  /* sent, awaiting the response */
     struct rwr *rq, **rq_tail;    /* posted receives */
@@ -506,8 +508,12 @@ static void queue_rsp(struct emu_qp *e, uint32_t type, uint32_t status, char *da
         qp_error(e, IBV_WC_RETRY_EXC_ERR_);
         return;
     }
-    *r = (struct rsp){.type = type, .status = status, .data = data, .len = len};
+    /* A responder that refused an access (class C error) enters ERR once
+     * its NAK is out, and executes nothing after it. */
+    int fatal = type == P_NAK && status != IBV_WC_RNR_RETRY_EXC_ERR_;
+    *r = (struct rsp){.type = type, .status = status, .data = data, .len = len, .fatal = fatal};
     pthread_mutex_lock(&e->mu);
+    e->refused |= fatal;
     *e->rs_tail = r;
     e->rs_tail = &r->next;
     pthread_cond_broadcast(&e->cv);
@@ -555,6 +561,8 @@ static void *tx_main(void *arg)
                 [IBV_WR_RDMA_READ_] = P_READ};
             p = (struct pkt){.type = type[w->opcode], .imm = w->imm, .raddr = w->raddr,
                              .rkey = w->rkey, .len = w->len};
+            e->req_bytes += w->len;
+            e->reqs++;
             if (w->opcode != IBV_WR_RDMA_READ_)
                 for (int i = 0; i < w->nsge; i++)
                     iov[n++] = (struct iovec){(void *)(uintptr_t)w->sge[i].addr,
@@ -562,13 +570,19 @@ static void *tx_main(void *arg)
         }
         pthread_mutex_unlock(&e->mu);
         int rc = send_full(fd, iov, n);
+        int fatal = r && r->fatal;
         if (r) {
             free(r->data);
             free(r);
         }
         pthread_mutex_lock(&e->mu);
-        if (rc && e->qp.state != IBV_QPS_ERR_)
-            qp_error_locked(e, IBV_WC_RETRY_EXC_ERR_);
+        if (fatal && e->qp.state != IBV_QPS_ERR_)
+            qp_error_locked(e, IBV_WC_WR_FLUSH_ERR_);
+        /* A failed send: the peer is gone or refused us.  The receiver
+         * thread reads what it said before (a NAK names the real error),
+         * then the end of the stream, and moves the QP to ERR itself. */
+        while (rc && !e->stop && e->qp.state != IBV_QPS_ERR_)
+            pthread_cond_wait(&e->cv, &e->mu);
     }
     pthread_mutex_unlock(&e->mu);
     return NULL;
@@ -608,6 +622,11 @@ static struct rwr *take_recv(struct emu_qp *e)
 static int on_request(struct emu_qp *e, const struct pkt *p)
 {
     int fd = e->fd;
+    pthread_mutex_lock(&e->mu);
+    int dropped = e->refused || e->qp.state == IBV_QPS_ERR_;
+    pthread_mutex_unlock(&e->mu);
+    if (dropped) /* after a refusal, or in ERR: nothing executes, nothing answers */
+        return p->type == P_READ ? 0 : drain(fd, p->len);
     if (p->type == P_READ) {
         char *data = NULL;
         uint32_t status = IBV_WC_SUCCESS_;
@@ -952,9 +971,27 @@ EXPORT int ibv_query_qp(struct ibv_qp_s *qp, struct ibv_qp_attr_s *a, int mask,
     return 0;
 }
 
+/* UCCL_IBV_EMU_STATS=<file>: one line per destroyed QP, "device qpn
+ * requests bytes", so tests can see how transfers were striped. */
+static void write_stats(struct emu_qp *e)
+{
+    const char *path = getenv("UCCL_IBV_EMU_STATS");
+    if (!path || !*path || !e->reqs)
+        return;
+    char line[160];
+    int n = snprintf(line, sizeof(line), "%s %06x %llu %llu\n", e->qp.context->device->name,
+                     e->qp.qp_num, (unsigned long long)e->reqs, (unsigned long long)e->req_bytes);
+    FILE *f = fopen(path, "ae");
+    if (f) {
+        fwrite(line, 1, (size_t)n, f); /* one short append: lines never interleave */
+        fclose(f);
+    }
+}
+
 EXPORT int ibv_destroy_qp(struct ibv_qp_s *qp)
 {
     struct emu_qp *e = (struct emu_qp *)qp;
+    write_stats(e);
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
     if (e->fd >= 0)
