@@ -78,6 +78,7 @@ struct rconn {
     int sl, tc;
     atomic_int stop;
     atomic_int ready;         /* QPs at RTS */
+    atomic_int recv_broken;   /* a receive failed, seen by a mover: the progress thread tells */
     atomic_uint imm_seen;     /* WRITE_WITH_IMMs that landed here */
     atomic_uint next_imm;
     int thread;
@@ -123,8 +124,10 @@ static int post_recvs(struct rqp *q, int n)
 }
 
 /* Poll every CQ of the connection once; completions go to their owners.
+ * A failed receive (the peer's QP went away) is reported by the progress
+ * thread only (report): a mover learns of failure from its own WRs.
  * Returns how many were handled. */
-static int progress(struct uccl__conn *c)
+static int progress_ex(struct uccl__conn *c, int report)
 {
     struct rconn *t = c->tp_priv;
     int handled = 0;
@@ -161,13 +164,25 @@ static int progress(struct uccl__conn *c)
             recv_failed = -1;
         pthread_mutex_unlock(&q->poll_mu);
         handled += n;
-        if (recv_failed && !atomic_load(&t->stop))
+        if (recv_failed && !report)
+            atomic_store(&t->recv_broken, recv_failed);
+        if (report && !recv_failed && (recv_failed = atomic_exchange(&t->recv_broken, 0)))
+            ;
+        if (recv_failed && report && !atomic_load(&t->stop)) {
+            /* A closing peer says BYE on the control socket, which may be
+             * read a moment after its QPs went: give it that moment, so a
+             * clean close is not reported as a failure (as tp_tcp.c does). */
+            for (int k = 0; k < 50 && !atomic_load(&c->failed); k++)
+                usleep(2000);
             uccl__conn_fail(c, UCCL_ERR_IO, "RDMA QP %u: %s", q->qp->qp_num,
                             recv_failed < 0 ? "reposting a receive failed"
                                             : wc_status_str(recv_failed));
+        }
     }
     return handled;
 }
+
+static int progress(struct uccl__conn *c) { return progress_ex(c, 0); }
 
 /* Sleep in growing steps: a 2-core machine must not lose a core to a poller. */
 static void backoff(unsigned *spins)
@@ -187,7 +202,7 @@ static void *progress_main(void *arg)
     struct uccl__conn *c = arg;
     struct rconn *t = c->tp_priv;
     while (!atomic_load(&t->stop)) {
-        if (progress(c) == 0)
+        if (progress_ex(c, 1) == 0)
             usleep(2000); /* only receives to repost: they are deep, and RNR retries forever */
     }
     return NULL;
