@@ -50,7 +50,7 @@
 #define MAX_QPS 16
 #define SQ_DEPTH 128          /* send WRs in flight per QP */
 #define RQ_DEPTH 64           /* receives kept posted per QP (WRITE_WITH_IMM consumes one) */
-#define RECV_WR_ID 0          /* wr_id of those receives: no owner */
+#define RECV_WR_ID 0          /* wr_id of those receives (a mover's is its struct rop) */
 #define INFO_MAGIC 0x41524355u /* "UCRA" */
 #define INFO_SIZE 512
 #define QP_INFO 28
@@ -141,7 +141,9 @@ static int progress_ex(struct uccl__conn *c, int report)
         int n = uccl__ibv_poll_cq(q->cq, 32, wc);
         int reposts = 0, recv_failed = 0;
         for (int k = 0; k < n; k++) {
-            if (wc[k].opcode & IBV_WC_RECV_) { /* one of our standing receives */
+            /* By wr_id, not opcode: a NIC leaves the opcode of an error
+             * completion undefined. */
+            if (wc[k].wr_id == RECV_WR_ID) { /* one of our standing receives */
                 if (wc[k].status == IBV_WC_SUCCESS_) {
                     atomic_fetch_add(&t->imm_seen, 1);
                     reposts++;
@@ -166,8 +168,8 @@ static int progress_ex(struct uccl__conn *c, int report)
         handled += n;
         if (recv_failed && !report)
             atomic_store(&t->recv_broken, recv_failed);
-        if (report && !recv_failed && (recv_failed = atomic_exchange(&t->recv_broken, 0)))
-            ;
+        if (report && !recv_failed)
+            recv_failed = atomic_exchange(&t->recv_broken, 0);
         if (recv_failed && report && !atomic_load(&t->stop)) {
             /* A closing peer says BYE on the control socket, which may be
              * read a moment after its QPs went: give it that moment, so a

@@ -211,3 +211,26 @@ def test_emulator_figures():
         res[qps] = c["gbps"]
     print("\nemulator, 16 MiB sends x 8:", {q: f"{g:.2f} GB/s" for q, g in res.items()})
     assert res[4] > 0.5 * res[1], res
+
+
+def _verbs_include():
+    for d in filter(None, [os.environ.get("UCCL_TEST_VERBS_INCLUDE"), "/usr/include"]):
+        if os.path.exists(os.path.join(d, "infiniband", "verbs.h")):
+            return d
+    return None
+
+
+def test_declared_abi_matches_rdma_core(tmp_path):
+    """csrc/ibv_loader.h declares the verbs ABI itself (no build dependency);
+    compiled against rdma-core's own verbs.h, every member offset, size and
+    constant used must match (ibv_emu/abi_check.c: a mismatch fails to
+    compile, naming it)."""
+    inc = _verbs_include()
+    if not inc:
+        pytest.skip("rdma-core's <infiniband/verbs.h> is not installed (Debian: libibverbs-dev; "
+                    "or point UCCL_TEST_VERBS_INCLUDE at an include directory holding it)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([os.environ.get("CC", "gcc"), "-std=gnu11", "-fsyntax-only", f"-I{inc}",
+                        f"-I{root}/csrc", f"{root}/tests/ibv_emu/abi_check.c"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
