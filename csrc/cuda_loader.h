@@ -78,7 +78,11 @@ struct uccl__cuda {
     cu_result (*MemHostAlloc)(void **, size_t, unsigned);
     cu_result (*MemFreeHost)(void *);
     cu_result (*GetErrorString)(cu_result, const char **);
+    /* optional (NULL where the driver predates it, CUDA 11.7): a dmabuf fd
+     * of device memory, for GPUDirect RDMA registration */
+    cu_result (*MemGetHandleForAddressRange)(void *, cu_ptr, size_t, int, unsigned long long);
 };
+enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 
 /* The table, loading libcuda on first call (UCCL_CUDA_LIBRARY names another
  * file, for tests).  NULL if it cannot be loaded, with the reason in

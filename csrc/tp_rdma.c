@@ -291,10 +291,12 @@ static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
     const char *what = read ? "RDMA READ" : "RDMA WRITE";
     if (len == 0)
         return UCCL_OK;
-    if (!m || m->magic != UCCL_RDMA_MR_MAGIC || m->n == 0)
+    unsigned ndev = 0;
+    uccl__rdma_devs(&ndev);
+    if (!m || m->magic != UCCL_RDMA_MR_MAGIC || m->err[0] || m->n != ndev)
         return uccl__err(UCCL_ERR_UNAVAIL, "%s of %zu bytes: the local buffer cannot move over "
                          "RDMA: %s", what, len, m && m->magic == UCCL_RDMA_MR_MAGIC && m->err[0]
-                         ? m->err : "it is not registered with the NIC");
+                         ? m->err : "it is not registered with every NIC");
     struct rop *op = calloc(1, sizeof(*op));
     if (!op)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");

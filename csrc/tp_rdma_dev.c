@@ -15,6 +15,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include "cuda_loader.h"
 
 #include "log.h"
 #include "mem.h"
@@ -266,6 +269,38 @@ const struct uccl__rdma_dev *uccl__rdma_devs(unsigned *n_p)
 
 /* ---- memory ------------------------------------------------------------------ */
 
+enum { ACCESS = IBV_ACCESS_LOCAL_WRITE_ | IBV_ACCESS_REMOTE_WRITE_ | IBV_ACCESS_REMOTE_READ_ };
+
+/* Device memory for GPUDirect RDMA: by dmabuf where the driver and the
+ * library have it (cuMemGetHandleForAddressRange, ibv_reg_dmabuf_mr: no
+ * kernel module needed), else as plain memory, which works only with
+ * nvidia-peermem loaded.  The range handed to the driver is page-aligned;
+ * the MR covers exactly the region (offset into the dmabuf, iova = addr). */
+static struct ibv_mr_s *reg_gpu(const struct uccl__ibv *ib, const struct uccl__rdma_dev *d,
+                                const struct uccl__mr *mr)
+{
+    const struct uccl__cuda *cu = uccl__cuda();
+    if (cu && cu->MemGetHandleForAddressRange && ib->reg_dmabuf_mr &&
+        uccl__cuda_use((int)UCCL_MK_DEV(mr->gpu.mkind)) == UCCL_OK) {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t base = mr->addr & ~(page - 1);
+        size_t span = (size_t)((mr->addr + mr->len - base + page - 1) & ~(page - 1));
+        int fd = -1;
+        if (cu->MemGetHandleForAddressRange(&fd, (cu_ptr)base, span,
+                                            CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0) == CU_OK &&
+            fd >= 0) {
+            struct ibv_mr_s *m = ib->reg_dmabuf_mr(d->pd, mr->addr - base, mr->len, mr->addr, fd,
+                                                   ACCESS);
+            int saved = errno;
+            close(fd); /* the MR holds its own reference */
+            errno = saved;
+            if (m)
+                return m;
+        }
+    }
+    return ib->reg_mr(d->pd, (void *)mr->addr, mr->len, ACCESS);
+}
+
 int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
 {
     (void)mem;
@@ -281,14 +316,14 @@ int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
     /* A failure fails no registration (TCP and shared memory need none):
      * it is kept and told to an RDMA transfer that needs the region. */
     for (unsigned i = 0; i < n && mr->len > 0 && !m->err[0]; i++) {
-        m->mr[i] = ib->reg_mr(d[i].pd, (void *)mr->addr, mr->len,
-                              IBV_ACCESS_LOCAL_WRITE_ | IBV_ACCESS_REMOTE_WRITE_ |
-                                  IBV_ACCESS_REMOTE_READ_);
+        m->mr[i] = UCCL_MK_ON_GPU(mr->gpu.mkind) ? reg_gpu(ib, &d[i], mr)
+                                                 : ib->reg_mr(d[i].pd, (void *)mr->addr, mr->len,
+                                                              ACCESS);
         if (!m->mr[i])
             snprintf(m->err, sizeof(m->err), "registering %zu bytes at 0x%zx with %.60s failed "
                      "(%.40s)%s", mr->len, (size_t)mr->addr, d[i].name, strerror(errno),
                      UCCL_MK_ON_GPU(mr->gpu.mkind)
-                         ? ": GPU memory needs GPUDirect RDMA (nvidia-peermem) on this NIC"
+                         ? ": GPU memory needs GPUDirect RDMA (dmabuf support, or nvidia-peermem)"
                          : ": check ulimit -l (locked memory)");
         else
             m->n = i + 1;

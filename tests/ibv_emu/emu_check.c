@@ -260,6 +260,7 @@ static int scenario(const char *name, struct side *s, int is_a)
             CHECK(memcmp(mem, want, N) == 0, "written bytes differ");
             CHECK(all_is(mem + N, GUARD, 0xA5), "guard past the region touched");
         }
+        sync_peer(s);
     } else if (!strcmp(name, "read")) {
         if (is_a) {
             CHECK(post(s, 5, IBV_WR_RDMA_READ_, mem, N, mr->lkey, peer.addr, peer.rkey, 0) == 0, "post");

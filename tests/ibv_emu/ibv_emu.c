@@ -124,6 +124,7 @@ struct emu_qp {
     unsigned access;
     int rnr_retry, min_rnr_timer, sq_sig_all, stop, threads, linked;
     int refused;                  /* NAKed a request for access: later ones are dropped */
+    int tx_busy;                  /* the sender thread is writing a packet */
     uint64_t req_bytes, reqs;     /* what this QP asked of its peer (UCCL_IBV_EMU_STATS) */
     struct swr *sq, **sq_tail;    /* posted, not yet sent */
     struct swr *out, **out_tail;  /* sent, awaiting the response */
@@ -568,6 +569,7 @@ static void *tx_main(void *arg)
                     iov[n++] = (struct iovec){(void *)(uintptr_t)w->sge[i].addr,
                                               w->sge[i].length};
         }
+        e->tx_busy = 1;
         pthread_mutex_unlock(&e->mu);
         int rc = send_full(fd, iov, n);
         int fatal = r && r->fatal;
@@ -576,6 +578,8 @@ static void *tx_main(void *arg)
             free(r);
         }
         pthread_mutex_lock(&e->mu);
+        e->tx_busy = 0;
+        pthread_cond_broadcast(&e->cv);
         if (fatal && e->qp.state != IBV_QPS_ERR_)
             qp_error_locked(e, IBV_WC_WR_FLUSH_ERR_);
         /* A failed send: the peer is gone or refused us.  The receiver
@@ -693,12 +697,12 @@ static int on_request(struct emu_qp *e, const struct pkt *p)
                   NULL, 0);
         return 0;
     }
+    queue_rsp(e, P_ACK, 0, NULL, 0); /* acknowledged before the receiver hears of it */
     if (r) {
         complete_recv(e, r, IBV_WC_SUCCESS_, write ? IBV_WC_RECV_RDMA_WITH_IMM_ : IBV_WC_RECV_,
                       p->len, p->imm, p->type != P_SEND);
         free(r);
     }
-    queue_rsp(e, P_ACK, 0, NULL, 0);
     return 0;
 }
 
@@ -993,6 +997,17 @@ EXPORT int ibv_destroy_qp(struct ibv_qp_s *qp)
     struct emu_qp *e = (struct emu_qp *)qp;
     write_stats(e);
     pthread_mutex_lock(&e->mu);
+    /* Responses already decided go out first (a NIC has sent its ACKs by
+     * the time the receiver sees the completion); bounded: 1 s. */
+    for (int i = 0; i < 100 && (e->rs || e->tx_busy) && e->fd >= 0 &&
+                    e->qp.state != IBV_QPS_ERR_; i++) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 10000000L;
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    }
     e->stop = 1;
     if (e->fd >= 0)
         shutdown(e->fd, SHUT_RDWR);
