@@ -12,7 +12,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "ibv_emu"
 ROOT = HERE.parent
 OUT = SRC / "build" / "libibverbs.so.1"
-_SOURCES = [SRC / "ibv_emu.c", SRC / "ibv_emu.map", ROOT / "csrc" / "ibv_loader.h"]
+_C = [SRC / "ibv_emu.c", SRC / "ibv_emu_qp.c", SRC / "ibv_emu_sock.c"]
+_SOURCES = _C + [SRC / "ibv_emu.h", SRC / "ibv_emu.map", ROOT / "csrc" / "ibv_loader.h"]
 
 
 def path() -> str:
@@ -24,7 +25,7 @@ def path() -> str:
     cmd = [os.environ.get("CC", "gcc"), "-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Werror",
            "-fPIC", "-shared", "-fvisibility=hidden", f"-I{ROOT / 'csrc'}",
            f"-Wl,--version-script={SRC / 'ibv_emu.map'}", "-Wl,-soname,libibverbs.so.1",
-           "-o", str(tmp), str(SRC / "ibv_emu.c"), "-lpthread"]
+           "-o", str(tmp), *map(str, _C), "-lpthread"]
     subprocess.run(cmd, check=True, timeout=120)
     os.replace(tmp, OUT)  # atomic: a rank never loads a half-written file
     return str(OUT)
