@@ -4,7 +4,7 @@ against (tests/ibv_emu/).  The p2p and collective suites run over RDMA too
 test_case_over_rdma); this file holds what is RDMA's own:
 
 - the emulator's semantics, each in two real processes (ibv_emu/emu_check.c):
-  WRITE_WITH_IMM consuming a posted receive, READ, rkey / bounds / rights
+  WRITE_WITH_IMM consuming a posted receive, SEND into one, READ, rkey / bounds / rights
   checks with REM_ACCESS_ERR and the QP in ERR, a bad lkey, ordering, the
   receiver-not-ready wait and its retry limit, a dead peer, the QP state
   machine; and its symbol versions;
@@ -25,7 +25,7 @@ from _harness import MiB, addr, all_poison, poisoned, rand_bytes, run_pair, sha
 
 SCENARIOS = ["write_imm", "read", "bad_rkey", "out_of_bounds", "no_remote_read", "bad_lkey",
              "ordered", "rnr_wait", "rnr_exceeded", "peer_dies", "peer_dies_midway",
-             "state_machine"]
+             "state_machine", "send", "send_too_long"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

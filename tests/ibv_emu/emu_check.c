@@ -299,6 +299,38 @@ static int scenario(const char *name, struct side *s, int is_a)
         sync_peer(s);
         if (!is_a)
             CHECK(all_is(mem, N + GUARD, 0xA5), "a refused access changed the target's memory");
+    } else if (!strcmp(name, "send") || !strcmp(name, "send_too_long")) {
+        /* SEND lands in the receive's own buffer; one too small for it is a
+         * local length error there and an invalid request for the sender. */
+        int too_long = !strcmp(name, "send_too_long");
+        if (is_a) {
+            randomize(mem, 4097, 4);
+            sync_peer(s); /* the receive is posted */
+            CHECK(post(s, 6, IBV_WR_SEND_, mem, 4097, mr->lkey, 0, 0, 0) == 0, "post");
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(too_long ? wc.status == 9 /* REM_INV_REQ_ERR */ : wc.status == 0 && wc.opcode == 0,
+                  "send wc: status %d opcode %d", wc.status, wc.opcode);
+        } else {
+            struct ibv_sge_s sge = {(uint64_t)(uintptr_t)mem, too_long ? 4096 : 8192, mr->lkey};
+            struct ibv_recv_wr_s wr = {.wr_id = 12, .sg_list = &sge, .num_sge = 1}, *bad;
+            CHECK(s->ctx->ops.post_recv(s->qp, &wr, &bad) == 0, "post_recv");
+            sync_peer(s);
+            struct ibv_wc_s wc = poll1(s);
+            if (too_long) {
+                CHECK(wc.wr_id == 12 && wc.status == 1 /* LOC_LEN_ERR */, "recv wc status %d",
+                      wc.status);
+                CHECK(all_is(mem, N + GUARD, 0xA5), "a refused SEND landed");
+            } else {
+                unsigned char *want = filled(4097, 0);
+                randomize(want, 4097, 4);
+                CHECK(wc.status == 0 && wc.opcode == IBV_WC_RECV_ && wc.byte_len == 4097 &&
+                      !(wc.wc_flags & IBV_WC_WITH_IMM_), "recv wc: status %d opcode %d len %u",
+                      wc.status, wc.opcode, wc.byte_len);
+                CHECK(memcmp(mem, want, 4097) == 0 && all_is(mem + 4097, 4096, 0xA5),
+                      "SEND bytes differ or spilled");
+            }
+        }
+        sync_peer(s);
     } else if (!strcmp(name, "bad_lkey")) {
         if (is_a) {
             CHECK(post(s, 4, IBV_WR_RDMA_READ_, mem, 64, mr->lkey + 1, peer.addr, peer.rkey, 0) == 0,
