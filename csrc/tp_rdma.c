@@ -41,6 +41,7 @@
 #include <unistd.h>
 
 #include "conn.h"
+#include "gpu.h"
 #include "handshake.h"
 #include "log.h"
 #include "sock.h"
@@ -83,6 +84,12 @@ struct rconn {
     atomic_uint next_imm;
     int thread;
     pthread_t progress;
+    /* GPU memory without GPUDirect: one chunk of page-locked host memory,
+     * registered with every NIC, that staged moves take turns on */
+    pthread_mutex_t stage_mu;
+    char *stage;
+    int stage_dev;
+    struct ibv_mr_s *stage_mr[UCCL_RDMA_MAX_DEVS];
 };
 
 static int rdma_available(void)
@@ -280,9 +287,39 @@ static int wait_slot(struct uccl__conn *c, struct rop *op, unsigned qi, uint64_t
     return UCCL_OK;
 }
 
+/* Under stage_mu: the staging chunk, for GPU memory of device dev. */
+static int stage_get(struct uccl__conn *c, int dev)
+{
+    struct rconn *t = c->tp_priv;
+    unsigned n;
+    const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
+    const struct uccl__ibv *ib = uccl__ibv();
+    if (t->stage && t->stage_dev == dev)
+        return UCCL_OK;
+    for (unsigned i = 0; t->stage && i < n; i++) /* another device's: replace it */
+        if (t->stage_mr[i])
+            ib->dereg_mr(t->stage_mr[i]);
+    if (t->stage)
+        uccl__gpu_host_free(t->stage_dev, t->stage);
+    memset(t->stage_mr, 0, sizeof(t->stage_mr));
+    t->stage = NULL;
+    int rc = uccl__gpu_host_alloc(dev, t->chunk, (void **)&t->stage);
+    if (rc)
+        return rc;
+    t->stage_dev = dev;
+    for (unsigned i = 0; i < n; i++) {
+        t->stage_mr[i] = ib->reg_mr(d[i].pd, t->stage, t->chunk, IBV_ACCESS_LOCAL_WRITE_);
+        if (!t->stage_mr[i])
+            return uccl__err(UCCL_ERR_IO, "registering a %zu-byte staging buffer with %s: %s",
+                             t->chunk, d[i].name, strerror(errno));
+    }
+    return UCCL_OK;
+}
+
 /* Move len bytes between local (its region's key from mem_reg) and the
  * peer's raddr (its rkeys): READ them in, or WRITE them out ending with a
- * WRITE_WITH_IMM once every other chunk has landed. */
+ * WRITE_WITH_IMM once every other chunk has landed.  GPU memory that no NIC
+ * could register goes through the staging chunk, one chunk at a time. */
 static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key, uint64_t raddr,
                 uint64_t rkey, size_t len)
 {
@@ -293,38 +330,58 @@ static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
         return UCCL_OK;
     unsigned ndev = 0;
     uccl__rdma_devs(&ndev);
-    if (!m || m->magic != UCCL_RDMA_MR_MAGIC || m->err[0] || m->n != ndev)
+    int staged = m && m->magic == UCCL_RDMA_MR_MAGIC && m->staged_dev >= 0;
+    if (!staged && (!m || m->magic != UCCL_RDMA_MR_MAGIC || m->err[0] || m->n != ndev))
         return uccl__err(UCCL_ERR_UNAVAIL, "%s of %zu bytes: the local buffer cannot move over "
                          "RDMA: %s", what, len, m && m->magic == UCCL_RDMA_MR_MAGIC && m->err[0]
                          ? m->err : "it is not registered with every NIC");
+    if (rkey == 0) /* the peer's memory is GPU memory its NIC cannot reach (mem_key) */
+        return uccl__err(UCCL_ERR_UNAVAIL, "%s of %zu bytes: the peer's buffer is GPU memory "
+                         "that its NIC cannot register (no GPUDirect RDMA there)", what, len);
     struct rop *op = calloc(1, sizeof(*op));
     if (!op)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    if (staged)
+        pthread_mutex_lock(&t->stage_mu);
     atomic_init(&op->refs, 1);
     uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
     size_t nchunks = (len + t->chunk - 1) / t->chunk;
     uint32_t imm = atomic_fetch_add(&t->next_imm, 1);
-    int rc = UCCL_OK, post_failed = 0;
+    int rc = staged ? stage_get(c, m->staged_dev) : UCCL_OK, post_failed = rc != UCCL_OK;
     for (size_t k = 0; k < nchunks && rc == UCCL_OK; k++) {
-        unsigned qi = (unsigned)(k % t->nqp);
+        unsigned qi = (unsigned)(k % t->nqp), dev = t->q[qi].dev;
         size_t off = k * t->chunk, n = len - off < t->chunk ? len - off : t->chunk;
         int last_write = !read && k + 1 == nchunks;
+        char *at = staged ? t->stage : local + off;
         /* QPs are not ordered among themselves: the immediate, which tells
          * the receiver the message is whole, goes after every other chunk. */
         if (last_write)
             rc = wait_op(c, op, deadline, 0);
         if (rc == UCCL_OK)
             rc = wait_slot(c, op, qi, deadline);
+        if (rc == UCCL_OK && staged && !read) { /* device to host first */
+            rc = uccl__gpu_copy(m->staged_dev, at, local + off, n, 0, c->local->timeout_ns);
+            post_failed = rc != UCCL_OK;
+        }
         if (rc == UCCL_OK) {
             rc = post_one(c, op, qi, read ? IBV_WR_RDMA_READ_ : last_write
-                          ? IBV_WR_RDMA_WRITE_WITH_IMM_ : IBV_WR_RDMA_WRITE_, local + off,
-                          m->mr[t->q[qi].dev]->lkey, raddr + off, rkey, n, imm);
+                          ? IBV_WR_RDMA_WRITE_WITH_IMM_ : IBV_WR_RDMA_WRITE_, at,
+                          staged ? t->stage_mr[dev]->lkey : m->mr[dev]->lkey, raddr + off, rkey,
+                          n, imm);
+            post_failed = rc != UCCL_OK;
+        }
+        if (rc == UCCL_OK && staged) /* the chunk is reused: this one must be done */
+            rc = wait_op(c, op, deadline, 0);
+        if (rc == UCCL_OK && staged && read) { /* then host to device */
+            rc = uccl__gpu_copy(m->staged_dev, local + off, at, n, 0, c->local->timeout_ns);
             post_failed = rc != UCCL_OK;
         }
     }
     if (rc == UCCL_OK)
         rc = wait_op(c, op, deadline, 0);
     if (rc == UCCL_OK) {
+        if (staged)
+            pthread_mutex_unlock(&t->stage_mu);
         rop_put(op);
         return UCCL_OK;
     }
@@ -346,6 +403,8 @@ static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
     rc = rc == UCCL_ERR_TIMEOUT ? UCCL_ERR_TIMEOUT : UCCL_ERR_IO;
     uccl__conn_fail(c, rc, "%s", msg);
     wait_op(c, op, uccl__now_ns() + 5000000000ull, 1);
+    if (staged)
+        pthread_mutex_unlock(&t->stage_mu);
     rop_put(op);
     return uccl__err(rc, "%s", msg);
 }
@@ -431,6 +490,7 @@ static int rconn_new(struct uccl__conn *c, struct rconn **t_p)
     }
     for (unsigned i = 0; i < MAX_QPS; i++)
         pthread_mutex_init(&t->q[i].poll_mu, NULL);
+    pthread_mutex_init(&t->stage_mu, NULL);
     c->tp_priv = t;
     c->direct = 1;
     c->num_streams = 1; /* one setup socket */
@@ -659,6 +719,12 @@ static void rdma_conn_free(struct uccl__conn *c)
             ib->destroy_cq(t->q[i].cq);
         pthread_mutex_destroy(&t->q[i].poll_mu);
     }
+    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_DEVS; i++) /* after the QPs that used it */
+        if (t->stage_mr[i])
+            ib->dereg_mr(t->stage_mr[i]);
+    if (t->stage)
+        uccl__gpu_host_free(t->stage_dev, t->stage);
+    pthread_mutex_destroy(&t->stage_mu);
     free(t);
     c->tp_priv = NULL;
 }

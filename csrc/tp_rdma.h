@@ -31,11 +31,15 @@ struct uccl__rdma_dev {
 const struct uccl__rdma_dev *uccl__rdma_devs(unsigned *n_p);
 
 /* What mem_reg made for a region: one MR per device, or why there is none
- * (then any transfer over RDMA that needs it fails naming the reason). */
+ * (then any transfer over RDMA that needs it fails naming the reason; GPU
+ * memory is staged instead, which serves its own side's moves only: a
+ * peer cannot address it, its key is 0). */
 #define UCCL_RDMA_MR_MAGIC 0x524d5231u
 struct uccl__rdma_mr {
     uint32_t magic;
     unsigned n;
+    int staged_dev;           /* GPU memory no NIC could register (no GPUDirect): its
+                                 device, moved through page-locked host memory; else -1 */
     struct ibv_mr_s *mr[UCCL_RDMA_MAX_DEVS];
     char err[240];
 };

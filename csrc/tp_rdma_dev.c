@@ -313,6 +313,7 @@ int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
     if (!m)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     m->magic = UCCL_RDMA_MR_MAGIC;
+    m->staged_dev = -1;
     /* A failure fails no registration (TCP and shared memory need none):
      * it is kept and told to an RDMA transfer that needs the region. */
     for (unsigned i = 0; i < n && mr->len > 0 && !m->err[0]; i++) {
@@ -327,6 +328,12 @@ int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
                          : ": check ulimit -l (locked memory)");
         else
             m->n = i + 1;
+    }
+    if (m->err[0] && UCCL_MK_ON_GPU(mr->gpu.mkind)) { /* staged: no MR at all */
+        for (unsigned i = 0; i < m->n; i++)
+            ib->dereg_mr(m->mr[i]);
+        m->n = 0;
+        m->staged_dev = (int)UCCL_MK_DEV(mr->gpu.mkind);
     }
     mr->tp_priv[UCCL_TP_RDMA] = m;
     mr->tp_key[UCCL_TP_RDMA] = (uint64_t)(uintptr_t)m;
@@ -355,6 +362,10 @@ int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_
     const struct uccl__rdma_mr *m = mr->tp_priv[UCCL_TP_RDMA];
     unsigned n = 0;
     if (mr->len == 0) {
+        *key_p = 0;
+        return UCCL_OK;
+    }
+    if (m && m->staged_dev >= 0) { /* the peer cannot reach it: movers here stage it */
         *key_p = 0;
         return UCCL_OK;
     }
