@@ -88,6 +88,13 @@ static void load(void)
         }
         memcpy((char *)&table + syms[i].off, &fn, sizeof(fn));
     }
+    /* Optional entry points: absent from older drivers, which still serve. */
+    void *fn = NULL;
+    int status = 0;
+    cu_result orc = gp2 ? gp2("cuMemGetHandleForAddressRange", &fn, CU_API_VERSION, 0, &status)
+                        : gp1("cuMemGetHandleForAddressRange", &fn, CU_API_VERSION, 0);
+    if (orc == CU_OK && fn)
+        memcpy(&table.MemGetHandleForAddressRange, &fn, sizeof(fn));
     loaded = 1; /* the library stays loaded for the life of the process */
 }
 

@@ -81,7 +81,11 @@ struct uccl__cuda {
     cu_result (*DeviceGetPCIBusId)(char *, int, cu_device);
     cu_result (*DeviceGetByPCIBusId)(cu_device *, const char *);
     cu_result (*DeviceGetCount)(int *);
+    /* optional (NULL where the driver predates it, CUDA 11.7): a dmabuf fd
+     * of device memory, for GPUDirect RDMA registration */
+    cu_result (*MemGetHandleForAddressRange)(void *, cu_ptr, size_t, int, unsigned long long);
 };
+enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 
 /* The table, loading libcuda on first call (UCCL_CUDA_LIBRARY names another
  * file, for tests).  NULL if it cannot be loaded, with the reason in

@@ -10,6 +10,7 @@
 #include "local.h"
 #include "sock.h"
 #include "status.h"
+#include "transport.h"
 
 static void fill_hello(struct uccl__conn *c, int type, struct uccl__hello *h)
 {
@@ -29,19 +30,19 @@ static void fill_hello(struct uccl__conn *c, int type, struct uccl__hello *h)
     h->probe_cookie = loc->probe_word;
     h->listen_port = (uint32_t)loc->port;
     h->chunk_bytes = c->chunk_bytes;
+    /* Left to choose, the acceptor picks RDMA for another host only if we
+     * can take it too. */
+    const struct uccl__tp_ops *rdma = uccl__tp_registry[UCCL_TP_RDMA];
+    if (type == UCCL_HELLO_CONN && loc->forced_tp == UCCL_TP_AUTO && rdma &&
+        rdma->available() == UCCL_OK)
+        h->caps |= UCCL_CAP_RDMA;
 }
 
-int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint64_t deadline,
-                    struct uccl__hello *ack)
+/* The peer's ACK in buf (its first `have` bytes already read). */
+static int read_ack(struct uccl__conn *c, int fd, uint8_t buf[UCCL_HELLO_SIZE], size_t have,
+                    uint64_t deadline, struct uccl__hello *ack)
 {
-    struct uccl__hello h;
-    uint8_t buf[UCCL_HELLO_SIZE];
-    fill_hello(c, type, &h);
-    h.stream_index = index;
-    uccl__hello_encode(&h, buf);
-    int rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
-    if (rc == UCCL_OK)
-        rc = uccl__sock_recv_all(fd, buf, sizeof(buf), deadline, 0);
+    int rc = uccl__sock_recv_all(fd, buf + have, UCCL_HELLO_SIZE - have, deadline, 0);
     if (rc)
         return uccl__err(rc, "handshake with %s:%d: %s", c->peer_ip, c->peer_port,
                          uccl_last_error());
@@ -58,6 +59,61 @@ int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint
         return uccl__err(ack->status == UCCL_ERR_UNAVAIL ? UCCL_ERR_UNAVAIL : UCCL_ERR_IO,
                          "%s:%d refused the connection: %s (see its log)", c->peer_ip,
                          c->peer_port, uccl_status_str(ack->status));
+    return UCCL_OK;
+}
+
+int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint64_t deadline,
+                    struct uccl__hello *ack)
+{
+    struct uccl__hello h;
+    uint8_t buf[UCCL_HELLO_SIZE];
+    fill_hello(c, type, &h);
+    h.stream_index = index;
+    uccl__hello_encode(&h, buf);
+    int rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
+    if (rc)
+        return uccl__err(rc, "handshake with %s:%d: %s", c->peer_ip, c->peer_port,
+                         uccl_last_error());
+    return read_ack(c, fd, buf, 0, deadline, ack);
+}
+
+int uccl__open_setup_stream(struct uccl__conn *c, uint64_t deadline, const void *out,
+                            size_t out_len, void *in, size_t in_len, int *fd_p)
+{
+    int fd;
+    struct uccl__hello h, ack;
+    uint8_t buf[UCCL_HELLO_SIZE];
+    int rc = uccl__sock_connect(c->peer_ip, c->peer_port, deadline, &fd);
+    if (rc)
+        return rc;
+    fill_hello(c, UCCL_HELLO_STREAM, &h);
+    uccl__hello_encode(&h, buf);
+    rc = uccl__sock_send_all(fd, buf, sizeof(buf), deadline);
+    if (rc == UCCL_OK)
+        rc = uccl__sock_send_all(fd, out, out_len, deadline);
+    /* A refusal is a bare ACK; the reply starts with anything but its magic. */
+    if (rc == UCCL_OK)
+        rc = uccl__sock_recv_all(fd, in, 4 <= in_len ? 4 : in_len, deadline, 0);
+    uint32_t magic = 0;
+    memcpy(&magic, in, 4);
+    if (rc == UCCL_OK && in_len >= 4 && magic == UCCL_WIRE_MAGIC) {
+        memcpy(buf, in, 4);
+        rc = read_ack(c, fd, buf, 4, deadline, &ack);
+        if (rc == UCCL_OK)
+            rc = uccl__err(UCCL_ERR_PROTO, "%s:%d accepted a setup stream without a reply",
+                           c->peer_ip, c->peer_port);
+    } else if (rc == UCCL_OK) {
+        rc = uccl__sock_recv_all(fd, (char *)in + 4, in_len - 4, deadline, 0);
+        if (rc == UCCL_OK)
+            rc = read_ack(c, fd, buf, 0, deadline, &ack);
+    }
+    if (rc) {
+        close(fd);
+        return rc == UCCL_ERR_PROTO || rc == UCCL_ERR_AUTH || rc == UCCL_ERR_UNAVAIL
+                   ? rc : uccl__err(rc, "setup stream to %s:%d: %s", c->peer_ip, c->peer_port,
+                                    uccl_last_error());
+    }
+    *fd_p = fd;
     return UCCL_OK;
 }
 

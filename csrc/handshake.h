@@ -24,6 +24,14 @@ int uccl__handshake(struct uccl__conn *c, int fd, int type, unsigned index, uint
 /* Connector: open extra socket `index` of connection c (HELLO_STREAM). */
 int uccl__open_stream(struct uccl__conn *c, unsigned index, uint64_t deadline_ns, int *fd_p);
 
+/* Connector: open extra socket 0 of connection c to set up a transport:
+ * out_len bytes go right behind the HELLO (the acceptor's add_stream reads
+ * them), and the acceptor's in_len-byte reply comes back before its ACK (so
+ * the connection is whole before the acceptor's accept() can return).  The
+ * reply must not start with UCCL_WIRE_MAGIC; in_len >= 4. */
+int uccl__open_setup_stream(struct uccl__conn *c, uint64_t deadline_ns, const void *out,
+                            size_t out_len, void *in, size_t in_len, int *fd_p);
+
 /* Acceptor: answer with status; ack (NULL: an empty one) gets this side's
  * identity.  Best effort: a peer that does not read it finds out anyway. */
 void uccl__send_ack(int fd, const struct uccl__local *loc, int status, struct uccl__hello *ack);

@@ -39,12 +39,16 @@ static int choose_transport(struct uccl__ep *ep, const struct uccl__hello *h, in
 {
     int want = h->transport != UCCL_TP_AUTO ? (int)h->transport : ep->local.forced_tp;
     int same_host = strcmp(h->host_id, ep->local.host_id) == 0;
-    if (want == UCCL_TP_AUTO)
-        want = same_host && uccl__tp_registry[UCCL_TP_SHM]->available() == UCCL_OK
-                   ? UCCL_TP_SHM : UCCL_TP_TCP;
+    /* Same host: shared memory.  Another host: RDMA where both ends have a
+     * usable device (else TCP; tp_rdma_dev.c says once why not). */
+    if (want == UCCL_TP_AUTO && same_host)
+        want = uccl__tp_registry[UCCL_TP_SHM]->available() == UCCL_OK ? UCCL_TP_SHM : UCCL_TP_TCP;
+    else if (want == UCCL_TP_AUTO)
+        want = (h->caps & UCCL_CAP_RDMA) && uccl__tp_registry[UCCL_TP_RDMA]->available() == UCCL_OK
+                   ? UCCL_TP_RDMA : UCCL_TP_TCP;
     if (!uccl__tp_registry[want])
-        return uccl__err(UCCL_ERR_UNAVAIL, "transport '%s' is not part of this build (only "
-                         "tcp and shm are)", uccl__tp_names[want]);
+        return uccl__err(UCCL_ERR_UNAVAIL, "transport '%s' is not part of this build",
+                         uccl__tp_names[want]);
     if (want == UCCL_TP_SHM && !same_host)
         return uccl__err(UCCL_ERR_UNAVAIL, "transport 'shm' needs both ends on one host, but "
                          "the host ids differ ('%s' here, '%s' there)", ep->local.host_id,

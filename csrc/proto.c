@@ -65,7 +65,7 @@ static int peer_on_gpu(const struct uccl__conn *c, uint64_t peer_key)
 }
 static int dst_copies(const struct uccl__conn *c, int dst_on_gpu, uint64_t src_peer_key)
 {
-    return !dst_on_gpu || peer_on_gpu(c, src_peer_key);
+    return (!dst_on_gpu && !c->tp->source_writes) || peer_on_gpu(c, src_peer_key);
 }
 
 /* ------------------------------------------------------------------------- */

@@ -29,11 +29,12 @@
  * its copy engine; host memory on the other side is reached by the side that
  * owns it (pull, or push into GPU memory).  Streaming transports stage GPU
  * memory through page-locked buffers.  The RDMA transport will map like this:
- *  - tp_rdma.c (libibverbs via ibv_loader.c): conn_accept/conn_connected
- *    exchange QP numbers and GIDs over the handshake socket; mem_reg is
- *    ibv_reg_mr (lkey in tp_key, rkey from mem_key); pull posts an RDMA READ
- *    and polls the CQ; ctrl_send/ctrl_recv carry control messages as SENDs
- *    (or write-with-immediate), so no socket sits on the data path.
+ *  - tp_rdma.c (libibverbs via ibv_loader.c): the acceptor asks for one
+ *    extra socket, over which both sides exchange QP numbers and GIDs once;
+ *    mem_reg is ibv_reg_mr on every NIC (tp_key: the MRs, mem_key: their
+ *    rkeys); with source_writes the sender WRITEs into the receiver's
+ *    advertised buffer (last chunk WRITE_WITH_IMM), a read posts an RDMA
+ *    READ; control messages stay on the control socket.
  */
 #ifndef UCCL_TRANSPORT_H
 #define UCCL_TRANSPORT_H
@@ -51,6 +52,10 @@ struct uccl__req;
 struct uccl__tp_ops {
     const char *name;
     int id; /* UCCL_TP_* */
+    /* Direct transports: 1 where the side holding the source always moves
+     * the bytes (RDMA: the destination advertises its buffer and key, the
+     * source WRITEs into it), so a receiver never pulls; reads still pull. */
+    int source_writes;
 
     /* Usable in this process at all (libraries loaded, kernel support)?
      * Never blocks.  On UCCL_ERR_UNAVAIL the message says why. */
@@ -158,6 +163,7 @@ struct uccl__tp_ops {
 
 extern const struct uccl__tp_ops uccl__tp_tcp;
 extern const struct uccl__tp_ops uccl__tp_shm;
+extern const struct uccl__tp_ops uccl__tp_rdma;
 
 /* The registry (transport.c): transports by wire id (UCCL_TP_*), NULL where
  * this build has none; and the names UCCL_P2P_TRANSPORT takes. */

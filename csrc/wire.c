@@ -64,7 +64,7 @@ enum {
     H_SECLEN = 8, H_SECRET = 12, H_HOST = 76, H_PID = 140, H_GPU = 144, H_RANK = 148,
     H_TP = 152, H_SHMMODE = 156, H_NSTREAMS = 160, H_SIDX = 164, H_TOKEN = 168,
     H_PADDR = 176, H_PCOOKIE = 184, H_STATUS = 192, H_LPORT = 196, H_CHUNK = 200,
-    H_SHMNAME = 208, /* .. 256 */
+    H_SHMNAME = 208, H_CAPS = 252, /* .. 256 */
 };
 
 void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE])
@@ -87,7 +87,8 @@ void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE
     put32(out + H_STATUS, (uint32_t)h->status);
     put32(out + H_LPORT, h->listen_port);
     put64(out + H_CHUNK, h->chunk_bytes);
-    put_str(out + H_SHMNAME, h->shm_name, UCCL_SHMNAME_MAX);
+    put_str(out + H_SHMNAME, h->shm_name, H_CAPS - H_SHMNAME);
+    put32(out + H_CAPS, h->caps);
 }
 
 int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h)
@@ -118,7 +119,8 @@ int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h)
     v.status = (int32_t)get32(in + H_STATUS);
     v.listen_port = get32(in + H_LPORT);
     v.chunk_bytes = get64(in + H_CHUNK);
-    get_str(v.shm_name, in + H_SHMNAME, UCCL_SHMNAME_MAX);
+    get_str(v.shm_name, in + H_SHMNAME, H_CAPS - H_SHMNAME);
+    v.caps = get32(in + H_CAPS); /* unknown bits: a newer peer's, ignored */
     if (v.transport >= UCCL_TP_COUNT)
         return uccl__err(UCCL_ERR_PROTO, "handshake: unknown transport %u", v.transport);
     if (v.shm_mode > 1)

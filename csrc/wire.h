@@ -43,8 +43,10 @@ struct uccl__hello {
     int32_t status;                     /* ACK: UCCL_OK or the refusal */
     uint32_t listen_port;
     uint64_t chunk_bytes;               /* tp_tcp chunk size, 4 KiB .. 64 MiB */
-    char shm_name[UCCL_SHMNAME_MAX];    /* tp_shm ring segment, NUL-terminated */
+    char shm_name[UCCL_SHMNAME_MAX];    /* tp_shm ring segment, NUL-terminated (44 on the wire) */
+    uint32_t caps;                      /* HELLO_CONN: UCCL_CAP_* of the connector */
 };
+#define UCCL_CAP_RDMA 1u                /* an RDMA device is usable here */
 void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE]);
 int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h);
 

@@ -30,16 +30,20 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+import _ibv_emu
+
 CTX = mp.get_context("spawn")
 
 #: Environment every rank gets: loopback only, quiet engine logs.
 BASE_ENV = {"UCCL_SOCKET_IFNAME": "lo", "UCCL_P2P_LOG_LEVEL": "ERROR"}
 
-#: name -> (environment, the transport conn_transport() must report)
+#: name -> (environment, the transport conn_transport() must report).  "rdma"
+#: runs over the verbs emulator (tests/ibv_emu, built by conftest.py).
 TRANSPORTS = {
     "tcp": ({"UCCL_P2P_TRANSPORT": "tcp"}, "tcp"),
     "shm-cma": ({"UCCL_P2P_TRANSPORT": "shm", "UCCL_P2P_SHM_MODE": "cma"}, "shm-cma"),
     "shm-ring": ({"UCCL_P2P_TRANSPORT": "shm", "UCCL_P2P_SHM_MODE": "ring"}, "shm-ring"),
+    "rdma": ({"UCCL_P2P_TRANSPORT": "rdma", "UCCL_IBVERBS_LIB": str(_ibv_emu.OUT)}, "rdma"),
 }
 TRANSPORT_NAMES = list(TRANSPORTS)
 

@@ -5,7 +5,9 @@ import sys
 
 os.environ["UCCL_SOCKET_IFNAME"] = "lo"
 os.environ.setdefault("UCCL_P2P_LOG_LEVEL", "ERROR")
-for _k in ("UCCL_P2P_TRANSPORT", "UCCL_P2P_SHM_MODE", "UCCL_P2P_SECRET", "UCCL_P2P_TIMEOUT_S"):
+for _k in ("UCCL_P2P_TRANSPORT", "UCCL_P2P_SHM_MODE", "UCCL_P2P_SECRET", "UCCL_P2P_TIMEOUT_S",
+           "UCCL_IBVERBS_LIB", "UCCL_P2P_RDMA_DEV", "UCCL_P2P_RDMA_GID_INDEX", "UCCL_IBV_EMU_DEVICES",
+           "UCCL_IBV_EMU_PORT_DOWN"):
     os.environ.pop(_k, None)  # a developer's shell must not change what the tests test
 
 _here = os.path.dirname(os.path.abspath(__file__))
@@ -13,6 +15,13 @@ if _here not in sys.path:
     sys.path.insert(0, _here)  # spawned ranks unpickle functions from test modules
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    """Build the verbs emulator the "rdma" transport runs over (tests/_ibv_emu.py)."""
+    import _ibv_emu
+
+    _ibv_emu.path()
 
 
 @pytest.fixture

@@ -92,7 +92,7 @@ def test_constructor_rejects_bad_arguments(kw, words):
 @pytest.mark.parametrize("transport", ["rdma", "ipc"])
 def test_forced_unavailable_transport_raises(monkeypatch, transport, tmp_path):
     """UCCL_P2P_TRANSPORT forcing a transport this machine cannot use (rdma:
-    not built yet; ipc: CUDA IPC, without a CUDA driver here) makes Endpoint()
+    no libibverbs or no device here; ipc: CUDA IPC, without a CUDA driver here) makes Endpoint()
     raise UcclError naming the transport (never a silent fallback)."""
     monkeypatch.setenv("UCCL_P2P_TRANSPORT", transport)
     if transport == "ipc":  # a GPU machine has a driver: take it away

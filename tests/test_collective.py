@@ -250,7 +250,8 @@ def _case_info(R, i, p):
     for r in range(R.ws):
         if r == R.me:
             continue
-        assert ce.transport_to(r) == "shm-cma", (r, ce.transport_to(r))
+        want = "rdma" if os.environ.get("UCCL_P2P_TRANSPORT") == "rdma" else "shm-cma"
+        assert ce.transport_to(r) == want, (r, ce.transport_to(r))
         assert td.transport_to(r) == "torch.distributed", (r, td.transport_to(r))
     _raises(lambda: ce.transport_to(R.me), ValueError, "peer rank")
     _raises(lambda: td.transport_to(R.ws), ValueError, "peer rank")
@@ -1018,6 +1019,26 @@ _JOBS: dict[int, tuple[bool, object]] = {}
 def test_case(ws, case):
     res = cached_job(_JOBS, ws, lambda: _launch(_suite, ws))
     check_verdicts(res, case, f"world size {ws}")
+
+
+# The same suite with every connection over RDMA, through the verbs emulator
+# (tests/ibv_emu): world sizes 2 and 3 (the ring then has a middle rank).
+RDMA_WORLD_SIZES = (2, 3)
+_RDMA_JOBS: dict[int, tuple[bool, object]] = {}
+
+
+def _suite_over_rdma(rank, ws, port):
+    import _ibv_emu
+
+    os.environ.update(_ibv_emu.env())
+    return _suite(rank, ws, port)
+
+
+@pytest.mark.parametrize("ws,case", [pytest.param(ws, name, id=f"rdma-ws{ws}-{name}")
+                                     for ws in RDMA_WORLD_SIZES for name, _, _ in _plan(ws)])
+def test_case_over_rdma(ws, case):
+    res = cached_job(_RDMA_JOBS, ws, lambda: _launch(_suite_over_rdma, ws))
+    check_verdicts(res, case, f"world size {ws} over rdma")
 
 
 def test_killed_peer_makes_survivors_raise():

@@ -88,7 +88,7 @@ def _client(ch):
     return {"tp": [ep.conn_transport(c) for c in conns], "sent": {k: sha(s) for k, s in srcs.items()}}
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm-cma", "shm-ring"])
+@pytest.mark.parametrize("transport", ["tcp", "shm-cma", "shm-ring", "rdma"])
 def test_eight_async_over_four_connections(transport):
     """4 connect() calls from one client give 4 distinct connections; 8
     send_async/recv_async (2 per connection, ~1 MiB each, all different sizes)

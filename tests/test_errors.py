@@ -247,7 +247,7 @@ def test_one_sided_larger_than_advertised():
     assert s["written"] == sha(rand_bytes(N + 100, 7)[:N]) and s["guard"]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm-cma", "shm-ring"])
+@pytest.mark.parametrize("transport", ["tcp", "shm-cma", "shm-ring", "rdma"])
 def test_tampered_fifo_item(transport):
     """A fifo_item whose token (bytes 16..24) is flipped is refused by the
     target: write and read raise on the initiator, and neither the target
@@ -303,7 +303,7 @@ def _dereg_initiator(ch):
     return out
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm-cma"])
+@pytest.mark.parametrize("transport", ["tcp", "shm-cma", "rdma"])
 def test_fifo_item_dies_with_dereg(transport):
     """Once the target deregisters the mr behind an advertised window, write
     and read through the old fifo_item both raise on the initiator and touch

@@ -113,7 +113,7 @@ def _send_survivor(ch):
     return catch(ep.wait, t)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm-ring"])
+@pytest.mark.parametrize("transport", ["tcp", "shm-ring", "rdma"])
 def test_receiver_killed_while_sender_waits(transport):
     """The sender waits on a 64 MiB send_async that the receiver never
     receives; the receiver is SIGKILLed: wait() raises UcclError promptly."""
@@ -147,7 +147,7 @@ def _write_survivor(ch):
     return catch(ep.write, conn, mr, addr(data), BIG, fifo)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm-cma"])
+@pytest.mark.parametrize("transport", ["tcp", "shm-cma", "rdma"])
 def test_target_killed_before_one_sided_write(transport):
     """The target advertises a 64 MiB window and is SIGKILLed; the
     initiator's write() with that fifo_item raises UcclError promptly."""

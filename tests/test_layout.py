@@ -18,10 +18,10 @@ CSRC = ROOT / "csrc"
 # layer and of the layers below it.
 LAYERS = {
     "status.c": 0, "log.c": 0, "sock.c": 0, "wire.c": 0, "idmap.c": 0, "pool.c": 0,
-    "cuda_loader.c": 0,
+    "cuda_loader.c": 0, "ibv_loader.c": 0,
     "gpu_mem.c": 1, "gpu_copy.c": 1, "mem.c": 1, "transport.c": 1,
     "handshake.c": 2,
-    "tp_tcp.c": 3, "tp_shm.c": 3, "tp_shm_ipc.c": 3,
+    "tp_tcp.c": 3, "tp_shm.c": 3, "tp_shm_ipc.c": 3, "tp_rdma.c": 3, "tp_rdma_dev.c": 3,
     "conn.c": 4, "proto.c": 4, "proto_eager.c": 4,
     "engine.c": 5, "listen.c": 5, "xfer.c": 5, "gate.c": 5,
     "comm.c": 6, "coll_run.c": 6, "coll_algo.c": 6,
