@@ -6,6 +6,10 @@ other vectored async calls).  Two endpoints of this process over loopback;
 random bytes, poisoned destinations, compared end to end."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -14,6 +18,13 @@ from uccl_collective.p2p import XferDesc
 
 from _harness import GUARD, addr, all_poison, poisoned, rand_bytes
 
+# Set by test_this_module_over_rdma for the process it runs this module in
+# (conftest clears UCCL_P2P_TRANSPORT, so the choice is made here).
+OVER_RDMA = os.environ.get("UCCL_TEST_XFER_OVER_RDMA") == "1"
+if OVER_RDMA:
+    import _ibv_emu
+    os.environ.update(_ibv_emu.env())
+
 
 def _pair(endpoints):
     """(initiator, target, initiator's conn, target's conn)."""
@@ -21,6 +32,8 @@ def _pair(endpoints):
     ok, conn = ini.add_remote_endpoint(tgt.get_metadata())
     ok2, _ip, _gpu, tconn = tgt.accept()
     assert ok and ok2
+    if OVER_RDMA:   # the run of test_this_module_over_rdma
+        assert ini.conn_transport(conn) == "rdma", ini.conn_transport(conn)
     return ini, tgt, conn, tconn
 
 
@@ -273,3 +286,19 @@ def test_a_forged_range_past_its_window_is_refused_by_the_owner(endpoints):
     assert all_poison(back)
     with pytest.raises(ValueError, match="window"):
         _engine.fifo_fields(_engine.fifo_item(window, token, d.addr - 1, 8, d.addr))
+
+
+@pytest.mark.skipif(OVER_RDMA, reason="this is the run over RDMA already")
+def test_this_module_over_rdma():
+    """Every test above again, in a process whose endpoints use the RDMA
+    transport through the verbs emulator (tests/ibv_emu): registrations
+    sharing keys and ranges inside a window go through its READ/WRITE."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, UCCL_TEST_XFER_OVER_RDMA="1", PYTHONPATH=os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-o", "faulthandler_timeout=120",
+                        os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=repo)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "1 skipped" in r.stdout, r.stdout[-2000:]
