@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _reduce, _reduce_gpu
+from . import _profiling, _reduce, _reduce_gpu
 from ._reduce import R
 from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
@@ -209,18 +209,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- task plumbing ----------------------------------------------------------
     def _submit(self, fn: Callable[[], list | None], result: list, opts: Any = None,
-                p2p: bool = False, uses: Sequence = ()) -> Work:
+                p2p: bool = False, uses: Sequence = (), prof: tuple = ("", ())) -> Work:
         """Queue fn (the runner runs it in issue order).  A blocking call
         (opts.asyncOp False) runs it here and raises its error at once.
         result and uses hold the operation's tensors (lists of them too):
-        on CUDA tensors it runs stream-ordered (_on_gpu)."""
+        on CUDA tensors it runs stream-ordered (_on_gpu).  prof: the
+        operation's profiler name and input tensors (_profiling)."""
         if self._closed:
             raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         dev = _cuda_device(result, uses)
         if dev is not None:
             fn = self._on_gpu(fn, dev, sync)
-        task = Task(fn, result, dev)
+        task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
@@ -289,7 +290,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             ctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
             for s in staged:
                 s.back()
-        return self._submit(run, output_tensors, opts, uses=[inp])
+        return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
 
     def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
         out, inp = _tensor(out, f"{what} output"), _tensor(inp, f"{what} input")
@@ -309,7 +310,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
-        return self._submit(run, [output_tensor], opts, uses=[input_tensor])
+        return self._submit(run, [output_tensor], opts, uses=[input_tensor],
+                            prof=("all_gather_into_tensor", [input_tensor]))
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self._allgather_base(output_tensor, input_tensor, opts)
@@ -323,7 +325,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         def run():
             for r in runs:
                 r()
-        return self._submit(run, list(outputs), opts, uses=list(inputs))
+        return self._submit(run, list(outputs), opts, uses=list(inputs),
+                            prof=("all_gather_into_tensor_coalesced", list(inputs)))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
@@ -358,7 +361,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                     # cloned: a view as o's dtype needs an aligned offset
                     o.copy_(got[off:off + nb].clone().view(o.dtype).reshape(o.shape))
                     off += nb
-        return self._submit(run, output_lists, opts, uses=ins)
+        return self._submit(run, output_lists, opts, uses=ins, prof=("all_gather", ins))
 
     # -- reductions ---------------------------------------------------------------
     def _reduce_fn(self, opts: Any, dtype: torch.dtype, what: str):
@@ -423,13 +426,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             s = _Staged(t)
             self._allreduce_flat(s.t.reshape(-1), op)
             s.back()
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("all_reduce", tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         what = "all_reduce_coalesced"
         ts = [_tensor(t, what) for t in tensors]
         if not ts:
-            return self._submit(lambda: None, [], opts)
+            return self._submit(lambda: None, [], opts, prof=("all_reduce_coalesced", []))
         _same_dtype(ts, ts[0].dtype, what)
         op = self._reduce_fn(opts, ts[0].dtype, what)
 
@@ -440,7 +443,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view(t.shape))
                 off += t.numel()
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("all_reduce_coalesced", tensors))
 
     def reduce(self, tensors, opts=None):
         what = "reduce"
@@ -453,7 +456,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._allreduce_flat(work, op)
             if self.rank() == root:
                 t.copy_(work.view(t.shape))
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("reduce", tensors))
 
     def _rs_input(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A reduce-scatter's input as one flat tensor: on CUDA a lone
@@ -501,7 +504,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
-            [output_tensor], opts, uses=[input_tensor])
+            [output_tensor], opts, uses=[input_tensor],
+            prof=("reduce_scatter_tensor", [output_tensor]))
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self._reduce_scatter_base(output_tensor, input_tensor, opts)
@@ -515,7 +519,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         def run():
             for o, i, op in checked:
                 self._reduce_scatter_flat(o, self._rs_input([i], i.dtype), op, what)
-        return self._submit(run, list(outputs), opts, uses=list(inputs))
+        return self._submit(run, list(outputs), opts, uses=list(inputs),
+                            prof=("reduce_scatter_tensor_coalesced", list(outputs)))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
@@ -529,7 +534,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         op = self._reduce_fn(opts, out.dtype, what)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input(ins, out.dtype), op, what),
-            list(output_tensors), opts, uses=ins)
+            list(output_tensors), opts, uses=ins, prof=("reduce_scatter", input_tensors))
 
     # -- rooted and personalised ----------------------------------------------
     def _root(self, opts: Any, what: str) -> int:
@@ -553,7 +558,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._star(what, root, [s.t] * n, s.t, to_root=False)
             if me != root:
                 s.back()
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("broadcast", tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
@@ -567,7 +572,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
             for s in staged:
                 s.back()
-        return self._submit(run, output_tensors, opts, uses=[inp])
+        return self._submit(run, output_tensors, opts, uses=[inp], prof=("gather", [inp]))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
@@ -580,7 +585,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             s = _Staged(out, copy_in=False)
             self._star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
             s.back()
-        return self._submit(run, list(output_tensors), opts, uses=ins)
+        return self._submit(run, list(output_tensors), opts, uses=ins, prof=("scatter", ins))
 
     def _star(self, what: str, root: int, at_root: list[torch.Tensor], mine: torch.Tensor,
               to_root: bool) -> None:
@@ -647,7 +652,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
             self._exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
             s.back()
-        return self._submit(run, [output_tensor], opts, uses=[inp])
+        return self._submit(run, [output_tensor], opts, uses=[inp],
+                            prof=("all_to_all", [input_tensor]))
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes,
                           input_split_sizes, opts=None):
@@ -674,7 +680,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
             for s in staged:
                 s.back()
-        return self._submit(run, list(output_tensors), opts, uses=ins)
+        return self._submit(run, list(output_tensors), opts, uses=ins,
+                            prof=("all_to_all", input_tensors))
 
     # -- point to point -------------------------------------------------------
     def _peer(self, peer: int, what: str) -> int:
@@ -692,7 +699,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
         def run():
             return [self._ctx._p2p([("send", src, dst)], what)]
-        return self._submit(run, list(tensors), p2p=True)
+        return self._submit(run, list(tensors), p2p=True, prof=("send", tensors))
 
     def recv(self, tensors, srcRank, tag=0):
         what = "recv"
@@ -704,7 +711,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
         def run():
             return [self._ctx._p2p([("recv", t, src)], what)]
-        return self._submit(run, list(tensors), p2p=True)
+        return self._submit(run, list(tensors), p2p=True, prof=("recv", tensors))
 
     def recv_anysource(self, tensors, tag=0):
         raise UcclError("recv from any source is not supported by the uccl backend (as with "
@@ -718,7 +725,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             if n > 1:
                 one = torch.zeros(1, dtype=torch.uint8)
                 ctx.allgather(one, torch.empty(n, dtype=torch.uint8))
-        return self._submit(run, [], opts)
+        return self._submit(run, [], opts, prof=("barrier", []))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         work = self.barrier(None)
