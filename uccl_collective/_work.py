@@ -148,6 +148,11 @@ class Runner:
                 return
         self.drive(task, deadline, give_up=True)
 
+    def poison(self, why: str) -> None:
+        """Refuse new tasks from now on (the ranks' orders no longer agree)."""
+        with self._cv:
+            self._poisoned = self._poisoned or why
+
     def _run_head(self) -> None:
         """Under the lock, token free, queue not empty: run the head task
         without the lock."""

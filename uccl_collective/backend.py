@@ -16,18 +16,20 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _profiling, _reduce, _reduce_gpu
+from . import _barrier, _profiling, _reduce, _reduce_gpu
 from ._reduce import R
 from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
-from .p2p import UcclError
+from .p2p import UcclError, UcclTimeoutError
 
 BACKEND_NAME = "uccl"
+_SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
 
 
 def _timeout_s(timeout: Any) -> float:
@@ -728,8 +730,16 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return self._submit(run, [], opts, prof=("barrier", []))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        work = self.barrier(None)
-        work.wait(timeout if timeout is not None else datetime.timedelta(0))
+        """As Gloo's (_barrier.py): names the ranks that did not arrive."""
+        secs = _barrier.timeout_s(timeout, self._timeout)
+
+        def run():
+            try:
+                _barrier.run(self._ctx, self.rank(), self.size(), secs, wait_all_ranks)
+            except UcclTimeoutError as e:   # receives left posted: the order is lost
+                self._runner.poison(f"monitored_barrier failed ({e})")
+                raise
+        self._submit(run, [], _SYNC, prof=("monitored_barrier", []))
 
     def _shutdown(self, why: str) -> None:
         if self._closed:
