@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _barrier, _profiling, _reduce, _reduce_gpu
+from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse
 from ._reduce import R
 from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
@@ -161,6 +161,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                                       world_size=size, timeout_s=self._timeout,
                                       key_prefix=f"uccl_pg/gen{gen}/")
         self._ctx.init()
+        # send/recv on connections of their own (receive from any source)
+        self._chan = _anysource.Channel(CollectiveContext(
+            use_copy_engine_for_intra=True, store=store, rank=rank, world_size=size,
+            timeout_s=self._timeout, key_prefix=f"uccl_pg/gen{gen}/p2p/").init(), rank, size)
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         self._closed = False
         # [0]: the algorithms' scratch; [1]: working copies of inputs
@@ -421,6 +425,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         what = "all_reduce"
+        if _sparse.is_sparse(tensors):   # as Gloo (_sparse.py)
+            sp = _sparse.check(tensors, opts)
+            return self._submit(lambda: _sparse.allreduce(self._ctx, sp, self.rank(), self.size()),
+                                list(tensors), opts, prof=("sparse_all_reduce", tensors))
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
 
@@ -699,25 +707,38 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         dst = self._peer(dstRank, what)
         src = t.contiguous()
 
-        def run():
-            return [self._ctx._p2p([("send", src, dst)], what)]
-        return self._submit(run, list(tensors), p2p=True, prof=("send", tensors))
+        return self._submit(lambda: self._chan.send(src, dst), list(tensors), p2p=True,
+                            prof=("send", tensors))
 
-    def recv(self, tensors, srcRank, tag=0):
-        what = "recv"
+    def _recv_tensor(self, tensors, what: str) -> torch.Tensor:
         t = _one(tensors, what)
-        src = self._peer(srcRank, what)
         if not t.is_contiguous():
             raise ValueError(f"{what}: the receive tensor must be contiguous "
                              f"(shape={tuple(t.shape)}, stride={tuple(t.stride())})")
+        return t
 
-        def run():
-            return [self._ctx._p2p([("recv", t, src)], what)]
-        return self._submit(run, list(tensors), p2p=True, prof=("recv", tensors))
+    def recv(self, tensors, srcRank, tag=0):
+        what = "recv"
+        t = self._recv_tensor(tensors, what)
+        src = self._peer(srcRank, what)
+        return self._submit(lambda: self._chan.recv(t, src, time.monotonic() + self._timeout),
+                            list(tensors), p2p=True, prof=("recv", tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        raise UcclError("recv from any source is not supported by the uccl backend (as with "
-                        "NCCL): name the source rank")
+        """Receives the first message any rank sends (_anysource.py);
+        work._source_rank() (dist.recv's return value) is its sender."""
+        what = "recv (from any source)"
+        t = self._recv_tensor(tensors, what)
+        if self.size() < 2:
+            raise ValueError(f"{what}: the group has no other rank (size {self.size()})")
+        got: list = []
+
+        def run():
+            got.append(self._chan.recv_any(t))
+            return got
+        work = self._submit(run, list(tensors), p2p=True, prof=("recvAnySource", tensors))
+        work._task.source = lambda: got[0].src
+        return work
 
     # -- synchronisation and life cycle -----------------------------------------
     def barrier(self, opts=None):
@@ -746,6 +767,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             return
         self._closed = True
         self._ctx.finalize()   # fails what is in flight: every Work settles
+        self._chan.ctx.finalize()
         self._runner.close(why)
         self._par.close()
 
