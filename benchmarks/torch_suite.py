@@ -150,16 +150,27 @@ def list_tests(copy_dir: pathlib.Path) -> list[str]:
 
 
 def run_one(backend: str, ws: int, names: list[str], copy_dir: pathlib.Path,
-            out: pathlib.Path, device: str, timeout: float, test_timeout: int) -> dict:
+            out: pathlib.Path, device: str, timeout: float, test_timeout: int,
+            pre_skipped: dict | None = None) -> dict:
     """Runs the named tests; {test: record}.  Tests not reached before
-    timeout are recorded as "not run"."""
+    timeout are recorded as "not run"; those in pre_skipped ({test:
+    reason}) as skipped, without running them."""
     results = out / f"results_{backend}_ws{ws}.jsonl"
     results.unlink(missing_ok=True)
+    pre_skipped = {n: r for n, r in (pre_skipped or {}).items() if n in set(names)}
+    with open(results, "w") as f:
+        for n in names:
+            if n in pre_skipped:
+                f.write(json.dumps({"test": n, "status": "skipped", "reason": pre_skipped[n],
+                                    "seconds": 0}) + "\n")
+    names = [n for n in names if n not in pre_skipped]
     log = out / f"log_{backend}_ws{ws}.txt"
     env = _env(backend, ws, copy_dir, results, device, test_timeout)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="uccl_suite_") as tmp, open(log, "w") as lf:
         env["TEMP_DIR"] = tmp
+        if not names:   # all pre-skipped (the child, given no name, would run every test)
+            return _read(results)
         proc = subprocess.Popen([sys.executable, str(CHILD), *names], env=env, stdout=lf,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -168,7 +179,7 @@ def run_one(backend: str, ws: int, names: list[str], copy_dir: pathlib.Path,
             os.killpg(proc.pid, 9)
             proc.wait()
     got = _read(results)
-    for n in names:
+    for n in names + list(pre_skipped):
         got.setdefault(n, {"test": n, "status": "not run",
                            "reason": f"launcher timeout ({timeout:g} s) or crash: see {log.name}",
                            "seconds": 0})
@@ -195,6 +206,21 @@ def load(folder: pathlib.Path, backend: str, ws: int, names: list[str]) -> dict:
         got.setdefault(n, {"test": n, "status": "not run", "reason": f"not in {path}",
                            "seconds": 0})
     return got
+
+
+#: Skip reasons that depend on the machine, not on the backend.
+ENV_SKIP = re.compile(r"CUDA is not available|CUDA devices|GPUs? |multi-gpu|no_cuda", re.I)
+
+
+def env_skips(folder: pathlib.Path) -> dict:
+    """{test: reason} of the tests some earlier run in folder skipped for
+    want of CUDA or GPUs."""
+    out = {}
+    for path in sorted(folder.glob("results_*.jsonl")):
+        for n, r in _read(path).items():
+            if r["status"] == "skipped" and r["seconds"] > 0 and ENV_SKIP.search(r["reason"]):
+                out.setdefault(n, f"not run: {path.name} skipped it ({r['reason']})")
+    return out
 
 
 def _counts(res: dict) -> str:
@@ -263,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", default=None, metavar="DIR",
                    help="take the reference backend's (the second's) results from an earlier "
                         "run's output folder instead of running it again")
+    p.add_argument("--skip-env-skips", default=None, metavar="DIR",
+                   help="do not run the tests that an earlier run (its output folder) skipped "
+                        "for want of CUDA or GPUs (recorded as skipped, saying so): saves time "
+                        "on a CPU machine, where they skip for every backend")
     p.add_argument("--out", default=None, help="output folder (default: a new temp folder)")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds for each backend x world size run (default 3600)")
@@ -292,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             names = [n for n in names if "cuda" in n or "gpu" in n.lower()]
         if not names:
             raise SystemExit("no test selected")
+        pre = env_skips(pathlib.Path(args.skip_env_skips)) if args.skip_env_skips else {}
         all_res = {}
         for ws in world_sizes:
             for b in backends:
@@ -299,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     all_res[(b, ws)] = load(pathlib.Path(args.reference), b, ws, names)
                     continue
                 all_res[(b, ws)] = run_one(b, ws, names, copy_dir, out, args.device,
-                                           args.timeout, args.test_timeout)
+                                           args.timeout, args.test_timeout, pre)
     md = report(all_res, backends, world_sizes, argv, args.device)
     (out / "torch_suite.md").write_text(md)
     print(md)
