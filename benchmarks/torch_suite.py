@@ -66,12 +66,14 @@ for _l in (PROFILING_SUPPORTED_BACKENDS, CUDA_PROFILING_SUPPORTED_BACKENDS,
     _l.append("uccl")
 _UCCL_SHARE_GPU = os.environ.get("UCCL_SUITE_SHARE_GPU") == "1"
 if _UCCL_SHARE_GPU:
+    import functools as _functools
+
     # One GPU, shared by every rank: each rank's "GPUs" are [0].
     def init_multigpu_helper(world_size, backend):
         return {i: [0] for i in range(world_size)}
 
     def skip_if_no_gpu(func):
-        @wraps(func)
+        @_functools.wraps(func)
         def wrapper(*args, **kwargs):
             if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
                 sys.exit(TEST_SKIPS["no_cuda"].exit_code)
