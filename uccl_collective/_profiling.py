@@ -56,4 +56,7 @@ def end(handle: Any) -> None:
         if _closer is None:
             _closer = ThreadPoolExecutor(1, thread_name_prefix="uccl-profiler")
         closer = _closer
-    closer.submit(torch.autograd._record_function_with_args_exit, handle).result()
+    try:
+        closer.submit(torch.autograd._record_function_with_args_exit, handle).result()
+    except Exception:   # noqa: BLE001  (a profiler's trouble never fails the operation)
+        pass

@@ -161,10 +161,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                                       world_size=size, timeout_s=self._timeout,
                                       key_prefix=f"uccl_pg/gen{gen}/")
         self._ctx.init()
-        # send/recv on connections of their own (receive from any source)
-        self._chan = _anysource.Channel(CollectiveContext(
-            use_copy_engine_for_intra=True, store=store, rank=rank, world_size=size,
-            timeout_s=self._timeout, key_prefix=f"uccl_pg/gen{gen}/p2p/").init(), rank, size)
+        try:   # send/recv on connections of their own (receive from any source)
+            self._chan = _anysource.Channel(CollectiveContext(
+                use_copy_engine_for_intra=True, store=store, rank=rank, world_size=size,
+                timeout_s=self._timeout, key_prefix=f"uccl_pg/gen{gen}/p2p/").init(), rank, size)
+        except BaseException:
+            self._ctx.finalize()
+            raise
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         self._closed = False
         # [0]: the algorithms' scratch; [1]: working copies of inputs
