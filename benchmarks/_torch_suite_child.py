@@ -40,7 +40,11 @@ class TestDistBackendWithSpawn(_dt.TestDistBackend, _dt.DistributedTest._DistTes
 
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("UCCL_SUITE_START") == "fork":   # as torch's former
+            # test_distributed_fork.py (MultiProcessTestCase._fork_processes, gone from torch)
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
 
 

@@ -127,8 +127,9 @@ def make_copy(dest: pathlib.Path) -> list[str]:
 
 
 def _env(backend: str, ws: int, copy_dir: pathlib.Path, results: pathlib.Path,
-         device: str, test_timeout: int) -> dict:
+         device: str, test_timeout: int, start: str = "spawn") -> dict:
     env = dict(os.environ)
+    env["UCCL_SUITE_START"] = start
     env.update(BACKEND=backend, WORLD_SIZE=str(ws), UCCL_SUITE_COPY_DIR=str(copy_dir),
                UCCL_SUITE_RESULTS=str(results),
                DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(test_timeout),
@@ -153,7 +154,7 @@ def list_tests(copy_dir: pathlib.Path) -> list[str]:
 
 def run_one(backend: str, ws: int, names: list[str], copy_dir: pathlib.Path,
             out: pathlib.Path, device: str, timeout: float, test_timeout: int,
-            pre_skipped: dict | None = None) -> dict:
+            pre_skipped: dict | None = None, start: str = "spawn") -> dict:
     """Runs the named tests; {test: record}.  Tests not reached before
     timeout are recorded as "not run"; those in pre_skipped ({test:
     reason}) as skipped, without running them."""
@@ -167,7 +168,7 @@ def run_one(backend: str, ws: int, names: list[str], copy_dir: pathlib.Path,
                                     "seconds": 0}) + "\n")
     names = [n for n in names if n not in pre_skipped]
     log = out / f"log_{backend}_ws{ws}.txt"
-    env = _env(backend, ws, copy_dir, results, device, test_timeout)
+    env = _env(backend, ws, copy_dir, results, device, test_timeout, start)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="uccl_suite_") as tmp, open(log, "w") as lf:
         env["TEMP_DIR"] = tmp
@@ -295,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not run the tests that an earlier run (its output folder) skipped "
                         "for want of CUDA or GPUs (recorded as skipped, saying so): saves time "
                         "on a CPU machine, where they skip for every backend")
+    p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                   help="run nothing: write the report from the results_*.jsonl of earlier "
+                        "runs gathered in DIR")
+    p.add_argument("--start", choices=("spawn", "fork"), default="spawn",
+                   help="how the suite starts each test's ranks: spawn (torch's "
+                        "test_distributed_spawn.py; default) or fork (torch's former "
+                        "test_distributed_fork.py: the same tests, several times faster)")
     p.add_argument("--out", default=None, help="output folder (default: a new temp folder)")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds for each backend x world size run (default 3600)")
@@ -328,11 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         all_res = {}
         for ws in world_sizes:
             for b in backends:
+                if args.from_dir:
+                    all_res[(b, ws)] = load(pathlib.Path(args.from_dir), b, ws, names)
+                    continue
                 if args.reference and len(backends) >= 2 and b == backends[1]:
                     all_res[(b, ws)] = load(pathlib.Path(args.reference), b, ws, names)
                     continue
                 all_res[(b, ws)] = run_one(b, ws, names, copy_dir, out, args.device,
-                                           args.timeout, args.test_timeout, pre)
+                                           args.timeout, args.test_timeout, pre, args.start)
     md = report(all_res, backends, world_sizes, argv, args.device)
     (out / "torch_suite.md").write_text(md)
     print(md)
