@@ -38,14 +38,12 @@ CHILD = HERE / "_torch_suite_child.py"
 #: Tests torch itself reserves for Gloo by name, with the reason; their
 #: outcome with uccl is reported but not counted as a regression.
 RESERVED = {
-    "test_monitored_barrier_gloo": "dist.monitored_barrier raises for every backend but Gloo "
-                                   "(\"monitored_barrier is only implemented for GLOO backend\")",
+    "test_monitored_barrier_gloo": "calls dist.monitored_barrier, which raises for every backend "
+                                   "but Gloo (\"monitored_barrier is only implemented for GLOO "
+                                   "backend\"); the group's own method works",
     "test_monitored_barrier_gloo_subgroup": "as test_monitored_barrier_gloo",
-    "test_monitored_barrier_gloo_rank_0_timeout": "as test_monitored_barrier_gloo",
     "test_monitored_barrier_failure_order": "as test_monitored_barrier_gloo",
     "test_monitored_barrier_wait_all_ranks": "as test_monitored_barrier_gloo",
-    "test_monitored_barrier_allreduce_hang": "as test_monitored_barrier_gloo",
-    "test_monitored_barrier_allreduce_hang_wait_all_ranks": "as test_monitored_barrier_gloo",
 }
 
 # (pattern, replacement, required): applied to distributed_test.py's text.

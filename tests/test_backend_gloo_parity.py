@@ -220,7 +220,7 @@ def _run(rank, ws, port):
     def mb_zero():
         err, took = late_barrier({1}, 0, False, sleep_s=1.0)
         if rank == 0:
-            assert err is not None and "Rank 1 failed to pass monitoredBarrier in 0 ms" in \
+            assert err is not None and "Rank 0 timed out in monitoredBarrier after 0 ms" in \
                 str(err), f"rank 0 got {err!r}"
             assert took < 0.5, f"a zero timeout took {took:.2f} s"
 
