@@ -1,7 +1,8 @@
 """What torch's distributed suite found missing against Gloo, each checked
 against a Gloo group in the same job: receive from any source (mixed with
 named receives and collectives, nothing lost or taken out of order),
-all_reduce of sparse COO tensors, profiler events ("uccl:all_reduce"...
+all_reduce of sparse COO tensors (and DDP's sparse embedding gradients),
+profiler events ("uccl:all_reduce"...
 as Gloo's "gloo:all_reduce"), and the group's monitored_barrier (the late
 rank named, a zero timeout failing at once, wait_all_ranks).  One job of 3
 ranks; every wait is bounded by the harness."""
@@ -14,7 +15,7 @@ import pytest
 from test_collective import _launch, _raises
 
 PLAN = ["any-source", "any-source-order", "any-source-size-mismatch", "sparse", "sparse-errors",
-        "profiler", "monitored-barrier-late", "monitored-barrier-zero",
+        "ddp-sparse-embedding", "profiler", "monitored-barrier-late", "monitored-barrier-zero",
         "monitored-barrier-all-ranks"]
 
 
@@ -160,6 +161,28 @@ def _run(rank, ws, port):
         dist.all_reduce(x)
         assert x.tolist() == [float(ws)] * 3
 
+    def ddp_sparse():
+        # DDP all-reduces an Embedding(sparse=True)'s sparse gradient: the
+        # same training step through uccl and through Gloo
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        torch.manual_seed(5)
+        base = torch.nn.Sequential(torch.nn.Embedding(50, 6, sparse=True), torch.nn.Linear(6, 2))
+        models = {}
+        for name, grp in (("uccl", None), ("gloo", gloo)):
+            m = torch.nn.Sequential(torch.nn.Embedding(50, 6, sparse=True), torch.nn.Linear(6, 2))
+            m.load_state_dict(base.state_dict())
+            models[name] = DDP(m, process_group=grp)
+        g = torch.Generator().manual_seed(40 + rank)
+        idx = torch.randint(0, 50, (8, 3), generator=g)
+        for name, m in models.items():
+            m(idx).sum().backward()
+        gu = models["uccl"].module[0].weight.grad
+        gg = models["gloo"].module[0].weight.grad
+        assert gu.layout == torch.sparse_coo, gu.layout
+        assert torch.allclose(gu.to_dense(), gg.to_dense(), rtol=1e-6, atol=1e-6), "sparse grad"
+        lu, lg = models["uccl"].module[1].weight.grad, models["gloo"].module[1].weight.grad
+        assert torch.allclose(lu, lg, rtol=1e-6, atol=1e-6), "dense grad"
+
     def profiler():
         from torch.autograd.profiler import profile
         for grp, name in ((None, "uccl"), (gloo, "gloo")):
@@ -233,7 +256,7 @@ def _run(rank, ws, port):
                 in str(err), f"rank 0 got {err!r}"
 
     for name, fn in zip(PLAN, [any_source, any_source_order, size_mismatch, sparse,
-                               sparse_errors, profiler, mb_late, mb_zero, mb_all]):
+                               sparse_errors, ddp_sparse, profiler, mb_late, mb_zero, mb_all]):
         case(name, fn)
     dist.destroy_process_group()
     return out
