@@ -2,9 +2,9 @@
 against a Gloo group in the same job: receive from any source (mixed with
 named receives and collectives, nothing lost or taken out of order),
 all_reduce of sparse COO tensors (and DDP's sparse embedding gradients),
-profiler events ("uccl:all_reduce"...
-as Gloo's "gloo:all_reduce"), and the group's monitored_barrier (the late
-rank named, a zero timeout failing at once, wait_all_ranks).  One job of 3
+profiler events ("uccl:all_reduce"... as Gloo's "gloo:all_reduce"), and
+the group's monitored_barrier (the late rank named, a zero timeout failing
+at once, wait_all_ranks).  One job of 3
 ranks; every wait is bounded by the harness."""
 from __future__ import annotations
 
