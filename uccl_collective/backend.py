@@ -3,13 +3,13 @@ through this package's C engine (shared memory within a host, TCP across).
 
 ``import uccl_collective`` registers it; then ``init_process_group("uccl")``
 works under torchrun and every ``dist.*`` collective returns what Gloo
-returns.  Each group (the world, every ``new_group``) has its own
-CollectiveContext, bootstrapped through the store torch hands the creator.
-
-Ordering follows NCCL: on every rank the group's operations, point-to-point
-ones included, reach a peer in the order they were issued, and are matched
-in that order (``tag`` is not used for matching).  Reductions are computed
-with torch on the receiving rank (_reduce.py).
+returns.  Each group (the world, every ``new_group``) has two
+CollectiveContexts, bootstrapped through the store torch hands the creator:
+one for collectives, one for send/recv (_anysource.py: receive from any
+source).  Ordering follows NCCL: on every rank the group's operations reach
+a peer in the order they were issued, and are matched in that order (``tag``
+is not used for matching).  Reductions are computed with torch on the
+receiving rank (_reduce.py).
 """
 from __future__ import annotations
 
