@@ -72,7 +72,9 @@ def _run(rank, ws, port):
                     assert torch.equal(t, payload(src, k, 64)), f"rank {src} message {k}"
         else:
             dist.send(payload(rank, 0, 64), 0)
-            dist.isend(payload(rank, 1, 64), 0).wait()
+            w = dist.isend(payload(rank, 1, 64), 0)
+            w.wait()
+            _raises(lambda: w._source_rank(), ValueError, "not a receive from any source")
         x = payload(rank, 9, 1000)
         ref = x.clone()
         dist.all_reduce(x)
