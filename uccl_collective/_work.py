@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import _profiling
 from .p2p import UcclError, UcclTimeoutError
 
 #: Runner.submit's run_now for point-to-point posts: run here only when
@@ -39,12 +40,15 @@ IF_IDLE = "if-idle"
 
 
 class Task:
-    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device")
+    __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device", "prof",
+                 "source")
 
     def __init__(self, fn: Callable[[], list | None] | None, result: list,
-                 device: int | None = None):
+                 device: int | None = None, prof: Any = None):
         self.fn, self.result = fn, result
         self.device = device          # CUDA device of its tensors, or None
+        self.prof = prof              # its open profiler event (_profiling), or None
+        self.source: Callable[[], int] | None = None   # recv from any source: the sender
         self.ran = False
         self.error: BaseException | None = None
         self.pending: list = []       # Handles the task left in flight
@@ -57,6 +61,10 @@ class Task:
         done, error or not."""
         if self.pending and not self._settle_handles(deadline):
             return False
+        if self.prof is not None:
+            with self.lock:
+                prof, self.prof = self.prof, None
+            _profiling.end(prof)
         self.finish_future()
         return True
 
@@ -139,6 +147,11 @@ class Runner:
                 self._cv.notify_all()
                 return
         self.drive(task, deadline, give_up=True)
+
+    def poison(self, why: str) -> None:
+        """Refuse new tasks from now on (the ranks' orders no longer agree)."""
+        with self._cv:
+            self._poisoned = self._poisoned or why
 
     def _run_head(self) -> None:
         """Under the lock, token free, queue not empty: run the head task
@@ -295,7 +308,14 @@ class Work(dist._Work):
         return self._task.result
 
     def source_rank(self) -> int:
-        raise UcclError("source_rank: this backend has no receive-from-any-source")
+        """The rank a receive from any source took its message from (as
+        Gloo's; torch's dist.recv(src=None) returns it)."""
+        if self._task.source is None:
+            raise ValueError("source_rank: this Work is not a receive from any source")
+        self.wait()
+        return self._task.source()
+
+    _source_rank = source_rank
 
     def get_future(self) -> torch.futures.Future:
         return self._runner.future_of(self._task)

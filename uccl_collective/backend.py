@@ -3,31 +3,33 @@ through this package's C engine (shared memory within a host, TCP across).
 
 ``import uccl_collective`` registers it; then ``init_process_group("uccl")``
 works under torchrun and every ``dist.*`` collective returns what Gloo
-returns.  Each group (the world, every ``new_group``) has its own
-CollectiveContext, bootstrapped through the store torch hands the creator.
-
-Ordering follows NCCL: on every rank the group's operations, point-to-point
-ones included, reach a peer in the order they were issued, and are matched
-in that order (``tag`` is not used for matching).  Reductions are computed
-with torch on the receiving rank (_reduce.py).
+returns.  Each group (the world, every ``new_group``) has two
+CollectiveContexts, bootstrapped through the store torch hands the creator:
+one for collectives, one for send/recv (_anysource.py: receive from any
+source).  Ordering follows NCCL: on every rank the group's operations reach
+a peer in the order they were issued, and are matched in that order (``tag``
+is not used for matching).  Reductions are computed with torch on the
+receiving rank (_reduce.py).
 """
 from __future__ import annotations
 
 import datetime
 import threading
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _reduce, _reduce_gpu
+from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse
 from ._reduce import R
 from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
-from .p2p import UcclError
+from .p2p import UcclError, UcclTimeoutError
 
 BACKEND_NAME = "uccl"
+_SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
 
 
 def _timeout_s(timeout: Any) -> float:
@@ -159,6 +161,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                                       world_size=size, timeout_s=self._timeout,
                                       key_prefix=f"uccl_pg/gen{gen}/")
         self._ctx.init()
+        try:   # send/recv on connections of their own (receive from any source)
+            self._chan = _anysource.Channel(CollectiveContext(
+                use_copy_engine_for_intra=True, store=store, rank=rank, world_size=size,
+                timeout_s=self._timeout, key_prefix=f"uccl_pg/gen{gen}/p2p/").init(), rank, size)
+        except BaseException:
+            self._ctx.finalize()
+            raise
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         self._closed = False
         # [0]: the algorithms' scratch; [1]: working copies of inputs
@@ -209,18 +218,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- task plumbing ----------------------------------------------------------
     def _submit(self, fn: Callable[[], list | None], result: list, opts: Any = None,
-                p2p: bool = False, uses: Sequence = ()) -> Work:
+                p2p: bool = False, uses: Sequence = (), prof: tuple = ("", ())) -> Work:
         """Queue fn (the runner runs it in issue order).  A blocking call
         (opts.asyncOp False) runs it here and raises its error at once.
         result and uses hold the operation's tensors (lists of them too):
-        on CUDA tensors it runs stream-ordered (_on_gpu)."""
+        on CUDA tensors it runs stream-ordered (_on_gpu).  prof: the
+        operation's profiler name and input tensors (_profiling)."""
         if self._closed:
             raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         dev = _cuda_device(result, uses)
         if dev is not None:
             fn = self._on_gpu(fn, dev, sync)
-        task = Task(fn, result, dev)
+        task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
@@ -289,7 +299,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             ctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
             for s in staged:
                 s.back()
-        return self._submit(run, output_tensors, opts, uses=[inp])
+        return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
 
     def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
         out, inp = _tensor(out, f"{what} output"), _tensor(inp, f"{what} input")
@@ -309,7 +319,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
-        return self._submit(run, [output_tensor], opts, uses=[input_tensor])
+        return self._submit(run, [output_tensor], opts, uses=[input_tensor],
+                            prof=("all_gather_into_tensor", [input_tensor]))
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self._allgather_base(output_tensor, input_tensor, opts)
@@ -323,7 +334,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         def run():
             for r in runs:
                 r()
-        return self._submit(run, list(outputs), opts, uses=list(inputs))
+        return self._submit(run, list(outputs), opts, uses=list(inputs),
+                            prof=("all_gather_into_tensor_coalesced", list(inputs)))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
@@ -358,7 +370,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                     # cloned: a view as o's dtype needs an aligned offset
                     o.copy_(got[off:off + nb].clone().view(o.dtype).reshape(o.shape))
                     off += nb
-        return self._submit(run, output_lists, opts, uses=ins)
+        return self._submit(run, output_lists, opts, uses=ins, prof=("all_gather", ins))
 
     # -- reductions ---------------------------------------------------------------
     def _reduce_fn(self, opts: Any, dtype: torch.dtype, what: str):
@@ -416,6 +428,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         what = "all_reduce"
+        if _sparse.is_sparse(tensors):   # as Gloo (_sparse.py)
+            sp = _sparse.check(tensors, opts)
+            return self._submit(lambda: _sparse.allreduce(self._ctx, sp, self.rank(), self.size()),
+                                list(tensors), opts, prof=("sparse_all_reduce", tensors))
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
 
@@ -423,13 +439,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             s = _Staged(t)
             self._allreduce_flat(s.t.reshape(-1), op)
             s.back()
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("all_reduce", tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         what = "all_reduce_coalesced"
         ts = [_tensor(t, what) for t in tensors]
         if not ts:
-            return self._submit(lambda: None, [], opts)
+            return self._submit(lambda: None, [], opts, prof=("all_reduce_coalesced", []))
         _same_dtype(ts, ts[0].dtype, what)
         op = self._reduce_fn(opts, ts[0].dtype, what)
 
@@ -440,7 +456,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view(t.shape))
                 off += t.numel()
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("all_reduce_coalesced", tensors))
 
     def reduce(self, tensors, opts=None):
         what = "reduce"
@@ -453,7 +469,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._allreduce_flat(work, op)
             if self.rank() == root:
                 t.copy_(work.view(t.shape))
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("reduce", tensors))
 
     def _rs_input(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A reduce-scatter's input as one flat tensor: on CUDA a lone
@@ -501,7 +517,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
-            [output_tensor], opts, uses=[input_tensor])
+            [output_tensor], opts, uses=[input_tensor],
+            prof=("reduce_scatter_tensor", [output_tensor]))
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self._reduce_scatter_base(output_tensor, input_tensor, opts)
@@ -515,7 +532,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         def run():
             for o, i, op in checked:
                 self._reduce_scatter_flat(o, self._rs_input([i], i.dtype), op, what)
-        return self._submit(run, list(outputs), opts, uses=list(inputs))
+        return self._submit(run, list(outputs), opts, uses=list(inputs),
+                            prof=("reduce_scatter_tensor_coalesced", list(outputs)))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
@@ -529,7 +547,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         op = self._reduce_fn(opts, out.dtype, what)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input(ins, out.dtype), op, what),
-            list(output_tensors), opts, uses=ins)
+            list(output_tensors), opts, uses=ins, prof=("reduce_scatter", input_tensors))
 
     # -- rooted and personalised ----------------------------------------------
     def _root(self, opts: Any, what: str) -> int:
@@ -553,7 +571,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._star(what, root, [s.t] * n, s.t, to_root=False)
             if me != root:
                 s.back()
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, prof=("broadcast", tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
@@ -567,7 +585,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
             for s in staged:
                 s.back()
-        return self._submit(run, output_tensors, opts, uses=[inp])
+        return self._submit(run, output_tensors, opts, uses=[inp], prof=("gather", [inp]))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
@@ -580,7 +598,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             s = _Staged(out, copy_in=False)
             self._star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
             s.back()
-        return self._submit(run, list(output_tensors), opts, uses=ins)
+        return self._submit(run, list(output_tensors), opts, uses=ins, prof=("scatter", ins))
 
     def _star(self, what: str, root: int, at_root: list[torch.Tensor], mine: torch.Tensor,
               to_root: bool) -> None:
@@ -647,7 +665,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
             self._exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
             s.back()
-        return self._submit(run, [output_tensor], opts, uses=[inp])
+        return self._submit(run, [output_tensor], opts, uses=[inp],
+                            prof=("all_to_all", [input_tensor]))
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes,
                           input_split_sizes, opts=None):
@@ -674,7 +693,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
             for s in staged:
                 s.back()
-        return self._submit(run, list(output_tensors), opts, uses=ins)
+        return self._submit(run, list(output_tensors), opts, uses=ins,
+                            prof=("all_to_all", input_tensors))
 
     # -- point to point -------------------------------------------------------
     def _peer(self, peer: int, what: str) -> int:
@@ -690,25 +710,38 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         dst = self._peer(dstRank, what)
         src = t.contiguous()
 
-        def run():
-            return [self._ctx._p2p([("send", src, dst)], what)]
-        return self._submit(run, list(tensors), p2p=True)
+        return self._submit(lambda: self._chan.send(src, dst), list(tensors), p2p=True,
+                            prof=("send", tensors))
 
-    def recv(self, tensors, srcRank, tag=0):
-        what = "recv"
+    def _recv_tensor(self, tensors, what: str) -> torch.Tensor:
         t = _one(tensors, what)
-        src = self._peer(srcRank, what)
         if not t.is_contiguous():
             raise ValueError(f"{what}: the receive tensor must be contiguous "
                              f"(shape={tuple(t.shape)}, stride={tuple(t.stride())})")
+        return t
 
-        def run():
-            return [self._ctx._p2p([("recv", t, src)], what)]
-        return self._submit(run, list(tensors), p2p=True)
+    def recv(self, tensors, srcRank, tag=0):
+        what = "recv"
+        t = self._recv_tensor(tensors, what)
+        src = self._peer(srcRank, what)
+        return self._submit(lambda: self._chan.recv(t, src, time.monotonic() + self._timeout),
+                            list(tensors), p2p=True, prof=("recv", tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        raise UcclError("recv from any source is not supported by the uccl backend (as with "
-                        "NCCL): name the source rank")
+        """Receives the first message any rank sends (_anysource.py);
+        work._source_rank() (dist.recv's return value) is its sender."""
+        what = "recv (from any source)"
+        t = self._recv_tensor(tensors, what)
+        if self.size() < 2:
+            raise ValueError(f"{what}: the group has no other rank (size {self.size()})")
+        got: list = []
+
+        def run():
+            got.append(self._chan.recv_any(t))
+            return got
+        work = self._submit(run, list(tensors), p2p=True, prof=("recvAnySource", tensors))
+        work._task.source = lambda: got[0].src
+        return work
 
     # -- synchronisation and life cycle -----------------------------------------
     def barrier(self, opts=None):
@@ -718,17 +751,26 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             if n > 1:
                 one = torch.zeros(1, dtype=torch.uint8)
                 ctx.allgather(one, torch.empty(n, dtype=torch.uint8))
-        return self._submit(run, [], opts)
+        return self._submit(run, [], opts, prof=("barrier", []))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        work = self.barrier(None)
-        work.wait(timeout if timeout is not None else datetime.timedelta(0))
+        """As Gloo's (_barrier.py): names the ranks that did not arrive."""
+        secs = _barrier.timeout_s(timeout, self._timeout)
+
+        def run():
+            try:
+                _barrier.run(self._ctx, self.rank(), self.size(), secs, wait_all_ranks)
+            except UcclTimeoutError as e:   # receives left posted: the order is lost
+                self._runner.poison(f"monitored_barrier failed ({e})")
+                raise
+        self._submit(run, [], _SYNC, prof=("monitored_barrier", []))
 
     def _shutdown(self, why: str) -> None:
         if self._closed:
             return
         self._closed = True
         self._ctx.finalize()   # fails what is in flight: every Work settles
+        self._chan.ctx.finalize()
         self._runner.close(why)
         self._par.close()
 

@@ -1,0 +1,62 @@
+"""Profiler events for the process group's operations, named as Gloo's and
+NCCL's are (``uccl:all_reduce``, ``uccl:send``, ``uccl:recvAnySource``...).
+
+torch's C++ backends open a RecordFunction with the operation's input
+tensors when the Work is made and close it when the Work completes, on the
+backend's own thread: the profiler then shows an asynchronous event whose
+input shapes are the tensors'.  Here ``begin`` opens one on the calling
+thread (only while a profiler is running: otherwise it costs one check),
+and ``end`` closes it from a helper thread, so the event is asynchronous
+as torch's backends' are (tools and torch's own tests expect
+``is_async``), and waits for that, so the event is complete when the
+operation counts as done.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+PREFIX = "uccl:"
+
+_closer: ThreadPoolExecutor | None = None
+_closer_lock = threading.Lock()
+
+
+def _tensors(xs: Any) -> list[torch.Tensor]:
+    """The tensors in xs (nested lists), in order; complex ones as torch's
+    backends record them (torch passes their real view)."""
+    out: list[torch.Tensor] = []
+    stack = [xs]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            out.append(torch.view_as_real(x) if x.is_complex() else x)
+        elif isinstance(x, (list, tuple)):
+            stack[0:0] = list(x)
+    return out
+
+
+def begin(op: str, inputs: Sequence = ()) -> Any:
+    """Opens the event "uccl:<op>" with inputs' shapes when a profiler is
+    running; returns its handle, or None."""
+    if not torch.autograd._profiler_enabled():
+        return None
+    return torch.autograd._record_function_with_args_enter(PREFIX + op, *_tensors(inputs))
+
+
+def end(handle: Any) -> None:
+    """Closes the event begun by begin() (None: nothing), on another thread."""
+    global _closer
+    if handle is None:
+        return
+    with _closer_lock:
+        if _closer is None:
+            _closer = ThreadPoolExecutor(1, thread_name_prefix="uccl-profiler")
+        closer = _closer
+    try:
+        closer.submit(torch.autograd._record_function_with_args_exit, handle).result()
+    except Exception:   # noqa: BLE001  (a profiler's trouble never fails the operation)
+        pass
