@@ -110,6 +110,9 @@ def make_copy(dest: pathlib.Path) -> list[str]:
     if _PRELUDE_AT not in src:
         raise SystemExit(f"torch_suite: {_PRELUDE_AT.strip()!r} not found in {path}")
     src = src.replace(_PRELUDE_AT, _PRELUDE_AT + _PRELUDE, 1)
+    # tests that pick the device by rank (torch.cuda.set_device(self.rank))
+    src = src.replace("torch.cuda.set_device(self.rank)",
+                      "torch.cuda.set_device(0 if _UCCL_SHARE_GPU else self.rank)")
     if _GPU_COUNT[0] in src:
         src = src.replace(*_GPU_COUNT)
     else:

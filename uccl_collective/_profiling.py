@@ -5,11 +5,13 @@ torch's C++ backends open a RecordFunction with the operation's input
 tensors when the Work is made and close it when the Work completes, on the
 backend's own thread: the profiler then shows an asynchronous event whose
 input shapes are the tensors'.  Here ``begin`` opens one on the calling
-thread (only while a profiler is running: otherwise it costs one check),
-and ``end`` closes it from a helper thread, so the event is asynchronous
-as torch's backends' are (tools and torch's own tests expect
-``is_async``), and waits for that, so the event is complete when the
-operation counts as done.
+thread (only while a profiler is running: otherwise it costs one check)
+and ties its end to a torch Future (the profiler's own way for events that
+end elsewhere, which RPC uses); ``end`` completes that Future from a helper
+thread, so the event is asynchronous as torch's backends' are (tools and
+torch's own tests expect ``is_async``), and waits for it, so the event is
+complete when the operation counts as done.  (Closing the RecordFunction
+itself on another thread loses the event in CUDA builds of torch 2.11.)
 """
 from __future__ import annotations
 
@@ -44,7 +46,9 @@ def begin(op: str, inputs: Sequence = ()) -> Any:
     running; returns its handle, or None."""
     if not torch.autograd._profiler_enabled():
         return None
-    return torch.autograd._record_function_with_args_enter(PREFIX + op, *_tensors(inputs))
+    rf = torch.autograd._record_function_with_args_enter(PREFIX + op, *_tensors(inputs))
+    fut = torch.futures.Future()
+    return fut, torch.ops.profiler._call_end_callbacks_on_jit_fut(rf, fut)
 
 
 def end(handle: Any) -> None:
@@ -56,7 +60,9 @@ def end(handle: Any) -> None:
         if _closer is None:
             _closer = ThreadPoolExecutor(1, thread_name_prefix="uccl-profiler")
         closer = _closer
+    fut, ended = handle
     try:
-        closer.submit(torch.autograd._record_function_with_args_exit, handle).result()
+        closer.submit(fut.set_result, None).result()
+        ended.wait()
     except Exception:   # noqa: BLE001  (a profiler's trouble never fails the operation)
         pass
