@@ -645,6 +645,8 @@ def scenario_matrix(R: Rank, names: list[str]) -> dict:
                          "'hosts' or UCCL_P2P_TRANSPORT=tcp)")
         if want == "same-host" and tp == "tcp":
             probs.append("conn_transport() is 'tcp' between two processes of one host")
+        if want not in ("tcp", "same-host") and tp != want:
+            probs.append(f"conn_transport() is {tp!r}, want {want!r}")
         return probs
 
     run.run("setup", setup)

@@ -270,6 +270,14 @@ TCP_VIA = {
                               {"UCCL_P2P_HOST_ID": "uccl-gpu-test-host-b"}]),
     "transport_env": dict(env={"UCCL_P2P_TRANSPORT": "tcp"}),
 }
+
+
+def _rdma_env() -> dict:
+    """RDMA through the verbs emulator (tests/ibv_emu), which, as a NIC
+    without GPUDirect, cannot register device memory: GPU memory is staged
+    through page-locked host memory."""
+    import _ibv_emu
+    return _ibv_emu.env()
 TCP_CASES = W.case_names("matrix", {"plan": _tcp_plan_args()})
 
 
@@ -283,6 +291,18 @@ def test_tcp(via, case):
     res = _run("matrix", 2, ("tcp", via), timeout=120, **TCP_VIA[via],
                params=_params(plan=_tcp_plan_args(), expect_transport="tcp"))
     check(res, case, f"tcp via {via}")
+
+
+@pytest.mark.parametrize("case", TCP_CASES)
+def test_rdma_staged(case):
+    """The same cells over the RDMA transport through the verbs emulator,
+    which cannot register GPU memory (as a NIC without GPUDirect): GPU
+    memory is staged through page-locked host memory on each side; every
+    byte checked; 'setup' checks conn_transport() is 'rdma'."""
+    _needs_gpu()
+    res = _run("matrix", 2, ("rdma",), timeout=150, env=_rdma_env(),
+               params=_params(plan=_tcp_plan_args(), expect_transport="rdma"))
+    check(res, case, "rdma (emulator, staged)")
 
 
 # --------------------------------------------------------------------------

@@ -43,6 +43,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include "ibv_emu.h"
 
@@ -210,9 +212,27 @@ uint32_t emu_random_key(void)
     return k ? k : 1;
 }
 
+/* Can this process's CPU read [addr, +len)?  A NIC without GPUDirect
+ * (nvidia-peermem) cannot register device memory either: ibv_reg_mr fails
+ * with EFAULT, and the engine stages through host memory.  The first and
+ * last byte stand for the range (device memory is never CPU-mapped). */
+static int cpu_readable(const void *addr, size_t len)
+{
+    if (!len)
+        return 1;
+    char b;
+    const char *ends[2] = {addr, (const char *)addr + len - 1};
+    for (int i = 0; i < 2; i++) {
+        struct iovec to = {&b, 1}, from = {(void *)ends[i], 1};
+        if (process_vm_readv(getpid(), &to, 1, &from, 1, 0) != 1)
+            return 0;
+    }
+    return 1;
+}
+
 EXPORT struct ibv_mr_s *ibv_reg_mr(struct ibv_pd_s *pd, void *addr, size_t len, int access)
 {
-    if (!addr && len) {
+    if ((!addr && len) || !cpu_readable(addr, len)) {
         errno = EFAULT;
         return NULL;
     }
