@@ -293,16 +293,34 @@ def test_tcp(via, case):
     check(res, case, f"tcp via {via}")
 
 
-@pytest.mark.parametrize("case", TCP_CASES)
-def test_rdma_staged(case):
-    """The same cells over the RDMA transport through the verbs emulator,
-    which cannot register GPU memory (as a NIC without GPUDirect): GPU
-    memory is staged through page-locked host memory on each side; every
+# What the RDMA transport stages (a NIC that cannot register GPU memory):
+# the moves a buffer's own side makes.  A send or write INTO a peer's GPU
+# memory, or a read FROM it, is refused by name there (README, "RDMA").
+def _rdma_plans() -> dict:
+    sizes = [0, 1, 4097, 64 * W.MiB]
+    if DRY and not HAVE_CUDA:
+        sizes = [0, 1, 4097, W.MiB + 3]
+    common = dict(sizes=sizes, big=False, mixed=False)
+    return {"push": dict(cells=[["gpu", "pinned"], ["gpu", "pageable"]],
+                         ops=["send", "send_async", "sendv", "write"], **common),
+            "pull": dict(cells=[["pinned", "gpu"], ["pageable", "gpu"]], ops=["read"], **common)}
+
+
+RDMA_CASES = [(way, c) for way, plan in _rdma_plans().items()
+              for c in W.case_names("matrix", {"plan": plan})]
+
+
+@pytest.mark.parametrize("way,case", RDMA_CASES, ids=[f"{w}-{c}" for w, c in RDMA_CASES])
+def test_rdma_staged(way, case):
+    """GPU memory over the RDMA transport through the verbs emulator, which
+    cannot register GPU memory (as a NIC without GPUDirect): a GPU source
+    sent or written to host memory, and host memory read into a GPU buffer,
+    staged through page-locked memory by the GPU buffer's own side; every
     byte checked; 'setup' checks conn_transport() is 'rdma'."""
     _needs_gpu()
-    res = _run("matrix", 2, ("rdma",), timeout=150, env=_rdma_env(),
-               params=_params(plan=_tcp_plan_args(), expect_transport="rdma"))
-    check(res, case, "rdma (emulator, staged)")
+    res = _run("matrix", 2, ("rdma", way), timeout=150, env=_rdma_env(),
+               params=_params(plan=_rdma_plans()[way], expect_transport="rdma"))
+    check(res, case, f"rdma (emulator, staged), {way}")
 
 
 # --------------------------------------------------------------------------
