@@ -16,7 +16,10 @@
 # PACK=1 packs coll/ into $out/coll_logs.tgz and removes the folder (for the
 # device tool, which brings back at most 8 files).  Every step runs under
 # `timeout`, capped so that the whole script ends within BUDGET_S seconds
-# (default 530: under 9 minutes) whatever hangs.  Everything runs under
+# (default 530: under 9 minutes) whatever hangs.  TEST_FILES: the test files
+# (default tests/test_gpu_collective.py), one step each; NPROCS: the process
+# counts (default "2 4"); BENCHES: only these benchmark runs (ag_ipc,
+# ag_ipc_own, ag_64k, ag_gloo, pg_allgather, pg_allreduce, overhead).  Everything runs under
 # CUDA MPS (the daemon is started here and stopped at the end; MPS=0 runs
 # without): processes sharing one GPU then run their work side by side
 # instead of time-slicing the GPU.  Without MPS, a copy waited for on the
@@ -57,12 +60,11 @@ step() {
 }
 
 if [ "${TESTS:-1}" = 1 ]; then
-  if [ -f tests/test_gpu_collective.py ]; then
-    step tests "${TEST_TIMEOUT:-180}" python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_collective.py
-    tail -5 "$logs/tests.log" 2>/dev/null
-  else
-    echo "tests: tests/test_gpu_collective.py is missing in this tree; skipped"
-  fi
+  for f in ${TEST_FILES:-tests/test_gpu_collective.py}; do   # one step (and log) per file
+    name=tests_$(basename "$f" .py)
+    step "$name" "${TEST_TIMEOUT:-180}" python3 -m pytest -q -rfs -p no:cacheprovider "$f"
+    tail -3 "$logs/$name.log" 2>/dev/null
+  done
 fi
 
 if [ "${BENCH:-1}" = 1 ]; then
@@ -70,13 +72,14 @@ if [ "${BENCH:-1}" = 1 ]; then
   bench() {  # bench NAME NPROC LIMIT_S benchmark_uccl_collective.py args...
     local name=$1 n=$2 limit=$3
     shift 3
+    case " ${BENCHES:-$name} " in *" $name "*) ;; *) return 0 ;; esac   # BENCHES: run only these
     step "${name}_n$n" "$limit" torchrun --nproc_per_node "$n" $B --device gpu --timeout 60 \
       --json "$logs/${name}_n$n.json" "$@"
     # our figures and the reference's, or the benchmark's own error (once)
     grep -E "^\[Rank 0\]|^ +[a-z-]+ busbw|benchmark_uccl_collective.py: error|^\[Rank [0-9]+\] .*(wrong|differs)|^[A-Za-z]*Error: " \
       "$logs/${name}_n$n.log" 2>/dev/null | awk '!seen[$0]++' | head -20
   }
-  for n in 2 4; do
+  for n in ${NPROCS:-2 4}; do
     bench ag_ipc "$n" 100 --compare ipc-copy --sizes 64K,1M,16M,64M,256M
     # the same against the copies an out-of-place allgather makes (its own chunk too)
     bench ag_ipc_own "$n" 60 --compare ipc-copy --ipc-own-copy --sizes 16M,64M,256M
@@ -89,7 +92,7 @@ if [ "${BENCH:-1}" = 1 ]; then
       --sizes 1M,16M,64M,256M --iters 5 --warmup 1
     bench pg_allreduce "$n" 100 --backend uccl --op allreduce --compare gloo \
       --sizes 1M,16M,64M,256M --iters 5 --warmup 1
-    if [ "$n" = 2 ]; then
+    if [ "$n" = 2 ] && [[ " ${BENCHES:-overhead} " == *" overhead "* ]]; then
       step overhead_n2 90 torchrun --nproc_per_node 2 benchmarks/overhead.py --device gpu \
         --iters 2000 --profile "$logs/overhead_profile.txt" --json "$logs/overhead_n2.json"
       grep -vE "^W[0-9]{4} " "$logs/overhead_n2.log" | head -20
