@@ -12,7 +12,7 @@ of one commit from GitHub into a temporary folder (it needs the network),
 files side by side).  Each file is copied into a temporary folder, its
 imports rewritten, and run as upstream runs it (python, or torchrun with the
 number of ranks it needs) under a timeout.  What a file needs that this
-machine lacks (a GPU, several GPUs, an RDMA NIC) is checked first and the
+machine lacks (a GPU, several GPUs, a Python package) is checked first and the
 file reported as "not run" with the reason; every other outcome is the
 file's own exit status (and a traceback in its output, since upstream's
 scripts often exit 0 when a child process failed).  A table (and --markdown/--json files) says which
@@ -133,6 +133,8 @@ def machine() -> dict:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         pass
+    # recorded with the results (no entry needs a NIC: this package runs
+    # upstream's files over TCP, shared memory and CUDA IPC)
     rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
     return dict(gpus=gpus, rdma=rdma)
 
