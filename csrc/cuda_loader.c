@@ -74,6 +74,12 @@ static void load(void)
         SYM(DeviceGetPCIBusId, "cuDeviceGetPCIBusId"),
         SYM(DeviceGetByPCIBusId, "cuDeviceGetByPCIBusId"),
         SYM(DeviceGetCount, "cuDeviceGetCount"),
+        SYM(DeviceGetAttribute, "cuDeviceGetAttribute"),
+        SYM(ModuleLoadData, "cuModuleLoadData"), SYM(ModuleUnload, "cuModuleUnload"),
+        SYM(ModuleGetFunction, "cuModuleGetFunction"), SYM(LaunchKernel, "cuLaunchKernel"),
+        SYM(MemHostGetDevicePointer, "cuMemHostGetDevicePointer"),
+        SYM(MemAlloc, "cuMemAlloc"), SYM(MemFree, "cuMemFree"), SYM(MemsetD8, "cuMemsetD8"),
+        SYM(StreamSynchronize, "cuStreamSynchronize"),
 #undef SYM
     };
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {

@@ -21,6 +21,8 @@ typedef int cu_device;                  /* CUdevice */
 typedef struct cu_ctx_st *cu_context;   /* CUcontext */
 typedef struct cu_stream_st *cu_stream; /* CUstream */
 typedef struct cu_event_st *cu_event;   /* CUevent */
+typedef struct cu_module_st *cu_module; /* CUmodule */
+typedef struct cu_func_st *cu_function; /* CUfunction */
 typedef unsigned long long cu_ptr;      /* CUdeviceptr */
 typedef unsigned long long cu_memhandle; /* CUmemGenericAllocationHandle */
 typedef struct { char reserved[64]; } cu_ipc_handle; /* CUipcMemHandle */
@@ -39,6 +41,7 @@ enum { /* CUpointer_attribute */
     CU_PA_IS_LEGACY_IPC_CAPABLE = 10, CU_PA_RANGE_START_ADDR = 11, CU_PA_RANGE_SIZE = 12,
     CU_PA_MAPPING_SIZE = 18, CU_PA_MAPPING_BASE_ADDR = 19,
 };
+enum { CU_DEV_ATTR_CC_MAJOR = 75, CU_DEV_ATTR_CC_MINOR = 76 }; /* CUdevice_attribute */
 enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2 };
 enum { CU_MEMHOSTALLOC_DEVICEMAP = 2, CU_STREAM_WAIT_VALUE_GEQ = 0 };
 enum { CU_IPC_LAZY_PEER_ACCESS = 1, CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DISABLE_TIMING = 2,
@@ -81,6 +84,19 @@ struct uccl__cuda {
     cu_result (*DeviceGetPCIBusId)(char *, int, cu_device);
     cu_result (*DeviceGetByPCIBusId)(cu_device *, const char *);
     cu_result (*DeviceGetCount)(int *);
+    /* kernels compiled at run time and the memory they share with the
+     * host (gpu_kernel.c) */
+    cu_result (*DeviceGetAttribute)(int *, int, cu_device);
+    cu_result (*ModuleLoadData)(cu_module *, const void *);
+    cu_result (*ModuleUnload)(cu_module);
+    cu_result (*ModuleGetFunction)(cu_function *, cu_module, const char *);
+    cu_result (*LaunchKernel)(cu_function, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, unsigned, cu_stream, void **, void **);
+    cu_result (*MemHostGetDevicePointer)(cu_ptr *, void *, unsigned);
+    cu_result (*MemAlloc)(cu_ptr *, size_t);
+    cu_result (*MemFree)(cu_ptr);
+    cu_result (*MemsetD8)(cu_ptr, unsigned char, size_t);
+    cu_result (*StreamSynchronize)(cu_stream);
     /* optional (NULL where the driver predates it, CUDA 11.7): a dmabuf fd
      * of device memory, for GPUDirect RDMA registration */
     cu_result (*MemGetHandleForAddressRange)(void *, cu_ptr, size_t, int, unsigned long long);

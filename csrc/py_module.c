@@ -178,6 +178,12 @@ static PyMethodDef module_methods[] = {
      "gpu_of_bus_id(bdf) -> the index of this host's CUDA device with that PCI bus id"},
     {"parse_metadata", mod_parse_metadata, METH_VARARGS,
      "parse_metadata(bytes) -> (ip, port, gpu_idx)"},
+    {"gpu_compile", uccl__py_gpu_compile, METH_VARARGS,
+     "gpu_compile(dev, src, name, headers, options) -> kernel: NVRTC, loaded on device dev"},
+    {"gpu_launch", uccl__py_gpu_launch, METH_VARARGS,
+     "gpu_launch(kernel, grid, block, shmem, stream, params, offsets)"},
+    {"nvrtc_set_path", uccl__py_nvrtc_set_path, METH_VARARGS,
+     "nvrtc_set_path(path): the libnvrtc to try before the loader's search"},
     {"get_oob_ip", mod_get_oob_ip, METH_NOARGS,
      "get_oob_ip() -> the IPv4 address endpoints advertise (UCCL_SOCKET_IFNAME)"},
     {NULL, NULL, 0, NULL},
@@ -226,6 +232,13 @@ static int module_exec(PyObject *m)
         return -1;
     rc = PyModule_AddObjectRef(m, "Communicator", comm_type);
     Py_DECREF(comm_type);
+    if (rc < 0)
+        return -1;
+    PyObject *ring_type = PyType_FromModuleAndSpec(m, &uccl__py_ring_spec, NULL);
+    if (!ring_type)
+        return -1;
+    rc = PyModule_AddObjectRef(m, "GpuRing", ring_type);
+    Py_DECREF(ring_type);
     if (rc < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "OP_SEND", UCCL_XFER_SEND) < 0 ||

@@ -5,6 +5,7 @@
  *                  raised as exceptions, argument converters, module init
  *   py_endpoint.c  the Endpoint type, over an engine endpoint (uccl.h)
  *   py_comm.c      the Communicator type, over an Endpoint (coll.h)
+ *   py_ring.c      the GpuRing type and the kernel functions (ring.h)
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
  * released around everything that can block, waits cut into slices with
@@ -80,5 +81,11 @@ struct uccl__py_wait_id {
 
 /* ---- py_comm.c ---- */
 extern PyType_Spec uccl__py_comm_spec;
+
+/* ---- py_ring.c ---- */
+extern PyType_Spec uccl__py_ring_spec;
+PyObject *uccl__py_gpu_compile(PyObject *module, PyObject *args);
+PyObject *uccl__py_gpu_launch(PyObject *module, PyObject *args);
+PyObject *uccl__py_nvrtc_set_path(PyObject *module, PyObject *args);
 
 #endif

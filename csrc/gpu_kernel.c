@@ -1,0 +1,209 @@
+/* Kernels compiled at run time and memory shared with them (ring.h).
+ *
+ * NVRTC (nvrtc_loader.c) compiles to a cubin for the device's own
+ * architecture (sm_XY from its compute capability), which the driver loads
+ * as it is: no PTX JIT, so an NVRTC newer than the driver's PTX still
+ * works as long as it knows the architecture.  Modules live in the
+ * device's primary context, torch's, so a kernel runs on torch's streams. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_loader.h"
+#include "nvrtc_loader.h"
+#include "ring.h"
+#include "status.h"
+
+struct uccl__kernel {
+    int dev;
+    cu_module mod;
+    cu_function fn;
+};
+
+void uccl_nvrtc_set_path(const char *path)
+{
+    uccl__nvrtc_set_path(path);
+}
+
+static int nvrtc_err(const struct uccl__nvrtc *nv, nvrtc_result r, const char *what)
+{
+    return uccl__err(UCCL_ERR_IO, "%s: NVRTC error %d (%s)", what, r, nv->GetErrorString(r));
+}
+
+/* Compile src into a cubin (malloc'ed into *bin_p); the log into log. */
+static int compile(const struct uccl__nvrtc *nv, int cc, const char *src, int nhdr,
+                   const char *const *hdr_names, const char *const *hdr_srcs, int nopt,
+                   const char *const *opts, char *log, size_t log_len, char **bin_p)
+{
+    nvrtc_program prog;
+    nvrtc_result r = nv->CreateProgram(&prog, src, "uccl_kernel.cu", nhdr, hdr_srcs, hdr_names);
+    if (r != 0)
+        return nvrtc_err(nv, r, "nvrtcCreateProgram");
+    const char **all = calloc((size_t)nopt + 3, sizeof(*all));
+    char arch[40];
+    snprintf(arch, sizeof(arch), "--gpu-architecture=sm_%d", cc);
+    if (!all) {
+        nv->DestroyProgram(&prog);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    all[0] = arch;
+    all[1] = "--std=c++17";
+    for (int i = 0; i < nopt; i++)
+        all[i + 2] = opts[i];
+    r = nv->CompileProgram(prog, nopt + 2, all);
+    free(all);
+    size_t n = 0;
+    char *text = NULL;
+    if (nv->GetProgramLogSize(prog, &n) == 0 && n > 0 && (text = malloc(n + 1)) &&
+        nv->GetProgramLog(prog, text) == 0)
+        text[n] = '\0';
+    else if (text)
+        text[0] = '\0';
+    if (log && log_len)
+        snprintf(log, log_len, "%s", text ? text : "");
+    int rc = UCCL_OK;
+    if (r != 0) {
+        rc = uccl__err(UCCL_ERR_INVALID, "compiling the kernel for sm_%d failed (NVRTC error "
+                       "%d, %s): %.380s", cc, r, nv->GetErrorString(r), text ? text : "");
+    } else if ((r = nv->GetCUBINSize(prog, &n)) != 0 || !(*bin_p = malloc(n)) ||
+               (r = nv->GetCUBIN(prog, *bin_p)) != 0) {
+        free(*bin_p);
+        *bin_p = NULL;
+        rc = r ? nvrtc_err(nv, r, "nvrtcGetCUBIN") : uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    free(text);
+    nv->DestroyProgram(&prog);
+    return rc;
+}
+
+int uccl_gpu_compile(int dev, const char *src, const char *name, int nhdr,
+                     const char *const *hdr_names, const char *const *hdr_srcs, int nopt,
+                     const char *const *opts, char *log, size_t log_len, uccl_kernel_t **k_p)
+{
+    if (!src || !name || !*name || nhdr < 0 || nopt < 0)
+        return uccl__err(UCCL_ERR_INVALID, "uccl_gpu_compile: a source and a kernel name are "
+                         "needed");
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    const struct uccl__nvrtc *nv = uccl__nvrtc();
+    if (!nv)
+        return UCCL_ERR_UNAVAIL;
+    cu_device d;
+    int major = 0, minor = 0;
+    cu_result r = cu->DeviceGet(&d, dev);
+    if (r == CU_OK)
+        r = cu->DeviceGetAttribute(&major, CU_DEV_ATTR_CC_MAJOR, d);
+    if (r == CU_OK)
+        r = cu->DeviceGetAttribute(&minor, CU_DEV_ATTR_CC_MINOR, d);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "reading the device's compute capability");
+    char *bin = NULL;
+    rc = compile(nv, major * 10 + minor, src, nhdr, hdr_names, hdr_srcs, nopt, opts, log,
+                 log_len, &bin);
+    if (rc)
+        return rc;
+    struct uccl__kernel *k = calloc(1, sizeof(*k));
+    if (!k) {
+        free(bin);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    k->dev = dev;
+    r = cu->ModuleLoadData(&k->mod, bin);
+    free(bin);
+    if (r != CU_OK) {
+        free(k);
+        return uccl__cuda_err(r, "loading the compiled kernel (cuModuleLoadData)");
+    }
+    r = cu->ModuleGetFunction(&k->fn, k->mod, name);
+    if (r != CU_OK) {
+        cu->ModuleUnload(k->mod);
+        free(k);
+        return uccl__err(UCCL_ERR_INVALID, "the compiled source has no kernel named '%.100s' "
+                         "(declare it extern \"C\" __global__)", name);
+    }
+    *k_p = k;
+    return UCCL_OK;
+}
+
+int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned block[3],
+                    unsigned shmem, uintptr_t stream, void **params)
+{
+    if (!k)
+        return uccl__err(UCCL_ERR_INVALID, "launch of a freed kernel");
+    for (int i = 0; i < 3; i++)
+        if (grid[i] == 0 || block[i] == 0)
+            return uccl__err(UCCL_ERR_INVALID, "launch: grid (%u, %u, %u) and block (%u, %u, "
+                             "%u) must be at least 1 in each dimension", grid[0], grid[1],
+                             grid[2], block[0], block[1], block[2]);
+    int rc = uccl__cuda_use(k->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->LaunchKernel(k->fn, grid[0], grid[1], grid[2], block[0],
+                                             block[1], block[2], shmem, (cu_stream)stream,
+                                             params, NULL);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuLaunchKernel");
+}
+
+void uccl_gpu_kernel_free(uccl_kernel_t *k)
+{
+    if (!k)
+        return;
+    if (uccl__cuda_use(k->dev) == UCCL_OK)
+        uccl__cuda()->ModuleUnload(k->mod);
+    free(k);
+}
+
+int uccl_gpu_mapped_alloc(int dev, size_t len, void **host_p, uint64_t *dev_p)
+{
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    void *h = NULL;
+    cu_ptr d = 0;
+    cu_result r = cu->MemHostAlloc(&h, len, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "allocating mapped page-locked memory");
+    r = cu->MemHostGetDevicePointer(&d, h, 0);
+    if (r != CU_OK) {
+        cu->MemFreeHost(h);
+        return uccl__cuda_err(r, "cuMemHostGetDevicePointer");
+    }
+    memset(h, 0, len);
+    *host_p = h;
+    *dev_p = d;
+    return UCCL_OK;
+}
+
+void uccl_gpu_mapped_free(int dev, void *host)
+{
+    if (host && uccl__cuda_use(dev) == UCCL_OK)
+        uccl__cuda()->MemFreeHost(host);
+}
+
+int uccl_gpu_dev_alloc(int dev, size_t len, uint64_t *dev_p)
+{
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    cu_ptr d = 0;
+    cu_result r = cu->MemAlloc(&d, len);
+    /* the memset runs on the legacy stream, which torch's non-blocking
+     * streams do not wait for: done before any kernel can see the memory */
+    if (r == CU_OK && ((r = cu->MemsetD8(d, 0, len)) != CU_OK ||
+                       (r = cu->StreamSynchronize(NULL)) != CU_OK))
+        cu->MemFree(d);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "allocating device memory");
+    *dev_p = d;
+    return UCCL_OK;
+}
+
+void uccl_gpu_dev_free(int dev, uint64_t p)
+{
+    if (p && uccl__cuda_use(dev) == UCCL_OK)
+        uccl__cuda()->MemFree(p);
+}
