@@ -318,6 +318,9 @@ class CollectiveContext:
         self.ep: Endpoint | None = None
         self._comm: _engine.Communicator | None = None   # the engine's collectives over ep
         self._engine_peer: list[bool] = []
+        self._rings: list[Any] = []  # GPU rings (gpu_ring), closed by finalize()
+        self._ring_seq = 0
+        self._kv: Any = None
         self._regs: dict[int, tuple[int, int, int]] = {}
         self.setup_seconds: float | None = None
         self._waiter: ThreadPoolExecutor | None = None
@@ -358,6 +361,7 @@ class CollectiveContext:
         else:  # the caller's prefix, unique to this context
             store = dist.PrefixStore(self._key_prefix, store)
         me = self.rank
+        self._kv = store  # this context's keys: later exchanges (gpu_ring) use it too
 
         secret = os.environ.get("UCCL_P2P_SECRET")
         if not secret:  # a per-job secret, handed out through the store
@@ -443,6 +447,39 @@ class CollectiveContext:
             raise ValueError("CollectiveContext is not initialised (call init()) or finalized")
         return cm
 
+    def gpu_ring(self, source: torch.Tensor, window: torch.Tensor, *, slots: int = 1024,
+                 inflight: int = 64, trace: int = 0, paused: bool = False):
+        """Collective: a command ring for GPU-initiated puts (gpu_ring.GpuRing)
+        whose destination i is rank i's `window` (this rank's own: a copy on
+        the copy engine).  Every rank calls it with its own source and window
+        (CUDA tensors); each window is registered and advertised to every
+        peer, and the descriptors are exchanged through the context's store.
+        A kernel then enqueues uccl_ring_put(ring, rank, src_off, dst_off,
+        len) with ring.device_ptr.  Close the ring (or finalize()) before the
+        window's memory is freed."""
+        from .gpu_ring import GpuRing, Remote
+        ep, me, n = self._ep(), self.rank, self.world_size
+        wptr, wlen = _tensor_buf(window, "gpu_ring window")
+        _tensor_buf(source, "gpu_ring source")
+        missing = [r for r in range(n) if r != me and not self._engine_peer[r]]
+        if missing:
+            raise ValueError(f"gpu_ring: ranks {missing} are not reached through this engine "
+                             "(use_copy_engine_for_intra=False sends same-host peers through "
+                             "torch.distributed); GPU rings need engine connections to all")
+        mr = self.register_tensor(window)
+        offers = {str(r): bytes(ep.advertise(self._conns[1][r], mr, wptr, wlen)[1]).hex()
+                  for r in range(n) if r != me}
+        key = f"gpu_ring{self._ring_seq}"  # every rank makes its rings in the same order
+        self._ring_seq += 1
+        self._kv.set(f"{key}/{me}", json.dumps(offers))
+        got = {r: json.loads(self._kv.get(f"{key}/{r}")) for r in range(n) if r != me}
+        dsts = [window if r == me else Remote(self._conns[0][r], bytes.fromhex(got[r][str(me)]))
+                for r in range(n)]
+        ring = GpuRing(ep, source, dsts, slots=slots, inflight=inflight, trace=trace,
+                       paused=paused)
+        self._rings.append(ring)
+        return ring
+
     def finalize(self) -> None:
         if self._waiter is not None:
             self._waiter.shutdown(wait=False, cancel_futures=True)
@@ -452,6 +489,9 @@ class CollectiveContext:
             self.ep = None
             self._comm = None
             self._regs.clear()
+        for ring in self._rings:  # after the close: what their proxies hold fails at once
+            ring.close()
+        self._rings.clear()
         self._orphans.clear()
 
     def __enter__(self) -> "CollectiveContext":
