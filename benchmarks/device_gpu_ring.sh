@@ -23,7 +23,7 @@ step() {  # step NAME LIMIT_S CMD...
 }
 
 if [ "${TESTS:-1}" = 1 ]; then
-  step tests "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfs -x -p no:cacheprovider ${RING_TESTS:-tests/test_gpu_ring.py}
+  step tests "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfs -p no:cacheprovider ${RING_TESTS:-tests/test_gpu_ring.py}
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   step loopback 120 python3 benchmarks/benchmark_gpu_driven.py --mode loopback --json "$out/ring_loopback.json"

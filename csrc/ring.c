@@ -2,10 +2,11 @@
  * them (ring.h).
  *
  * Memory: one block of page-locked host memory mapped for the GPU holds
- * the kernel's descriptor (struct uccl_ring_dev), the proxy's counters
- * (struct uccl_ring_ctr, one cache line each) and the slots; the ticket
- * counter lives in device memory, because only GPU threads touch it and
- * atomics on mapped host memory are not guaranteed across PCIe.
+ * the proxy's counters (struct uccl_ring_ctr, one cache line each) and the
+ * slots; device memory holds the kernel's descriptor (struct
+ * uccl_ring_dev: read by every enqueue, so cached, not a PCIe read) and
+ * the ticket counter, which only GPU threads touch (atomics on mapped host
+ * memory are not guaranteed across PCIe).
  *
  * The protocol, and the memory order each step relies on:
  *  - a GPU thread takes ticket t = atomicAdd(ticket, 1), waits until
@@ -70,9 +71,9 @@ struct dst_state {
 struct uccl__ring {
     uccl_ep_t *ep;
     int dev;
-    void *host;               /* the mapped block */
+    void *host;               /* the mapped block: counters, then the slots */
     uint64_t host_dev;        /* its device address */
-    struct uccl_ring_dev *desc;
+    uint64_t dev_block;       /* device memory: the descriptor, then the ticket */
     volatile struct uccl_ring_ctr *ctr;
     volatile struct uccl_ring_cmd *slots;
     uint64_t ticket_dev;
@@ -89,6 +90,7 @@ struct uccl__ring {
     int proxy_started;
     atomic_int stop, paused, failed;
     char err[512];            /* written once, before failed is set */
+    uint64_t fail_seq;        /* the lowest command that failed (proxy thread only) */
     uint64_t *trace;
     size_t trace_len;
     atomic_size_t trace_n;
@@ -123,13 +125,19 @@ static void ring_fail(struct uccl__ring *r, uint64_t seq, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void ring_fail(struct uccl__ring *r, uint64_t seq, const char *fmt, ...)
 {
-    if (atomic_load(&r->failed))
+    if (atomic_load(&r->failed)) { /* an earlier command failed later: it is the one */
+        if (seq < r->fail_seq) {
+            r->fail_seq = seq;
+            store_rel(&r->ctr->error, seq + 1);
+        }
         return;
+    }
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(r->err, sizeof(r->err), fmt, ap);
     va_end(ap);
     LOG_WARN("GPU ring: %s", r->err);
+    r->fail_seq = seq;
     atomic_store(&r->failed, 1);
     store_rel(&r->ctr->error, seq + 1);
 }
@@ -143,7 +151,8 @@ static struct inflight *fl_at(struct uccl__ring *r, unsigned i)
 
 /* Retire the oldest command if it is done (wait: until it is, or fails).
  * 1 retired, 0 not yet; a failure fails the ring and retires it too (its
- * transfer can no longer write), and done stops counting. */
+ * transfer can no longer write); done counts on only for commands before
+ * the one that failed. */
 static int retire_oldest(struct uccl__ring *r, int wait)
 {
     struct inflight *f = fl_at(r, 0);
@@ -174,7 +183,7 @@ static int retire_oldest(struct uccl__ring *r, int wait)
                   "failed: %s", (unsigned long long)f->seq, f->dst,
                   (unsigned long long)f->len, (unsigned long long)f->dst_off,
                   uccl_last_error());
-    else if (!atomic_load(&r->failed))
+    else if (!atomic_load(&r->failed) || f->seq < r->fail_seq)
         store_rel(&r->ctr->done, ++r->done);
     r->fl_first = (r->fl_first + 1) % r->inflight_max;
     r->fl_n--;
@@ -419,27 +428,29 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     for (unsigned i = 0; rc == UCCL_OK && i < o->ndst; i++)
         rc = dst_init(r, i, &o->dsts[i]);
-    size_t map_len = sizeof(struct uccl_ring_dev) + sizeof(struct uccl_ring_ctr) +
-                     (size_t)o->nslots * sizeof(struct uccl_ring_cmd);
+    size_t map_len = sizeof(struct uccl_ring_ctr) + (size_t)o->nslots * sizeof(struct uccl_ring_cmd);
     if (rc == UCCL_OK)
         rc = uccl_gpu_mapped_alloc(o->dev, map_len, &r->host, &r->host_dev);
+    /* device memory: the descriptor, which every enqueue reads (cached
+     * there, not a PCIe read each time), then the ticket */
     if (rc == UCCL_OK)
-        rc = uccl_gpu_dev_alloc(o->dev, sizeof(uint64_t), &r->ticket_dev);
+        rc = uccl_gpu_dev_alloc(o->dev, sizeof(struct uccl_ring_dev) + sizeof(uint64_t),
+                                &r->dev_block);
     if (rc == UCCL_OK) {
         char *h = r->host;
-        uint64_t d = r->host_dev;
-        r->desc = (struct uccl_ring_dev *)h;
-        r->ctr = (volatile struct uccl_ring_ctr *)(h + sizeof(struct uccl_ring_dev));
-        r->slots = (volatile struct uccl_ring_cmd *)(h + sizeof(struct uccl_ring_dev) +
-                                                     sizeof(struct uccl_ring_ctr));
-        uint64_t ctr_d = d + sizeof(struct uccl_ring_dev);
-        *r->desc = (struct uccl_ring_dev){
+        uint64_t ctr_d = r->host_dev;
+        r->ctr = (volatile struct uccl_ring_ctr *)h;
+        r->slots = (volatile struct uccl_ring_cmd *)(h + sizeof(struct uccl_ring_ctr));
+        r->ticket_dev = r->dev_block + sizeof(struct uccl_ring_dev);
+        struct uccl_ring_dev desc = {
             .magic = UCCL_RING_MAGIC, .slots = ctr_d + sizeof(struct uccl_ring_ctr),
             .ticket = r->ticket_dev, .head = ctr_d + offsetof(struct uccl_ring_ctr, head),
             .done = ctr_d + offsetof(struct uccl_ring_ctr, done),
             .error = ctr_d + offsetof(struct uccl_ring_ctr, error), .nslots = o->nslots,
             .ndst = o->ndst, .src_len = o->src_len, .timeout_ns = r->timeout_ns};
-        atomic_thread_fence(memory_order_seq_cst);
+        rc = uccl_ep_copy(ep, (uintptr_t)r->dev_block, (uintptr_t)&desc, sizeof(desc));
+    }
+    if (rc == UCCL_OK) {
         if (pthread_create(&r->proxy, NULL, proxy_start, r) != 0)
             rc = uccl__err(UCCL_ERR_IO, "starting the ring's proxy thread: %s", strerror(errno));
         else
@@ -460,7 +471,7 @@ void uccl_ring_destroy(uccl_ring_t *r)
     atomic_store(&r->stop, 1);
     if (r->proxy_started)
         pthread_join(r->proxy, NULL);
-    uccl_gpu_dev_free(r->dev, r->ticket_dev);
+    uccl_gpu_dev_free(r->dev, r->dev_block);
     uccl_gpu_mapped_free(r->dev, r->host);
     free(r->dsts);
     free(r->fl);
@@ -470,7 +481,7 @@ void uccl_ring_destroy(uccl_ring_t *r)
 
 uint64_t uccl_ring_dev_ptr(uccl_ring_t *r)
 {
-    return r->host_dev;
+    return r->dev_block;
 }
 
 int uccl_ring_counters(uccl_ring_t *r, uint64_t out[4])
@@ -497,7 +508,8 @@ int uccl_ring_wait(uccl_ring_t *r, uint64_t count, uint64_t deadline_ns, uint64_
     for (uint64_t step = 1000;; step = step < 200000 ? step * 2 : step) {
         if (load_acq(&r->ctr->done) >= count)
             return UCCL_OK;
-        if (atomic_load(&r->failed))
+        uint64_t err = load_acq(&r->ctr->error); /* 1 + the first failed command */
+        if (err && err - 1 < count) /* those before it still finish */
             return uccl__err(UCCL_ERR_IO, "the GPU ring failed: %s", r->err);
         uint64_t t = now_ns();
         if (t >= deadline_ns)

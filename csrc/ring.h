@@ -110,7 +110,7 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
 /* Stop the proxy after what it took has finished (or failed), then free
  * everything.  No kernel may use the ring any more. */
 void uccl_ring_destroy(uccl_ring_t *r);
-/* The device address of the ring's struct uccl_ring_dev. */
+/* The device address of the ring's struct uccl_ring_dev (device memory). */
 uint64_t uccl_ring_dev_ptr(uccl_ring_t *r);
 /* Counters: [0] tickets handed out (read from the GPU's memory: a
  * snapshot), [1] taken, [2] done, [3] error (0 or 1 + failed seq). */
