@@ -80,8 +80,12 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
 
 /* Queue a copy of len bytes on this thread's copy-start stream of device
  * dev and return at once: *ev_p is an event that completes with it
- * (uccl__gpu_event_poll/wait/free), NULL when len is 0. */
+ * (uccl__gpu_event_poll/wait/free), NULL when len is 0; ev_p NULL: no
+ * event (uccl__gpu_copy_start_mark makes one for several copies). */
 int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void **ev_p);
+/* An event that completes once every copy this thread started on device
+ * dev so far has (they run in order on one stream). */
+int uccl__gpu_copy_start_mark(int dev, void **ev_p);
 
 /* A copy between local memory of kinds dst_mk and src_mk: memcpy between
  * host memory, else uccl__gpu_copy on the device copy_dev picks. */

@@ -162,7 +162,8 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
 
 int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void **ev_p)
 {
-    *ev_p = NULL;
+    if (ev_p)
+        *ev_p = NULL;
     if (len == 0)
         return UCCL_OK;
     int rc = uccl__cuda_use(dev);
@@ -173,19 +174,41 @@ int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void *
     struct lanes *l = NULL;
     if ((rc = lanes_get(dev, side + 1, &l)) != UCCL_OK)
         return rc;
-    cu_event ev;
-    cu_result r = cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    cu_event ev = NULL;
+    cu_result r = ev_p ? cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING) : CU_OK;
     if (r != CU_OK)
         return uccl__cuda_err(r, "creating an event");
     r = cu->MemcpyAsync((cu_ptr)(uintptr_t)dst, (cu_ptr)(uintptr_t)src, len, l->s[side]);
-    if (r == CU_OK)
+    if (r == CU_OK && ev)
         r = cu->EventRecord(ev, l->s[side]);
     if (r != CU_OK) {
         while (cu->StreamQuery(l->s[side]) == CU_ERR_NOT_READY) /* what was queued ends first */
             sched_yield();
-        cu->EventDestroy(ev);
+        if (ev)
+            cu->EventDestroy(ev);
         return uccl__cuda_err(r, "queueing a GPU copy");
     }
+    if (ev_p)
+        *ev_p = ev;
+    return UCCL_OK;
+}
+
+int uccl__gpu_copy_start_mark(int dev, void **ev_p)
+{
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    const struct uccl__cuda *cu = uccl__cuda();
+    unsigned side = lanes_wanted();
+    struct lanes *l = NULL;
+    if ((rc = lanes_get(dev, side + 1, &l)) != UCCL_OK)
+        return rc;
+    cu_event ev;
+    cu_result r = cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    if (r == CU_OK && (r = cu->EventRecord(ev, l->s[side])) != CU_OK)
+        cu->EventDestroy(ev);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "recording an event after queued GPU copies");
     *ev_p = ev;
     return UCCL_OK;
 }

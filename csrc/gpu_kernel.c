@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cuda_loader.h"
+#include "gpu.h"
 #include "nvrtc_loader.h"
 #include "ring.h"
 #include "status.h"
@@ -206,4 +207,27 @@ void uccl_gpu_dev_free(int dev, uint64_t p)
 {
     if (p && uccl__cuda_use(dev) == UCCL_OK)
         uccl__cuda()->MemFree(p);
+}
+
+int uccl_mem_kind(uintptr_t addr, size_t len, int *kind_p, int *dev_p)
+{
+    struct uccl__gpu_info info;
+    int rc = uccl__cuda_initialised() ? uccl__gpu_classify(addr, len, &info) : UCCL_OK;
+    if (rc)
+        return rc;
+    if (!uccl__cuda_initialised())
+        info.mkind = UCCL_MK(UCCL_MK_HOST, 0);
+    *kind_p = (int)UCCL_MK_KIND(info.mkind);
+    *dev_p = UCCL_MK_DEV(info.mkind);
+    return UCCL_OK;
+}
+
+int uccl_gpu_copy_queue(int dev, uintptr_t dst, uintptr_t src, size_t len)
+{
+    return uccl__gpu_copy_start(dev, (void *)dst, (const void *)src, len, NULL);
+}
+
+int uccl_gpu_copy_queue_mark(int dev, void **mark_p)
+{
+    return uccl__gpu_copy_start_mark(dev, mark_p);
 }

@@ -51,7 +51,15 @@ _Static_assert(sizeof(struct uccl_ring_cmd) == 64, "ring command layout");
 _Static_assert(sizeof(struct uccl_ring_dev) == 128, "ring descriptor layout");
 _Static_assert(sizeof(struct uccl_ring_ctr) == 192, "ring counters layout");
 
-enum { FL_NOOP = 0, FL_REMOTE = 1, FL_LOCAL = 2 };
+/* FL_QUEUED: a copy between device memory of the ring's GPU, queued on the
+ * proxy's copy stream with no event of its own: one mark per burst of
+ * commands covers every copy queued before it (they run in order). */
+enum { FL_NOOP = 0, FL_REMOTE = 1, FL_LOCAL = 2, FL_QUEUED = 3 };
+
+struct qmark {
+    uint64_t last;            /* the last command the mark covers */
+    void *mark;
+};
 
 struct inflight {
     uint64_t seq, dst_off, len, xfer;
@@ -66,6 +74,7 @@ struct dst_state {
     uint64_t window, token, waddr, wlen, wbase; /* REMOTE: the peer's window */
     uintptr_t addr;           /* LOCAL */
     size_t len;
+    int queued;               /* LOCAL device memory of the ring's GPU, as the source */
 };
 
 struct uccl__ring {
@@ -84,6 +93,10 @@ struct uccl__ring {
     struct dst_state *dsts;
     struct inflight *fl;      /* circular, inflight_max entries */
     unsigned fl_first, fl_n;
+    struct qmark *qm;         /* circular, inflight_max: marks over FL_QUEUED copies */
+    unsigned qm_first, qm_n;
+    uint64_t queued_last;     /* the last FL_QUEUED command */
+    int queued_unmarked;      /* FL_QUEUED commands since the last mark */
     uint64_t taken, done;     /* the proxy's own copies of head and done */
     uint64_t timeout_ns, spin_ns;
     pthread_t proxy;
@@ -149,6 +162,19 @@ static struct inflight *fl_at(struct uccl__ring *r, unsigned i)
     return &r->fl[(r->fl_first + i) % r->inflight_max];
 }
 
+/* A mark over the FL_QUEUED copies queued since the last one. */
+static int mark_queued(struct uccl__ring *r)
+{
+    void *m = NULL;
+    int rc = uccl_gpu_copy_queue_mark(r->dev, &m);
+    if (rc)
+        return rc;
+    r->qm[(r->qm_first + r->qm_n) % r->inflight_max] = (struct qmark){r->queued_last, m};
+    r->qm_n++;
+    r->queued_unmarked = 0;
+    return UCCL_OK;
+}
+
 /* Retire the oldest command if it is done (wait: until it is, or fails).
  * 1 retired, 0 not yet; a failure fails the ring and retires it too (its
  * transfer can no longer write); done counts on only for commands before
@@ -168,6 +194,25 @@ static int retire_oldest(struct uccl__ring *r, int wait)
         finished = rc != UCCL_OK || d;
         if (finished)
             uccl_ep_release(r->ep, f->xfer);
+    } else if (f->kind == FL_QUEUED) {
+        finished = 0;
+        if (r->queued_unmarked && (!r->qm_n || r->qm[(r->qm_first + r->qm_n - 1) %
+                                                     r->inflight_max].last < f->seq))
+            rc = mark_queued(r);
+        if (rc == UCCL_OK) {
+            struct qmark *q = &r->qm[r->qm_first];
+            int p = wait ? (uccl_stream_mark_wait(q->mark, r->timeout_ns) == UCCL_OK ? 1 : -1)
+                         : uccl_stream_mark_poll(q->mark);
+            finished = p != 0;
+            rc = p < 0 ? UCCL_ERR_IO : UCCL_OK;
+            if (finished && (p < 0 || q->last == f->seq)) { /* the mark's last command */
+                uccl_stream_mark_free(q->mark);
+                r->qm_first = (r->qm_first + 1) % r->inflight_max;
+                r->qm_n--;
+            }
+        } else {
+            finished = 1;
+        }
     } else if (f->kind == FL_LOCAL && f->mark) {
         int p = wait ? (uccl_stream_mark_wait(f->mark, r->timeout_ns) == UCCL_OK ? 1 : -1)
                      : uccl_stream_mark_poll(f->mark);
@@ -235,7 +280,12 @@ static void issue(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t 
     const struct dst_state *d = &r->dsts[c->dst];
     uintptr_t src = r->src_addr + c->src_off;
     int rc = UCCL_OK;
-    if (c->len && d->kind == UCCL_RING_DST_LOCAL) {
+    if (c->len && d->kind == UCCL_RING_DST_LOCAL && d->queued) {
+        f->kind = FL_QUEUED;
+        rc = uccl_gpu_copy_queue(r->dev, d->addr + c->dst_off, src, c->len);
+        r->queued_last = seq;
+        r->queued_unmarked = 1;
+    } else if (c->len && d->kind == UCCL_RING_DST_LOCAL) {
         f->kind = FL_LOCAL;
         rc = uccl_ep_copy_start(r->ep, d->addr + c->dst_off, src, c->len, &f->mark);
     } else if (c->len) {
@@ -282,10 +332,27 @@ static void *proxy_main(void *arg)
         int busy = 0;
         while (r->fl_n && retire_oldest(r, 0))
             busy = 1;
-        if (!atomic_load(&r->failed) && !atomic_load(&r->paused) && r->fl_n < r->inflight_max)
-            busy |= take(r);
+        /* a burst: every whole command there is room for, then one mark
+         * over the copies it queued */
+        while (!atomic_load(&r->failed) && !atomic_load(&r->paused) &&
+               r->fl_n < r->inflight_max && take(r))
+            busy = 1;
+        if (r->queued_unmarked && mark_queued(r) != UCCL_OK)
+            ring_fail(r, r->queued_last, "command %llu: %s",
+                      (unsigned long long)r->queued_last, uccl_last_error());
         if (busy) {
             idle_since = 0, step = 1000;
+            continue;
+        }
+        if (r->fl_n && fl_at(r, 0)->kind == FL_REMOTE) {
+            /* drive the connections from here, as a host waiter would:
+             * their threads need not wake for each completion */
+            uint64_t ids[64];
+            int n = 0;
+            for (unsigned i = 0; i < r->fl_n && n < 64; i++)
+                if (fl_at(r, i)->kind == FL_REMOTE)
+                    ids[n++] = fl_at(r, i)->xfer;
+            uccl_ep_progress(r->ep, ids, n, 0, 50000);
             continue;
         }
         uint64_t t = now_ns();
@@ -368,6 +435,11 @@ static int dst_init(struct uccl__ring *r, unsigned i, const struct uccl_ring_dst
             return uccl__err(UCCL_ERR_INVALID, "ring destination %u: %zu bytes at address 0", i,
                              in->len);
         d->addr = in->addr, d->len = in->len;
+        int kind, dev, skind, sdev; /* both device memory of the ring's GPU: queued copies */
+        d->queued = in->len && r->src_len &&
+                    uccl_mem_kind(in->addr, in->len, &kind, &dev) == UCCL_OK &&
+                    uccl_mem_kind(r->src_addr, r->src_len, &skind, &sdev) == UCCL_OK &&
+                    kind == 2 && skind == 2 && dev == r->dev && sdev == r->dev;
         return UCCL_OK;
     }
     if (in->kind != UCCL_RING_DST_REMOTE)
@@ -421,10 +493,11 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     atomic_init(&r->paused, o->paused != 0);
     r->dsts = calloc(o->ndst, sizeof(*r->dsts));
     r->fl = calloc(o->inflight, sizeof(*r->fl));
+    r->qm = calloc(o->inflight, sizeof(*r->qm));
     r->trace = o->trace_len ? calloc(o->trace_len, sizeof(*r->trace)) : NULL;
     if (bad)
         rc = UCCL_ERR_INVALID;
-    else if (!r->dsts || !r->fl || (o->trace_len && !r->trace))
+    else if (!r->dsts || !r->fl || !r->qm || (o->trace_len && !r->trace))
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     for (unsigned i = 0; rc == UCCL_OK && i < o->ndst; i++)
         rc = dst_init(r, i, &o->dsts[i]);
@@ -471,10 +544,13 @@ void uccl_ring_destroy(uccl_ring_t *r)
     atomic_store(&r->stop, 1);
     if (r->proxy_started)
         pthread_join(r->proxy, NULL);
+    for (unsigned i = 0; r->qm && i < r->qm_n; i++) /* left by a failure */
+        uccl_stream_mark_free(r->qm[(r->qm_first + i) % r->inflight_max].mark);
     uccl_gpu_dev_free(r->dev, r->dev_block);
     uccl_gpu_mapped_free(r->dev, r->host);
     free(r->dsts);
     free(r->fl);
+    free(r->qm);
     free(r->trace);
     free(r);
 }

@@ -46,6 +46,15 @@ void uccl_gpu_mapped_free(int dev, void *host);
 int uccl_gpu_dev_alloc(int dev, size_t len, uint64_t *dev_p);
 void uccl_gpu_dev_free(int dev, uint64_t p);
 
+/* What [addr, +len) is: 0 host, 1 page-locked host, 2 device memory (then
+ * *dev_p its device); anything else is UCCL_ERR_INVALID naming it. */
+int uccl_mem_kind(uintptr_t addr, size_t len, int *kind_p, int *dev_p);
+/* Copies between device memory of dev, queued in order on the calling
+ * thread's copy stream without an event each; a mark (uccl_stream_mark_*)
+ * completes once every copy queued before it has. */
+int uccl_gpu_copy_queue(int dev, uintptr_t dst, uintptr_t src, size_t len);
+int uccl_gpu_copy_queue_mark(int dev, void **mark_p);
+
 /* ---- the layout shared with device code (uccl_ring.cuh) ------------------ */
 #define UCCL_RING_MAGIC 0x474e495243435555ull /* "UUCCRING" */
 struct uccl_ring_cmd {        /* one slot, 64 bytes */
