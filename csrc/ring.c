@@ -505,9 +505,10 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     if (rc == UCCL_OK)
         rc = uccl_gpu_mapped_alloc(o->dev, map_len, &r->host, &r->host_dev);
     /* device memory: the descriptor, which every enqueue reads (cached
-     * there, not a PCIe read each time), then the ticket */
+     * there, not a PCIe read each time), the ticket, then the kernels'
+     * cache of the counters (4 words, zeroed) */
     if (rc == UCCL_OK)
-        rc = uccl_gpu_dev_alloc(o->dev, sizeof(struct uccl_ring_dev) + sizeof(uint64_t),
+        rc = uccl_gpu_dev_alloc(o->dev, sizeof(struct uccl_ring_dev) + 5 * sizeof(uint64_t),
                                 &r->dev_block);
     if (rc == UCCL_OK) {
         char *h = r->host;
@@ -520,7 +521,8 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
             .ticket = r->ticket_dev, .head = ctr_d + offsetof(struct uccl_ring_ctr, head),
             .done = ctr_d + offsetof(struct uccl_ring_ctr, done),
             .error = ctr_d + offsetof(struct uccl_ring_ctr, error), .nslots = o->nslots,
-            .ndst = o->ndst, .src_len = o->src_len, .timeout_ns = r->timeout_ns};
+            .ndst = o->ndst, .src_len = o->src_len, .timeout_ns = r->timeout_ns,
+            .cache = r->ticket_dev + sizeof(uint64_t)};
         rc = uccl_ep_copy(ep, (uintptr_t)r->dev_block, (uintptr_t)&desc, sizeof(desc));
     }
     if (rc == UCCL_OK) {

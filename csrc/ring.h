@@ -77,7 +77,9 @@ struct uccl_ring_dev {        /* what a kernel is given (its device address) */
     uint32_t ndst;
     uint64_t src_len;
     uint64_t timeout_ns;      /* a device wait gives up after this long */
-    uint64_t pad[7];
+    uint64_t cache;           /* device memory: the kernels' copies of head, done, error
+                                 (struct uccl_ring_cache in uccl_ring.cuh), and a stamp */
+    uint64_t pad[6];
 };
 struct uccl_ring_ctr {        /* written by the proxy only, each on its own line */
     uint64_t head;            /* commands taken: slot s is free again once head > its ticket */

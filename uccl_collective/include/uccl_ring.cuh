@@ -45,8 +45,22 @@ struct uccl_ring_dev {
     unsigned int ndst;
     unsigned long long src_len;
     unsigned long long timeout_ns;
-    unsigned long long pad[7];
+    unsigned long long cache;    // device memory: a uccl_ring_cache
+    unsigned long long pad[6];
 };
+
+// Device-memory copies of the host-written counters.  Many waiting threads
+// read these (L2), and one thread at a time, at most every
+// UCCL_RING_REFRESH_NS, reads the host's over PCIe and raises them: a
+// thousand threads polling host memory each would flood PCIe and slow the
+// very transfers they wait for (measured: 1.8 ms per command instead of
+// microseconds).
+struct uccl_ring_cache {
+    unsigned long long head, done, error, stamp;
+};
+#ifndef UCCL_RING_REFRESH_NS
+#define UCCL_RING_REFRESH_NS 500ULL
+#endif
 
 #define UCCL_RING_EFAILED (-1LL)   // the ring failed (a command or transfer failed)
 #define UCCL_RING_ETIMEOUT (-2LL)  // waited longer than the endpoint's timeout
@@ -62,6 +76,13 @@ __device__ __forceinline__ unsigned long long uccl_ring_load(unsigned long long 
     return v;
 }
 
+__device__ __forceinline__ unsigned long long uccl_ring_load_gpu(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ unsigned long long uccl_ring_now()
 {
     unsigned long long t;
@@ -69,9 +90,39 @@ __device__ __forceinline__ unsigned long long uccl_ring_now()
     return t;
 }
 
+// Refresh the cache from the host's counters if nobody did for
+// UCCL_RING_REFRESH_NS (or `force`).  The host's are read with acquire at
+// system scope, and published with a fence before the atomicMax, so a thread
+// that reads the cache with acquire sees what the proxy did before them.
+__device__ __forceinline__ void uccl_ring_refresh_(const uccl_ring_dev *r, bool force)
+{
+    uccl_ring_cache *c = (uccl_ring_cache *)r->cache;
+    unsigned long long now = uccl_ring_now();
+    unsigned long long last = *(volatile unsigned long long *)&c->stamp;
+    if (!force && (now - last < UCCL_RING_REFRESH_NS || atomicCAS(&c->stamp, last, now) != last))
+        return;
+    unsigned long long head = uccl_ring_load(r->head), done = uccl_ring_load(r->done);
+    unsigned long long err = uccl_ring_load(r->error);
+    __threadfence();
+    atomicMax(&c->head, head);
+    atomicMax(&c->done, done);
+    if (err)
+        atomicMax(&c->error, err);
+}
+
+// Commands completed so far (read from the host now).
 __device__ __forceinline__ unsigned long long uccl_ring_done(const uccl_ring_dev *r)
 {
-    return uccl_ring_load(r->done);
+    uccl_ring_refresh_(r, true);
+    return uccl_ring_load_gpu(&((uccl_ring_cache *)r->cache)->done);
+}
+
+// Sleep between polls, longer the longer a thread has waited (to 2 us).
+__device__ __forceinline__ void uccl_ring_backoff_(unsigned *ns)
+{
+    __nanosleep(*ns);
+    if (*ns < 2048)
+        *ns *= 2;
 }
 
 // Fill slot t and publish it: the fields, then a system-scope fence, then
@@ -107,16 +158,19 @@ __device__ __forceinline__ long long uccl_ring_put(const uccl_ring_dev *r, unsig
     if (uccl_ring_bad_(r, dst, src_off, len))
         return UCCL_RING_EINVAL;
     unsigned long long t = atomicAdd((unsigned long long *)r->ticket, 1ULL);
+    uccl_ring_cache *c = (uccl_ring_cache *)r->cache;
     unsigned long long start = 0;
-    while (t >= uccl_ring_load(r->head) + r->nslots) { // full: wait for the proxy
-        if (uccl_ring_load(r->error))
+    unsigned ns = 64;
+    while (t >= uccl_ring_load_gpu(&c->head) + r->nslots) { // full: wait for the proxy
+        uccl_ring_refresh_(r, false);
+        if (uccl_ring_load_gpu(&c->error))
             return UCCL_RING_EFAILED;
         unsigned long long now = uccl_ring_now();
         if (!start)
             start = now;
         else if (now - start > r->timeout_ns)
             return UCCL_RING_ETIMEOUT;
-        __nanosleep(256);
+        uccl_ring_backoff_(&ns);
     }
     uccl_ring_fill_(r, t, dst, src_off, dst_off, len);
     return (long long)t;
@@ -130,11 +184,14 @@ __device__ __forceinline__ long long uccl_ring_try_put(const uccl_ring_dev *r, u
     if (uccl_ring_bad_(r, dst, src_off, len))
         return UCCL_RING_EINVAL;
     unsigned long long *ticket = (unsigned long long *)r->ticket;
+    uccl_ring_cache *c = (uccl_ring_cache *)r->cache;
     unsigned long long t = *(volatile unsigned long long *)ticket;
     for (;;) { // take ticket t only if its slot is free now: no ticket is left unused
-        if (uccl_ring_load(r->error))
+        if (t >= uccl_ring_load_gpu(&c->head) + r->nslots)
+            uccl_ring_refresh_(r, true); // "full" is told from the host's own count
+        if (uccl_ring_load_gpu(&c->error))
             return UCCL_RING_EFAILED;
-        if (t >= uccl_ring_load(r->head) + r->nslots)
+        if (t >= uccl_ring_load_gpu(&c->head) + r->nslots)
             return UCCL_RING_EFULL;
         unsigned long long seen = atomicCAS(ticket, t, t + 1);
         if (seen == t)
@@ -149,9 +206,12 @@ __device__ __forceinline__ int uccl_ring_wait(const uccl_ring_dev *r, long long 
 {
     if (seq < 0)
         return (int)seq;
+    uccl_ring_cache *c = (uccl_ring_cache *)r->cache;
     unsigned long long start = 0;
-    while (uccl_ring_load(r->done) <= (unsigned long long)seq) {
-        unsigned long long err = uccl_ring_load(r->error); // 1 + the first failed seq
+    unsigned ns = 64;
+    while (uccl_ring_load_gpu(&c->done) <= (unsigned long long)seq) {
+        uccl_ring_refresh_(r, false);
+        unsigned long long err = uccl_ring_load_gpu(&c->error); // 1 + the first failed seq
         if (err && err - 1 <= (unsigned long long)seq)
             return (int)UCCL_RING_EFAILED;
         unsigned long long now = uccl_ring_now();
@@ -159,7 +219,7 @@ __device__ __forceinline__ int uccl_ring_wait(const uccl_ring_dev *r, long long 
             start = now;
         else if (now - start > r->timeout_ns)
             return (int)UCCL_RING_ETIMEOUT;
-        __nanosleep(256);
+        uccl_ring_backoff_(&ns);
     }
     return 0;
 }
