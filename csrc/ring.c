@@ -362,8 +362,8 @@ static void *proxy_main(void *arg)
             sched_yield();
             continue;
         }
-        nap(step); /* idle: sleep in growing steps, up to 100 us */
-        if (step < 100000)
+        nap(step); /* idle: sleep in growing steps, up to 50 us */
+        if (step < 50000)
             step *= 2;
     }
     while (r->fl_n) /* stopping: nothing may still write once the ring is freed */
@@ -583,7 +583,7 @@ int uccl_ring_wait(uccl_ring_t *r, uint64_t count, uint64_t deadline_ns, uint64_
 {
     uint64_t start = now_ns(), until = start + slice_ns < deadline_ns ? start + slice_ns
                                                                        : deadline_ns;
-    for (uint64_t step = 1000;; step = step < 200000 ? step * 2 : step) {
+    for (uint64_t step = 1000;; step = step < 16000 ? step * 2 : step) {
         if (load_acq(&r->ctr->done) >= count)
             return UCCL_OK;
         uint64_t err = load_acq(&r->ctr->error); /* 1 + the first failed command */
