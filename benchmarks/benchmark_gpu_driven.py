@@ -63,6 +63,27 @@ def _check(got, want, what: str) -> None:
         raise SystemExit(f"data check failed: {what}: {bad} bytes differ")
 
 
+def _time_gpu_driven(ring, n: int, size: int, iters: int, reset) -> list[float]:
+    """Seconds from launching our kernel (n puts of size bytes, no device
+    wait) to the host seeing all n done, per run after one warm-up; reset()
+    runs before each (the destination zeroed)."""
+    import torch
+    stream = torch.cuda.Stream()
+    done, times = ring.done, []
+    for it in range(iters + 1):
+        reset()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            ring.launch_puts(n, size, wait=False)
+        ring.wait(done + n)
+        t1 = time.perf_counter()
+        done += n
+        stream.synchronize()
+        if it:
+            times.append(t1 - t0)
+    return times
+
+
 def loopback(args) -> list[dict]:
     import torch
     from uccl_collective.gpu_ring import GpuRing
@@ -77,20 +98,12 @@ def loopback(args) -> list[dict]:
         src = torch.randint(0, 256, (size * 64,), dtype=torch.uint8, device="cuda")
         win = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
         ring = GpuRing(ep, src, [win], slots=args.slots, inflight=args.inflight)
-        stream = torch.cuda.Stream()
-        done, tg, th = 0, [], []
-        for it in range(args.iters + 1):
+        def reset():
             win.zero_()
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                ring.launch_puts(n, size, wait=False)
-            ring.wait(done + n)
-            t1 = time.perf_counter()
-            done += n
-            stream.synchronize()
-            if it:
-                tg.append(t1 - t0)
+
+        tg, th = _time_gpu_driven(ring, n, size, args.iters, reset), []
+        stream = torch.cuda.Stream()
         slots = src.numel() // size
         _check(win[:size], src[:size], "first command")
         k = (n - 1) % slots
@@ -166,9 +179,6 @@ def pair(args) -> list[dict]:
         mr = ep.reg(src.data_ptr(), src.numel())[1]
         fifos = [_engine.fifo_item(window, token, waddr + i * size, size, base or waddr)
                  for i in range(n)]
-        stream = torch.cuda.Stream()
-        done, tg, th = 0, [], []
-
         def zero():
             here.send(("zero",))
             assert here.recv() == "zeroed"
@@ -182,17 +192,7 @@ def pair(args) -> list[dict]:
                 if not np.array_equal(got, want):
                     raise SystemExit(f"data check failed: {what}, command {i}")
 
-        for it in range(args.iters + 1):
-            zero()
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                ring.launch_puts(n, size, wait=False)
-            ring.wait(done + n)
-            t1 = time.perf_counter()
-            done += n
-            stream.synchronize()
-            if it:
-                tg.append(t1 - t0)
+        tg, th = _time_gpu_driven(ring, n, size, args.iters, zero), []
         check("GPU-driven")
         for it in range(args.iters + 1):
             zero()

@@ -77,6 +77,15 @@ def all_poison(buf: np.ndarray) -> bool:
     return bool(np.all(buf.view(np.uint8) == POISON))
 
 
+def have_cuda() -> bool:
+    """torch is importable and sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def kill_group(p) -> None:
     """SIGKILL the process group a subprocess.Popen(start_new_session=True)
     leads (the child and whatever it started), then reap it, bounded."""

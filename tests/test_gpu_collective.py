@@ -80,7 +80,7 @@ import time
 import pytest
 
 import _gpu_coll_worker as CW
-from _harness import BASE_ENV, kill_group
+from _harness import BASE_ENV, have_cuda, kill_group
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -88,15 +88,7 @@ REPO = os.path.dirname(TESTS)
 DRY = os.environ.get("UCCL_GPU_TESTS_DRYRUN") == "1"
 
 
-def _have_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-HAVE_CUDA = _have_cuda()
+HAVE_CUDA = have_cuda()
 NO_CUDA = ("no CUDA device: torch.cuda.is_available() is False; these tests need one NVIDIA GPU "
            "shared by 2-4 processes (UCCL_GPU_TESTS_DRYRUN=1 runs them on CPU tensors)")
 pytestmark = pytest.mark.skipif(not (HAVE_CUDA or DRY), reason=NO_CUDA)

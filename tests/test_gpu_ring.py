@@ -36,20 +36,10 @@ import time
 import numpy as np
 import pytest
 
-from _harness import GUARD, POISON, Pair, rand_bytes, run_one, run_pair
+from _harness import GUARD, POISON, Pair, have_cuda, rand_bytes, run_one, run_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _have_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-HAVE_CUDA = _have_cuda()
+HAVE_CUDA = have_cuda()
 needs_gpu = pytest.mark.skipif(not HAVE_CUDA, reason=(
     "no CUDA device (torch.cuda.is_available() is False): GPU rings need a GPU whose kernels "
     "enqueue; run on the GPU machine (benchmarks/device_gpu_ring.sh)"))

@@ -117,12 +117,22 @@ __device__ __forceinline__ unsigned long long uccl_ring_done(const uccl_ring_dev
     return uccl_ring_load_gpu(&((uccl_ring_cache *)r->cache)->done);
 }
 
-// Sleep between polls, longer the longer a thread has waited (to 2 us).
-__device__ __forceinline__ void uccl_ring_backoff_(unsigned *ns)
+// One round of a wait: refresh the counters if due, then sleep, longer the
+// longer the thread has waited (to 2 us).  false once the wait has lasted
+// longer than the ring's timeout.
+__device__ __forceinline__ bool uccl_ring_pause_(const uccl_ring_dev *r,
+                                                 unsigned long long *start, unsigned *ns)
 {
+    uccl_ring_refresh_(r, false);
+    unsigned long long now = uccl_ring_now();
+    if (!*start)
+        *start = now;
+    else if (now - *start > r->timeout_ns)
+        return false;
     __nanosleep(*ns);
     if (*ns < 2048)
         *ns *= 2;
+    return true;
 }
 
 // Fill slot t and publish it: the fields, then a system-scope fence, then
@@ -162,15 +172,10 @@ __device__ __forceinline__ long long uccl_ring_put(const uccl_ring_dev *r, unsig
     unsigned long long start = 0;
     unsigned ns = 64;
     while (t >= uccl_ring_load_gpu(&c->head) + r->nslots) { // full: wait for the proxy
-        uccl_ring_refresh_(r, false);
         if (uccl_ring_load_gpu(&c->error))
             return UCCL_RING_EFAILED;
-        unsigned long long now = uccl_ring_now();
-        if (!start)
-            start = now;
-        else if (now - start > r->timeout_ns)
+        if (!uccl_ring_pause_(r, &start, &ns))
             return UCCL_RING_ETIMEOUT;
-        uccl_ring_backoff_(&ns);
     }
     uccl_ring_fill_(r, t, dst, src_off, dst_off, len);
     return (long long)t;
@@ -210,16 +215,11 @@ __device__ __forceinline__ int uccl_ring_wait(const uccl_ring_dev *r, long long 
     unsigned long long start = 0;
     unsigned ns = 64;
     while (uccl_ring_load_gpu(&c->done) <= (unsigned long long)seq) {
-        uccl_ring_refresh_(r, false);
         unsigned long long err = uccl_ring_load_gpu(&c->error); // 1 + the first failed seq
         if (err && err - 1 <= (unsigned long long)seq)
             return (int)UCCL_RING_EFAILED;
-        unsigned long long now = uccl_ring_now();
-        if (!start)
-            start = now;
-        else if (now - start > r->timeout_ns)
+        if (!uccl_ring_pause_(r, &start, &ns))
             return (int)UCCL_RING_ETIMEOUT;
-        uccl_ring_backoff_(&ns);
     }
     return 0;
 }
