@@ -17,7 +17,8 @@ sequence numbers it issued) and the sequence numbers the GPU threads got.
                   header's fence makes the GPU's writes visible to the copy
   batch_kernel    our own kernel (GpuRing.launch_puts)
   two_process     CollectiveContext.gpu_ring over two processes sharing the
-                  GPU, on shared memory (CUDA IPC) and on TCP (staged)
+                  GPU, on shared memory (CUDA IPC), on TCP (staged) and on RDMA
+                  through the verbs emulator (staged on both sides)
   bad_command     a range past the window fails the ring at that command:
                   earlier ones complete, the kernel's wait and the host's
                   wait report it with the values
@@ -36,7 +37,8 @@ import time
 import numpy as np
 import pytest
 
-from _harness import GUARD, POISON, Pair, have_cuda, rand_bytes, run_one, run_pair
+from _harness import (GUARD, POISON, TRANSPORTS, Pair, have_cuda, rand_bytes, run_one,
+                      run_pair)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_CUDA = have_cuda()
@@ -503,9 +505,11 @@ def test_batch_kernel():
 
 
 @needs_gpu
-@pytest.mark.parametrize("transport", ["shm-cma", "tcp"])
+@pytest.mark.parametrize("transport", ["shm-cma", "tcp", "rdma"])
 def test_two_process(transport, tmp_path):
-    env = {"UCCL_P2P_TRANSPORT": "tcp"} if transport == "tcp" else {}
+    """rdma: through the verbs emulator, which cannot register GPU memory
+    (as a NIC without GPUDirect): the source and the windows are staged."""
+    env = {} if transport == "shm-cma" else TRANSPORTS[transport][0]
     kw = dict(seed=SEED + 4, store_path=str(tmp_path / "store"), n=600, max_len=32768,
               transport=transport)
     s, c = run_pair(_two_process, _two_process, timeout=240, env=env,
