@@ -279,3 +279,36 @@ def test_declared_abi_matches_rdma_core(tmp_path):
                         f"-I{root}/csrc", f"{root}/tests/ibv_emu/abi_check.c"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
+
+
+# --------------------------------------------------------------------------
+# staged memory: what no NIC can register, moved through registered memory
+STAGED_SIDES = {"receiver": ("server",), "sender": ("client",), "both": ("server", "client")}
+
+
+@pytest.mark.parametrize("side", list(STAGED_SIDES))
+@pytest.mark.parametrize("what", ["two_sided", "one_sided"])
+def test_staged_memory(what, side, monkeypatch):
+    """UCCL_P2P_RDMA_STAGE_ALL=1 registers no memory with the NIC and stages
+    it as GPU memory without GPUDirect is staged, with host copies where the
+    GPU's copy engine would copy: test_transfers.py's send/recv, sendv,
+    send_async (two_sided) and write, read, writev, readv, write_async,
+    read_async (one_sided) of 0 B to 64 MiB, with its checks (every byte,
+    poisoned destinations and guards), with the receiver / window owner
+    staged (a send into its buffer, a write into or a read from its window
+    stream through its staging ring), the sender / initiator staged (its own
+    moves through its staging chunk), or both.  With the receiver staged no
+    peer ever holds an rkey of its buffers: the bytes can only have come
+    through the ring."""
+    import test_transfers as T
+
+    stage = {"UCCL_P2P_RDMA_STAGE_ALL": "1"}
+    real = T.run_pair
+
+    def run_staged(*a, **kw):
+        for rank in STAGED_SIDES[side]:
+            kw[f"{rank}_env"] = stage
+        return real(*a, **kw)
+
+    monkeypatch.setattr(T, "run_pair", run_staged)
+    getattr(T, f"test_{what}_all_sizes")("rdma")
