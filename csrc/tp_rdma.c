@@ -27,7 +27,19 @@
  * polls too, slowly, to repost consumed receives.  A failed completion or a
  * timeout fails the connection, which moves every QP to ERR: the NIC
  * flushes what is left, so a mover never returns while its WRs may still
- * write into its buffer. */
+ * write into its buffer.
+ *
+ * Memory no NIC could register (GPU memory without GPUDirect) is staged on
+ * its own side (tp_rdma_stage.c): the moves of that side go through a
+ * page-locked chunk, chunk by chunk, here in uccl__rdma_move; what the peer
+ * would have to address (a receive buffer, a window written to or read
+ * from) is never advertised (its key is 0, `staged`): the protocol streams
+ * those transfers instead (proto_stream.c), and tp_rdma_stage.c carries the
+ * stream as RDMA WRITEs into a page-locked staging ring the receiving side
+ * lends slot by slot (CREDIT), each chunk announced by a DATA message,
+ * checked against the transfer and copied into place by the receiver.  A
+ * peer only ever reaches memory registered and lent to it: regions
+ * advertised to it, and the slots of the ring. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
