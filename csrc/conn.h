@@ -8,6 +8,8 @@
  *            matching, the messages and what each one does, and the
  *            stream data path the transports call
  *   proto_eager.c  eager payloads read off a socket control channel
+ *   proto_stream.c the stream data path: which transfers stream, the bytes
+ *            handed to the transport, where received chunks land
  *
  * The endpoint layer (engine.c, listen.c, xfer.c) calls down into this one;
  * this one calls the transports (transport.h), the memory regions (mem.h)
@@ -82,6 +84,7 @@ struct uccl__rts {               /* an RTS that arrived before its recv was post
 #define UCCL_EAGER_INFLIGHT 16
 #define UCCL_MSG_FLAG_EAGER 1u
 #define UCCL_MSG_FLAG_SLOT 2u   /* eager bytes are in shared-memory slot `offset` */
+#define UCCL_MSG_FLAG_STREAM 4u /* CTS, GO (aux): stream the bytes (proto_stream.c) */
 
 /* Copies the worker thread (or a caller driving the connection) makes. */
 enum { UCCL_JOB_PULL_RECV = 1, /* a message into a posted recv, then FIN */
@@ -221,6 +224,22 @@ void uccl__proto_answer(struct uccl__conn *c, struct uccl__req *r, int type, uin
 int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m);
 /* Free what the protocol keeps for c (with its last reference). */
 void uccl__proto_free(struct uccl__conn *c);
+
+/* The key of a request in the inflight and rx tables: kind above, id below. */
+static inline uint64_t uccl__proto_key(int kind, uint64_t id)
+{
+    return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1));
+}
+
+/* proto_stream.c */
+/* Do bytes bound for (or read out of) local memory with this local key
+ * stream on c?  Always where c is not direct; else where the peer cannot
+ * reach that memory (tp->staged). */
+int uccl__proto_streams(const struct uccl__conn *c, uint64_t local_key);
+/* Hand len bytes of src to the transport's stream (r held, and busy, until
+ * its tx_done); a failure fails the connection. */
+int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+                           uint64_t src_key, size_t len, struct uccl__req *r);
 
 /* proto_eager.c */
 /* An eager RTS on the socket: decide where its payload goes (c->erx), which

@@ -9,8 +9,10 @@
  *     sizes differ      -> NACK{seq, len = posted size}; both sides fail
  *     eager             -> copy, FIN
  *     direct transport  -> pull len bytes from addr into the recv buffer, FIN
- *     stream transport  -> CTS{seq}; the sender streams the bytes; every chunk
- *                          is checked against the posted buffer on arrival; FIN
+ *     stream transport  -> CTS{seq, STREAM}; the sender streams the bytes; every
+ *                          chunk is checked against the posted buffer on arrival;
+ *                          FIN (so too on a direct transport where the recv
+ *                          buffer is out of the peer's reach: tp->staged)
  *     direct, source in host memory, destination on a GPU (CUDA IPC maps
  *     device memory only) -> CTS{seq, addr, key}: the sender pushes into the
  *                          recv buffer, completes, PDONE; the receiver
@@ -23,6 +25,7 @@
  *     direct read   -> GO{addr}: the initiator pulls into its buffer, RDONE
  *     streamed write-> GO; the initiator streams; the target OPDONEs at the end
  *     streamed read -> the target streams; the initiator completes on the bytes
+ *     (direct, a window out of the peer's reach: streamed, GO{STREAM} for a write)
  *     direct, host memory to GPU memory: the side with the host memory copies
  *       write -> GO{addr, key}: the initiator pushes into the window, RDONE
  *       read  -> the target pushes into the initiator's buffer, OPDONE
@@ -54,7 +57,7 @@
  * recv the sender pushes into) */
 enum { KEY_SEND = 1, KEY_OP = 2, KEY_LENT = 3, KEY_RECV = 4 };
 
-static uint64_t key_of(int kind, uint64_t id) { return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1)); }
+static uint64_t key_of(int kind, uint64_t id) { return uccl__proto_key(kind, id); }
 static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* Direct transports: does the destination side make the copy?  Not where
@@ -261,7 +264,8 @@ static void try_match(struct uccl__conn *c)
             free(rts);
             return;
         }
-        if (rts->len == r->len && r->len > 0 && !c->direct && !rts->eager) {
+        if (rts->len == r->len && r->len > 0 && !rts->eager &&
+            uccl__proto_streams(c, r->local_key)) { /* CTS{STREAM} */
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_SEND, r->seq), r);
             stream = 1;
         } else if (rts->len == r->len && r->len > 0 && !rts->eager &&
@@ -309,7 +313,7 @@ static void try_match(struct uccl__conn *c)
         } else if (r->len == 0) {
             uccl__proto_answer(c, r, UCCL_MSG_FIN, 0, UCCL_OK, NULL);
         } else if (stream) {
-            uccl__conn_send_simple(c, UCCL_MSG_CTS, r->seq, r->len, 0);
+            uccl__conn_send_simple(c, UCCL_MSG_CTS, r->seq, r->len, UCCL_MSG_FLAG_STREAM);
         } else if (push) {
             struct uccl__msg cts = {.type = UCCL_MSG_CTS, .seq = r->seq, .len = r->len,
                                     .addr = (uint64_t)(uintptr_t)r->buf, .token = r->key_for_peer};
@@ -407,7 +411,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
     case UCCL_OP_READ:
         r->seq = ++c->next_op;
         uccl__idmap_put(&c->inflight, key_of(KEY_OP, r->seq), r);
-        if (r->op == UCCL_OP_READ && !c->direct && r->len > 0)
+        if (r->op == UCCL_OP_READ && (!c->direct || c->tp->staged) && r->len > 0)
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
         pthread_mutex_unlock(&c->mu);
         m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
@@ -419,91 +423,6 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
     }
     pthread_mutex_unlock(&c->mu);
     return uccl__err(UCCL_ERR_INVALID, "unknown operation %d", r->op);
-}
-
-/* ------------------------------------------------------------------------- */
-/* stream data path (called by transports)                                    */
-
-int uccl__conn_rx_begin(struct uccl__conn *c, int kind, uint64_t id, uint64_t offset,
-                        uint64_t len, char **dst_p, uint64_t *dst_key_p,
-                        struct uccl__req **req_p)
-{
-    pthread_mutex_lock(&c->mu);
-    struct uccl__req *r = uccl__idmap_get(&c->rx, key_of(kind, id));
-    if (!r) {
-        pthread_mutex_unlock(&c->mu);
-        return uccl__err(UCCL_ERR_PROTO, "data chunk (kind %d) for transfer %llu that this "
-                         "side never accepted", kind, (unsigned long long)id);
-    }
-    if (offset > r->len || len > r->len - offset) {
-        pthread_mutex_unlock(&c->mu);
-        return uccl__err(UCCL_ERR_PROTO, "data chunk [%llu, +%llu) outside the %zu-byte "
-                         "buffer of transfer %llu", (unsigned long long)offset,
-                         (unsigned long long)len, r->len, (unsigned long long)id);
-    }
-    uccl__req_get(r);
-    atomic_fetch_add(&r->busy, 1);
-    pthread_mutex_unlock(&c->mu);
-    *dst_p = r->buf + offset;
-    *dst_key_p = r->local_key;
-    *req_p = r;
-    return UCCL_OK;
-}
-
-void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
-{
-    size_t got = atomic_fetch_add(&r->got, len) + len;
-    atomic_fetch_sub(&r->busy, 1);
-    if (got == r->len) {
-        /* A streamed send completes on our FIN, not when its bytes left the
-         * sender: the FIN is ordered before any BYE we may send next. */
-        if (r->op == UCCL_OP_WRITE_TARGET)
-            uccl__proto_answer(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
-        else if (r->op == UCCL_OP_RECV)
-            uccl__proto_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
-        else
-            uccl__req_complete(c, r, UCCL_OK, NULL);
-    } else if (got > r->len) {
-        uccl__conn_fail(c, UCCL_ERR_PROTO, "peer sent %zu bytes for a %zu-byte transfer", got,
-                        r->len);
-    }
-    uccl__req_put(r);
-}
-
-void uccl__conn_rx_abort(struct uccl__conn *c, struct uccl__req *r)
-{
-    (void)c;
-    atomic_fetch_sub(&r->busy, 1);
-    uccl__req_put(r);
-}
-
-void uccl__conn_tx_done(struct uccl__conn *c, void *cookie, int status)
-{
-    struct uccl__req *r = cookie; /* a send completes on the receiver's FIN */
-    if (status != UCCL_OK)
-        uccl__conn_fail(c, status, "streaming data: %s", uccl_last_error());
-    if (r) {
-        atomic_fetch_sub(&r->busy, 1);
-        uccl__req_put(r);
-    }
-}
-
-static int stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src,
-                      uint64_t src_key, size_t len, struct uccl__req *r)
-{
-    if (r) {
-        uccl__req_get(r); /* the transport's job holds it until tx_done... */
-        atomic_fetch_add(&r->busy, 1); /* ...and reads its buffer till then */
-    }
-    int rc = c->tp->stream(c, kind, id, src, src_key, len, r);
-    if (rc) {
-        if (r) {
-            atomic_fetch_sub(&r->busy, 1);
-            uccl__req_put(r);
-        }
-        uccl__conn_fail(c, rc, "queueing data: %s", uccl_last_error());
-    }
-    return rc;
 }
 
 /* ------------------------------------------------------------------------- */
@@ -557,17 +476,19 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     }
     int local_gpu = hold && UCCL_MK_ON_GPU(hold->gpu.mkind);
     int write = m->type == UCCL_MSG_WREQ;
-    if (c->direct && write && dst_copies(c, local_gpu, m->aux)) { /* we pull into our window */
+    /* memory the peer cannot reach (or no direct transport): the bytes stream */
+    int streamed = uccl__proto_streams(c, hold ? hold->tp_key[c->tp->id] : 0);
+    if (c->direct && !streamed && write && dst_copies(c, local_gpu, m->aux)) { /* we pull */
         uccl__conn_push_job(c, UCCL_JOB_PULL_WRITE, NULL, m, local, hold);
         return;
     }
-    if (c->direct && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
+    if (c->direct && !streamed && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
         /* host window, GPU reader: we push into its buffer, then OPDONE */
         uccl__conn_push_job(c, UCCL_JOB_PUSH_READ, NULL, m, local, hold);
         return;
     }
     uint64_t key_for_peer = 0;
-    if (c->direct && c->tp->mem_key && hold) /* the hold keeps the region (and its export) */
+    if (c->direct && !streamed && c->tp->mem_key && hold) /* the hold keeps the region */
         st = c->tp->mem_key(c, hold, (uintptr_t)local, &key_for_peer);
     struct uccl__req *t = st ? NULL : target_req(c, write ? UCCL_OP_WRITE_TARGET
                                                           : UCCL_OP_READ_TARGET, local, m, hold);
@@ -580,8 +501,8 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
                                (uint64_t)(int64_t)(st ? st : UCCL_ERR_NOMEM));
         return;
     }
-    if (!write && !c->direct) { /* stream it; the job keeps t (and the hold) */
-        stream_out(c, UCCL_DATA_READ, m->seq, local, t->local_key, m->len, t);
+    if (!write && streamed) { /* stream it; the job keeps t (and the hold) */
+        uccl__proto_stream_out(c, UCCL_DATA_READ, m->seq, local, t->local_key, m->len, t);
         uccl__req_put(t);
         return;
     }
@@ -592,7 +513,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     /* Not after conn_fail collected `pending`: t would never be failed. */
     int ok = !atomic_load(&c->failed) &&
              uccl__idmap_put(&c->pending, ptr_key(t), t) == UCCL_OK; /* takes the creation ref */
-    if (ok && write && !c->direct)
+    if (ok && write && streamed)
         ok = uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t) == UCCL_OK;
     else if (ok)
         ok = uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t) == UCCL_OK;
@@ -604,8 +525,8 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         return;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
-                           .addr = c->direct ? (uint64_t)(uintptr_t)local : 0,
-                           .token = key_for_peer};
+                           .addr = c->direct && !streamed ? (uint64_t)(uintptr_t)local : 0,
+                           .token = key_for_peer, .aux = streamed ? UCCL_MSG_FLAG_STREAM : 0};
     uccl__conn_send_msg(c, &go);
 }
 
@@ -643,18 +564,20 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
                              (unsigned long long)m->seq);
-        if (m->len != r->len || r->eager) {
+        if (m->len != r->len || r->eager || (c->direct && !c->tp->staged &&
+                                             (m->aux & UCCL_MSG_FLAG_STREAM))) {
             uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu%s",
                              (unsigned long long)m->len, (unsigned long long)m->seq, r->len,
-                             r->eager ? " and went eagerly" : "");
+                             r->eager ? " and went eagerly" : m->len == r->len
+                             ? " (a stream this transport cannot carry)" : "");
         }
-        if (c->direct) { /* the receiver cannot pull from our memory: we push */
+        if (c->direct && !(m->aux & UCCL_MSG_FLAG_STREAM)) { /* we push into the recv buffer */
             r->remote_addr = m->addr;
             r->remote_key = m->token;
             uccl__conn_push_job(c, UCCL_JOB_PUSH_SEND, r, NULL, NULL, NULL);
         } else {
-            stream_out(c, UCCL_DATA_SEND, r->seq, r->buf, r->local_key, r->len, r);
+            uccl__proto_stream_out(c, UCCL_DATA_SEND, r->seq, r->buf, r->local_key, r->len, r);
         }
         uccl__req_put(r);
         return UCCL_OK;
@@ -691,8 +614,10 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     case UCCL_MSG_GO:
         r = inflight_get(c, KEY_OP, m->seq, 0);
-        if (!r || m->len != r->len || (r->op == UCCL_OP_READ && !c->direct) ||
-            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ)) {
+        int streamed = !c->direct || (m->aux & UCCL_MSG_FLAG_STREAM); /* a write only */
+        if (!r || m->len != r->len || (r->op == UCCL_OP_READ && streamed) ||
+            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ) || (streamed && !c->tp->stream) ||
+            (c->direct && streamed && !c->tp->staged)) {
             if (r)
                 uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "GO for unknown operation %llu",
@@ -707,8 +632,8 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_PROTO, "second GO for operation %llu",
                              (unsigned long long)m->seq);
         }
-        if (r->op == UCCL_OP_WRITE && !c->direct) {
-            stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->local_key, r->len, r);
+        if (r->op == UCCL_OP_WRITE && streamed) {
+            uccl__proto_stream_out(c, UCCL_DATA_WRITE, r->seq, r->buf, r->local_key, r->len, r);
         } else { /* direct: we pull into our own buffer (tracked as busy), or push */
             r->remote_addr = m->addr;
             r->remote_key = m->token;

@@ -27,7 +27,19 @@
  * polls too, slowly, to repost consumed receives.  A failed completion or a
  * timeout fails the connection, which moves every QP to ERR: the NIC
  * flushes what is left, so a mover never returns while its WRs may still
- * write into its buffer. */
+ * write into its buffer.
+ *
+ * Memory no NIC could register (GPU memory without GPUDirect) is staged on
+ * its own side (tp_rdma_stage.c): the moves of that side go through a
+ * page-locked chunk, chunk by chunk, here in uccl__rdma_move; what the peer
+ * would have to address (a receive buffer, a window written to or read
+ * from) is never advertised (its key is 0, `staged`): the protocol streams
+ * those transfers instead (proto_stream.c), and tp_rdma_stage.c carries the
+ * stream as RDMA WRITEs into a page-locked staging ring the receiving side
+ * lends slot by slot (CREDIT), each chunk announced by a DATA message,
+ * checked against the transfer and copied into place by the receiver.  A
+ * peer only ever reaches memory registered and lent to it: regions
+ * advertised to it, and the slots of the ring. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -84,12 +96,7 @@ struct rconn {
     atomic_uint next_imm;
     int thread;
     pthread_t progress;
-    /* GPU memory without GPUDirect: one chunk of page-locked host memory,
-     * registered with every NIC, that staged moves take turns on */
-    pthread_mutex_t stage_mu;
-    char *stage;
-    int stage_dev;
-    struct ibv_mr_s *stage_mr[UCCL_RDMA_MAX_DEVS];
+    struct uccl__rdma_stage *stage; /* memory no NIC could register (tp_rdma_stage.c) */
 };
 
 static int rdma_available(void)
@@ -287,41 +294,13 @@ static int wait_slot(struct uccl__conn *c, struct rop *op, unsigned qi, uint64_t
     return UCCL_OK;
 }
 
-/* Under stage_mu: the staging chunk, for GPU memory of device dev. */
-static int stage_get(struct uccl__conn *c, int dev)
-{
-    struct rconn *t = c->tp_priv;
-    unsigned n;
-    const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
-    const struct uccl__ibv *ib = uccl__ibv();
-    if (t->stage && t->stage_dev == dev)
-        return UCCL_OK;
-    for (unsigned i = 0; t->stage && i < n; i++) /* another device's: replace it */
-        if (t->stage_mr[i])
-            ib->dereg_mr(t->stage_mr[i]);
-    if (t->stage)
-        uccl__gpu_host_free(t->stage_dev, t->stage);
-    memset(t->stage_mr, 0, sizeof(t->stage_mr));
-    t->stage = NULL;
-    int rc = uccl__gpu_host_alloc(dev, t->chunk, (void **)&t->stage);
-    if (rc)
-        return rc;
-    t->stage_dev = dev;
-    for (unsigned i = 0; i < n; i++) {
-        t->stage_mr[i] = ib->reg_mr(d[i].pd, t->stage, t->chunk, IBV_ACCESS_LOCAL_WRITE_);
-        if (!t->stage_mr[i])
-            return uccl__err(UCCL_ERR_IO, "registering a %zu-byte staging buffer with %s: %s",
-                             t->chunk, d[i].name, strerror(errno));
-    }
-    return UCCL_OK;
-}
-
 /* Move len bytes between local (its region's key from mem_reg) and the
- * peer's raddr (its rkeys): READ them in, or WRITE them out ending with a
- * WRITE_WITH_IMM once every other chunk has landed.  GPU memory that no NIC
- * could register goes through the staging chunk, one chunk at a time. */
-static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key, uint64_t raddr,
-                uint64_t rkey, size_t len)
+ * peer's raddr (its rkeys): READ them in, or WRITE them out, with imm
+ * ending in a WRITE_WITH_IMM once every other chunk has landed.  Memory no
+ * NIC could register (staged) goes through the connection's own staging
+ * chunk (tp_rdma_stage.c), one chunk at a time. */
+int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
+                    uint64_t raddr, uint64_t rkey, size_t len, int imm)
 {
     struct rconn *t = c->tp_priv;
     const struct uccl__rdma_mr *m = (const struct uccl__rdma_mr *)(uintptr_t)local_key;
@@ -330,58 +309,58 @@ static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
         return UCCL_OK;
     unsigned ndev = 0;
     uccl__rdma_devs(&ndev);
-    int staged = m && m->magic == UCCL_RDMA_MR_MAGIC && m->staged_dev >= 0;
+    int staged = uccl__rdma_staged(local_key);
     if (!staged && (!m || m->magic != UCCL_RDMA_MR_MAGIC || m->err[0] || m->n != ndev))
         return uccl__err(UCCL_ERR_UNAVAIL, "%s of %zu bytes: the local buffer cannot move over "
                          "RDMA: %s", what, len, m && m->magic == UCCL_RDMA_MR_MAGIC && m->err[0]
                          ? m->err : "it is not registered with every NIC");
-    if (rkey == 0) /* the peer's memory is GPU memory its NIC cannot reach (mem_key) */
-        return uccl__err(UCCL_ERR_UNAVAIL, "%s of %zu bytes: the peer's buffer is GPU memory "
-                         "that its NIC cannot register (no GPUDirect RDMA there)", what, len);
+    if (rkey == 0) /* staged memory there streams (proto_stream.c): never addressed */
+        return uccl__err(UCCL_ERR_PROTO, "%s of %zu bytes: the peer gave no rkey for its "
+                         "buffer", what, len);
     struct rop *op = calloc(1, sizeof(*op));
     if (!op)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    if (staged)
-        pthread_mutex_lock(&t->stage_mu);
+    const struct uccl__rdma_area *sa = NULL;
+    int rc = staged ? uccl__rdma_own_take(t->stage, m->mkind, &sa) : UCCL_OK;
+    int post_failed = rc != UCCL_OK;
     atomic_init(&op->refs, 1);
     uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
     size_t nchunks = (len + t->chunk - 1) / t->chunk;
-    uint32_t imm = atomic_fetch_add(&t->next_imm, 1);
-    int rc = staged ? stage_get(c, m->staged_dev) : UCCL_OK, post_failed = rc != UCCL_OK;
+    uint32_t seq = atomic_fetch_add(&t->next_imm, 1);
     for (size_t k = 0; k < nchunks && rc == UCCL_OK; k++) {
-        unsigned qi = (unsigned)(k % t->nqp), dev = t->q[qi].dev;
+        unsigned qi = (unsigned)((k + seq) % t->nqp), dev = t->q[qi].dev;
         size_t off = k * t->chunk, n = len - off < t->chunk ? len - off : t->chunk;
-        int last_write = !read && k + 1 == nchunks;
-        char *at = staged ? t->stage : local + off;
+        int last_write = !read && imm && k + 1 == nchunks;
+        char *at = staged ? sa->p : local + off;
         /* QPs are not ordered among themselves: the immediate, which tells
          * the receiver the message is whole, goes after every other chunk. */
         if (last_write)
             rc = wait_op(c, op, deadline, 0);
         if (rc == UCCL_OK)
             rc = wait_slot(c, op, qi, deadline);
-        if (rc == UCCL_OK && staged && !read) { /* device to host first */
-            rc = uccl__gpu_copy(m->staged_dev, at, local + off, n, 0, c->local->timeout_ns);
+        if (rc == UCCL_OK && staged && !read) { /* into the staging chunk first */
+            rc = uccl__gpu_copy_kinds(at, sa->mk, local + off, m->mkind, n, c->local->timeout_ns);
             post_failed = rc != UCCL_OK;
         }
         if (rc == UCCL_OK) {
             rc = post_one(c, op, qi, read ? IBV_WR_RDMA_READ_ : last_write
                           ? IBV_WR_RDMA_WRITE_WITH_IMM_ : IBV_WR_RDMA_WRITE_, at,
-                          staged ? t->stage_mr[dev]->lkey : m->mr[dev]->lkey, raddr + off, rkey,
-                          n, imm);
+                          staged ? sa->mr[dev]->lkey : m->mr[dev]->lkey, raddr + off, rkey,
+                          n, seq);
             post_failed = rc != UCCL_OK;
         }
         if (rc == UCCL_OK && staged) /* the chunk is reused: this one must be done */
             rc = wait_op(c, op, deadline, 0);
-        if (rc == UCCL_OK && staged && read) { /* then host to device */
-            rc = uccl__gpu_copy(m->staged_dev, local + off, at, n, 0, c->local->timeout_ns);
+        if (rc == UCCL_OK && staged && read) { /* then out of it */
+            rc = uccl__gpu_copy_kinds(local + off, m->mkind, at, sa->mk, n, c->local->timeout_ns);
             post_failed = rc != UCCL_OK;
         }
     }
     if (rc == UCCL_OK)
         rc = wait_op(c, op, deadline, 0);
     if (rc == UCCL_OK) {
-        if (staged)
-            pthread_mutex_unlock(&t->stage_mu);
+        if (sa)
+            uccl__rdma_own_give(t->stage);
         rop_put(op);
         return UCCL_OK;
     }
@@ -403,22 +382,27 @@ static int move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
     rc = rc == UCCL_ERR_TIMEOUT ? UCCL_ERR_TIMEOUT : UCCL_ERR_IO;
     uccl__conn_fail(c, rc, "%s", msg);
     wait_op(c, op, uccl__now_ns() + 5000000000ull, 1);
-    if (staged)
-        pthread_mutex_unlock(&t->stage_mu);
+    if (sa)
+        uccl__rdma_own_give(t->stage);
     rop_put(op);
     return uccl__err(rc, "%s", msg);
+}
+
+struct uccl__rdma_stage *uccl__rdma_stage_of(struct uccl__conn *c)
+{
+    return ((struct rconn *)c->tp_priv)->stage;
 }
 
 static int rdma_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote_addr,
                      uint64_t remote_key, size_t len)
 {
-    return move(c, 1, dst, local_key, remote_addr, remote_key, len);
+    return uccl__rdma_move(c, 1, dst, local_key, remote_addr, remote_key, len, 1);
 }
 
 static int rdma_push(struct uccl__conn *c, const void *src, uint64_t local_key,
                      uint64_t remote_addr, uint64_t remote_key, size_t len)
 {
-    return move(c, 0, (char *)src, local_key, remote_addr, remote_key, len);
+    return uccl__rdma_move(c, 0, (char *)src, local_key, remote_addr, remote_key, len, 1);
 }
 
 /* ---- setting up ------------------------------------------------------------------ */
@@ -484,13 +468,12 @@ static int rconn_new(struct uccl__conn *c, struct rconn **t_p)
     t->chunk = (size_t)uccl__env_long("UCCL_P2P_RDMA_CHUNK_KB", 512, 4, 1 << 20, &bad) * 1024;
     t->sl = (int)uccl__env_long("UCCL_P2P_RDMA_SL", 0, 0, 15, &bad);
     t->tc = (int)uccl__env_long("UCCL_P2P_RDMA_TC", 0, 0, 255, &bad);
-    if (bad) {
+    if (bad || uccl__rdma_stage_new(t->chunk, &t->stage)) {
         free(t);
-        return UCCL_ERR_INVALID;
+        return bad ? UCCL_ERR_INVALID : UCCL_ERR_NOMEM;
     }
     for (unsigned i = 0; i < MAX_QPS; i++)
         pthread_mutex_init(&t->q[i].poll_mu, NULL);
-    pthread_mutex_init(&t->stage_mu, NULL);
     c->tp_priv = t;
     c->direct = 1;
     c->num_streams = 1; /* one setup socket */
@@ -685,6 +668,7 @@ static void rdma_conn_shutdown(struct uccl__conn *c)
     const struct uccl__ibv *ib = uccl__ibv();
     if (!t || !ib || atomic_exchange(&t->stop, 1))
         return;
+    uccl__rdma_stage_shutdown(t->stage);
     for (unsigned i = 0; i < t->nqp; i++)
         if (t->q[i].qp) {
             struct ibv_qp_attr_s a = {.qp_state = IBV_QPS_ERR_};
@@ -698,6 +682,7 @@ static void rdma_conn_destroy(struct uccl__conn *c)
     if (!t)
         return;
     rdma_conn_shutdown(c);
+    uccl__rdma_stage_join(t->stage);
     if (t->thread) {
         pthread_join(t->progress, NULL);
         t->thread = 0;
@@ -719,12 +704,7 @@ static void rdma_conn_free(struct uccl__conn *c)
             ib->destroy_cq(t->q[i].cq);
         pthread_mutex_destroy(&t->q[i].poll_mu);
     }
-    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_DEVS; i++) /* after the QPs that used it */
-        if (t->stage_mr[i])
-            ib->dereg_mr(t->stage_mr[i]);
-    if (t->stage)
-        uccl__gpu_host_free(t->stage_dev, t->stage);
-    pthread_mutex_destroy(&t->stage_mu);
+    uccl__rdma_stage_free(t->stage); /* after the QPs that used it */
     free(t);
     c->tp_priv = NULL;
 }
@@ -742,8 +722,11 @@ const struct uccl__tp_ops uccl__tp_rdma = {
     .mem_reg = uccl__rdma_mem_reg,
     .mem_dereg = uccl__rdma_mem_dereg,
     .mem_key = uccl__rdma_mem_key,
+    .staged = uccl__rdma_staged,
     .pull = rdma_pull,
     .push = rdma_push,
+    .stream = uccl__rdma_stream,
+    .on_msg = uccl__rdma_on_msg,
     .conn_shutdown = rdma_conn_shutdown,
     .conn_destroy = rdma_conn_destroy,
     .conn_free = rdma_conn_free,

@@ -309,14 +309,19 @@ int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
     const struct uccl__ibv *ib = uccl__ibv();
     if (!d || !ib)
         return UCCL_OK; /* no RDMA here: nothing to register */
+    /* For tests without a GPU, and to rule GPUDirect out: stage everything. */
+    int bad = 0, stage_all = (int)uccl__env_long("UCCL_P2P_RDMA_STAGE_ALL", 0, 0, 1, &bad);
+    if (bad)
+        return UCCL_ERR_INVALID;
     struct uccl__rdma_mr *m = calloc(1, sizeof(*m));
     if (!m)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     m->magic = UCCL_RDMA_MR_MAGIC;
-    m->staged_dev = -1;
+    m->mkind = mr->gpu.mkind;
+    m->staged = stage_all;
     /* A failure fails no registration (TCP and shared memory need none):
      * it is kept and told to an RDMA transfer that needs the region. */
-    for (unsigned i = 0; i < n && mr->len > 0 && !m->err[0]; i++) {
+    for (unsigned i = 0; i < n && mr->len > 0 && !m->err[0] && !m->staged; i++) {
         m->mr[i] = UCCL_MK_ON_GPU(mr->gpu.mkind) ? reg_gpu(ib, &d[i], mr)
                                                  : ib->reg_mr(d[i].pd, (void *)mr->addr, mr->len,
                                                               ACCESS);
@@ -333,7 +338,9 @@ int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
         for (unsigned i = 0; i < m->n; i++)
             ib->dereg_mr(m->mr[i]);
         m->n = 0;
-        m->staged_dev = (int)UCCL_MK_DEV(mr->gpu.mkind);
+        LOG_INFO("%s: staged through page-locked host memory", m->err);
+        m->err[0] = '\0';
+        m->staged = 1;
     }
     mr->tp_priv[UCCL_TP_RDMA] = m;
     mr->tp_key[UCCL_TP_RDMA] = (uint64_t)(uintptr_t)m;
@@ -365,7 +372,7 @@ int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_
         *key_p = 0;
         return UCCL_OK;
     }
-    if (m && m->staged_dev >= 0) { /* the peer cannot reach it: movers here stage it */
+    if (m && m->staged) { /* the peer cannot reach it: what reaches it streams */
         *key_p = 0;
         return UCCL_OK;
     }
@@ -378,4 +385,21 @@ int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_
         key |= (uint64_t)m->mr[i]->rkey << (32 * i);
     *key_p = key;
     return UCCL_OK;
+}
+
+int uccl__rdma_staged(uint64_t local_key)
+{
+    const struct uccl__rdma_mr *m = (const struct uccl__rdma_mr *)(uintptr_t)local_key;
+    return m && m->magic == UCCL_RDMA_MR_MAGIC && m->staged;
+}
+
+const struct uccl__rdma_mr *uccl__rdma_mr_of(uint64_t local_key)
+{
+    const struct uccl__rdma_mr *m = (const struct uccl__rdma_mr *)(uintptr_t)local_key;
+    if (!m || m->magic != UCCL_RDMA_MR_MAGIC) {
+        uccl__err(UCCL_ERR_UNAVAIL, "the buffer's region was not registered for RDMA (key "
+                  "0x%llx)", (unsigned long long)local_key);
+        return NULL;
+    }
+    return m;
 }

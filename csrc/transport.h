@@ -28,13 +28,16 @@
  * (gpu.h), which the peer reads and maps (CUDA IPC, cached), then copies on
  * its copy engine; host memory on the other side is reached by the side that
  * owns it (pull, or push into GPU memory).  Streaming transports stage GPU
- * memory through page-locked buffers.  The RDMA transport will map like this:
+ * memory through page-locked buffers.  The RDMA transport maps like this:
  *  - tp_rdma.c (libibverbs via ibv_loader.c): the acceptor asks for one
  *    extra socket, over which both sides exchange QP numbers and GIDs once;
  *    mem_reg is ibv_reg_mr on every NIC (tp_key: the MRs, mem_key: their
  *    rkeys); with source_writes the sender WRITEs into the receiver's
  *    advertised buffer (last chunk WRITE_WITH_IMM), a read posts an RDMA
- *    READ; control messages stay on the control socket.
+ *    READ; control messages stay on the control socket.  GPU memory no NIC
+ *    can register is staged by its own side: its own moves through a
+ *    page-locked chunk, and what the peer must reach streamed (`staged`)
+ *    through a page-locked ring the receiving side lends (tp_rdma_stage.c).
  */
 #ifndef UCCL_TRANSPORT_H
 #define UCCL_TRANSPORT_H
@@ -103,6 +106,14 @@ struct uccl__tp_ops {
      * is always reachable by pull. */
     int (*key_on_gpu)(uint64_t peer_key);
 
+    /* Direct transports that can also stream (RDMA): is the local memory
+     * behind local_key (mr->tp_key) out of the peer's reach (GPU memory no
+     * NIC could register)?  Then the bytes bound for it, and a read of it,
+     * stream on the direct connection (stream, with on_msg carrying the
+     * chunks' messages), asked for by UCCL_MSG_FLAG_STREAM in the CTS or
+     * GO.  NULL: never. */
+    int (*staged)(uint64_t local_key);
+
     /* Direct mover (NULL, or the connection's `direct` flag clear, when the
      * transport streams): copy len bytes from the peer's remote_addr (with its
      * remote_key) into dst (whose region has local_key).  The protocol only
@@ -116,7 +127,8 @@ struct uccl__tp_ops {
     int (*push)(struct uccl__conn *c, const void *src, uint64_t local_key, uint64_t remote_addr,
                 uint64_t remote_key, size_t len);
 
-    /* Stream mover: queue len > 0 bytes for the peer, tagged (kind, id).
+    /* Stream mover (also, on a direct transport with `staged`, for the
+     * transfers that stream): queue len > 0 bytes for the peer, tagged (kind, id).
      * Never blocks; calls uccl__conn_tx_done(c, cookie, status) once the
      * bytes have left the buffer.  `cookie` is a struct uccl__req *.
      * src_key is src's local key: GPU memory (gpu.h) is staged through

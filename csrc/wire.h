@@ -62,14 +62,17 @@ enum {
     UCCL_MSG_GO = 7,      /* target: write accepted, push the bytes; or (direct
                              read) pull len bytes from addr, then RDONE */
     UCCL_MSG_OPDONE = 8,  /* target: one-sided op finished (aux = status) */
-    UCCL_MSG_DATA = 9,    /* shm ring: a chunk sits in slot aux */
-    UCCL_MSG_CREDIT = 10, /* shm ring: slot aux is free again */
+    UCCL_MSG_DATA = 9,    /* shm ring, RDMA staging ring: a chunk sits in slot aux */
+    UCCL_MSG_CREDIT = 10, /* shm ring: slot aux is free again (RDMA: slot aux of the
+                             staging ring, at addr, len bytes, rkeys in window) */
     UCCL_MSG_BYE = 11,    /* either side: closing on purpose (not a crash) */
     UCCL_MSG_RDONE = 12,  /* initiator: finished with the target's window (pulled a
                              read, or pushed a write): the target may let go */
     UCCL_MSG_PDONE = 13,  /* sender: pushed message seq into the receiver's buffer
                              (after a CTS with its address; aux = status) */
-    UCCL_MSG_TYPE_MAX = 13,
+    UCCL_MSG_RING = 14,   /* RDMA: lend me your staging ring, for transfer seq of
+                             kind token (answered by a CREDIT per slot) */
+    UCCL_MSG_TYPE_MAX = 14,
 };
 
 #define UCCL_MSG_SIZE 64

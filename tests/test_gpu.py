@@ -37,9 +37,10 @@ every failure message: rerun with UCCL_GPU_TEST_SEED=<seed>) and is checked
 bitwise at its destination, with 4 KiB of poisoned guard bytes before and
 after every target range (and between iovs) that must stay untouched.
 
-Without CUDA everything skips.  UCCL_GPU_TESTS_DRYRUN=1 runs the matrix, tcp
-and ring scenarios on CPU memory only (every kind mapped to pageable, small
-sizes): a check of this harness on a machine without a GPU.
+Without CUDA everything skips.  UCCL_GPU_TESTS_DRYRUN=1 runs the matrix, tcp,
+rdma_staged and ring scenarios on CPU memory only (every kind mapped to
+pageable, small sizes; rdma_staged with every buffer staged): a check of this
+harness on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -286,16 +287,25 @@ def test_tcp(via, case):
 
 
 # What the RDMA transport stages (a NIC that cannot register GPU memory):
-# the moves a buffer's own side makes.  A send or write INTO a peer's GPU
-# memory, or a read FROM it, is refused by name there (README, "RDMA").
+# the moves a GPU buffer's own side makes (push: a GPU source sent or written
+# to host memory; pull: host memory read into a GPU buffer), and what a peer
+# must reach in GPU memory, streamed through the receiving side's staging
+# ring (send-into: a send into a GPU receive buffer, from host memory or from
+# GPU memory, which is then staged on both sides; write-into: the same into
+# a GPU window; read-from: a read of a GPU window into host or GPU memory).
 def _rdma_plans() -> dict:
     sizes = [0, 1, 4097, 64 * W.MiB]
     if DRY and not HAVE_CUDA:
         sizes = [0, 1, 4097, W.MiB + 3]
     common = dict(sizes=sizes, big=False, mixed=False)
+    into = [["pinned", "gpu"], ["pageable", "gpu"], ["gpu", "gpu"]]
     return {"push": dict(cells=[["gpu", "pinned"], ["gpu", "pageable"]],
                          ops=["send", "send_async", "sendv", "write"], **common),
-            "pull": dict(cells=[["pinned", "gpu"], ["pageable", "gpu"]], ops=["read"], **common)}
+            "pull": dict(cells=[["pinned", "gpu"], ["pageable", "gpu"]], ops=["read"], **common),
+            "send-into": dict(cells=into, ops=["send", "send_async", "sendv"], **common),
+            "write-into": dict(cells=into, ops=["write", "write_async", "writev"], **common),
+            "read-from": dict(cells=[["gpu", "pinned"], ["gpu", "pageable"], ["gpu", "gpu"]],
+                              ops=["read", "read_async", "readv"], **common)}
 
 
 RDMA_CASES = [(way, c) for way, plan in _rdma_plans().items()
@@ -305,12 +315,18 @@ RDMA_CASES = [(way, c) for way, plan in _rdma_plans().items()
 @pytest.mark.parametrize("way,case", RDMA_CASES, ids=[f"{w}-{c}" for w, c in RDMA_CASES])
 def test_rdma_staged(way, case):
     """GPU memory over the RDMA transport through the verbs emulator, which
-    cannot register GPU memory (as a NIC without GPUDirect): a GPU source
-    sent or written to host memory, and host memory read into a GPU buffer,
-    staged through page-locked memory by the GPU buffer's own side; every
-    byte checked; 'setup' checks conn_transport() is 'rdma'."""
-    _needs_gpu()
-    res = _run("matrix", 2, ("rdma", way), timeout=150, env=_rdma_env(),
+    cannot register GPU memory (as a NIC without GPUDirect), staged through
+    page-locked memory on the GPU buffer's own side: a GPU source sent or
+    written to host memory, host memory read into a GPU buffer; a send or a
+    write into GPU memory and a read of a GPU window, from or into host or
+    GPU memory (both sides staged); every byte checked; 'setup' checks
+    conn_transport() is 'rdma'.  Dry run (no GPU): every kind is pageable
+    CPU memory, staged anyway on both sides (UCCL_P2P_RDMA_STAGE_ALL=1): a
+    check of the harness and of the staged paths' host side."""
+    env = _rdma_env()
+    if not HAVE_CUDA:
+        env["UCCL_P2P_RDMA_STAGE_ALL"] = "1"
+    res = _run("matrix", 2, ("rdma", way), timeout=150, env=env,
                params=_params(plan=_rdma_plans()[way], expect_transport="rdma"))
     check(res, case, f"rdma (emulator, staged), {way}")
 

@@ -21,7 +21,7 @@ import time
 import pytest
 
 import _ibv_emu
-from _harness import MiB, addr, all_poison, poisoned, rand_bytes, run_pair, sha
+from _harness import MiB, Pair, addr, all_poison, catch, poisoned, rand_bytes, run_pair, sha
 
 SCENARIOS = ["write_imm", "read", "bad_rkey", "out_of_bounds", "no_remote_read", "bad_lkey",
              "ordered", "rnr_wait", "rnr_exceeded", "peer_dies", "peer_dies_midway",
@@ -279,3 +279,107 @@ def test_declared_abi_matches_rdma_core(tmp_path):
                         f"-I{root}/csrc", f"{root}/tests/ibv_emu/abi_check.c"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
+
+
+# --------------------------------------------------------------------------
+# staged memory: what no NIC can register, moved through registered memory
+STAGED_SIDES = {"receiver": ("server",), "sender": ("client",), "both": ("server", "client")}
+
+
+@pytest.mark.parametrize("side", list(STAGED_SIDES))
+@pytest.mark.parametrize("what", ["two_sided", "one_sided"])
+def test_staged_memory(what, side, monkeypatch):
+    """UCCL_P2P_RDMA_STAGE_ALL=1 registers no memory with the NIC and stages
+    it as GPU memory without GPUDirect is staged, with host copies where the
+    GPU's copy engine would copy: test_transfers.py's send/recv, sendv,
+    send_async (two_sided) and write, read, writev, readv, write_async,
+    read_async (one_sided) of 0 B to 64 MiB, with its checks (every byte,
+    poisoned destinations and guards), with the receiver / window owner
+    staged (a send into its buffer, a write into or a read from its window
+    stream through its staging ring), the sender / initiator staged (its own
+    moves through its staging chunk), or both.  With the receiver staged no
+    peer ever holds an rkey of its buffers: the bytes can only have come
+    through the ring."""
+    import test_transfers as T
+
+    stage = {"UCCL_P2P_RDMA_STAGE_ALL": "1"}
+    real = T.run_pair
+
+    def run_staged(*a, **kw):
+        for rank in STAGED_SIDES[side]:
+            kw[f"{rank}_env"] = stage
+        return real(*a, **kw)
+
+    monkeypatch.setattr(T, "run_pair", run_staged)
+    getattr(T, f"test_{what}_all_sizes")("rdma")
+
+
+STAGED_BIG = 64 * MiB
+SURVIVOR_TIMEOUT = 10.0
+
+
+def _staged_loop(ch, role, survivor, what):
+    """One rank of a pair moving 64 MiB again and again until a side dies:
+    'server' receives (what='send') or advertises a window the client reads
+    (what='read'); 'client' sends or reads.  Returns the first error
+    (catch()), or None."""
+    from uccl_collective.p2p import Endpoint
+
+    ep = Endpoint(port=0, timeout_s=SURVIVOR_TIMEOUT if survivor else 60)
+    if role == "server":
+        ch.send("meta", ep.get_metadata())
+        conn = ep.accept()[3]
+    else:
+        conn = ep.add_remote_endpoint(ch.recv("meta"))[1]
+    buf = rand_bytes(STAGED_BIG, 21)
+    mr = ep.reg(addr(buf), buf.nbytes)[1]
+    if what == "read" and role == "server":
+        ch.send("fifo", ep.advertise(conn, mr, addr(buf), STAGED_BIG)[1])
+        ch.event("streaming")
+        time.sleep(120)  # the window streams out on the engine's threads; killed before
+    fifo = ch.recv("fifo") if what == "read" else None
+    for i in range(100000):
+        if i == 2:
+            ch.event("streaming")
+        if what == "read":
+            err = catch(ep.read, conn, mr, addr(buf), STAGED_BIG, fifo)
+        elif role == "client":
+            err = catch(ep.send, conn, mr, addr(buf), STAGED_BIG)
+        else:
+            err = catch(ep.recv, conn, mr, addr(buf), STAGED_BIG)
+        if err:
+            t0 = time.monotonic()
+            ep.close()  # joins the connection's threads, the stream thread among them
+            return {**err, "close_s": time.monotonic() - t0}
+    return None
+
+
+def _staged_server(ch, **kw):
+    return _staged_loop(ch, "server", **kw)
+
+
+def _staged_client(ch, **kw):
+    return _staged_loop(ch, "client", **kw)
+
+
+@pytest.mark.parametrize("staged", ["receiver", "both"])
+@pytest.mark.parametrize("what,killed", [("send", "client"), ("send", "server"),
+                                          ("read", "server")])
+def test_staged_stream_peer_killed(what, killed, staged):
+    """While 64 MiB sends (or reads of a 64 MiB window) stream through the
+    staging ring one after the other, the peer is SIGKILLed: the survivor's
+    call raises UcclError well inside its 10 s timeout, never hangs, and
+    closing its endpoint then returns at once."""
+    survivor = "server" if killed == "client" else "client"
+    env = {"UCCL_P2P_RDMA_STAGE_ALL": "1"}
+    with Pair(_staged_server, _staged_client, env=_ibv_emu.env(),
+              server_env=env, client_env=env if staged == "both" else None,
+              server_kwargs={"survivor": survivor == "server", "what": what},
+              client_kwargs={"survivor": survivor == "client", "what": what}) as p:
+        p.wait_event(survivor, "streaming", timeout=60)
+        time.sleep(0.05)
+        p.kill(killed)
+        err = p.result(survivor, timeout=SURVIVOR_TIMEOUT + 10)
+    assert err is not None and err.get("uccl"), err
+    assert not err["timeout"] and err["elapsed"] < SURVIVOR_TIMEOUT, err
+    assert err["close_s"] < 5, f"close() after the failure took {err['close_s']:.1f} s"
