@@ -74,11 +74,15 @@ def _time_gpu_driven(ring, n: int, size: int, iters: int, reset) -> list[float]:
         reset()
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            ring.launch_puts(n, size, wait=False)
+            status = ring.launch_puts(n, size, wait=False)
         ring.wait(done + n)
         t1 = time.perf_counter()
         done += n
         stream.synchronize()
+        st = status.tolist()
+        if st != [0, done - 1]:
+            raise SystemExit(f"the kernel reported {st} (first error code, last sequence "
+                             f"number; expected [0, {done - 1}])")
         if it:
             times.append(t1 - t0)
     return times

@@ -78,8 +78,7 @@ static void load(void)
         SYM(ModuleLoadData, "cuModuleLoadData"), SYM(ModuleUnload, "cuModuleUnload"),
         SYM(ModuleGetFunction, "cuModuleGetFunction"), SYM(LaunchKernel, "cuLaunchKernel"),
         SYM(MemHostGetDevicePointer, "cuMemHostGetDevicePointer"),
-        SYM(MemAlloc, "cuMemAlloc"), SYM(MemFree, "cuMemFree"), SYM(MemsetD8, "cuMemsetD8"),
-        SYM(StreamSynchronize, "cuStreamSynchronize"),
+        SYM(MemAlloc, "cuMemAlloc"), SYM(MemFree, "cuMemFree"),
 #undef SYM
     };
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
@@ -101,6 +100,11 @@ static void load(void)
                         : gp1("cuMemGetHandleForAddressRange", &fn, CU_API_VERSION, 0);
     if (orc == CU_OK && fn)
         memcpy(&table.MemGetHandleForAddressRange, &fn, sizeof(fn));
+    fn = NULL;
+    orc = gp2 ? gp2("cuFuncGetParamInfo", &fn, CU_API_VERSION, 0, &status)
+              : gp1("cuFuncGetParamInfo", &fn, CU_API_VERSION, 0);
+    if (orc == CU_OK && fn)
+        memcpy(&table.FuncGetParamInfo, &fn, sizeof(fn));
     loaded = 1; /* the library stays loaded for the life of the process */
 }
 

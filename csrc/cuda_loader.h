@@ -95,11 +95,12 @@ struct uccl__cuda {
     cu_result (*MemHostGetDevicePointer)(cu_ptr *, void *, unsigned);
     cu_result (*MemAlloc)(cu_ptr *, size_t);
     cu_result (*MemFree)(cu_ptr);
-    cu_result (*MemsetD8)(cu_ptr, unsigned char, size_t);
-    cu_result (*StreamSynchronize)(cu_stream);
     /* optional (NULL where the driver predates it, CUDA 11.7): a dmabuf fd
      * of device memory, for GPUDirect RDMA registration */
     cu_result (*MemGetHandleForAddressRange)(void *, cu_ptr, size_t, int, unsigned long long);
+    /* optional (CUDA 12.4): a kernel's parameter offsets and sizes, to check
+     * a launch's arguments against */
+    cu_result (*FuncGetParamInfo)(cu_function, size_t, size_t *, size_t *);
 };
 enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 

@@ -181,8 +181,9 @@ int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void *
     r = cu->MemcpyAsync((cu_ptr)(uintptr_t)dst, (cu_ptr)(uintptr_t)src, len, l->s[side]);
     if (r == CU_OK && ev)
         r = cu->EventRecord(ev, l->s[side]);
-    if (r != CU_OK) {
-        while (cu->StreamQuery(l->s[side]) == CU_ERR_NOT_READY) /* what was queued ends first */
+    if (r != CU_OK) { /* what was queued ends first (bounded: a hung copy is not waited out) */
+        uint64_t until = uccl__now_ns() + 30000000000ull;
+        while (cu->StreamQuery(l->s[side]) == CU_ERR_NOT_READY && uccl__now_ns() < until)
             sched_yield();
         if (ev)
             cu->EventDestroy(ev);

@@ -19,6 +19,7 @@ struct uccl__kernel {
     int dev;
     cu_module mod;
     cu_function fn;
+    char name[64];
 };
 
 void uccl_nvrtc_set_path(const char *path)
@@ -124,12 +125,39 @@ int uccl_gpu_compile(int dev, const char *src, const char *name, int nhdr,
         return uccl__err(UCCL_ERR_INVALID, "the compiled source has no kernel named '%.100s' "
                          "(declare it extern \"C\" __global__)", name);
     }
+    snprintf(k->name, sizeof(k->name), "%s", name);
     *k_p = k;
     return UCCL_OK;
 }
 
+/* The arguments against the kernel's parameters, where the driver tells them. */
+static int check_params(const struct uccl__cuda *cu, uccl_kernel_t *k, const size_t *sizes,
+                        int n)
+{
+    if (!cu->FuncGetParamInfo)
+        return UCCL_OK;
+    size_t off, size;
+    for (int i = 0; i < n; i++) {
+        if (cu->FuncGetParamInfo(k->fn, (size_t)i, &off, &size) != CU_OK)
+            return uccl__err(UCCL_ERR_INVALID, "kernel %s takes %d parameters, %d given", k->name,
+                             i, n);
+        if (size != sizes[i])
+            return uccl__err(UCCL_ERR_INVALID, "kernel %s: parameter %d is %zu bytes, the "
+                             "argument given is %zu", k->name, i, size, sizes[i]);
+    }
+    if (cu->FuncGetParamInfo(k->fn, (size_t)n, &off, &size) == CU_OK) {
+        int want = n + 1;
+        while (want < 256 && cu->FuncGetParamInfo(k->fn, (size_t)want, &off, &size) == CU_OK)
+            want++;
+        return uccl__err(UCCL_ERR_INVALID, "kernel %s takes %d parameters, %d given", k->name,
+                         want, n);
+    }
+    return UCCL_OK;
+}
+
 int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned block[3],
-                    unsigned shmem, uintptr_t stream, void **params)
+                    unsigned shmem, uintptr_t stream, void **params, const size_t *sizes,
+                    int nparams)
 {
     if (!k)
         return uccl__err(UCCL_ERR_INVALID, "launch of a freed kernel");
@@ -139,6 +167,8 @@ int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned blo
                              "%u) must be at least 1 in each dimension", grid[0], grid[1],
                              grid[2], block[0], block[1], block[2]);
     int rc = uccl__cuda_use(k->dev);
+    if (rc == UCCL_OK)
+        rc = check_params(uccl__cuda(), k, sizes, nparams);
     if (rc)
         return rc;
     cu_result r = uccl__cuda()->LaunchKernel(k->fn, grid[0], grid[1], grid[2], block[0],
@@ -192,13 +222,20 @@ int uccl_gpu_dev_alloc(int dev, size_t len, uint64_t *dev_p)
     const struct uccl__cuda *cu = uccl__cuda();
     cu_ptr d = 0;
     cu_result r = cu->MemAlloc(&d, len);
-    /* the memset runs on the legacy stream, which torch's non-blocking
-     * streams do not wait for: done before any kernel can see the memory */
-    if (r == CU_OK && ((r = cu->MemsetD8(d, 0, len)) != CU_OK ||
-                       (r = cu->StreamSynchronize(NULL)) != CU_OK))
-        cu->MemFree(d);
     if (r != CU_OK)
         return uccl__cuda_err(r, "allocating device memory");
+    /* zeroed by a copy on this thread's own stream, waited for with a
+     * deadline: a memset on the legacy stream would queue behind whatever
+     * runs there (a kernel waiting on another ring, say), and torch's
+     * non-blocking streams would not wait for it */
+    void *zeros = calloc(1, len);
+    rc = zeros ? uccl__gpu_copy(dev, (void *)(uintptr_t)d, zeros, len, 0, 30000000000ull)
+               : uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    free(zeros);
+    if (rc) {
+        cu->MemFree(d);
+        return rc;
+    }
     *dev_p = d;
     return UCCL_OK;
 }

@@ -15,6 +15,8 @@ typedef struct {
     PyObject_HEAD
     uccl__py_endpoint *endpoint; /* strong ref, entered while ring is set */
     uccl_ring_t *ring;
+    int users;                   /* calls using ring without the GIL */
+    int closing;                 /* close() ran: the last user frees the ring */
 } uccl__py_ring;
 
 static int parse_dst(PyObject *item, unsigned i, struct uccl_ring_dst *d)
@@ -115,6 +117,10 @@ static int Ring_init(PyObject *op, PyObject *args, PyObject *kw)
     o.trace_len = (size_t)trace, o.paused = paused;
     uccl_ring_t *r = NULL;
     int rc;
+    if (uccl__py_ep_check(ep)) { /* the destinations' items ran Python code meanwhile */
+        PyMem_Free(d);
+        return -1;
+    }
     uccl__py_ep_enter(ep);
     Py_BEGIN_ALLOW_THREADS
     rc = uccl_ring_create(ep->ep, &o, &r);
@@ -131,26 +137,46 @@ static int Ring_init(PyObject *op, PyObject *args, PyObject *kw)
     return 0;
 }
 
-static PyObject *Ring_close(PyObject *op, PyObject *unused)
+/* Free the ring (with the GIL held; released around the proxy's stop). */
+static void ring_free(uccl__py_ring *self)
 {
-    (void)unused;
-    uccl__py_ring *self = (uccl__py_ring *)op;
     uccl_ring_t *r = self->ring;
-    if (!r)
-        Py_RETURN_NONE;
     self->ring = NULL;
     Py_BEGIN_ALLOW_THREADS
     uccl_ring_destroy(r);
     Py_END_ALLOW_THREADS
     uccl__py_ep_leave(self->endpoint);
     Py_CLEAR(self->endpoint);
+}
+
+/* A call that uses the ring without the GIL holds it: close() from another
+ * thread meanwhile only marks it, and the last user out frees it. */
+static void ring_enter(uccl__py_ring *self) { self->users++; }
+
+static void ring_leave(uccl__py_ring *self)
+{
+    if (--self->users == 0 && self->closing && self->ring)
+        ring_free(self);
+}
+
+static PyObject *Ring_close(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl__py_ring *self = (uccl__py_ring *)op;
+    if (!self->ring || self->closing)
+        Py_RETURN_NONE;
+    self->closing = 1;
+    if (self->users == 0)
+        ring_free(self);
     Py_RETURN_NONE;
 }
 
 static uccl_ring_t *ring_of(uccl__py_ring *self)
 {
-    if (!self->ring)
+    if (!self->ring || self->closing) {
         PyErr_SetString(PyExc_ValueError, "the GPU ring is closed");
+        return NULL;
+    }
     return self->ring;
 }
 
@@ -171,31 +197,15 @@ static PyObject *Ring_counters(PyObject *op, PyObject *unused)
         return NULL;
     uint64_t c[4];
     int rc;
+    ring_enter(self);
     Py_BEGIN_ALLOW_THREADS
     rc = uccl_ring_counters(r, c);
     Py_END_ALLOW_THREADS
+    ring_leave(self);
     if (rc)
         return uccl__py_ep_fail(self->endpoint, rc);
     return Py_BuildValue("(KKKK)", (unsigned long long)c[0], (unsigned long long)c[1],
                          (unsigned long long)c[2], (unsigned long long)c[3]);
-}
-
-struct ring_wait {
-    uccl_ring_t *r;
-    uint64_t count, deadline;
-};
-
-static int ring_wait_slice(uccl__py_endpoint *ep, void *arg)
-{
-    (void)ep;
-    struct ring_wait *w = arg;
-    return uccl_ring_wait(w->r, w->count, w->deadline, UCCL_PY_SLICE_NS);
-}
-
-static int ring_ep_open(uccl__py_endpoint *ep)
-{
-    (void)ep; /* the ring holds the engine: a closed endpoint shows as failed commands */
-    return 0;
 }
 
 /* wait(count, timeout=None) -> True once count commands are done */
@@ -207,10 +217,8 @@ static PyObject *Ring_wait(PyObject *op, PyObject *args)
     uccl_ring_t *r = ring_of(self);
     if (!r || !PyArg_ParseTuple(args, "K|O", &count, &timeout))
         return NULL;
-    double t;
-    if (timeout == Py_None) {
-        t = (double)uccl_ep_timeout_ns(self->endpoint->ep) / 1e9;
-    } else {
+    double t = (double)uccl_ep_timeout_ns(self->endpoint->ep) / 1e9;
+    if (timeout != Py_None) {
         t = PyFloat_AsDouble(timeout);
         if (PyErr_Occurred())
             return NULL;
@@ -218,9 +226,24 @@ static PyObject *Ring_wait(PyObject *op, PyObject *args)
             return PyErr_Format(PyExc_ValueError, "timeout must be >= 0 seconds, got %R",
                                 timeout);
     }
-    struct ring_wait w = {r, count, uccl__py_mono_ns() + (uint64_t)(t * 1e9)};
-    int rc;
-    if (uccl__py_wait_sliced(self->endpoint, ring_ep_open, ring_wait_slice, &w, &rc))
+    if (t > 365.0 * 86400) /* "forever", kept finite in ns */
+        t = 365.0 * 86400;
+    uint64_t deadline = uccl__py_mono_ns() + (uint64_t)(t * 1e9);
+    int rc = UCCL_INPROGRESS;
+    ring_enter(self);
+    while (rc == UCCL_INPROGRESS) { /* slices, with Ctrl-C and close() seen between them */
+        if (self->closing) {
+            PyErr_SetString(PyExc_ValueError, "the GPU ring was closed while waiting on it");
+            break;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        rc = uccl_ring_wait(r, count, deadline, UCCL_PY_SLICE_NS);
+        Py_END_ALLOW_THREADS
+        if (rc == UCCL_INPROGRESS && PyErr_CheckSignals())
+            break;
+    }
+    ring_leave(self);
+    if (PyErr_Occurred())
         return NULL;
     if (rc)
         return uccl__py_ep_fail(self->endpoint, rc);
@@ -231,7 +254,11 @@ static PyObject *Ring_error(PyObject *op, PyObject *unused)
 {
     (void)unused;
     uccl_ring_t *r = ring_of((uccl__py_ring *)op);
-    return r ? PyUnicode_FromString(uccl_ring_error(r)) : NULL;
+    char buf[512];
+    if (!r)
+        return NULL;
+    uccl_ring_error(r, buf, sizeof(buf));
+    return PyUnicode_FromString(buf);
 }
 
 static PyObject *Ring_pause(PyObject *op, PyObject *unused)
@@ -422,7 +449,7 @@ PyObject *uccl__py_gpu_compile(PyObject *module, PyObject *args)
 }
 
 /* gpu_launch(kernel, (gx, gy, gz), (bx, by, bz), shmem, stream, params: bytes,
- * offsets: [int]): each kernel parameter at its offset into params */
+ * args: [(offset, size)]): each kernel parameter at its offset into params */
 PyObject *uccl__py_gpu_launch(PyObject *module, PyObject *args)
 {
     PyObject *cap, *pbytes, *offs;
@@ -437,25 +464,33 @@ PyObject *uccl__py_gpu_launch(PyObject *module, PyObject *args)
     if (!k || PyBytes_AsStringAndSize(pbytes, &buf, &len) < 0 || (n = PySequence_Size(offs)) < 0)
         return NULL;
     void **params = PyMem_Calloc((size_t)n + 1, sizeof(void *));
-    if (!params)
+    size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof(size_t));
+    if (!params || !sizes) {
+        PyMem_Free(params);
+        PyMem_Free(sizes);
         return PyErr_NoMemory();
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_GetItem(offs, i);
-        Py_ssize_t off = item ? PyLong_AsSsize_t(item) : -1;
+        Py_ssize_t off = -1, size = -1;
+        int ok = item && PyArg_ParseTuple(item, "nn", &off, &size);
         Py_XDECREF(item);
-        if (off == -1 && PyErr_Occurred()) {
+        if (ok && (off < 0 || size <= 0 || off > len || size > len - off)) {
+            PyErr_Format(PyExc_ValueError, "kernel argument %zd: %zd bytes at offset %zd of "
+                         "%zd", i, size, off, len);
+            ok = 0;
+        }
+        if (!ok) {
             PyMem_Free(params);
+            PyMem_Free(sizes);
             return NULL;
         }
-        if (off < 0 || off >= len) {
-            PyMem_Free(params);
-            return PyErr_Format(PyExc_ValueError, "kernel argument %zd at offset %zd of %zd "
-                                "bytes", i, off, len);
-        }
         params[i] = buf + off;
+        sizes[i] = (size_t)size;
     }
-    int rc = uccl_gpu_launch(k, g, b, shmem, (uintptr_t)stream, params);
+    int rc = uccl_gpu_launch(k, g, b, shmem, (uintptr_t)stream, params, sizes, (int)n);
     PyMem_Free(params);
+    PyMem_Free(sizes);
     if (rc)
         return uccl__py_raise(module, rc, uccl_last_error());
     Py_RETURN_NONE;

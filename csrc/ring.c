@@ -22,8 +22,12 @@
  *    thread that reads the new head may reuse the slot;
  *  - the proxy issues commands in sequence and retires them in sequence:
  *    done counts completed commands, written with release once the
- *    transfer is complete (bytes in place at the destination); a GPU thread
- *    reads it with ld.acquire.sys, a host waiter with acquire.
+ *    transfer is complete (bytes in place at the destination); a host
+ *    waiter reads it with acquire; on the GPU one thread at a time reads it
+ *    with ld.acquire.sys and raises a device-memory copy after a fence, and
+ *    waiting threads read that copy with ld.acquire.gpu (uccl_ring.cuh);
+ *  - a GPU thread that gives up waiting for its slot writes 1 + its ticket
+ *    into `stuck`: the proxy, idle at that ticket, fails the ring there.
  * Back-pressure is the ring itself: the proxy keeps at most `inflight`
  * commands in flight and takes no more until one retires, so the slots
  * fill and enqueuers wait (uccl_ring_put) or are told (try_put).  Two
@@ -49,7 +53,7 @@
 
 _Static_assert(sizeof(struct uccl_ring_cmd) == 64, "ring command layout");
 _Static_assert(sizeof(struct uccl_ring_dev) == 128, "ring descriptor layout");
-_Static_assert(sizeof(struct uccl_ring_ctr) == 192, "ring counters layout");
+_Static_assert(sizeof(struct uccl_ring_ctr) == 256, "ring counters layout");
 
 /* FL_QUEUED: a copy between device memory of the ring's GPU, queued on the
  * proxy's copy stream with no event of its own: one mark per burst of
@@ -102,7 +106,8 @@ struct uccl__ring {
     pthread_t proxy;
     int proxy_started;
     atomic_int stop, paused, failed;
-    char err[512];            /* written once, before failed is set */
+    pthread_mutex_t err_mu;   /* err: written by the proxy, read by host waiters */
+    char err[512];            /* why the ring stopped, at fail_seq */
     uint64_t fail_seq;        /* the lowest command that failed (proxy thread only) */
     uint64_t *trace;
     size_t trace_len;
@@ -138,18 +143,19 @@ static void ring_fail(struct uccl__ring *r, uint64_t seq, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void ring_fail(struct uccl__ring *r, uint64_t seq, const char *fmt, ...)
 {
-    if (atomic_load(&r->failed)) { /* an earlier command failed later: it is the one */
-        if (seq < r->fail_seq) {
-            r->fail_seq = seq;
-            store_rel(&r->ctr->error, seq + 1);
-        }
+    /* the first failure, or an earlier command failing later: that one is
+     * where the ring stopped, and its reason is the one told */
+    if (atomic_load(&r->failed) && seq >= r->fail_seq)
         return;
-    }
+    char msg[sizeof(r->err)];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(r->err, sizeof(r->err), fmt, ap);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    LOG_WARN("GPU ring: %s", r->err);
+    LOG_WARN("GPU ring: %s", msg);
+    pthread_mutex_lock(&r->err_mu);
+    memcpy(r->err, msg, sizeof(msg));
+    pthread_mutex_unlock(&r->err_mu);
     r->fail_seq = seq;
     atomic_store(&r->failed, 1);
     store_rel(&r->ctr->error, seq + 1);
@@ -195,23 +201,24 @@ static int retire_oldest(struct uccl__ring *r, int wait)
         if (finished)
             uccl_ep_release(r->ep, f->xfer);
     } else if (f->kind == FL_QUEUED) {
-        finished = 0;
+        /* its mark: the first one left (marks are popped with the last
+         * command they cover), made now if none covers it yet */
         if (r->queued_unmarked && (!r->qm_n || r->qm[(r->qm_first + r->qm_n - 1) %
                                                      r->inflight_max].last < f->seq))
             rc = mark_queued(r);
+        if (rc == UCCL_OK && !r->qm_n)
+            rc = uccl__err(UCCL_ERR_IO, "no event covers this queued copy");
         if (rc == UCCL_OK) {
             struct qmark *q = &r->qm[r->qm_first];
             int p = wait ? (uccl_stream_mark_wait(q->mark, r->timeout_ns) == UCCL_OK ? 1 : -1)
                          : uccl_stream_mark_poll(q->mark);
             finished = p != 0;
-            rc = p < 0 ? UCCL_ERR_IO : UCCL_OK;
-            if (finished && (p < 0 || q->last == f->seq)) { /* the mark's last command */
+            rc = p < 0 ? UCCL_ERR_IO : UCCL_OK; /* the later commands it covers see it too */
+            if (finished && q->last == f->seq) {
                 uccl_stream_mark_free(q->mark);
                 r->qm_first = (r->qm_first + 1) % r->inflight_max;
                 r->qm_n--;
             }
-        } else {
-            finished = 1;
         }
     } else if (f->kind == FL_LOCAL && f->mark) {
         int p = wait ? (uccl_stream_mark_wait(f->mark, r->timeout_ns) == UCCL_OK ? 1 : -1)
@@ -344,6 +351,12 @@ static void *proxy_main(void *arg)
             idle_since = 0, step = 1000;
             continue;
         }
+        uint64_t stuck = load_acq(&r->ctr->stuck);
+        if (stuck && !atomic_load(&r->failed) && stuck - 1 >= r->taken)
+            ring_fail(r, stuck - 1, "a GPU thread gave up waiting for a free slot (ticket %llu, "
+                      "after the %.0f s timeout): that slot will never be filled, so the ring "
+                      "stops there", (unsigned long long)(stuck - 1),
+                      (double)r->timeout_ns / 1e9);
         if (r->fl_n && fl_at(r, 0)->kind == FL_REMOTE) {
             /* drive the connections from here, as a host waiter would:
              * their threads need not wake for each completion */
@@ -491,6 +504,7 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     r->spin_ns = (uint64_t)uccl__env_long("UCCL_RING_SPIN_US", 1000, 0, 10000000, &bad) * 1000;
     r->trace_len = o->trace_len;
     atomic_init(&r->paused, o->paused != 0);
+    pthread_mutex_init(&r->err_mu, NULL);
     r->dsts = calloc(o->ndst, sizeof(*r->dsts));
     r->fl = calloc(o->inflight, sizeof(*r->fl));
     r->qm = calloc(o->inflight, sizeof(*r->qm));
@@ -522,7 +536,8 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
             .done = ctr_d + offsetof(struct uccl_ring_ctr, done),
             .error = ctr_d + offsetof(struct uccl_ring_ctr, error), .nslots = o->nslots,
             .ndst = o->ndst, .src_len = o->src_len, .timeout_ns = r->timeout_ns,
-            .cache = r->ticket_dev + sizeof(uint64_t)};
+            .cache = r->ticket_dev + sizeof(uint64_t),
+            .stuck = ctr_d + offsetof(struct uccl_ring_ctr, stuck)};
         rc = uccl_ep_copy(ep, (uintptr_t)r->dev_block, (uintptr_t)&desc, sizeof(desc));
     }
     if (rc == UCCL_OK) {
@@ -550,6 +565,7 @@ void uccl_ring_destroy(uccl_ring_t *r)
         uccl_stream_mark_free(r->qm[(r->qm_first + i) % r->inflight_max].mark);
     uccl_gpu_dev_free(r->dev, r->dev_block);
     uccl_gpu_mapped_free(r->dev, r->host);
+    pthread_mutex_destroy(&r->err_mu);
     free(r->dsts);
     free(r->fl);
     free(r->qm);
@@ -587,8 +603,11 @@ int uccl_ring_wait(uccl_ring_t *r, uint64_t count, uint64_t deadline_ns, uint64_
         if (load_acq(&r->ctr->done) >= count)
             return UCCL_OK;
         uint64_t err = load_acq(&r->ctr->error); /* 1 + the first failed command */
-        if (err && err - 1 < count) /* those before it still finish */
-            return uccl__err(UCCL_ERR_IO, "the GPU ring failed: %s", r->err);
+        if (err && err - 1 < count) { /* those before it still finish */
+            char why[sizeof(r->err)];
+            uccl_ring_error(r, why, sizeof(why));
+            return uccl__err(UCCL_ERR_IO, "the GPU ring failed: %s", why);
+        }
         uint64_t t = now_ns();
         if (t >= deadline_ns)
             return uccl__err(UCCL_ERR_TIMEOUT, "the GPU ring completed %llu of %llu commands "
@@ -605,9 +624,16 @@ int uccl_ring_wait(uccl_ring_t *r, uint64_t count, uint64_t deadline_ns, uint64_
     }
 }
 
-const char *uccl_ring_error(uccl_ring_t *r)
+void uccl_ring_error(uccl_ring_t *r, char *buf, size_t len)
 {
-    return atomic_load(&r->failed) ? r->err : "";
+    if (!len)
+        return;
+    buf[0] = '\0';
+    if (!atomic_load(&r->failed))
+        return;
+    pthread_mutex_lock(&r->err_mu);
+    snprintf(buf, len, "%s", r->err);
+    pthread_mutex_unlock(&r->err_mu);
 }
 
 void uccl_ring_pause(uccl_ring_t *r)

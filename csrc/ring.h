@@ -33,9 +33,13 @@ int uccl_gpu_compile(int dev, const char *src, const char *name, int nhdr,
                      const char *const *hdr_names, const char *const *hdr_srcs, int nopt,
                      const char *const *opts, char *log, size_t log_len, uccl_kernel_t **k_p);
 /* Launch on `stream` (a CUstream of the kernel's device; 0: the legacy
- * default stream); params as cuLaunchKernel takes them. */
+ * default stream); params as cuLaunchKernel takes them, nparams of them
+ * with these sizes in bytes: checked against the kernel's own parameters
+ * where the driver tells them (CUDA 12.4), so a wrong count or size is
+ * UCCL_ERR_INVALID naming it rather than the driver reading past them. */
 int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned block[3],
-                    unsigned shmem, uintptr_t stream, void **params);
+                    unsigned shmem, uintptr_t stream, void **params, const size_t *sizes,
+                    int nparams);
 void uccl_gpu_kernel_free(uccl_kernel_t *k);
 
 /* Page-locked host memory mapped for device dev (zeroed): host and device
@@ -79,15 +83,19 @@ struct uccl_ring_dev {        /* what a kernel is given (its device address) */
     uint64_t timeout_ns;      /* a device wait gives up after this long */
     uint64_t cache;           /* device memory: the kernels' copies of head, done, error
                                  (struct uccl_ring_cache in uccl_ring.cuh), and a stamp */
-    uint64_t pad[6];
+    uint64_t stuck;           /* device address of the counters' `stuck` */
+    uint64_t pad[5];
 };
-struct uccl_ring_ctr {        /* written by the proxy only, each on its own line */
-    uint64_t head;            /* commands taken: slot s is free again once head > its ticket */
+struct uccl_ring_ctr {        /* in mapped host memory, each on its own line */
+    uint64_t head;            /* proxy: commands taken; slot s is free again once head > its ticket */
     uint64_t pad0[7];
-    uint64_t done;            /* commands completed, in sequence */
+    uint64_t done;            /* proxy: commands completed, in sequence */
     uint64_t pad1[7];
-    uint64_t error;           /* 0, or 1 + the sequence number of the command that failed */
+    uint64_t error;           /* proxy: 0, or 1 + the sequence number of the command that failed */
     uint64_t pad2[7];
+    uint64_t stuck;           /* GPU: 0, or 1 + a ticket whose thread gave up waiting for its
+                                 slot (the slot stays empty: the ring cannot go on) */
+    uint64_t pad3[7];
 };
 
 /* ---- rings --------------------------------------------------------------- */
@@ -130,8 +138,8 @@ int uccl_ring_counters(uccl_ring_t *r, uint64_t out[4]);
  * min(deadline_ns, now + slice_ns) passed (UCCL_INPROGRESS), or the
  * deadline passed (UCCL_ERR_TIMEOUT). */
 int uccl_ring_wait(uccl_ring_t *r, uint64_t count, uint64_t deadline_ns, uint64_t slice_ns);
-/* Why the ring failed ("" if it did not). */
-const char *uccl_ring_error(uccl_ring_t *r);
+/* Why the ring failed ("" if it did not), into buf. */
+void uccl_ring_error(uccl_ring_t *r, char *buf, size_t len);
 /* Hold the proxy before it takes the next command, and let it go on. */
 void uccl_ring_pause(uccl_ring_t *r);
 void uccl_ring_resume(uccl_ring_t *r);

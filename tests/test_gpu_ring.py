@@ -10,6 +10,7 @@ sequence numbers it issued) and the sequence numbers the GPU threads got.
                   destinations, some empty), many threads at once, into a
                   local window; also with an 8-slot ring and 2 in flight
   in_sequence     every command writes the same range: the last one wins
+                  (locally, and in a peer's window with 32 writes in flight)
   full_ring       try_put on a paused ring: exactly `slots` succeed, the rest
                   report EFULL; blocking puts wait (the kernel stays running)
                   until the proxy resumes
@@ -384,6 +385,50 @@ def _two_process(ch, rank, seed, store_path, n, max_len, transport):
     return {"rank": rank, "transport": got_tp, "to_peer": int((dst == peer).sum())}
 
 
+def _seq_owner(ch, length):
+    import torch
+    from uccl_collective.p2p import Endpoint
+    torch.cuda.set_device(0)
+    ep = Endpoint(0, 1, timeout_s=TIMEOUT_S)
+    ch.send("meta", bytes(ep.get_metadata()))
+    _ok, _ip, _gpu, conn = ep.accept()
+    win = torch.full((length + GUARD,), POISON, dtype=torch.uint8, device="cuda")
+    mr = ep.reg(win.data_ptr(), length)[1]
+    ch.send("fifo", bytes(ep.advertise(conn, mr, win.data_ptr(), length)[1]))
+    want = np.concatenate([np.frombuffer(ch.recv("last_chunk", timeout=120), np.uint8),
+                           np.full(GUARD, POISON, np.uint8)])
+    _mismatch(win.cpu().numpy(), want, "the peer's window after every command wrote it")
+    ch.send("checked")
+    ep.close()
+    return True
+
+
+def _seq_writer(ch, seed, n, length):
+    import torch
+    from uccl_collective.gpu_ring import GpuRing, Kernel, Remote
+    from uccl_collective.p2p import Endpoint
+    torch.cuda.set_device(0)
+    ep = Endpoint(0, 1, timeout_s=TIMEOUT_S)
+    _ok, conn = ep.add_remote_endpoint(ch.recv("meta"))
+    src_np = rand_bytes(n * length, seed)
+    src = torch.from_numpy(src_np).cuda()
+    ring = GpuRing(ep, src, [Remote(conn, ch.recv("fifo"))], slots=64, inflight=32, trace=n)
+    cmds = (np.zeros(n, np.uint32), np.arange(n, dtype=np.uint64) * length,
+            np.zeros(n, np.uint64), np.full(n, length, np.uint64))
+    arrs, seqs, rcs = _dev_arrays(cmds)
+    Kernel(TEST_SRC, "table_puts").launch((n + 63) // 64, 64,
+                                          (ring, _i32(n), *arrs, seqs, rcs, _i32(0)))
+    torch.cuda.synchronize()
+    ring.wait(n, timeout=TIMEOUT_S)
+    assert (rcs.cpu().numpy() == 0).all() and ring.trace() == list(range(n))
+    last = int(np.argmax(seqs.cpu().numpy()))
+    ch.send("last_chunk", src_np[last * length:(last + 1) * length].tobytes())
+    ch.recv("checked", timeout=120)
+    ring.close()
+    ep.close()
+    return last
+
+
 def _bad_command(ch, seed):
     import torch
     from uccl_collective.gpu_ring import EFAILED, GpuRing, Kernel
@@ -488,6 +533,19 @@ def test_in_sequence():
 
 
 @needs_gpu
+@pytest.mark.parametrize("transport", ["shm-cma", "tcp"])
+def test_in_sequence_remote(transport):
+    """Every command writes the same range of a peer's window, up to 32 in
+    flight at once over the connection (over TCP striped over 2 data
+    streams): the proxy holds each until the one before it finished, so the
+    last one's bytes are what stays."""
+    env = {} if transport == "shm-cma" else TRANSPORTS[transport][0]
+    run_pair(_seq_writer, _seq_owner, timeout=180, env=env,
+             server_kwargs={"seed": SEED + 7, "n": 256, "length": 65536},
+             client_kwargs={"length": 65536})
+
+
+@needs_gpu
 @pytest.mark.parametrize("slots", [8, 64])
 def test_full_ring(slots):
     res = run_one(_full_ring, timeout=120, seed=SEED + 2, slots=slots)
@@ -537,22 +595,28 @@ def test_peer_killed():
 
 # --------------------------------------------------------------------------
 # without a GPU
-def _fields(text: str, struct: str) -> list[str]:
+_WIDTH = {"uint64_t": 8, "unsigned long long": 8, "uint32_t": 4, "unsigned int": 4}
+
+
+def _fields(text: str, struct: str) -> list[tuple[str, int]]:
+    """(name with its array length, bytes per element) of each field."""
     body = re.search(r"struct " + struct + r" \{(.*?)\};", text, re.S).group(1)
     body = re.sub(r"/\*.*?\*/|//[^\n]*", "", body, flags=re.S)
-    names = []
+    out = []
     for decl in body.split(";"):
-        decl = decl.strip()
+        decl = " ".join(decl.split())
         if decl:
-            names.append(re.search(r"(\w+)(\[\d+\])?$", decl).group(0))
-    return names
+            m = re.fullmatch(r"(.+?) (\w+(\[\d+\])?)", decl)
+            assert m and m.group(1) in _WIDTH, f"unexpected field declaration {decl!r}"
+            out.append((m.group(2), _WIDTH[m.group(1)]))
+    return out
 
 
 @pytest.mark.parametrize("struct", ["uccl_ring_cmd", "uccl_ring_dev"])
 def test_header_layout_matches_the_engine(struct):
-    """The device header and csrc/ring.h declare the same fields in the same
-    order (their sizes are pinned by static asserts in ring.c and by the
-    fixed-width types both use)."""
+    """The device header and csrc/ring.h declare the same fields, of the same
+    widths, in the same order (sizes are also pinned by static asserts in
+    ring.c and in the header itself)."""
     cuh = open(os.path.join(ROOT, "uccl_collective", "include", "uccl_ring.cuh")).read()
     h = open(os.path.join(ROOT, "csrc", "ring.h")).read()
     assert _fields(cuh, struct) == _fields(h, struct)
@@ -565,7 +629,7 @@ def test_pack_args():
     from uccl_collective.gpu_ring import _pack_args
     t = torch.zeros(4)
     buf, offs = _pack_args([np.int32(-5), t, 7, np.float32(1.5), -1, 2.5])
-    assert offs == [0, 8, 16, 24, 32, 40]
+    assert offs == [(0, 4), (8, 8), (16, 8), (24, 4), (32, 8), (40, 8)]
     assert st.unpack_from("<i", buf, 0)[0] == -5
     assert st.unpack_from("<Q", buf, 8)[0] == t.data_ptr()
     assert st.unpack_from("<Q", buf, 16)[0] == 7

@@ -100,10 +100,12 @@ def _stream_handle(stream: Any, dev: int) -> int:
     return int(getattr(stream, "cuda_stream", stream))
 
 
-def _pack_args(args: Iterable[Any]) -> tuple[bytes, list[int]]:
-    """Kernel parameters packed at their natural alignment: tensors and rings
-    as 64-bit pointers, Python ints as 64-bit integers, floats as double,
-    numpy scalars as their own type."""
+def _pack_args(args: Iterable[Any]) -> tuple[bytes, list[tuple[int, int]]]:
+    """Kernel parameters packed at their natural alignment, and each one's
+    (offset, size): tensors and rings as 64-bit pointers, Python ints as
+    64-bit integers, floats as double, numpy scalars as their own type.  The
+    engine checks the sizes against the kernel's parameters where the driver
+    tells them (CUDA 12.4)."""
     import numpy as np
     buf, offs = bytearray(), []
     for i, a in enumerate(args):
@@ -126,7 +128,7 @@ def _pack_args(args: Iterable[Any]) -> tuple[bytes, list[int]]:
                             "int, float or numpy scalar")
         align = min(len(raw), 8)
         buf += b"\0" * (-len(buf) % align)
-        offs.append(len(buf))
+        offs.append((len(buf), len(raw)))
         buf += raw
     return bytes(buf or b"\0"), offs
 
@@ -246,6 +248,8 @@ class GpuRing:
                 self.dst_sizes.append(n)
         self.endpoint = endpoint
         self.source_size = slen
+        # the memory stays the ring's: the proxy reads and writes it until close()
+        self._keep = (source, list(destinations))
         self._mr = endpoint.reg(sptr, slen)[1]
         try:
             self._ring = _engine.GpuRing(endpoint, self.device, slots, inflight, self._mr, sptr,
@@ -324,6 +328,7 @@ class GpuRing:
                 self.endpoint.dereg(self._mr)
             except Exception:  # the endpoint may be closed already
                 pass
+            self._keep = None
 
     def __enter__(self) -> "GpuRing":
         return self

@@ -20,8 +20,9 @@
 // in the order of their sequence numbers, each exactly once.  Needs sm_70+.
 // The layout below is csrc/ring.h's, byte for byte.
 //
-// A put that times out (UCCL_RING_ETIMEOUT) leaves its ticket unused: the
-// ring stops there, and the host sees the timeout too (GpuRing.wait).
+// A put that times out (UCCL_RING_ETIMEOUT; e.g. a ring paused longer than
+// the endpoint's timeout) leaves its ticket unused: the ring stops there,
+// and the proxy fails it with that reason (GpuRing.wait raises it).
 #pragma once
 
 struct uccl_ring_cmd {
@@ -46,8 +47,11 @@ struct uccl_ring_dev {
     unsigned long long src_len;
     unsigned long long timeout_ns;
     unsigned long long cache;    // device memory: a uccl_ring_cache
-    unsigned long long pad[6];
+    unsigned long long stuck;    // host-mapped: 1 + a ticket whose thread gave up (below)
+    unsigned long long pad[5];
 };
+static_assert(sizeof(uccl_ring_cmd) == 64, "csrc/ring.h's layout");
+static_assert(sizeof(uccl_ring_dev) == 128, "csrc/ring.h's layout");
 
 // Device-memory copies of the host-written counters.  Many waiting threads
 // read these (L2), and one thread at a time, at most every
@@ -56,7 +60,10 @@ struct uccl_ring_dev {
 // very transfers they wait for (measured: 1.8 ms per command instead of
 // microseconds).
 struct uccl_ring_cache {
-    unsigned long long head, done, error, stamp;
+    unsigned long long head, done;
+    unsigned long long error_inv;  // ~error: the proxy may lower error (an earlier command
+                                   // failing later), and atomicMax of ~error keeps the lowest
+    unsigned long long stamp;
 };
 #ifndef UCCL_RING_REFRESH_NS
 #define UCCL_RING_REFRESH_NS 500ULL
@@ -107,7 +114,14 @@ __device__ __forceinline__ void uccl_ring_refresh_(const uccl_ring_dev *r, bool 
     atomicMax(&c->head, head);
     atomicMax(&c->done, done);
     if (err)
-        atomicMax(&c->error, err);
+        atomicMax(&c->error_inv, ~err);
+}
+
+// 0, or 1 + the first command that failed (as the kernels last saw it).
+__device__ __forceinline__ unsigned long long uccl_ring_error_(uccl_ring_cache *c)
+{
+    unsigned long long inv = uccl_ring_load_gpu(&c->error_inv);
+    return inv ? ~inv : 0;
 }
 
 // Commands completed so far (read from the host now).
@@ -172,10 +186,15 @@ __device__ __forceinline__ long long uccl_ring_put(const uccl_ring_dev *r, unsig
     unsigned long long start = 0;
     unsigned ns = 64;
     while (t >= uccl_ring_load_gpu(&c->head) + r->nslots) { // full: wait for the proxy
-        if (uccl_ring_load_gpu(&c->error))
+        if (uccl_ring_error_(c))
             return UCCL_RING_EFAILED;
-        if (!uccl_ring_pause_(r, &start, &ns))
+        if (!uccl_ring_pause_(r, &start, &ns)) {
+            // ticket t's slot will never be filled: tell the proxy, which
+            // stops the ring there (and the host hears why)
+            *(volatile unsigned long long *)r->stuck = t + 1;
+            __threadfence_system();
             return UCCL_RING_ETIMEOUT;
+        }
     }
     uccl_ring_fill_(r, t, dst, src_off, dst_off, len);
     return (long long)t;
@@ -194,7 +213,7 @@ __device__ __forceinline__ long long uccl_ring_try_put(const uccl_ring_dev *r, u
     for (;;) { // take ticket t only if its slot is free now: no ticket is left unused
         if (t >= uccl_ring_load_gpu(&c->head) + r->nslots)
             uccl_ring_refresh_(r, true); // "full" is told from the host's own count
-        if (uccl_ring_load_gpu(&c->error))
+        if (uccl_ring_error_(c))
             return UCCL_RING_EFAILED;
         if (t >= uccl_ring_load_gpu(&c->head) + r->nslots)
             return UCCL_RING_EFULL;
@@ -215,7 +234,7 @@ __device__ __forceinline__ int uccl_ring_wait(const uccl_ring_dev *r, long long 
     unsigned long long start = 0;
     unsigned ns = 64;
     while (uccl_ring_load_gpu(&c->done) <= (unsigned long long)seq) {
-        unsigned long long err = uccl_ring_load_gpu(&c->error); // 1 + the first failed seq
+        unsigned long long err = uccl_ring_error_(c); // 1 + the first failed seq
         if (err && err - 1 <= (unsigned long long)seq)
             return (int)UCCL_RING_EFAILED;
         if (!uccl_ring_pause_(r, &start, &ns))
