@@ -626,10 +626,17 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         pthread_mutex_lock(&c->mu);
         int again = r->go_seen;
         r->go_seen = 1;
+        /* a direct read: the target chose the NIC, so no streamed chunk may
+         * come for it now (and none may have come before) */
+        int mixed = r->op == UCCL_OP_READ &&
+                    (atomic_load(&r->got) > 0 || atomic_load(&r->busy) > 0);
+        if (r->op == UCCL_OP_READ && !again && !mixed)
+            uccl__idmap_del(&c->rx, key_of(UCCL_DATA_READ, r->seq));
         pthread_mutex_unlock(&c->mu);
-        if (again) {
+        if (again || mixed) {
             uccl__req_put(r);
-            return uccl__err(UCCL_ERR_PROTO, "second GO for operation %llu",
+            return uccl__err(UCCL_ERR_PROTO, again ? "second GO for operation %llu"
+                             : "GO for read %llu after its bytes began to stream",
                              (unsigned long long)m->seq);
         }
         if (r->op == UCCL_OP_WRITE && streamed) {

@@ -30,7 +30,12 @@
  * transfer after the other, a chunk into each slot lent; with several slots
  * the receiver's copy of one chunk overlaps the WRITE of the next.  Every
  * DATA and CREDIT is checked (slot index and state, lengths, kind); the
- * peer can only ever reach the ring, which it was lent.  A credit that does
+ * peer can only ever reach the ring.  Lending is flow control, not access
+ * control: the ring is one registration, writable by the peer throughout,
+ * so a peer that writes a slot it was not lent (or rewrites one it already
+ * announced) can only garble its own transfers on this connection; what
+ * lands in a receive buffer is still bounded by the transfer
+ * (uccl__conn_rx_begin).  A credit that does
  * not come within the timeout fails the connection, as does anything a
  * peer sends out of turn; a failed connection stops the thread, and the
  * requests of what it had not sent fail with it. */
