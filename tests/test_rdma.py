@@ -335,8 +335,16 @@ def _staged_loop(ch, role, survivor, what):
     mr = ep.reg(addr(buf), buf.nbytes)[1]
     if what == "read" and role == "server":
         ch.send("fifo", ep.advertise(conn, mr, addr(buf), STAGED_BIG)[1])
-        ch.event("streaming")
-        time.sleep(120)  # the window streams out on the engine's threads; killed before
+        if not survivor:
+            ch.event("streaming")
+            time.sleep(120)  # the window streams out on the engine's threads; killed before
+        # the reader was killed while the window streamed out: the stream
+        # thread must stop, a call on the dead connection raise, close() return
+        ch.recv("killed", timeout=120)
+        err = catch(ep.recv, conn, mr, addr(buf), STAGED_BIG)
+        t0 = time.monotonic()
+        ep.close()
+        return {**err, "close_s": time.monotonic() - t0} if err else None
     fifo = ch.recv("fifo") if what == "read" else None
     for i in range(100000):
         if i == 2:
@@ -364,21 +372,26 @@ def _staged_client(ch, **kw):
 
 @pytest.mark.parametrize("staged", ["receiver", "both"])
 @pytest.mark.parametrize("what,killed", [("send", "client"), ("send", "server"),
-                                          ("read", "server")])
+                                          ("read", "server"), ("read", "client")])
 def test_staged_stream_peer_killed(what, killed, staged):
     """While 64 MiB sends (or reads of a 64 MiB window) stream through the
     staging ring one after the other, the peer is SIGKILLed: the survivor's
     call raises UcclError well inside its 10 s timeout, never hangs, and
-    closing its endpoint then returns at once."""
+    closing its endpoint then returns at once.  (read, client): the reader
+    dies while the window's owner streams to it; the owner's next call on
+    that connection raises, and its close() returns."""
     survivor = "server" if killed == "client" else "client"
     env = {"UCCL_P2P_RDMA_STAGE_ALL": "1"}
     with Pair(_staged_server, _staged_client, env=_ibv_emu.env(),
               server_env=env, client_env=env if staged == "both" else None,
               server_kwargs={"survivor": survivor == "server", "what": what},
               client_kwargs={"survivor": survivor == "client", "what": what}) as p:
-        p.wait_event(survivor, "streaming", timeout=60)
+        p.wait_event(killed if what == "read" and killed == "client" else survivor,
+                     "streaming", timeout=60)
         time.sleep(0.05)
         p.kill(killed)
+        if what == "read" and survivor == "server":
+            p.tell("server", "killed")
         err = p.result(survivor, timeout=SURVIVOR_TIMEOUT + 10)
     assert err is not None and err.get("uccl"), err
     assert not err["timeout"] and err["elapsed"] < SURVIVOR_TIMEOUT, err
