@@ -24,7 +24,6 @@ destination every run.  Median of --iters runs after one warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -32,6 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_common import parse_sizes, write_results  # noqa: E402 (this folder is on sys.path)
 
 WINDOW_CAP = 512 << 20
 SIZES = [256, 4096, 65536, 1 << 20, 16 << 20]
@@ -223,24 +223,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["loopback", "pair"], default="loopback")
     ap.add_argument("--gpus", default="0", help="GPU of rank 0[,rank 1] (pair: '0' shares one)")
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--sizes", type=parse_sizes, default=SIZES, help="e.g. 256,4K,1M")
     ap.add_argument("--commands", type=int, default=4096, help="puts per run (capped so the "
                     "window stays within 512 MiB)")
     ap.add_argument("--slots", type=int, default=1024)
     ap.add_argument("--inflight", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--csv", help="write the rows here, as CSV")
     args = ap.parse_args()
     args.gpus = [int(g) for g in args.gpus.split(",")]
-    args.sizes = [int(s) for s in args.sizes.split(",")]
     import torch
     print(f"# {args.mode} on {torch.cuda.get_device_name(args.gpus[0])}, GPUs {args.gpus}, "
           f"slots {args.slots}, inflight {args.inflight}, {time.strftime('%Y-%m-%d %H:%M')}")
     rows = loopback(args) if args.mode == "loopback" else pair(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"mode": args.mode, "gpus": args.gpus, "rows": rows,
-                       "device": torch.cuda.get_device_name(args.gpus[0])}, f, indent=1)
+    device = torch.cuda.get_device_name(args.gpus[0])
+    write_results([{**r, "mode": args.mode, "device": device} for r in rows], args)
 
 
 if __name__ == "__main__":
