@@ -257,7 +257,6 @@ class GpuRing:
         except BaseException:
             endpoint.dereg(self._mr)
             raise
-        self._status = None
 
     def _r(self):
         ring = getattr(self, "_ring", None)
