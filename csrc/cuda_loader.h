@@ -44,6 +44,8 @@ enum { /* CUpointer_attribute */
 enum { CU_DEV_ATTR_CC_MAJOR = 75, CU_DEV_ATTR_CC_MINOR = 76 }; /* CUdevice_attribute */
 enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2 };
 enum { CU_MEMHOSTALLOC_DEVICEMAP = 2, CU_STREAM_WAIT_VALUE_GEQ = 0 };
+enum { CU_MEMHOSTREGISTER_PORTABLE = 1, CU_MEMHOSTREGISTER_DEVICEMAP = 2,
+       CU_ERR_HOST_MEMORY_ALREADY_REGISTERED = 712 };
 enum { CU_IPC_LAZY_PEER_ACCESS = 1, CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DISABLE_TIMING = 2,
        CU_MEMHOSTALLOC_PORTABLE = 1, CU_HANDLE_POSIX_FD = 1, CU_LOCATION_DEVICE = 1,
        CU_ACCESS_READWRITE = 3 };
@@ -61,6 +63,7 @@ struct uccl__cuda {
     cu_result (*StreamDestroy)(cu_stream);
     cu_result (*StreamQuery)(cu_stream);
     cu_result (*StreamWaitValue32)(cu_stream, cu_ptr, uint32_t, unsigned);
+    cu_result (*StreamWriteValue32)(cu_stream, cu_ptr, uint32_t, unsigned);
     cu_result (*EventCreate)(cu_event *, unsigned);
     cu_result (*EventRecord)(cu_event, cu_stream);
     cu_result (*EventQuery)(cu_event);
@@ -80,6 +83,8 @@ struct uccl__cuda {
     cu_result (*MemRelease)(cu_memhandle);
     cu_result (*MemHostAlloc)(void **, size_t, unsigned);
     cu_result (*MemFreeHost)(void *);
+    cu_result (*MemHostRegister)(void *, size_t, unsigned);
+    cu_result (*MemHostUnregister)(void *);
     cu_result (*GetErrorString)(cu_result, const char **);
     cu_result (*DeviceGetPCIBusId)(char *, int, cu_device);
     cu_result (*DeviceGetByPCIBusId)(cu_device *, const char *);

@@ -6,6 +6,7 @@
  *   py_endpoint.c  the Endpoint type, over an engine endpoint (uccl.h)
  *   py_comm.c      the Communicator type, over an Endpoint (coll.h)
  *   py_ring.c      the GpuRing type and the kernel functions (ring.h)
+ *   py_stream.c    stream-ordered exchanges' pieces (private functions)
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
  * released around everything that can block, waits cut into slices with
@@ -87,5 +88,12 @@ extern PyType_Spec uccl__py_ring_spec;
 PyObject *uccl__py_gpu_compile(PyObject *module, PyObject *args);
 PyObject *uccl__py_gpu_launch(PyObject *module, PyObject *args);
 PyObject *uccl__py_nvrtc_set_path(PyObject *module, PyObject *args);
+
+/* ---- py_stream.c ---- */
+PyObject *uccl__py_gpu_host_register(PyObject *module, PyObject *args);
+PyObject *uccl__py_gpu_host_unregister(PyObject *module, PyObject *args);
+PyObject *uccl__py_gpu_stream_ops(PyObject *module, PyObject *args);
+PyObject *uccl__py_ipc_key(PyObject *module, PyObject *args);
+PyObject *uccl__py_ipc_map(PyObject *module, PyObject *args);
 
 #endif

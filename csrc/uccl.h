@@ -122,6 +122,35 @@ int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len);
  * *mark_p is NULL. */
 int uccl_ep_copy_start(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p);
 
+/* ---- Stream-ordered exchanges between processes of one host ------------
+ * The pieces the backend's GPU collectives are built of where every peer is
+ * on this host (uccl_collective/_stream_group.py): streams of different
+ * processes ordered by 32-bit counters in page-locked host memory that all
+ * of them map, and copies from a peer's registered device memory, all
+ * queued on a caller's stream (gpu_stream.c, ipc_share.c).
+ *
+ * Register (unregister) page-aligned host memory for every device's
+ * streams to read and write. */
+int uccl_gpu_host_register(int dev, void *ptr, size_t len);
+int uccl_gpu_host_unregister(int dev, void *ptr);
+/* Queue on `stream` of device dev: write value to the word at addr (in
+ * registered memory) once the work ahead of it is done; wait until the
+ * word reaches value ((int32_t)(word - value) >= 0); a copy. */
+int uccl_gpu_stream_write32(int dev, uintptr_t stream, uintptr_t addr, uint32_t value);
+int uccl_gpu_stream_wait32(int dev, uintptr_t stream, uintptr_t addr, uint32_t value);
+int uccl_gpu_copy_async(int dev, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len);
+/* The key that lets the same-host peer of connection conn_id map
+ * [ptr, +len) of region mr_id (device memory, still the allocation that was
+ * registered): the address of the region's export record. */
+int uccl_ep_ipc_key(uccl_ep_t *ep, uint64_t conn_id, uint64_t mr_id, uintptr_t ptr, size_t len,
+                    uint64_t *key_p);
+/* *ptr_p: [addr, +len) of the peer's memory behind key, mapped on device
+ * dev (checked against the peer's export record); the mapping stays until
+ * uccl_ep_ipc_unmap(*imp_p). */
+int uccl_ep_ipc_map(uccl_ep_t *ep, uint64_t conn_id, uint64_t key, uint64_t addr, size_t len,
+                    int dev, void **ptr_p, void **imp_p);
+void uccl_ep_ipc_unmap(void *imp);
+
 /* Order `stream` (a CUstream of the buffer's device; 0: the legacy default
  * stream) after transfer xfer of device memory without blocking the host:
  * work queued there next runs once the transfer has finished (the stream

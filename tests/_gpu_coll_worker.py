@@ -73,9 +73,10 @@ KILL_TIMEOUT_S = 20.0     # the kill scenario's groups and contexts
 KILL_BOUND_S = 40.0       # ... within which the survivors' operations must raise
 STUCK_S = 20.0            # a case that raised after this long stops the run
 SLEEP_CYCLES = W.SLEEP_CYCLES        # torch.cuda._sleep: ~0.1 s on an H100
+NONBLOCK_SLEEP_S = 1.5    # the GPU spin queued before the operation whose wait() is timed
 DDP_STEPS, FSDP_STEPS = 20, 5
 #: kinds that need a GPU: skipped (with the reason) on CPU
-GPU_ONLY = ("stream_ag", "stream_p2p", "stream_pg", "kill_stream")
+GPU_ONLY = ("stream_ag", "stream_p2p", "stream_pg", "nonblocking_wait", "kill_stream")
 
 
 # ---------------------------------------------------------------------------
@@ -226,6 +227,9 @@ def backend_plan(ws: int, big) -> list:
     for op in ("ar", "agit"):
         for mode in ("blocking", "async", "async-side-stream", "blocking-side-stream"):
             add(f"stream-{op}-{mode}", "stream_pg", op=op, mode=mode)
+    for op in ("ar", "agit", "rs"):
+        for mode in ("async", "blocking"):
+            add(f"{op}-{mode}-wait-does-not-block-host", "nonblocking_wait", op=op, mode=mode)
     # training (last: they can spoil a group)
     add(f"ddp-{DDP_STEPS}-steps-vs-gloo", "ddp")
     add(f"fsdp2-{FSDP_STEPS}-steps-vs-local", "fsdp")
@@ -1155,6 +1159,57 @@ def _case_stream_pg(x: X, i, p):
         guard_ok(seen, nb, "output")
 
 
+def _case_nonblocking_wait(x: X, i, p):
+    """A ~1.5 s GPU spin, then a fill of the input, then the operation
+    (async_op=True and work.wait(), or the blocking call), then a clone of
+    the output: issue and wait() together must take a small part of the
+    spin (the stream waits, not the host: as ProcessGroupNCCL), and the
+    clone must hold the result; is_completed() is False while the spin runs."""
+    torch, dist, ws, me = x.torch, x.dist, x.ws, x.me
+    t0 = time.monotonic()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.sync()
+    cycles = int(SLEEP_CYCLES * NONBLOCK_SLEEP_S / max(time.monotonic() - t0, 1e-3))
+    n = 4097
+    inp = torch.zeros(n * ws if p["op"] == "rs" else n, device=x.dev)
+    out = {"ar": lambda: inp, "agit": lambda: torch.zeros(n * ws, device=x.dev),
+           "rs": lambda: torch.zeros(n, device=x.dev)}[p["op"]]()
+    x.sync()
+    x.align()
+    t0 = time.monotonic()
+    torch.cuda._sleep(cycles)
+    inp.copy_(torch.arange(inp.numel(), device=x.dev, dtype=torch.float32) % 97 + me + 1)
+    call = {"ar": lambda a: dist.all_reduce(inp, async_op=a),
+            "agit": lambda a: dist.all_gather_into_tensor(out, inp, async_op=a),
+            "rs": lambda a: dist.reduce_scatter_tensor(out, inp, async_op=a)}[p["op"]]
+    w = call(p["mode"] == "async")
+    issued = time.monotonic() - t0
+    busy = None
+    if w is not None:
+        busy = w.is_completed()
+        assert w.wait() is True
+    host = time.monotonic() - t0
+    seen = out.clone()
+    x.sync()
+    spin = time.monotonic() - t0
+    x.R.info[f"nonblocking_wait-{p['op']}-{p['mode']}"] = dict(
+        issue_s=round(issued, 4), issue_and_wait_s=round(host, 4), spin_s=round(spin, 3))
+    assert spin >= 0.5, f"the GPU spin lasted only {spin:.2f} s: the timing says nothing"
+    assert host < spin / 4, (f"{p['op']} ({p['mode']}) + wait() took {host:.3f} s of the "
+                             f"{spin:.2f} s GPU spin queued before it (issue {issued:.3f} s): "
+                             "the host waited for the GPU")
+    assert busy is not True, "is_completed() was True while the GPU spin queued before it ran"
+    base = torch.arange(n * (ws if p["op"] != "ar" else 1), dtype=torch.float32) % 97
+    if p["op"] == "ar":
+        exp = base * ws + ws * (ws + 1) // 2
+    elif p["op"] == "agit":
+        exp = torch.cat([base[:n] + r + 1 for r in range(ws)])
+    else:
+        full = torch.arange(n * ws, dtype=torch.float32) % 97
+        exp = (full * ws + ws * (ws + 1) // 2)[me * n:(me + 1) * n]
+    same(seen, exp, "the clone queued after wait()")
+
+
 # ---------------------------------------------------------------------------
 # backend cases: DDP and FSDP2
 def _train_ddp(x: X, group, dev: str):
@@ -1347,7 +1402,7 @@ PG_CASES = {
     "ag": _case_ag, "agit": _case_agit, "bcast": _case_bcast, "a2a": _case_a2a,
     "a2as": _case_a2as, "gather": _case_gather, "scatter": _case_scatter, "p2p": _case_p2p,
     "async": _case_async, "barrier": _case_barrier, "obj": _case_obj,
-    "stream_pg": _case_stream_pg, "ddp": _case_ddp,
+    "stream_pg": _case_stream_pg, "nonblocking_wait": _case_nonblocking_wait, "ddp": _case_ddp,
     "fsdp": _case_fsdp, "end": _case_pg_end,
 }
 KILL_CASES = {"kill_setup": _case_kill_setup, "kill_op": _case_kill_op,

@@ -92,7 +92,10 @@ def allreduce(ctx, flat: torch.Tensor, op: R, scratch: Callable[[int], torch.Ten
             rows = scratch(n * (b - a) * esz).view(flat.dtype).view(n, b - a)
             _exchange_chunks(ctx, flat, chunk, rows, what)
             reduce_rows(rows, flat[a:b], op)
-            allgather_chunks(ctx, flat, chunk)
+            if hasattr(ctx, "allgather_chunks"):   # stream-ordered (_stream_group.StreamCtx)
+                ctx.allgather_chunks(flat, chunk)
+            else:
+                allgather_chunks(ctx, flat, chunk)
     if op == R.AVG:
         finish_avg(flat, n)
 

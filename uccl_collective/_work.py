@@ -41,7 +41,7 @@ IF_IDLE = "if-idle"
 
 class Task:
     __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device", "prof",
-                 "source")
+                 "source", "gpu_end", "stream", "check")
 
     def __init__(self, fn: Callable[[], list | None] | None, result: list,
                  device: int | None = None, prof: Any = None):
@@ -54,6 +54,11 @@ class Task:
         self.pending: list = []       # Handles the task left in flight
         self.future: torch.futures.Future | None = None
         self.lock = threading.Lock()  # one thread settles the pending handles
+        # stream-ordered (the backend's _on_stream): the event its queued work
+        # completes, the stream it ran on, and a check of the group's health
+        self.gpu_end: Any = None
+        self.stream: Any = None
+        self.check: Callable[[], None] | None = None
 
     def settle_pending(self, deadline: float | None) -> bool:
         """After the task ran: wait for (deadline) or test (None) what it
@@ -98,6 +103,10 @@ class Task:
             try:
                 if err is not None:
                     fut.set_exception(err)
+                elif self.stream is not None:
+                    # a CUDA future records the current stream: the one the work is on
+                    with torch.cuda.stream(self.stream):
+                        fut.set_result(self.result)
                 else:
                     fut.set_result(self.result)
             except RuntimeError:
@@ -263,21 +272,23 @@ class Work(dist._Work):
     value is the list of output tensors (what DDP communication hooks
     expect).
 
-    On CUDA tensors wait() returns once the bytes are in place (it waits on
-    the host, unlike ProcessGroupNCCL's, which only orders the current
-    stream): the engine's transfers are driven by host threads, and a CUDA
-    stream made to wait for a host-released flag can hold back, through the
-    few hardware work queues that CUDA maps streams onto, the very copies
-    that would release it (seen on the H100: README, "GPU tensors").
-    synchronize() is wait(), as with NCCL.  get_future()'s future is
-    completed once the bytes are in place."""
+    On CUDA tensors of a group whose ranks share a host (stream-ordered
+    exchanges, _stream_group.py) wait() orders the caller's current stream
+    after the operation and returns without waiting for the GPU, as
+    ProcessGroupNCCL's does; is_completed() tells whether the GPU is past
+    it; get_future()'s value is ready on the host once the operation is
+    queued, and its CUDA events order whoever waits on it after the
+    operation, as NCCL's.  Elsewhere (peers on other hosts) wait() returns
+    once the bytes are in place: the engine's transfers are driven by host
+    threads there.  synchronize() is wait(), as with NCCL."""
 
     def __init__(self, runner: Runner, task: Task):
         super().__init__()
         self._runner, self._task = runner, task
 
     def _done(self) -> bool:
-        return self._task.ran and self._task.settle_pending(None)
+        t = self._task
+        return t.ran and t.settle_pending(None) and (t.gpu_end is None or t.gpu_end.query())
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
@@ -288,6 +299,9 @@ class Work(dist._Work):
         t.settle_pending(deadline)
         if t.error is not None:
             raise t.error
+        if t.gpu_end is not None:
+            t.check()   # the group failed since (a peer died): the bytes are not to be trusted
+            torch.cuda.current_stream(t.device).wait_event(t.gpu_end)
         return True
 
     def synchronize(self) -> None:

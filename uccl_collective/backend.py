@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse
+from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse, _stream_group
 from ._reduce import R
 from ._work import IF_IDLE, Runner, Task, Work
 from .collective import CollectiveContext
@@ -86,6 +86,19 @@ def _cuda_device(*groups: Any) -> int | None:
         raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
                          "them all on one device")
     return dev
+
+
+def _cuda_tensors(*groups: Any) -> list[torch.Tensor]:
+    """The CUDA tensors among groups (nested in lists)."""
+    out, stack = [], list(groups)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -173,6 +186,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         # [0]: the algorithms' scratch; [1]: working copies of inputs
         self._scratch_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._streams: dict[int, Any] = {}   # per CUDA device: where tasks' kernels run
+        # stream-ordered exchanges (_stream_group.py): made at the first
+        # operation on CUDA tensors where every peer is on this host
+        self._sg: _stream_group.StreamGroup | None = None
+        self._sg_off = not _stream_group.enabled() or size == 1
+        self._run_ctx: Any = None   # a task's StreamCtx while it runs
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -228,16 +246,77 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         dev = _cuda_device(result, uses)
-        if dev is not None:
+        sg = None if dev is None or p2p else self._stream_group(dev)
+        end = None
+        if sg is not None:
+            fn, end = self._on_stream(fn, dev, sg, (result, uses))
+        elif dev is not None:
             fn = self._on_gpu(fn, dev, sync)
         task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
+        if end is not None:
+            task.gpu_end, task.stream, task.check = end, self._stream(dev), sg.check
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
             task.settle_pending(deadline)
             if task.error is not None:
                 raise task.error
+            if end is not None:   # as ProcessGroupNCCL: the caller's stream waits, not the host
+                torch.cuda.current_stream(dev).wait_event(end)
         return Work(self._runner, task)
+
+    def _stream_group(self, dev: int) -> "_stream_group.StreamGroup | None":
+        """The group's stream-ordered exchanges (made on first use, at the
+        same operation on every rank), or None where they do not apply: a
+        peer on another host or without CUDA IPC, UCCL_STREAM_ORDERED=0, a
+        group of one.  One device per rank, as a NCCL communicator."""
+        if self._sg is not None:
+            if dev != self._sg.dev:
+                raise ValueError(f"this uccl group runs its CUDA operations on cuda:"
+                                 f"{self._sg.dev} (its first one's); got cuda:{dev}")
+            return self._sg
+        if self._sg_off:
+            return None
+        ctx, me = self._ctx, self.rank()
+        if any(ctx.transports.get(r) != "shm-cma" for r in range(self.size()) if r != me):
+            self._sg_off = True
+            return None
+        self._sg = _stream_group.StreamGroup(ctx, dev, self._timeout)
+        return self._sg
+
+    def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
+        """fn as a task of stream-ordered exchanges, as ProcessGroupNCCL runs
+        its kernels: on the group's stream for the device, after the work
+        queued on the caller's current stream before the call; the task
+        only queues (the host never waits for the GPU), and the returned
+        event completes with it.  The tensors are recorded as used on the
+        group's stream, so memory the caller frees meanwhile is not handed
+        out again before that stream is past the operation."""
+        caller = torch.cuda.current_stream(dev)
+        own = self._stream(dev)
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        for t in _cuda_tensors(*tensors):
+            t.record_stream(own)
+        end = torch.cuda.Event()
+        sctx = _stream_group.StreamCtx(self._ctx, sg)
+
+        def run():
+            with torch.cuda.stream(own):
+                own.wait_event(ready)
+                self._run_ctx = sctx
+                try:
+                    return fn()
+                finally:
+                    self._run_ctx = None
+                    end.record(own)
+        return run, end
+
+    @property
+    def _xctx(self) -> Any:
+        """What a running task's algorithms call: its stream-ordered
+        exchanges, or the context."""
+        return self._run_ctx if self._run_ctx is not None else self._ctx
 
     def _stream(self, dev: int) -> Any:
         own = self._streams.get(dev)
@@ -292,11 +371,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
             raise ValueError(f"{what}: expected one list of output tensors")
         outs = _per_rank(output_tensors[0], inp, self.size(), what, "output")
-        ctx = self._ctx
 
         def run():
             staged = [_Staged(o, copy_in=False) for o in outs]
-            ctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
+            self._xctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
             for s in staged:
                 s.back()
         return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
@@ -309,11 +387,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if out.numel() != n * inp.numel():
             raise ValueError(f"{what}: output has {out.numel()} elements; group size {n} x "
                              f"input's {inp.numel()} = {n * inp.numel()} expected")
-        ctx = self._ctx
 
         def run():
             s = _Staged(out, copy_in=False)
-            ctx.allgather(inp.contiguous(), s.t.reshape(-1))
+            self._xctx.allgather(inp.contiguous(), s.t.reshape(-1))
             s.back()
         return run
 
@@ -355,14 +432,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 if o.numel() != i.numel() or o.dtype != i.dtype:
                     raise ValueError(f"{what}: output {tuple(o.shape)} {o.dtype} does not match "
                                      f"input {tuple(i.shape)} {i.dtype}")
-        ctx = self._ctx
 
         def run():
             # bytes of every input, back to back (dtypes may differ)
             flat = torch.cat([i.contiguous().reshape(-1).view(torch.uint8) for i in ins]) \
                 if ins else torch.empty(0, dtype=torch.uint8)
             got = torch.empty(n * flat.numel(), dtype=torch.uint8, device=flat.device)
-            ctx.allgather(flat, got)
+            self._xctx.allgather(flat, got)
             for r, outs in enumerate(out_lists):
                 off = r * flat.numel()
                 for o in outs:
@@ -406,7 +482,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
         if flat.is_cuda:
-            _reduce_gpu.allreduce(self._ctx, flat, op,
+            _reduce_gpu.allreduce(self._xctx, flat, op,
                                   lambda nb: self._scratch(nb, 0, flat.device))
             return
         ctx, n = self._ctx, self.size()
@@ -487,7 +563,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         ctx, n, me = self._ctx, self.size(), self.rank()
         if flat.is_cuda:
             s = _Staged(out, copy_in=False)
-            _reduce_gpu.reduce_scatter(ctx, s.t, flat, op,
+            _reduce_gpu.reduce_scatter(self._xctx, s.t, flat, op,
                                        lambda nb: self._scratch(nb, 0, flat.device), what)
             s.back()
             return
@@ -608,7 +684,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         the root's own piece is copied."""
         me, n = self.rank(), self.size()
         if me != root:
-            self._ctx._p2p([("send" if to_root else "recv", mine, root)], what, blocking=True)
+            self._xctx._p2p([("send" if to_root else "recv", mine, root)], what, blocking=True)
             return
         own = at_root[me]
         if own is not mine:
@@ -616,7 +692,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             dst.copy_(src.view(dst.shape))
         entries = [("recv" if to_root else "send", at_root[r], r) for r in range(n) if r != me]
         if entries:
-            self._ctx._p2p(entries, what, blocking=True)
+            self._xctx._p2p(entries, what, blocking=True)
 
     def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str) -> None:
         """Personalised exchange: sends[r] to rank r, recvs[r] from rank r
@@ -626,7 +702,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         entries = [("recv", recvs[r], r) for r in range(n) if r != me]
         entries += [("send", sends[r], r) for r in range(n) if r != me]
         if entries:
-            self._ctx._p2p(entries, what, blocking=True)
+            self._xctx._p2p(entries, what, blocking=True)
 
     def alltoall_base(self, output_tensor, input_tensor, output_split_sizes,
                       input_split_sizes, opts=None):
@@ -772,6 +848,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._ctx.finalize()   # fails what is in flight: every Work settles
         self._chan.ctx.finalize()
         self._runner.close(why)
+        if self._sg is not None:
+            self._sg.close()
         self._par.close()
 
     def shutdown(self) -> None:
