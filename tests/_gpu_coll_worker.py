@@ -1174,11 +1174,13 @@ def _case_nonblocking_wait(x: X, i, p):
     inp = torch.zeros(n * ws if p["op"] == "rs" else n, device=x.dev)
     out = {"ar": lambda: inp, "agit": lambda: torch.zeros(n * ws, device=x.dev),
            "rs": lambda: torch.zeros(n, device=x.dev)}[p["op"]]()
+    # made before the timed part: an allocation while the GPU spins may wait for it
+    src = torch.arange(inp.numel(), device=x.dev, dtype=torch.float32) % 97 + me + 1
     x.sync()
     x.align()
     t0 = time.monotonic()
     torch.cuda._sleep(cycles)
-    inp.copy_(torch.arange(inp.numel(), device=x.dev, dtype=torch.float32) % 97 + me + 1)
+    inp.copy_(src)
     call = {"ar": lambda a: dist.all_reduce(inp, async_op=a),
             "agit": lambda a: dist.all_gather_into_tensor(out, inp, async_op=a),
             "rs": lambda a: dist.reduce_scatter_tensor(out, inp, async_op=a)}[p["op"]]

@@ -60,7 +60,7 @@ OFF_SLOTS = 256
 NSLOT = 4
 SLOT_BYTES = (RANK_BYTES - OFF_SLOTS) // NSLOT
 ENTRY = struct.Struct("<QQQQ")                # tag, key, addr, len
-SLOT_HEAD = struct.Struct("<QI4x")            # round, entries
+SLOT_HEAD = struct.Struct("<I4xQ")            # entries, round (written last, alone)
 MAX_ENTRIES = (SLOT_BYTES - SLOT_HEAD.size) // ENTRY.size
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
@@ -182,6 +182,11 @@ class StreamGroup:
                 U32.pack_into(self._mm, self._rank_off[r] + off, far)
 
     # -- waiting for peers on the host ------------------------------------------------
+    def _gone(self) -> list[int]:
+        """The peers whose process has exited."""
+        return [r for r in range(self.size)
+                if r != self.rank and not _alive(self._u64(r, OFF_PID))]
+
     def _spin(self, ready: Callable[[], bool], what: str, deadline: float) -> None:
         spins = 0
         while not ready():
@@ -189,6 +194,11 @@ class StreamGroup:
             if spins & 63 == 0:
                 self.check()
                 now = time.monotonic()
+                gone = self._gone() if spins & 4095 == 0 else []
+                if gone:
+                    msg = f"{what}: rank(s) {gone} exited"
+                    self.fail(msg)
+                    raise UcclError(f"stream-ordered group (rank {self.rank}): {msg}")
                 if now > deadline:
                     msg = f"{what}: not within the group's timeout ({self.timeout_s:g} s)"
                     self.fail(msg)
@@ -237,7 +247,10 @@ class StreamGroup:
         slot = self._rank_off[me] + OFF_SLOTS + (k % NSLOT) * SLOT_BYTES
         for i, e in enumerate(desc):
             ENTRY.pack_into(self._mm, slot + SLOT_HEAD.size + i * ENTRY.size, *e)
-        SLOT_HEAD.pack_into(self._mm, slot, k, len(desc))   # the round last: x86 keeps the order
+        # the round alone and last (x86 keeps stores in order, and an aligned
+        # 8-byte store whole): a peer that sees it sees the entries and count
+        U32.pack_into(self._mm, slot, len(desc))
+        U64.pack_into(self._mm, slot + 8, k)
         try:
             ops = self._pull_ops(k, pulls, mappings, deadline, what)
         except BaseException as e:
@@ -264,9 +277,9 @@ class StreamGroup:
             if r == me:
                 continue
             slot = self._rank_off[r] + OFF_SLOTS + (k % NSLOT) * SLOT_BYTES
-            self._spin(lambda: SLOT_HEAD.unpack_from(self._mm, slot)[0] == k,
+            self._spin(lambda: U64.unpack_from(self._mm, slot + 8)[0] == k,
                        f"{what}: rank {r} arriving at round {k}", deadline)
-            count = SLOT_HEAD.unpack_from(self._mm, slot)[1]
+            count = U32.unpack_from(self._mm, slot)[0]
             if count > MAX_ENTRIES:
                 raise UcclError(f"rank {r} published {count} buffers (at most {MAX_ENTRIES})")
             got[r] = {}
@@ -317,7 +330,6 @@ class StreamGroup:
         held; fail the group if the oldest one has not passed this rank's
         stream within the timeout, or a peer process is gone; once the group
         failed (here or at another rank), keep every stream released."""
-        pids = [0] * self.size
         while True:
             with self._lock:
                 while not self._closed and not self._pending:
@@ -335,9 +347,8 @@ class StreamGroup:
             with self._lock:
                 if not self._pending or self._pending[0] is not oldest:
                     continue
-            pids = [p or self._u64(r, OFF_PID) for r, p in enumerate(pids)]
             k, t0, _m, _r = oldest
-            gone = [r for r, pid in enumerate(pids) if r != self.rank and not _alive(pid)]
+            gone = self._gone()
             if gone or time.monotonic() - t0 > self.timeout_s:
                 lag = {r: (self._u32(r, OFF_READY), self._u32(r, OFF_DONE))
                        for r in range(self.size)}
