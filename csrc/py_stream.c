@@ -124,7 +124,12 @@ PyObject *uccl__py_ipc_key(PyObject *module, PyObject *args)
 
 static void import_release(PyObject *cap)
 {
-    uccl_ep_ipc_unmap(PyCapsule_GetPointer(cap, IMPORT_CAPSULE));
+    void *imp = PyCapsule_GetPointer(cap, IMPORT_CAPSULE);
+    /* the last release of a mapping the owner has since freed closes it,
+     * which may wait for the GPU: not with the GIL held */
+    Py_BEGIN_ALLOW_THREADS
+    uccl_ep_ipc_unmap(imp);
+    Py_END_ALLOW_THREADS
 }
 
 /* _ipc_map(endpoint, conn, key, addr, len, dev) -> (ptr, mapping): the

@@ -36,6 +36,7 @@ the mappings and registrations it used.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
@@ -87,6 +88,33 @@ def enabled() -> bool:
     return os.environ.get("UCCL_STREAM_ORDERED", "1") != "0"
 
 
+# A stream's wait for every peer's word to reach k, as a one-thread kernel
+# polling the shared page (UCCL_STREAM_WAIT=kernel) instead of
+# cuStreamWaitValue32 (=memop).
+WAIT_SOURCE = r'''
+extern "C" __global__ void uccl_sg_wait(unsigned long long first, unsigned long long stride,
+                                        int n, int skip, unsigned int k)
+{
+    for (int r = 0; r < n; r++) {
+        if (r == skip)
+            continue;
+        const volatile unsigned int *w = (const volatile unsigned int *)(first + r * stride);
+        unsigned int ns = 32;
+        while ((int)(*w - k) < 0) {
+            __nanosleep(ns);
+            if (ns < 2048)
+                ns <<= 1;
+        }
+    }
+    __threadfence_system();
+}
+'''
+
+
+def wait_mode() -> str:
+    return os.environ.get("UCCL_STREAM_WAIT", "memop")
+
+
 class StreamGroup:
     """The stream-ordered exchanges of one process group on one CUDA device
     (every rank on this host, reached over shared memory with CUDA IPC)."""
@@ -97,11 +125,18 @@ class StreamGroup:
         self._ep = ctx._ep()
         self._conn = list(ctx._conns[0])   # the send connection to each peer
         self._round = 0
-        self._pending: list[tuple[int, float, list, list]] = []   # round, time, mappings, mrs
+        self._pending: list[tuple[int, float, list]] = []   # round, time, mappings
+        # registrations of this rank's buffers, reused while their memory is
+        # the same allocation: (ptr, nbytes) -> [mr, key, last round used]
+        self._regs: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()      # _pending and the failure
         self._error: str | None = None
         self._closed = False
         self._map_open()
+        self._kernel = None
+        if wait_mode() == "kernel":
+            from . import gpu_ring
+            self._kernel = gpu_ring.Kernel(WAIT_SOURCE, "uccl_sg_wait", dev)
         self._watch = threading.Thread(target=self._watchdog, daemon=True,
                                        name=f"uccl-stream-watch-r{self.rank}")
         self._watch_cv = threading.Condition(self._lock)
@@ -222,26 +257,17 @@ class StreamGroup:
         if len(entries) > MAX_ENTRIES:
             raise ValueError(f"{what}: {len(entries)} buffers in one round (at most "
                              f"{MAX_ENTRIES})")
-        self._reclaim()
         # the slot of round k was last used by round k - NSLOT: every peer has read it
         self._spin(lambda: all(_ahead(self._u64(r, OFF_CONSUMED), k - NSLOT)
                                for r in range(n) if r != me),
                    f"{what}: peers reading round {k - NSLOT}", deadline)
-        mrs, desc = [], []
-        try:
-            for tag, p, nb in entries:
-                mr = self._ep.reg(p, nb)[1]
-                mrs.append(mr)
-                desc.append((tag, _engine._ipc_key(self._ep, self._any_conn(), mr, p, nb), p, nb))
-        except BaseException:
-            for mr in mrs:
-                self._ep.dereg(mr)
-            raise
+        desc = [(tag, self._key(p, nb, k), p, nb) for tag, p, nb in entries]
         mappings: list = []
         self._round = k
         with self._lock:
-            self._pending.append((k, time.monotonic(), mappings, mrs))
-            self._watch_cv.notify_all()
+            if not self._pending:
+                self._watch_cv.notify_all()
+            self._pending.append((k, time.monotonic(), mappings))
         ops: list = [("w", self._word(me, OFF_READY), k)]
         _engine._gpu_stream_ops(dev, stream, ops)
         slot = self._rank_off[me] + OFF_SLOTS + (k % NSLOT) * SLOT_BYTES
@@ -259,13 +285,80 @@ class StreamGroup:
             raise
         ops += [("c", d, s, nb) for d, s, nb in local if nb > 0 and d != s]
         ops.append(("w", self._word(me, OFF_DONE), k))
-        ops += [("a", self._word(r, OFF_DONE), k) for r in range(n) if r != me]
+        ops.append(("all", OFF_DONE, k))
         ops.append(("w", self._word(me, OFF_FIN), k))
         try:
-            _engine._gpu_stream_ops(dev, stream, ops)
+            self._queue(stream, ops)
         except BaseException as e:
             self.fail(f"{what} (round {k}): queueing on the stream failed: {e}")
             raise
+
+    def _queue(self, stream: int, ops: list) -> None:
+        """Queue ops on the stream; ("all", off, k): wait for every peer's
+        word at off to reach k (a kernel, or one memop wait per peer)."""
+        seg: list = []
+        for op in ops:
+            if op[0] != "all":
+                seg.append(op)
+                continue
+            _, off, k = op
+            if self._kernel is None:
+                seg += [("a", self._word(r, off), k) for r in range(self.size) if r != self.rank]
+                continue
+            if seg:
+                _engine._gpu_stream_ops(self.dev, stream, seg)
+                seg = []
+            self._kernel.launch(1, 1, [self._word(0, off), RANK_BYTES, _np().int32(self.size),
+                                       _np().int32(self.rank), _np().uint32(k)], stream=stream)
+        if seg:
+            _engine._gpu_stream_ops(self.dev, stream, seg)
+
+    REG_CACHE = 64
+
+    def _key(self, ptr: int, nb: int, k: int) -> int:
+        """The key peers map [ptr, +nb) by, from a registration made once
+        and reused while the memory is the allocation it registered (the
+        engine checks that at every use: a freed and reused address fails
+        the check and is registered anew)."""
+        ent = self._regs.get((ptr, nb))
+        if ent is not None:
+            try:
+                ent[1] = _engine._ipc_key(self._ep, self._any_conn(), ent[0], ptr, nb)
+            except UcclError:
+                del self._regs[(ptr, nb)]
+                self._dereg(ent[0])
+                ent = None
+        if ent is None:
+            mr = self._ep.reg(ptr, nb)[1]
+            try:
+                key = _engine._ipc_key(self._ep, self._any_conn(), mr, ptr, nb)
+            except BaseException:
+                self._dereg(mr)
+                raise
+            ent = self._regs[(ptr, nb)] = [mr, key, k]
+            self._evict()
+        self._regs.move_to_end((ptr, nb))
+        ent[2] = k
+        return ent[1]
+
+    def _evict(self) -> None:
+        """Past REG_CACHE registrations: drop the least recently used ones
+        that every peer has read the keys of (so none is still to map one)."""
+        if len(self._regs) <= self.REG_CACHE:
+            return
+        read = min((self._u64(r, OFF_CONSUMED) for r in range(self.size) if r != self.rank),
+                   default=self._round)
+        for pk in list(self._regs):
+            if len(self._regs) <= self.REG_CACHE:
+                break
+            if _ahead(read, self._regs[pk][2]):
+                self._dereg(self._regs.pop(pk)[0])
+
+    def _dereg(self, mr: int) -> None:
+        try:
+            self._ep.dereg(mr)
+        except Exception:
+            pass   # the endpoint is closing: it frees its registrations
 
     def _any_conn(self) -> int:
         return self._conn[(self.rank + 1) % self.size]
@@ -286,8 +379,7 @@ class StreamGroup:
             for i in range(count):
                 tag, key, addr, nb = ENTRY.unpack_from(self._mm, slot + SLOT_HEAD.size + i * ENTRY.size)
                 got[r][tag] = (key, addr, nb)
-        ops: list = []
-        waited: set[int] = set()
+        ops: list = [("all", OFF_READY, k)] if any(nb for *_x, nb in pulls) else []
         for peer, tag, dst, nb in pulls:
             if nb == 0:
                 continue
@@ -300,9 +392,6 @@ class StreamGroup:
                 raise UcclError(f"rank {peer} sends {pnb} bytes where this rank receives {nb}")
             ptr, mapping = _engine._ipc_map(self._ep, self._conn[peer], key, addr, nb, self.dev)
             mappings.append(mapping)
-            if peer not in waited:
-                waited.add(peer)
-                ops.append(("a", self._word(peer, OFF_READY), k))
             ops.append(("c", dst, ptr, nb))
         # every peer's buffers this round are read and mapped: their slots may be reused
         U64.pack_into(self._mm, self._rank_off[me] + OFF_CONSUMED, k)
@@ -317,13 +406,8 @@ class StreamGroup:
         with self._lock:
             while self._pending and _ahead(fin, self._pending[0][0]):
                 done.append(self._pending.pop(0))
-        for _k, _t, mappings, mrs in done:
+        for _k, _t, mappings in done:
             mappings.clear()
-            for mr in mrs:
-                try:
-                    self._ep.dereg(mr)
-                except Exception:
-                    pass   # the endpoint is closing: it frees them
 
     def _watchdog(self) -> None:
         """While rounds are pending: release what rounds behind the stream
@@ -347,7 +431,7 @@ class StreamGroup:
             with self._lock:
                 if not self._pending or self._pending[0] is not oldest:
                     continue
-            k, t0, _m, _r = oldest
+            k, t0, _m = oldest
             gone = self._gone()
             if gone or time.monotonic() - t0 > self.timeout_s:
                 lag = {r: (self._u32(r, OFF_READY), self._u32(r, OFF_DONE))
@@ -374,8 +458,11 @@ class StreamGroup:
                     break
                 time.sleep(1e-3)
         pending, self._pending = self._pending, []
-        for _k, _t, mappings, _mrs in pending:
-            mappings.clear()   # registrations go with the endpoint
+        for _k, _t, mappings in pending:
+            mappings.clear()
+        regs, self._regs = self._regs, collections.OrderedDict()
+        for mr, _key, _k in regs.values():
+            self._dereg(mr)
         try:
             _engine._gpu_host_unregister(self.dev, self._base)
         except Exception:
@@ -385,6 +472,11 @@ class StreamGroup:
             self._mm.close()
         except BufferError:
             pass
+
+
+def _np():
+    import numpy
+    return numpy
 
 
 def _alive(pid: int) -> bool:
