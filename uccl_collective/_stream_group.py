@@ -32,7 +32,13 @@ arriving) fail the group: every rank's words are set far ahead so no stream
 anywhere stays blocked, a flag in the page tells the other ranks at once,
 and every later call raises with the reason.  The watchdog thread that
 notices stalled rounds also releases, once a round is behind the stream,
-the mappings and registrations it used.
+the peers' memory it mapped.  This rank's own buffers stay registered
+while their memory is the allocation registered (an LRU of REG_CACHE).
+
+The page's words are written by one side each: ready/done/fin by the
+owner's stream, consumed and the slots by the owner's host; the host
+reads them with aligned 4- and 8-byte loads, which x86 performs whole and
+in program order (the round of a slot is stored last, alone).
 """
 from __future__ import annotations
 
@@ -88,32 +94,6 @@ def enabled() -> bool:
     return os.environ.get("UCCL_STREAM_ORDERED", "1") != "0"
 
 
-# A stream's wait for every peer's word to reach k, as a one-thread kernel
-# polling the shared page (UCCL_STREAM_WAIT=kernel) instead of
-# cuStreamWaitValue32 (=memop).
-WAIT_SOURCE = r'''
-extern "C" __global__ void uccl_sg_wait(unsigned long long first, unsigned long long stride,
-                                        int n, int skip, unsigned int k)
-{
-    for (int r = 0; r < n; r++) {
-        if (r == skip)
-            continue;
-        const volatile unsigned int *w = (const volatile unsigned int *)(first + r * stride);
-        unsigned int ns = 32;
-        while ((int)(*w - k) < 0) {
-            __nanosleep(ns);
-            if (ns < 2048)
-                ns <<= 1;
-        }
-    }
-    __threadfence_system();
-}
-'''
-
-
-def wait_mode() -> str:
-    return os.environ.get("UCCL_STREAM_WAIT", "memop")
-
 
 class StreamGroup:
     """The stream-ordered exchanges of one process group on one CUDA device
@@ -133,10 +113,6 @@ class StreamGroup:
         self._error: str | None = None
         self._closed = False
         self._map_open()
-        self._kernel = None
-        if wait_mode() == "kernel":
-            from . import gpu_ring
-            self._kernel = gpu_ring.Kernel(WAIT_SOURCE, "uccl_sg_wait", dev)
         self._watch = threading.Thread(target=self._watchdog, daemon=True,
                                        name=f"uccl-stream-watch-r{self.rank}")
         self._watch_cv = threading.Condition(self._lock)
@@ -294,24 +270,19 @@ class StreamGroup:
             raise
 
     def _queue(self, stream: int, ops: list) -> None:
-        """Queue ops on the stream; ("all", off, k): wait for every peer's
-        word at off to reach k (a kernel, or one memop wait per peer)."""
+        """Queue ops on the stream in one call; ("all", off, k) stands for a
+        wait until every peer's word at off reaches k.  (A one-thread kernel
+        polling the page instead measured slower than cuStreamWaitValue32
+        under MPS, and far slower without: it holds the GPU a whole time
+        slice while the peer it waits for cannot run.)"""
         seg: list = []
         for op in ops:
-            if op[0] != "all":
+            if op[0] == "all":
+                seg += [("a", self._word(r, op[1]), op[2])
+                        for r in range(self.size) if r != self.rank]
+            else:
                 seg.append(op)
-                continue
-            _, off, k = op
-            if self._kernel is None:
-                seg += [("a", self._word(r, off), k) for r in range(self.size) if r != self.rank]
-                continue
-            if seg:
-                _engine._gpu_stream_ops(self.dev, stream, seg)
-                seg = []
-            self._kernel.launch(1, 1, [self._word(0, off), RANK_BYTES, _np().int32(self.size),
-                                       _np().int32(self.rank), _np().uint32(k)], stream=stream)
-        if seg:
-            _engine._gpu_stream_ops(self.dev, stream, seg)
+        _engine._gpu_stream_ops(self.dev, stream, seg)
 
     REG_CACHE = 64
 
@@ -410,6 +381,12 @@ class StreamGroup:
             mappings.clear()
 
     def _watchdog(self) -> None:
+        try:
+            self._watch_loop()
+        except ValueError:
+            pass   # the page was unmapped by a close() that stopped waiting for us
+
+    def _watch_loop(self) -> None:
         """While rounds are pending: release what rounds behind the stream
         held; fail the group if the oldest one has not passed this rank's
         stream within the timeout, or a peer process is gone; once the group
@@ -472,11 +449,6 @@ class StreamGroup:
             self._mm.close()
         except BufferError:
             pass
-
-
-def _np():
-    import numpy
-    return numpy
 
 
 def _alive(pid: int) -> bool:
