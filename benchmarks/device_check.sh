@@ -4,8 +4,8 @@
 # GPU), run every GPU test file, then the GPU-initiated transfer benchmarks
 # against host-initiated transfers (benchmark_gpu_driven.py, through
 # device_gpu_ring.sh).  Results under $OUT (or ./bench_out/device):
-# check_tests.txt, ring_<mode>.{log,json}.  The collective and backend
-# benchmarks against Gloo take a call of their own (device_gpu_collective.sh).
+# check_tests.txt, ring_<mode>.{log,json}; with COLL, coll_summary.txt and
+# coll/ (device_gpu_collective.sh's runs against Gloo).
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/device_build.sh"
@@ -21,5 +21,13 @@ timeout -k 10 "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rfs -p no:cacheprovid
 echo "tests: rc=$? ($((SECONDS - start))s)"
 tail -4 "$out/check_tests.txt"
 grep -E "^FAILED|^ERROR" "$out/check_tests.txt" | head -20
-# the daemon is up and its variables exported: the ring script must not start another
-TESTS=0 MPS=0 BUDGET_S=$((570 - (SECONDS - start))) bash "$(dirname "$0")/device_gpu_ring.sh"
+# the daemon is up and its variables exported: the scripts below must not start another.
+# RING=0 skips the GPU-initiated transfer benchmarks; COLL="pg_allreduce ..." runs
+# those runs of device_gpu_collective.sh (its BENCHES) at COLL_NPROCS (default 2).
+if [ "${RING:-1}" = 1 ]; then
+  TESTS=0 MPS=0 BUDGET_S=$((570 - (SECONDS - start))) bash "$(dirname "$0")/device_gpu_ring.sh"
+fi
+if [ -n "${COLL:-}" ]; then
+  TESTS=0 MPS=0 BENCHES="$COLL" NPROCS="${COLL_NPROCS:-2}" BUDGET_S=$((570 - (SECONDS - start))) \
+    bash "$(dirname "$0")/device_gpu_collective.sh"
+fi
