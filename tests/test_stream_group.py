@@ -11,6 +11,7 @@ import ctypes
 import queue
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -74,6 +75,10 @@ class Ep:
         return True
 
 
+class Mapping:
+    """A mapping of a peer's memory (the capsule the engine returns)."""
+
+
 class FakeEngine:
     """The _engine functions StreamGroup calls, over emulated streams: the
     key of a registration is its mr (mapping checks the peer registered the
@@ -82,6 +87,7 @@ class FakeEngine:
     def __init__(self, job: Job):
         self.job = job
         self.streams: dict[int, "Stream"] = {}
+        self.mappings: weakref.WeakSet = weakref.WeakSet()   # those not released
 
     def _gpu_host_register(self, dev, addr, n):
         pass
@@ -104,7 +110,9 @@ class FakeEngine:
             r, p, n = self.job.regs.get(key, (None, 0, 0))
         if r != conn or not (p <= addr and addr + nb <= p + n):
             raise UcclError(f"peer's range [{addr:#x}, +{nb}) is outside its export")
-        return addr, object()
+        m = Mapping()
+        self.mappings.add(m)
+        return addr, m
 
 
 class Stream(threading.Thread):
@@ -244,9 +252,10 @@ def test_allgather_and_p2p_rounds_move_the_right_bytes(job, n):
                 if j != r:
                     assert torch.equal(got[j], torch.full((r + 1 + i,), j * 16 + r,
                                                           dtype=torch.uint8)), (r, i, j)
-    # one registration per distinct buffer, none left behind after close
+    # one registration per distinct buffer; none, and no mapping, left after close
     close_all(groups, streams)
     assert job.regs == {}
+    assert len(job.fake.mappings) == 0
 
 
 def test_size_mismatch_fails_every_rank_and_releases_every_stream(job):
@@ -267,7 +276,12 @@ def test_size_mismatch_fails_every_rank_and_releases_every_stream(job):
     for r in range(n):
         with pytest.raises(UcclError, match="sends 8 bytes where this rank receives 12"):
             groups[r].check()
+    # ranks 0 and 2 mapped their peer's buffer; after the failure nothing tells
+    # when a real stream is past its copies, so the mappings are never released
+    mapped = len(job.fake.mappings)
+    assert mapped == 2, mapped
     close_all(groups, streams)
+    assert len(job.fake.mappings) == mapped
 
 
 def test_a_rank_that_never_arrives_times_the_others_out(job):

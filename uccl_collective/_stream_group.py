@@ -370,9 +370,12 @@ class StreamGroup:
 
     # -- after the stream -----------------------------------------------------------
     def _reclaim(self) -> None:
-        """Release what rounds behind this rank's stream held (its fin word
-        passed them): their mappings and registrations."""
+        """Release the peers' memory that rounds behind this rank's stream
+        mapped (its fin word passed them).  Not once the group failed: fin
+        may then be the release's value, with copies still queued."""
         fin = self._u32(self.rank, OFF_FIN)
+        if self.error() is not None:   # read after fin: a release's fin comes after its flag
+            return
         done = []
         with self._lock:
             while self._pending and _ahead(fin, self._pending[0][0]):
@@ -435,11 +438,16 @@ class StreamGroup:
                     break
                 time.sleep(1e-3)
         pending, self._pending = self._pending, []
-        for _k, _t, mappings in pending:
-            mappings.clear()
         regs, self._regs = self._regs, collections.OrderedDict()
         for mr, _key, _k in regs.values():
             self._dereg(mr)
+        if self.error() is not None:
+            # this rank's stream may still run copies through the mappings and
+            # write into the page: both stay for the life of the process
+            _KEPT.append((pending, self._mm, self._buf))
+            return
+        for _k, _t, mappings in pending:
+            mappings.clear()
         try:
             _engine._gpu_host_unregister(self.dev, self._base)
         except Exception:
@@ -449,6 +457,11 @@ class StreamGroup:
             self._mm.close()
         except BufferError:
             pass
+
+
+#: what failed groups' streams may still touch (mappings of peers' memory,
+#: the page): never released, since no host wait tells when they are done
+_KEPT: list = []
 
 
 def _alive(pid: int) -> bool:
