@@ -65,22 +65,14 @@ static int Comm_init(PyObject *op, PyObject *args, PyObject *kw)
     PyObject *module = uccl__py_module_of(Py_TYPE(op));
     if (!module)
         return -1;
-    PyObject *ep_type = PyObject_GetAttrString(module, "Endpoint");
+    uccl__py_endpoint *self = uccl__py_endpoint_arg(module, epo, "Communicator");
     Py_DECREF(module);
-    if (!ep_type)
+    if (!self)
         return -1;
-    int is_ep = PyObject_IsInstance(epo, ep_type);
-    Py_DECREF(ep_type);
-    if (is_ep <= 0) {
-        if (is_ep == 0)
-            PyErr_Format(PyExc_TypeError, "Communicator: expected an Endpoint, got %R", epo);
-        return -1;
-    }
     if (cself->endpoint) {
         PyErr_SetString(PyExc_RuntimeError, "Communicator.__init__ called twice");
         return -1;
     }
-    uccl__py_endpoint *self = (uccl__py_endpoint *)epo;
     if (uccl__py_ep_check(self))
         return -1;
     if (self->comm) {

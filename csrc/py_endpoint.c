@@ -23,6 +23,16 @@ int uccl__py_ep_check(uccl__py_endpoint *self)
     return 0;
 }
 
+uccl__py_endpoint *uccl__py_endpoint_arg(PyObject *module, PyObject *o, const char *what)
+{
+    PyObject *ep_type = PyObject_GetAttrString(module, "Endpoint");
+    int is_ep = ep_type ? PyObject_IsInstance(o, ep_type) : -1;
+    Py_XDECREF(ep_type);
+    if (is_ep == 0)
+        PyErr_Format(PyExc_TypeError, "%s: expected an Endpoint, got %R", what, o);
+    return is_ep == 1 ? (uccl__py_endpoint *)o : NULL;
+}
+
 
 void uccl__py_ep_enter(uccl__py_endpoint *self) { self->inflight++; }
 

@@ -12,16 +12,8 @@
 
 static uccl__py_endpoint *endpoint_arg(PyObject *module, PyObject *o)
 {
-    PyObject *ep_type = PyObject_GetAttrString(module, "Endpoint");
-    int ok = ep_type && PyObject_IsInstance(o, ep_type) == 1;
-    Py_XDECREF(ep_type);
-    if (!ok) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_TypeError, "expected an Endpoint, got %R", o);
-        return NULL;
-    }
-    uccl__py_endpoint *ep = (uccl__py_endpoint *)o;
-    return uccl__py_ep_check(ep) ? NULL : ep;
+    uccl__py_endpoint *ep = uccl__py_endpoint_arg(module, o, "stream-ordered exchange");
+    return ep && uccl__py_ep_check(ep) == 0 ? ep : NULL;
 }
 
 static PyObject *done(PyObject *module, int rc)

@@ -59,6 +59,9 @@ int uccl__py_to_size(PyObject *o, void *out);
 extern PyType_Spec uccl__py_endpoint_spec;
 /* -1 with ValueError if the endpoint is closed. */
 int uccl__py_ep_check(uccl__py_endpoint *self);
+/* o as an Endpoint of this module (a subclass too), or NULL with TypeError
+ * naming `what` (the caller) and o. */
+uccl__py_endpoint *uccl__py_endpoint_arg(PyObject *module, PyObject *o, const char *what);
 /* Raise status with the engine's message for this thread. */
 PyObject *uccl__py_ep_fail(uccl__py_endpoint *self, int status);
 /* A call that releases the GIL holds the engine alive: close() from another

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from uccl_collective import _stream_group as sgm
-from uccl_collective.p2p import UcclError, UcclTimeoutError
+from uccl_collective.p2p import UcclError
 
 STUCK_S = 20.0   # an emulated stream wait longer than this fails the test
 

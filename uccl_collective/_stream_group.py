@@ -57,8 +57,7 @@ import torch
 from . import _engine
 from .p2p import UcclError, UcclTimeoutError
 
-PAGE = 4096
-HEADER = 64              # the group's: failed flag (u32), then the reason
+PAGE = 4096              # the group's first page: failed flag (u32), then the reason at 8
 REASON = 448
 RANK_BYTES = 5 * PAGE    # per rank: words, then the descriptor slots
 OFF_READY, OFF_DONE, OFF_FIN = 0, 64, 128      # u32 words the streams write
@@ -67,8 +66,8 @@ OFF_SLOTS = 256
 NSLOT = 4
 SLOT_BYTES = (RANK_BYTES - OFF_SLOTS) // NSLOT
 ENTRY = struct.Struct("<QQQQ")                # tag, key, addr, len
-SLOT_HEAD = struct.Struct("<I4xQ")            # entries, round (written last, alone)
-MAX_ENTRIES = (SLOT_BYTES - SLOT_HEAD.size) // ENTRY.size
+SLOT_HEAD = 16           # a slot's entry count (u32) at 0, its round (u64) at 8, then entries
+MAX_ENTRIES = (SLOT_BYTES - SLOT_HEAD) // ENTRY.size
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
 RELEASE_AHEAD = 1 << 30  # words set this far past the last round let every wait pass
@@ -151,6 +150,14 @@ class StreamGroup:
 
     def _word(self, r: int, off: int) -> int:
         return self._base + self._rank_off[r] + off
+
+    def _slot(self, r: int, k: int) -> int:
+        """Where rank r's descriptor slot of round k is in the page."""
+        return self._rank_off[r] + OFF_SLOTS + (k % NSLOT) * SLOT_BYTES
+
+    def _wait_all(self, off: int, k: int) -> list:
+        """Stream ops: wait until every peer's word at off reaches k."""
+        return [("a", self._word(r, off), k) for r in range(self.size) if r != self.rank]
 
     def _u32(self, r: int, off: int) -> int:
         return U32.unpack_from(self._mm, self._rank_off[r] + off)[0]
@@ -246,9 +253,9 @@ class StreamGroup:
             self._pending.append((k, time.monotonic(), mappings))
         ops: list = [("w", self._word(me, OFF_READY), k)]
         _engine._gpu_stream_ops(dev, stream, ops)
-        slot = self._rank_off[me] + OFF_SLOTS + (k % NSLOT) * SLOT_BYTES
+        slot = self._slot(me, k)
         for i, e in enumerate(desc):
-            ENTRY.pack_into(self._mm, slot + SLOT_HEAD.size + i * ENTRY.size, *e)
+            ENTRY.pack_into(self._mm, slot + SLOT_HEAD + i * ENTRY.size, *e)
         # the round alone and last (x86 keeps stores in order, and an aligned
         # 8-byte store whole): a peer that sees it sees the entries and count
         U32.pack_into(self._mm, slot, len(desc))
@@ -261,28 +268,13 @@ class StreamGroup:
             raise
         ops += [("c", d, s, nb) for d, s, nb in local if nb > 0 and d != s]
         ops.append(("w", self._word(me, OFF_DONE), k))
-        ops.append(("all", OFF_DONE, k))
+        ops += self._wait_all(OFF_DONE, k)
         ops.append(("w", self._word(me, OFF_FIN), k))
         try:
-            self._queue(stream, ops)
+            _engine._gpu_stream_ops(dev, stream, ops)
         except BaseException as e:
             self.fail(f"{what} (round {k}): queueing on the stream failed: {e}")
             raise
-
-    def _queue(self, stream: int, ops: list) -> None:
-        """Queue ops on the stream in one call; ("all", off, k) stands for a
-        wait until every peer's word at off reaches k.  (A one-thread kernel
-        polling the page instead measured slower than cuStreamWaitValue32
-        under MPS, and far slower without: it holds the GPU a whole time
-        slice while the peer it waits for cannot run.)"""
-        seg: list = []
-        for op in ops:
-            if op[0] == "all":
-                seg += [("a", self._word(r, op[1]), op[2])
-                        for r in range(self.size) if r != self.rank]
-            else:
-                seg.append(op)
-        _engine._gpu_stream_ops(self.dev, stream, seg)
 
     REG_CACHE = 64
 
@@ -340,7 +332,7 @@ class StreamGroup:
         for r in range(n):
             if r == me:
                 continue
-            slot = self._rank_off[r] + OFF_SLOTS + (k % NSLOT) * SLOT_BYTES
+            slot = self._slot(r, k)
             self._spin(lambda: U64.unpack_from(self._mm, slot + 8)[0] == k,
                        f"{what}: rank {r} arriving at round {k}", deadline)
             count = U32.unpack_from(self._mm, slot)[0]
@@ -348,9 +340,9 @@ class StreamGroup:
                 raise UcclError(f"rank {r} published {count} buffers (at most {MAX_ENTRIES})")
             got[r] = {}
             for i in range(count):
-                tag, key, addr, nb = ENTRY.unpack_from(self._mm, slot + SLOT_HEAD.size + i * ENTRY.size)
+                tag, key, addr, nb = ENTRY.unpack_from(self._mm, slot + SLOT_HEAD + i * ENTRY.size)
                 got[r][tag] = (key, addr, nb)
-        ops: list = [("all", OFF_READY, k)] if any(nb for *_x, nb in pulls) else []
+        ops: list = self._wait_all(OFF_READY, k) if any(nb for *_x, nb in pulls) else []
         for peer, tag, dst, nb in pulls:
             if nb == 0:
                 continue

@@ -64,41 +64,34 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
     return _alias(t)
 
 
+def _tensors(*groups: Any):
+    """The tensors among groups (nested in lists and tuples)."""
+    stack = list(groups)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+
+
 def _cuda_device(*groups: Any) -> int | None:
     """The CUDA device of an operation's tensors (nested in lists), or None
     when all are on the CPU.  One device per operation, as with NCCL (and
     no mixing of CPU and CUDA tensors)."""
     dev, cpu = None, False
-    stack = list(groups)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if not x.is_cuda:
-                cpu = True
-            elif dev is not None and x.device.index != dev:
-                raise ValueError(f"the CUDA tensors of one operation must be on one device, "
-                                 f"got cuda:{dev} and cuda:{x.device.index}")
-            else:
-                dev = x.device.index
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
+    for x in _tensors(*groups):
+        if not x.is_cuda:
+            cpu = True
+        elif dev is not None and x.device.index != dev:
+            raise ValueError(f"the CUDA tensors of one operation must be on one device, "
+                             f"got cuda:{dev} and cuda:{x.device.index}")
+        else:
+            dev = x.device.index
     if dev is not None and cpu:
         raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
                          "them all on one device")
     return dev
-
-
-def _cuda_tensors(*groups: Any) -> list[torch.Tensor]:
-    """The CUDA tensors among groups (nested in lists)."""
-    out, stack = [], list(groups)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if x.is_cuda:
-                out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -282,6 +275,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._sg_off = True
             return None
         self._sg = _stream_group.StreamGroup(ctx, dev, self._timeout)
+        self._sctx = _stream_group.StreamCtx(ctx, self._sg)
         return self._sg
 
     def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
@@ -296,10 +290,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         own = self._stream(dev)
         ready = torch.cuda.Event()
         ready.record(caller)
-        for t in _cuda_tensors(*tensors):
-            t.record_stream(own)
+        for t in _tensors(*tensors):
+            if t.is_cuda:
+                t.record_stream(own)
         end = torch.cuda.Event()
-        sctx = _stream_group.StreamCtx(self._ctx, sg)
+        sctx = self._sctx
 
         def run():
             with torch.cuda.stream(own):
