@@ -51,6 +51,9 @@ def get_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="the paths take turns this many times")
     p.add_argument("--profile", metavar="FILE", help="cProfile the uccl paths on rank 0 into FILE")
     p.add_argument("--profile-iters", type=int, default=1000)
+    p.add_argument("--pipelined", type=int, default=0, metavar="N",
+                   help="also time N calls back to back per CUDA path, one synchronize at "
+                        "the end (as nccl-tests): host time to issue them, and in all, per call")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON (rank 0)")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args()
@@ -136,6 +139,22 @@ def run_calls(p: Path, n: int, dev: torch.device, record: bool) -> None:
                 p.times.append(clock() - t0)
 
 
+def pipelined_us(p: Path, n: int, dev: torch.device, gloo_pg) -> tuple[float, float]:
+    """(issue, total) microseconds per call over n calls queued back to
+    back and one synchronize at the end, every rank starting together."""
+    stream = torch.cuda.current_stream(dev)
+    stream.synchronize()
+    dist.barrier(group=gloo_pg)
+    fn, clock = p.fn, time.perf_counter
+    t0 = clock()
+    for _ in range(n):
+        fn()
+    t1 = clock()
+    stream.synchronize()
+    t2 = clock()
+    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+
+
 def idle_sync_us(dev: torch.device, n: int) -> float:
     stream, ts = torch.cuda.current_stream(dev), []
     for _ in range(n):
@@ -152,7 +171,8 @@ def stats_us(times: list[float]) -> tuple[float, float, float]:
 
 
 def profile(paths: list[Path], dev: torch.device, n: int, lead: bool, gloo_pg) -> str:
-    """Each uccl path again, under cProfile on rank 0: its top 25 by cumulative time."""
+    """Each uccl path again, under cProfile on rank 0: its top 25 by
+    cumulative time, then by own time."""
     text = []
     for p in paths:
         if p.impl != "uccl":
@@ -167,6 +187,7 @@ def profile(paths: list[Path], dev: torch.device, n: int, lead: bool, gloo_pg) -
             buf = io.StringIO()
             st = pstats.Stats(prof, stream=buf)
             st.sort_stats("cumulative").print_stats(25)
+            st.sort_stats("tottime").print_stats(25)
             text.append(f"===== {p.name} on {p.device}, {n} calls (rank 0, cProfile) =====\n"
                         + buf.getvalue())
     return "\n".join(text)
@@ -207,6 +228,7 @@ def main() -> None:
         f"{args.iters} calls per path after {args.warmup} warmup, {args.rounds} rounds, "
         f"torch {torch.__version__}{gpu_note}")
     all_paths, sync_us = [], None
+    pipe: dict[str, tuple[float, float]] = {}
     for dev in devs:
         paths = make_paths(dev, ctx, uccl_pg, gloo_pg, world, rank)
         for p in paths:
@@ -220,6 +242,9 @@ def main() -> None:
                 run_calls(p, n, dev, record=True)
         if dev.type == "cuda":
             sync_us = idle_sync_us(dev, 1000)
+            if args.pipelined:
+                for p in paths:
+                    pipe[p.name] = pipelined_us(p, args.pipelined, dev, gloo_pg)
         all_paths += [(dev, p) for p in paths]
 
     # every rank's stats; the figure is the slowest rank's
@@ -245,6 +270,21 @@ def main() -> None:
     if sync_us is not None:
         say(f"(cuda: each call above includes a stream synchronize; one on an idle stream "
             f"takes {sync_us:.1f} us p50 on rank 0)")
+
+    if pipe:
+        names = list(pipe)
+        mine = torch.tensor([pipe[k] for k in names], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=gloo_pg)
+        worst = torch.stack(every).amax(dim=0)
+        say(f"cuda, {args.pipelined} calls back to back, one synchronize at the end "
+            f"(slowest rank), us per call:")
+        say(f"  {'path':<34} {'issue':>9} {'total':>9}")
+        for i, k in enumerate(names):
+            say(f"  {k:<34} {worst[i][0]:9.1f} {worst[i][1]:9.1f}")
+            for r in rows:
+                if r["device"] == "cuda" and r["path"] == k:
+                    r["pipelined_issue_us"], r["pipelined_total_us"] = worst[i].tolist()
 
     if args.profile:
         text = []

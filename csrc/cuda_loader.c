@@ -82,6 +82,7 @@ static void load(void)
         SYM(ModuleGetFunction, "cuModuleGetFunction"), SYM(LaunchKernel, "cuLaunchKernel"),
         SYM(MemHostGetDevicePointer, "cuMemHostGetDevicePointer"),
         SYM(MemAlloc, "cuMemAlloc"), SYM(MemFree, "cuMemFree"),
+        SYM(StreamWaitEvent, "cuStreamWaitEvent"),
 #undef SYM
     };
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
@@ -108,6 +109,11 @@ static void load(void)
               : gp1("cuFuncGetParamInfo", &fn, CU_API_VERSION, 0);
     if (orc == CU_OK && fn)
         memcpy(&table.FuncGetParamInfo, &fn, sizeof(fn));
+    fn = NULL;
+    orc = gp2 ? gp2("cuStreamBatchMemOp", &fn, CU_API_VERSION, 0, &status)
+              : gp1("cuStreamBatchMemOp", &fn, CU_API_VERSION, 0);
+    if (orc == CU_OK && fn)
+        memcpy(&table.StreamBatchMemOp, &fn, sizeof(fn));
     loaded = 1; /* the library stays loaded for the life of the process */
 }
 

@@ -41,7 +41,7 @@ enum { /* CUpointer_attribute */
     CU_PA_IS_LEGACY_IPC_CAPABLE = 10, CU_PA_RANGE_START_ADDR = 11, CU_PA_RANGE_SIZE = 12,
     CU_PA_MAPPING_SIZE = 18, CU_PA_MAPPING_BASE_ADDR = 19,
 };
-enum { CU_DEV_ATTR_CC_MAJOR = 75, CU_DEV_ATTR_CC_MINOR = 76 }; /* CUdevice_attribute */
+enum { CU_DEV_ATTR_SM_COUNT = 16, CU_DEV_ATTR_CC_MAJOR = 75, CU_DEV_ATTR_CC_MINOR = 76 }; /* CUdevice_attribute */
 enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2 };
 enum { CU_MEMHOSTALLOC_DEVICEMAP = 2, CU_STREAM_WAIT_VALUE_GEQ = 0 };
 enum { CU_MEMHOSTREGISTER_PORTABLE = 1, CU_MEMHOSTREGISTER_DEVICEMAP = 2,
@@ -106,6 +106,10 @@ struct uccl__cuda {
     /* optional (CUDA 12.4): a kernel's parameter offsets and sizes, to check
      * a launch's arguments against */
     cu_result (*FuncGetParamInfo)(cu_function, size_t, size_t *, size_t *);
+    /* stream-ordered groups (sg_cuda.c): a stream waits for an event; and
+     * optional, several stream memory operations in one call */
+    cu_result (*StreamWaitEvent)(cu_stream, cu_event, unsigned);
+    cu_result (*StreamBatchMemOp)(cu_stream, unsigned, void *, unsigned);
 };
 enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 

@@ -3,6 +3,7 @@
  * converters, and multi-phase init, which adds the Endpoint and
  * Communicator types and the constants. */
 #include "pyengine.h"
+#include "sgroup.h"
 
 #include <string.h>
 #include <time.h>
@@ -195,6 +196,14 @@ static PyMethodDef module_methods[] = {
      "_ipc_key(endpoint, conn, mr, ptr, len) -> key: a same-host peer maps the range by it"},
     {"_ipc_map", uccl__py_ipc_map, METH_VARARGS,
      "_ipc_map(endpoint, conn, key, addr, len, dev) -> (ptr, mapping)"},
+    {"sg_page_bytes", uccl__py_sg_page_bytes, METH_VARARGS,
+     "sg_page_bytes(size) -> bytes of a stream-ordered group's shared file"},
+    {"_sg_emu_stream", uccl__py_sg_emu_stream, METH_NOARGS,
+     "_sg_emu_stream() -> an emulated stream (tests of StreamGroup without a GPU)"},
+    {"_sg_emu_stream_free", uccl__py_sg_emu_stream_free, METH_VARARGS,
+     "_sg_emu_stream_free(stream) -> how many of its waits were stuck"},
+    {"_sg_emu_stream_idle", uccl__py_sg_emu_stream_idle, METH_VARARGS,
+     "_sg_emu_stream_idle(stream, timeout_s) -> True once what it queued has run"},
     {"get_oob_ip", mod_get_oob_ip, METH_NOARGS,
      "get_oob_ip() -> the IPv4 address endpoints advertise (UCCL_SOCKET_IFNAME)"},
     {NULL, NULL, 0, NULL},
@@ -245,6 +254,13 @@ static int module_exec(PyObject *m)
     Py_DECREF(comm_type);
     if (rc < 0)
         return -1;
+    PyObject *sg_type = PyType_FromModuleAndSpec(m, &uccl__py_sgroup_spec, NULL);
+    if (!sg_type)
+        return -1;
+    rc = PyModule_AddObjectRef(m, "StreamGroup", sg_type);
+    Py_DECREF(sg_type);
+    if (rc < 0)
+        return -1;
     PyObject *ring_type = PyType_FromModuleAndSpec(m, &uccl__py_ring_spec, NULL);
     if (!ring_type)
         return -1;
@@ -263,6 +279,18 @@ static int module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "AG_DIRECT", UCCL_AG_DIRECT) < 0 ||
         PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0)
         return -1;
+    static const struct { const char *name; int value; } sg_consts[] = {
+        {"DT_F32", UCCL_DT_F32}, {"DT_F64", UCCL_DT_F64}, {"DT_F16", UCCL_DT_F16},
+        {"DT_BF16", UCCL_DT_BF16}, {"DT_I8", UCCL_DT_I8}, {"DT_U8", UCCL_DT_U8},
+        {"DT_I16", UCCL_DT_I16}, {"DT_I32", UCCL_DT_I32}, {"DT_I64", UCCL_DT_I64},
+        {"DT_BOOL", UCCL_DT_BOOL}, {"RED_SUM", UCCL_RED_SUM}, {"RED_PROD", UCCL_RED_PROD},
+        {"RED_MIN", UCCL_RED_MIN}, {"RED_MAX", UCCL_RED_MAX}, {"RED_BAND", UCCL_RED_BAND},
+        {"RED_BOR", UCCL_RED_BOR}, {"RED_BXOR", UCCL_RED_BXOR}, {"RED_AVG", UCCL_RED_AVG},
+        {"SG_MAX_RANKS", UCCL_SG_MAX_RANKS},
+    };
+    for (size_t i = 0; i < sizeof(sg_consts) / sizeof(sg_consts[0]); i++)
+        if (PyModule_AddIntConstant(m, sg_consts[i].name, sg_consts[i].value) < 0)
+            return -1;
     return 0;
 }
 

@@ -7,6 +7,7 @@
  *   py_comm.c      the Communicator type, over an Endpoint (coll.h)
  *   py_ring.c      the GpuRing type and the kernel functions (ring.h)
  *   py_stream.c    stream-ordered exchanges' pieces (private functions)
+ *   py_sgroup.c    the StreamGroup type, over a stream-ordered group (sgroup.h)
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
  * released around everything that can block, waits cut into slices with
@@ -98,5 +99,12 @@ PyObject *uccl__py_gpu_host_unregister(PyObject *module, PyObject *args);
 PyObject *uccl__py_gpu_stream_ops(PyObject *module, PyObject *args);
 PyObject *uccl__py_ipc_key(PyObject *module, PyObject *args);
 PyObject *uccl__py_ipc_map(PyObject *module, PyObject *args);
+
+/* ---- py_sgroup.c ---- */
+extern PyType_Spec uccl__py_sgroup_spec;
+PyObject *uccl__py_sg_page_bytes(PyObject *module, PyObject *args);
+PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused);
+PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args);
+PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args);
 
 #endif

@@ -1,0 +1,661 @@
+/* The StreamGroup type (pyengine.h): a stream-ordered group (sgroup.h) for
+ * uccl_collective/_stream_group.py, which makes the shared file and the
+ * group's stream.
+ *
+ *   StreamGroup(endpoint, conns, rank, size, dev, page, page_len, timeout_s, stream)
+ *
+ * over CUDA (endpoint: the Endpoint whose same-host connections conns[r]
+ * reach rank r), or with endpoint None the emulated device of tests (the
+ * streams are handles of _sg_emu_stream_new).  Every call that queues a
+ * round takes (caller, caller_waits, end_event) first: the caller's stream,
+ * whether it waits for the round's end, an event of event_new() to record
+ * there (0: none); it returns the round's number.  A round runs without the
+ * GIL; its host waits check for signals every ~50 ms (an interrupted round
+ * fails the group). */
+#include "pyengine.h"
+#include "sgroup.h"
+
+typedef struct {
+    PyObject_HEAD
+    uccl_sg_t *sg;
+    void *cuda;                  /* the CUDA device (owned by sg), or NULL: emulated */
+    PyObject *module;            /* strong ref: the exceptions */
+    uccl__py_endpoint *endpoint; /* strong ref, or NULL (emulated) */
+    int dev;
+} uccl__py_sgroup;
+
+static uccl__py_sgroup *open_group(PyObject *op)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    if (!self->sg) {
+        PyErr_SetString(PyExc_ValueError, "the stream-ordered group is closed");
+        return NULL;
+    }
+    if (self->endpoint && uccl__py_ep_check(self->endpoint))
+        return NULL;
+    return self;
+}
+
+/* A failed round as an exception: the group's failure is a UcclError (a
+ * UcclTimeoutError for a timeout) whatever the status, an argument error
+ * (nothing failed) as its status says. */
+static PyObject *round_error(uccl__py_sgroup *self, int rc)
+{
+    if (PyErr_Occurred())
+        return NULL; /* a signal's exception */
+    if (uccl_sg_error(self->sg) && rc != UCCL_ERR_TIMEOUT)
+        rc = UCCL_ERR_IO;
+    return uccl__py_raise(self->module, rc, uccl_last_error());
+}
+
+/* Host waits call this without the GIL: take it, check for signals, give it back. */
+struct intr {
+    PyThreadState *ts;
+};
+
+static int interrupted(void *arg)
+{
+    struct intr *in = arg;
+    PyEval_RestoreThread(in->ts);
+    int hit = PyErr_CheckSignals() != 0;
+    in->ts = PyEval_SaveThread();
+    return hit;
+}
+
+typedef int (*call_fn)(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *arg, uint32_t *k);
+
+/* Run fn without the GIL (and with the endpoint held), return the round. */
+static PyObject *run_round(uccl__py_sgroup *self, struct uccl_sg_opts *o, call_fn fn, void *arg)
+{
+    struct intr in;
+    uint32_t k = 0;
+    o->intr = interrupted;
+    o->intr_arg = &in;
+    if (self->endpoint)
+        uccl__py_ep_enter(self->endpoint);
+    in.ts = PyEval_SaveThread();
+    int rc = fn(self->sg, o, arg, &k);
+    PyEval_RestoreThread(in.ts);
+    if (self->endpoint)
+        uccl__py_ep_leave(self->endpoint);
+    if (rc)
+        return round_error(self, rc);
+    return PyLong_FromUnsignedLong(k);
+}
+
+/* ---- construction -------------------------------------------------------------- */
+static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    static char *kwlist[] = {"endpoint", "conns", "rank", "size", "dev", "page", "page_len",
+                             "timeout_s", "stream", NULL};
+    PyObject *epo, *conns;
+    int rank, size, dev;
+    uint64_t page, stream;
+    size_t page_len;
+    double timeout_s;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiiiO&O&dO&", kwlist, &epo, &conns, &rank,
+                                     &size, &dev, uccl__py_to_u64, &page, uccl__py_to_size,
+                                     &page_len, &timeout_s, uccl__py_to_u64, &stream))
+        return -1;
+    if (self->sg || self->module) {
+        PyErr_SetString(PyExc_RuntimeError, "StreamGroup.__init__ called twice");
+        return -1;
+    }
+    self->module = uccl__py_module_of(Py_TYPE(op));
+    if (!self->module)
+        return -1;
+    if (size < 1 || size > UCCL_SG_MAX_RANKS || rank < 0 || rank >= size) {
+        PyErr_Format(PyExc_ValueError, "StreamGroup: rank %d of %d (at most %d ranks)", rank,
+                     size, UCCL_SG_MAX_RANKS);
+        return -1;
+    }
+    const struct uccl__sg_dev *ops;
+    void *d = NULL;
+    int rc;
+    if (epo == Py_None) {
+        rc = uccl__sg_emu_new(&ops, &d);
+    } else {
+        uccl__py_endpoint *ep = uccl__py_endpoint_arg(self->module, epo, "StreamGroup");
+        if (!ep || uccl__py_ep_check(ep))
+            return -1;
+        uint64_t c[UCCL_SG_MAX_RANKS];
+        Py_ssize_t n = PySequence_Size(conns);
+        if (n != size) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "StreamGroup: %zd connections for %d ranks", n,
+                             size);
+            return -1;
+        }
+        for (int i = 0; i < size; i++) {
+            PyObject *it = PySequence_GetItem(conns, i);
+            int ok = it && uccl__py_to_u64(it, &c[i]);
+            Py_XDECREF(it);
+            if (!ok)
+                return -1;
+        }
+        rc = uccl__sg_cuda_new(ep->ep, c, rank, size, dev, &ops, &d);
+        if (rc == UCCL_OK) {
+            Py_INCREF(ep);
+            self->endpoint = ep;
+            self->cuda = d;
+        }
+    }
+    if (rc) {
+        uccl__py_raise(self->module, rc, uccl_last_error());
+        return -1;
+    }
+    rc = uccl_sg_new((void *)(uintptr_t)page, page_len, rank, size, timeout_s, (uintptr_t)stream,
+                     ops, d, &self->sg);
+    if (rc) {
+        self->cuda = NULL;
+        uccl__py_raise(self->module, rc, uccl_last_error());
+        return -1;
+    }
+    self->dev = dev;
+    return 0;
+}
+
+/* ---- rounds ---------------------------------------------------------------------- */
+static int opts_arg(PyObject *args, Py_ssize_t *at, struct uccl_sg_opts *o)
+{
+    /* (caller, caller_waits, end_event) at the front of args */
+    if (PyTuple_Size(args) < 3) {
+        PyErr_SetString(PyExc_TypeError, "expected (caller, caller_waits, end_event, ...)");
+        return -1;
+    }
+    uint64_t caller, ev;
+    if (!uccl__py_to_u64(PyTuple_GetItem(args, 0), &caller) ||
+        !uccl__py_to_u64(PyTuple_GetItem(args, 2), &ev))
+        return -1;
+    int waits = PyObject_IsTrue(PyTuple_GetItem(args, 1));
+    if (waits < 0)
+        return -1;
+    memset(o, 0, sizeof(*o));
+    o->caller = (uintptr_t)caller;
+    o->caller_waits = waits;
+    o->end_event = (void *)(uintptr_t)ev;
+    *at = 3;
+    return 0;
+}
+
+static PyObject *rest(PyObject *args, Py_ssize_t at)
+{
+    return PyTuple_GetSlice(args, at, PyTuple_Size(args));
+}
+
+struct red_call {
+    uintptr_t a, b;
+    size_t count;
+    int dtype, op, root;
+};
+
+static int do_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct red_call *r = p;
+    return uccl_sg_allreduce(sg, o, r->a, r->count, r->dtype, r->op, k);
+}
+static int do_reduce_scatter(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct red_call *r = p;
+    return uccl_sg_reduce_scatter(sg, o, r->a, r->b, r->count, r->dtype, r->op, k);
+}
+static int do_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct red_call *r = p;
+    return uccl_sg_reduce(sg, o, r->a, r->count, r->dtype, r->op, r->root, k);
+}
+static int do_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct red_call *r = p;
+    return uccl_sg_allgather(sg, o, r->a, r->count, r->b, k);
+}
+static int do_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct red_call *r = p;
+    return uccl_sg_broadcast(sg, o, r->a, r->count, r->root, k);
+}
+
+/* allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) */
+static PyObject *SG_allreduce(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    struct uccl_sg_opts o;
+    Py_ssize_t at;
+    struct red_call r = {0};
+    if (!self || opts_arg(args, &at, &o))
+        return NULL;
+    PyObject *t = rest(args, at);
+    int ok = t && PyArg_ParseTuple(t, "O&O&ii", uccl__py_to_u64, &r.a, uccl__py_to_size, &r.count,
+                                   &r.dtype, &r.op);
+    Py_XDECREF(t);
+    return ok ? run_round(self, &o, do_allreduce, &r) : NULL;
+}
+
+/* reduce_scatter(caller, caller_waits, end_event, out, inp, count, dtype, op) */
+static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    struct uccl_sg_opts o;
+    Py_ssize_t at;
+    struct red_call r = {0};
+    if (!self || opts_arg(args, &at, &o))
+        return NULL;
+    PyObject *t = rest(args, at);
+    int ok = t && PyArg_ParseTuple(t, "O&O&O&ii", uccl__py_to_u64, &r.a, uccl__py_to_u64, &r.b,
+                                   uccl__py_to_size, &r.count, &r.dtype, &r.op);
+    Py_XDECREF(t);
+    return ok ? run_round(self, &o, do_reduce_scatter, &r) : NULL;
+}
+
+/* reduce(caller, caller_waits, end_event, ptr, count, dtype, op, root) */
+static PyObject *SG_reduce(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    struct uccl_sg_opts o;
+    Py_ssize_t at;
+    struct red_call r = {0};
+    if (!self || opts_arg(args, &at, &o))
+        return NULL;
+    PyObject *t = rest(args, at);
+    int ok = t && PyArg_ParseTuple(t, "O&O&iii", uccl__py_to_u64, &r.a, uccl__py_to_size,
+                                   &r.count, &r.dtype, &r.op, &r.root);
+    Py_XDECREF(t);
+    return ok ? run_round(self, &o, do_reduce, &r) : NULL;
+}
+
+/* allgather(caller, caller_waits, end_event, src, nbytes, dst) */
+static PyObject *SG_allgather(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    struct uccl_sg_opts o;
+    Py_ssize_t at;
+    struct red_call r = {0};
+    if (!self || opts_arg(args, &at, &o))
+        return NULL;
+    PyObject *t = rest(args, at);
+    int ok = t && PyArg_ParseTuple(t, "O&O&O&", uccl__py_to_u64, &r.a, uccl__py_to_size, &r.count,
+                                   uccl__py_to_u64, &r.b);
+    Py_XDECREF(t);
+    return ok ? run_round(self, &o, do_allgather, &r) : NULL;
+}
+
+/* broadcast(caller, caller_waits, end_event, ptr, nbytes, root) */
+static PyObject *SG_broadcast(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    struct uccl_sg_opts o;
+    Py_ssize_t at;
+    struct red_call r = {0};
+    if (!self || opts_arg(args, &at, &o))
+        return NULL;
+    PyObject *t = rest(args, at);
+    int ok = t && PyArg_ParseTuple(t, "O&O&i", uccl__py_to_u64, &r.a, uccl__py_to_size, &r.count,
+                                   &r.root);
+    Py_XDECREF(t);
+    return ok ? run_round(self, &o, do_broadcast, &r) : NULL;
+}
+
+/* The general round's lists, parsed with the GIL held. */
+struct gen_call {
+    struct uccl_sg_call c;
+    struct uccl_sg_pub *pub;
+    struct uccl_sg_pull *pull;
+    struct uccl_sg_copy *copy;
+    struct uccl_sg_red red;
+};
+
+static int do_round(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct gen_call *g = p;
+    g->c.caller = o->caller;
+    g->c.caller_waits = o->caller_waits;
+    g->c.end_event = o->end_event;
+    return uccl_sg_round(sg, &g->c, o->intr, o->intr_arg, k);
+}
+
+/* Each item of seq parsed into out[i] by fill (a tuple). */
+static int parse_list(PyObject *seq, Py_ssize_t *n_p, void **out, size_t esz,
+                      int (*fill)(void *out, Py_ssize_t i, PyObject *item))
+{
+    Py_ssize_t n = PySequence_Size(seq);
+    if (n < 0)
+        return -1;
+    *out = PyMem_Calloc((size_t)(n ? n : 1), esz);
+    if (!*out) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PySequence_GetItem(seq, i);
+        int bad = !it || fill(*out, i, it);
+        Py_XDECREF(it);
+        if (bad)
+            return -1;
+    }
+    *n_p = n;
+    return 0;
+}
+
+static int fill_pub(void *out, Py_ssize_t i, PyObject *it)
+{
+    struct uccl_sg_pub *p = (struct uccl_sg_pub *)out + i;
+    uint64_t ptr;
+    return PyArg_ParseTuple(it, "O&O&O&", uccl__py_to_u64, &p->tag, uccl__py_to_u64, &ptr,
+                            uccl__py_to_size, &p->len)
+               ? (p->ptr = (uintptr_t)ptr, 0)
+               : -1;
+}
+
+static int fill_pull(void *out, Py_ssize_t i, PyObject *it)
+{
+    struct uccl_sg_pull *p = (struct uccl_sg_pull *)out + i;
+    uint64_t dst;
+    return PyArg_ParseTuple(it, "iipO&O&O&O&", &p->peer, &p->phase, &p->exact, uccl__py_to_u64,
+                            &p->tag, uccl__py_to_u64, &p->off, uccl__py_to_u64, &dst,
+                            uccl__py_to_size, &p->len)
+               ? (p->dst = (uintptr_t)dst, 0)
+               : -1;
+}
+
+static int fill_copy(void *out, Py_ssize_t i, PyObject *it)
+{
+    struct uccl_sg_copy *p = (struct uccl_sg_copy *)out + i;
+    uint64_t dst, src;
+    return PyArg_ParseTuple(it, "O&O&O&", uccl__py_to_u64, &dst, uccl__py_to_u64, &src,
+                            uccl__py_to_size, &p->len)
+               ? (p->dst = (uintptr_t)dst, p->src = (uintptr_t)src, 0)
+               : -1;
+}
+
+/* round(caller, caller_waits, end_event, what, kind, arg, phases, pub, pull, copy, red):
+ * pub [(tag, ptr, len)], pull [(peer, phase, exact, tag, off, dst, len)],
+ * copy [(dst, src, len)], red None or (dtype, op, tag, off, out, count). */
+static PyObject *SG_round(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    struct uccl_sg_opts o;
+    Py_ssize_t at, npub = 0, npull = 0, ncopy = 0;
+    if (!self || opts_arg(args, &at, &o))
+        return NULL;
+    const char *what;
+    unsigned int kind;
+    uint64_t arg;
+    int phases;
+    PyObject *pubs, *pulls, *copies, *red, *res = NULL;
+    PyObject *t = rest(args, at);
+    int ok = t && PyArg_ParseTuple(t, "sIO&iOOOO", &what, &kind, uccl__py_to_u64, &arg, &phases,
+                                   &pubs, &pulls, &copies, &red);
+    Py_XDECREF(t);
+    if (!ok)
+        return NULL;
+    struct gen_call g;
+    memset(&g, 0, sizeof(g));
+    if (parse_list(pubs, &npub, (void **)&g.pub, sizeof(*g.pub), fill_pub) ||
+        parse_list(pulls, &npull, (void **)&g.pull, sizeof(*g.pull), fill_pull) ||
+        parse_list(copies, &ncopy, (void **)&g.copy, sizeof(*g.copy), fill_copy))
+        goto out;
+    if (npub > INT32_MAX || npull > INT32_MAX || ncopy > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "round: too many entries");
+        goto out;
+    }
+    if (red != Py_None) {
+        uint64_t out_ptr;
+        if (!PyArg_ParseTuple(red, "iiO&O&O&O&", &g.red.dtype, &g.red.op, uccl__py_to_u64,
+                              &g.red.tag, uccl__py_to_u64, &g.red.off, uccl__py_to_u64, &out_ptr,
+                              uccl__py_to_size, &g.red.count))
+            goto out;
+        g.red.out = (uintptr_t)out_ptr;
+        g.c.red = &g.red;
+    }
+    g.c.what = what;
+    g.c.kind = kind;
+    g.c.arg = arg;
+    g.c.phases = phases;
+    g.c.pub = g.pub;
+    g.c.npub = (int)npub;
+    g.c.pull = g.pull;
+    g.c.npull = (int)npull;
+    g.c.copy = g.copy;
+    g.c.ncopy = (int)ncopy;
+    res = run_round(self, &o, do_round, &g);
+out:
+    PyMem_Free(g.pub);
+    PyMem_Free(g.pull);
+    PyMem_Free(g.copy);
+    return res;
+}
+
+/* ---- state, events, close ----------------------------------------------------------- */
+static PyObject *SG_passed(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    unsigned long k;
+    if (!PyArg_ParseTuple(args, "k", &k))
+        return NULL;
+    if (!self->sg)
+        Py_RETURN_TRUE; /* closed: its stream was waited for */
+    return PyBool_FromLong(uccl_sg_passed(self->sg, (uint32_t)k));
+}
+
+static PyObject *SG_error(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    const char *e = self->sg ? uccl_sg_error(self->sg) : NULL;
+    if (!e)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(e, (Py_ssize_t)strlen(e), "replace");
+}
+
+static PyObject *SG_fail(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    const char *why;
+    if (!PyArg_ParseTuple(args, "s", &why))
+        return NULL;
+    if (self->sg)
+        uccl_sg_fail(self->sg, why);
+    Py_RETURN_NONE;
+}
+
+static PyObject *SG_event_new(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl__py_sgroup *self = open_group(op);
+    void *ev = NULL;
+    if (!self)
+        return NULL;
+    int rc = uccl_sg_event_new(self->sg, &ev);
+    if (rc)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ev);
+}
+
+static PyObject *SG_event_free(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    uint64_t ev;
+    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &ev))
+        return NULL;
+    if (self->sg)
+        uccl_sg_event_free(self->sg, (void *)(uintptr_t)ev);
+    Py_RETURN_NONE;
+}
+
+/* event_wait(stream, ev): the stream waits for the event (no host wait) */
+static PyObject *SG_event_wait(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    uint64_t stream, ev;
+    if (!self || !PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &stream, uccl__py_to_u64, &ev))
+        return NULL;
+    int rc = uccl_sg_event_wait(self->sg, (uintptr_t)stream, (void *)(uintptr_t)ev);
+    if (rc)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    Py_RETURN_NONE;
+}
+
+static PyObject *SG_event_query(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    uint64_t ev;
+    if (!self || !PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &ev))
+        return NULL;
+    int rc = uccl_sg_event_query(self->sg, (void *)(uintptr_t)ev);
+    if (rc < 0)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    return PyBool_FromLong(rc);
+}
+
+/* kernel_ready(dtype): compile the reduction kernel for dtype now (CUDA) */
+static PyObject *SG_kernel_ready(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    int dtype;
+    if (!self || !PyArg_ParseTuple(args, "i", &dtype))
+        return NULL;
+    if (!self->cuda)
+        Py_RETURN_NONE; /* emulated: the CPU reduces */
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_sg_kernel_ready(self->dev, dtype);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    Py_RETURN_NONE;
+}
+
+static int sg_close(uccl__py_sgroup *self)
+{
+    if (!self->sg)
+        return 1;
+    uccl_sg_t *sg = self->sg;
+    self->sg = NULL;
+    int ep_open = self->endpoint && !self->endpoint->closed;
+    if (self->cuda && !ep_open)
+        uccl__sg_cuda_forget_ep(self->cuda); /* its registrations went with it */
+    self->cuda = NULL;
+    if (ep_open)
+        uccl__py_ep_enter(self->endpoint);
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = uccl_sg_close(sg);
+    Py_END_ALLOW_THREADS
+    if (ep_open)
+        uccl__py_ep_leave(self->endpoint);
+    return ok;
+}
+
+/* close() -> True when the page may be unmapped (see uccl_sg_close) */
+static PyObject *SG_close(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    return PyBool_FromLong(sg_close((uccl__py_sgroup *)op));
+}
+
+static void SG_dealloc(PyObject *op)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    sg_close(self);
+    Py_CLEAR(self->endpoint);
+    Py_CLEAR(self->module);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(op);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef SG_methods[] = {
+    {"round", SG_round, METH_VARARGS,
+     "round(caller, caller_waits, end_event, what, kind, arg, phases, pub, pull, copy, red) -> k"},
+    {"allreduce", SG_allreduce, METH_VARARGS,
+     "allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) -> k"},
+    {"reduce_scatter", SG_reduce_scatter, METH_VARARGS,
+     "reduce_scatter(caller, caller_waits, end_event, out, inp, count, dtype, op) -> k"},
+    {"reduce", SG_reduce, METH_VARARGS,
+     "reduce(caller, caller_waits, end_event, ptr, count, dtype, op, root) -> k"},
+    {"allgather", SG_allgather, METH_VARARGS,
+     "allgather(caller, caller_waits, end_event, src, nbytes, dst) -> k"},
+    {"broadcast", SG_broadcast, METH_VARARGS,
+     "broadcast(caller, caller_waits, end_event, ptr, nbytes, root) -> k"},
+    {"passed", SG_passed, METH_VARARGS, "passed(k): this rank's stream is past round k"},
+    {"error", SG_error, METH_NOARGS, "error() -> why the group failed, or None"},
+    {"fail", SG_fail, METH_VARARGS, "fail(why): fail the group for every rank"},
+    {"event_new", SG_event_new, METH_NOARGS, "event_new() -> an event for end_event"},
+    {"event_free", SG_event_free, METH_VARARGS, "event_free(ev)"},
+    {"event_wait", SG_event_wait, METH_VARARGS, "event_wait(stream, ev): the stream waits"},
+    {"event_query", SG_event_query, METH_VARARGS, "event_query(ev) -> done?"},
+    {"kernel_ready", SG_kernel_ready, METH_VARARGS,
+     "kernel_ready(dtype): compile the reduction kernel for dtype (raises where it cannot)"},
+    {"close", SG_close, METH_NOARGS, "close() -> whether the page may be unmapped"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot SG_slots[] = {
+    {Py_tp_init, SG_init},
+    {Py_tp_dealloc, SG_dealloc},
+    {Py_tp_methods, SG_methods},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_doc, "A stream-ordered group of processes of one host on one GPU (sgroup.h)."},
+    {0, NULL},
+};
+
+PyType_Spec uccl__py_sgroup_spec = {
+    .name = "uccl_collective._engine.StreamGroup",
+    .basicsize = sizeof(uccl__py_sgroup),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = SG_slots,
+};
+
+/* ---- module functions ------------------------------------------------------------------ */
+PyObject *uccl__py_sg_page_bytes(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int size;
+    if (!PyArg_ParseTuple(args, "i", &size))
+        return NULL;
+    if (size < 1 || size > UCCL_SG_MAX_RANKS)
+        return PyErr_Format(PyExc_ValueError, "sg_page_bytes: %d ranks (1..%d)", size,
+                            UCCL_SG_MAX_RANKS);
+    return PyLong_FromSize_t(uccl_sg_page_bytes(size));
+}
+
+PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    uintptr_t s = 0;
+    int rc = uccl_sg_emu_stream_new(&s);
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return PyLong_FromUnsignedLongLong((unsigned long long)s);
+}
+
+/* _sg_emu_stream_free(stream) -> how many waits ran past the stuck bound */
+PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args)
+{
+    (void)module;
+    uint64_t s;
+    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &s))
+        return NULL;
+    int stuck;
+    Py_BEGIN_ALLOW_THREADS
+    stuck = uccl_sg_emu_stream_free((uintptr_t)s);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(stuck);
+}
+
+/* _sg_emu_stream_idle(stream, timeout_s) -> True once all it queued has run */
+PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args)
+{
+    (void)module;
+    uint64_t s;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "O&d", uccl__py_to_u64, &s, &timeout_s))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_sg_emu_stream_idle((uintptr_t)s, (uint64_t)(timeout_s * 1e9));
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(rc == UCCL_OK);
+}

@@ -1,0 +1,394 @@
+/* The CUDA device of stream-ordered groups (sgroup.h): stream memory
+ * operations batched into one driver call (cuStreamBatchMemOp, else one
+ * call each), copies on the copy engine (cuMemcpyAsync), events, and a
+ * reduction kernel compiled by NVRTC on first use (one module per device
+ * and element type, kept for the life of the process: a kernel queued by
+ * a failed group may still run).  Memory is shared through the endpoint:
+ * registrations, the keys of their export records, CUDA IPC mappings
+ * checked against them (ipc_share.c). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_loader.h"
+#include "ring.h"
+#include "sgroup.h"
+#include "status.h"
+
+#define MAX_DEVS 64
+#define THREADS 256
+
+/* CUstreamBatchMemOpParams (cuda.h): a union of 48 bytes */
+union batch_op {
+    struct {
+        uint32_t operation, pad0;
+        uint64_t address;
+        uint64_t value;     /* value (32-bit) or value64 */
+        uint32_t flags, pad1;
+        uint64_t alias;
+    } v;
+    uint64_t pad[6];
+};
+_Static_assert(sizeof(union batch_op) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+enum { OP_WAIT_32 = 1, OP_WRITE_32 = 2, CU_ERR_NOT_SUPPORTED = 801 };
+
+struct cuda_dev {
+    uccl_ep_t *ep;
+    int dev, rank, size;
+    uint64_t *conns;
+    int batch_off; /* the driver refused a batch: one call per operation */
+};
+
+/* The reduction kernel: out[i] <- op over the sources (rank order) of
+ * src[r][i], accumulated as torch accumulates (float for 16-bit floats,
+ * 64-bit for integers), rounded once; AVG rounds the sum to the type, then
+ * divides (integers: truncated), as SUM then division does. */
+static const char kernel_src[] =
+    "typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32;\n"
+    "typedef unsigned long long u64; typedef long long i64;\n"
+    "struct Args { u64 out; u64 src[64]; u64 count; int nsrc; int op; };\n"
+    "struct alignas(16) V16 { u32 w[4]; };\n"
+    "enum { SUM, PROD, MIN, MAX, BAND, BOR, BXOR, AVG };\n"
+    "__device__ __forceinline__ float h2f(u16 h) { float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(h)); return f; }\n"
+    "__device__ __forceinline__ u16 f2h(float f) { u16 h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
+    "__device__ __forceinline__ float b2f(u16 b) { return __uint_as_float(((u32)b) << 16); }\n"
+    "__device__ __forceinline__ u16 f2b(float f) { u16 h; asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
+    "#define PLAIN(N, TT, AA, F) struct N { typedef TT T; typedef AA A; enum { FLT = F, BOOL = 0 };\\\n"
+    "  static __device__ __forceinline__ A ld(T x) { return (A)x; }\\\n"
+    "  static __device__ __forceinline__ T st(A x) { return (T)x; } };\n"
+    "PLAIN(F32, float, float, 1) PLAIN(F64, double, double, 1) PLAIN(I8, signed char, i64, 0)\n"
+    "PLAIN(U8, u8, i64, 0) PLAIN(I16, short, i64, 0) PLAIN(I32, int, i64, 0) PLAIN(I64, i64, i64, 0)\n"
+    "struct F16 { typedef u16 T; typedef float A; enum { FLT = 1, BOOL = 0 };\n"
+    "  static __device__ __forceinline__ A ld(T x) { return h2f(x); }\n"
+    "  static __device__ __forceinline__ T st(A x) { return f2h(x); } };\n"
+    "struct BF16 { typedef u16 T; typedef float A; enum { FLT = 1, BOOL = 0 };\n"
+    "  static __device__ __forceinline__ A ld(T x) { return b2f(x); }\n"
+    "  static __device__ __forceinline__ T st(A x) { return f2b(x); } };\n"
+    "struct BOOLT { typedef u8 T; typedef int A; enum { FLT = 0, BOOL = 1 };\n"
+    "  static __device__ __forceinline__ A ld(T x) { return x != 0; }\n"
+    "  static __device__ __forceinline__ T st(A x) { return (T)(x != 0); } };\n"
+    "template <class D, int OP> __device__ __forceinline__ typename D::A\n"
+    "apply(typename D::A a, typename D::A x) {\n"
+    "  typedef typename D::A A;\n"
+    "  if constexpr (D::BOOL) {\n"
+    "    if constexpr (OP == PROD || OP == MIN || OP == BAND) return a & x;\n"
+    "    else if constexpr (OP == BXOR) return a ^ x;\n"
+    "    else return a | x;\n"
+    "  } else if constexpr (OP == SUM || OP == AVG) {\n"
+    "    if constexpr (D::FLT) return a + x; else return (A)((u64)a + (u64)x);\n"
+    "  } else if constexpr (OP == PROD) {\n"
+    "    if constexpr (D::FLT) return a * x; else return (A)((u64)a * (u64)x);\n"
+    "  } else if constexpr (OP == MIN) {\n"
+    "    if constexpr (D::FLT) return a != a ? a : (x != x ? x : (x < a ? x : a));\n"
+    "    else return x < a ? x : a;\n"
+    "  } else if constexpr (OP == MAX) {\n"
+    "    if constexpr (D::FLT) return a != a ? a : (x != x ? x : (x > a ? x : a));\n"
+    "    else return x > a ? x : a;\n"
+    "  } else if constexpr (D::FLT) { return a;\n"
+    "  } else if constexpr (OP == BAND) { return a & x;\n"
+    "  } else if constexpr (OP == BOR) { return a | x;\n"
+    "  } else { return a ^ x; }\n"
+    "}\n"
+    "template <class D, int OP> __device__ __forceinline__ typename D::T fin(typename D::A acc, int n) {\n"
+    "  if constexpr (OP == AVG) return D::st(D::ld(D::st(acc)) / (typename D::A)n);\n"
+    "  else return D::st(acc);\n"
+    "}\n"
+    "template <class D, int OP> __device__ void body(const Args &a) {\n"
+    "  typedef typename D::T T; typedef typename D::A A;\n"
+    "  constexpr int V = 16 / sizeof(T);\n"
+    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  int n = a.nsrc;\n"
+    "  bool vec = (a.out & 15) == 0;\n"
+    "  for (int r = 0; r < n; r++) vec = vec && (a.src[r] & 15) == 0;\n"
+    "  u64 nv = vec ? a.count / V : 0;\n"
+    "  union U { V16 u; T t[V]; };\n"
+    "  for (u64 j = tid; j < nv; j += stride) {\n"
+    "    U x; x.u = ((const V16 *)a.src[0])[j];\n"
+    "    A acc[V];\n"
+    "#pragma unroll\n"
+    "    for (int v = 0; v < V; v++) acc[v] = D::ld(x.t[v]);\n"
+    "    for (int r = 1; r < n; r++) {\n"
+    "      x.u = ((const V16 *)a.src[r])[j];\n"
+    "#pragma unroll\n"
+    "      for (int v = 0; v < V; v++) acc[v] = apply<D, OP>(acc[v], D::ld(x.t[v]));\n"
+    "    }\n"
+    "    U y;\n"
+    "#pragma unroll\n"
+    "    for (int v = 0; v < V; v++) y.t[v] = fin<D, OP>(acc[v], n);\n"
+    "    ((V16 *)a.out)[j] = y.u;\n"
+    "  }\n"
+    "  for (u64 i = nv * V + tid; i < a.count; i += stride) {\n"
+    "    A acc = D::ld(((const T *)a.src[0])[i]);\n"
+    "    for (int r = 1; r < n; r++) acc = apply<D, OP>(acc, D::ld(((const T *)a.src[r])[i]));\n"
+    "    ((T *)a.out)[i] = fin<D, OP>(acc, n);\n"
+    "  }\n"
+    "}\n"
+    "extern \"C\" __global__ void uccl_sg_reduce(Args a) {\n"
+    "  switch (a.op) {\n"
+    "  case SUM: body<UCCL_DT, SUM>(a); break;   case PROD: body<UCCL_DT, PROD>(a); break;\n"
+    "  case MIN: body<UCCL_DT, MIN>(a); break;   case MAX: body<UCCL_DT, MAX>(a); break;\n"
+    "  case BAND: body<UCCL_DT, BAND>(a); break; case BOR: body<UCCL_DT, BOR>(a); break;\n"
+    "  case BXOR: body<UCCL_DT, BXOR>(a); break; case AVG: body<UCCL_DT, AVG>(a); break;\n"
+    "  }\n"
+    "}\n";
+
+/* The kernel's argument, laid out as its struct Args. */
+struct kernel_args {
+    uint64_t out, src[UCCL_SG_MAX_RANKS], count;
+    int32_t nsrc, op;
+};
+
+static const char *const dt_names[UCCL_DT_COUNT] = {
+    [UCCL_DT_F32] = "F32", [UCCL_DT_F64] = "F64", [UCCL_DT_F16] = "F16",
+    [UCCL_DT_BF16] = "BF16", [UCCL_DT_I8] = "I8", [UCCL_DT_U8] = "U8", [UCCL_DT_I16] = "I16",
+    [UCCL_DT_I32] = "I32", [UCCL_DT_I64] = "I64", [UCCL_DT_BOOL] = "BOOLT",
+};
+
+/* Compiled kernels, per device and element type, for the life of the process. */
+static struct {
+    pthread_mutex_t mu;
+    uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
+    int sms[MAX_DEVS];
+} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {0}};
+
+int uccl_sg_kernel_ready(int dev, int dtype)
+{
+    if (dev < 0 || dev >= MAX_DEVS || !uccl_dtype_size(dtype))
+        return uccl__err(UCCL_ERR_INVALID, "reduction kernel: device %d, type %d", dev, dtype);
+    pthread_mutex_lock(&kernels.mu);
+    int rc = UCCL_OK;
+    if (!kernels.k[dev][dtype]) {
+        size_t len = sizeof(kernel_src) + 64;
+        char *src = malloc(len);
+        if (!src) {
+            rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        } else {
+            snprintf(src, len, "#define UCCL_DT %s\n%s", dt_names[dtype], kernel_src);
+            rc = uccl_gpu_compile(dev, src, "uccl_sg_reduce", 0, NULL, NULL, 0, NULL, NULL, 0,
+                                  &kernels.k[dev][dtype]);
+            free(src);
+        }
+        if (rc == UCCL_OK && !kernels.sms[dev]) {
+            cu_device d;
+            const struct uccl__cuda *cu = uccl__cuda();
+            if (cu->DeviceGet(&d, dev) != CU_OK ||
+                cu->DeviceGetAttribute(&kernels.sms[dev], CU_DEV_ATTR_SM_COUNT, d) != CU_OK ||
+                kernels.sms[dev] < 1)
+                kernels.sms[dev] = 32;
+        }
+    }
+    pthread_mutex_unlock(&kernels.mu);
+    return rc;
+}
+
+static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *ops, int n)
+{
+    struct cuda_dev *d = dp;
+    const struct uccl__cuda *cu = uccl__cuda();
+    int rc = n > 0 ? uccl__cuda_use(d->dev) : UCCL_OK; /* the caller's thread may have none current */
+    if (n <= 0 || rc)
+        return rc;
+    if (cu->StreamBatchMemOp && !d->batch_off && n > 1) {
+        union batch_op b[2 * UCCL_SG_MAX_RANKS + 2];
+        if (n > (int)(sizeof(b) / sizeof(b[0])))
+            return uccl__err(UCCL_ERR_INVALID, "%d stream memory operations in one batch", n);
+        memset(b, 0, (size_t)n * sizeof(b[0]));
+        for (int i = 0; i < n; i++) {
+            b[i].v.operation = ops[i].wait ? OP_WAIT_32 : OP_WRITE_32;
+            b[i].v.address = (uint64_t)(uintptr_t)ops[i].addr;
+            b[i].v.value = ops[i].value;
+            b[i].v.flags = ops[i].wait ? CU_STREAM_WAIT_VALUE_GEQ : 0;
+        }
+        cu_result r = cu->StreamBatchMemOp((cu_stream)stream, (unsigned)n, b, 0);
+        if (r == CU_OK)
+            return UCCL_OK;
+        if (r != CU_ERR_NOT_SUPPORTED)
+            return uccl__cuda_err(r, "cuStreamBatchMemOp");
+        d->batch_off = 1;
+    }
+    for (int i = 0; i < n; i++) {
+        cu_ptr a = (cu_ptr)(uintptr_t)ops[i].addr;
+        /* writes: flags 0, a fence first, so what the stream wrote before
+         * (kernels, copies) is visible to whoever sees the value */
+        cu_result r = ops[i].wait
+                          ? cu->StreamWaitValue32((cu_stream)stream, a, ops[i].value,
+                                                  CU_STREAM_WAIT_VALUE_GEQ)
+                          : cu->StreamWriteValue32((cu_stream)stream, a, ops[i].value, 0);
+        if (r != CU_OK)
+            return uccl__cuda_err(r, ops[i].wait ? "cuStreamWaitValue32" : "cuStreamWriteValue32");
+    }
+    return UCCL_OK;
+}
+
+static int cuda_copy(void *dp, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len)
+{
+    (void)dp;
+    cu_result r = uccl__cuda()->MemcpyAsync((cu_ptr)dst, (cu_ptr)src, len, (cu_stream)stream);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuMemcpyAsync on the group's stream");
+}
+
+static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_args *a)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl_sg_kernel_ready(d->dev, a->dtype);
+    if (rc)
+        return rc;
+    struct kernel_args ka;
+    memset(&ka, 0, sizeof(ka));
+    ka.out = a->out;
+    ka.count = a->count;
+    ka.nsrc = a->nsrc;
+    ka.op = a->op;
+    int aligned = (a->out & 15) == 0;
+    for (int r = 0; r < a->nsrc; r++) {
+        ka.src[r] = a->src[r];
+        aligned = aligned && (a->src[r] & 15) == 0;
+    }
+    size_t per = aligned ? 16 / uccl_dtype_size(a->dtype) : 1;
+    size_t items = (a->count + per - 1) / per;
+    size_t blocks = (items + THREADS - 1) / THREADS, cap = (size_t)kernels.sms[d->dev] * 8;
+    if (blocks > cap)
+        blocks = cap;
+    void *params[] = {&ka};
+    return uccl__gpu_launch_unchecked(kernels.k[d->dev][a->dtype], (unsigned)(blocks ? blocks : 1),
+                                      THREADS, stream, params);
+}
+
+static int cuda_event_new(void *dp, void **ev_p)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_event ev;
+    cu_result r = uccl__cuda()->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "cuEventCreate");
+    *ev_p = ev;
+    return UCCL_OK;
+}
+
+static void cuda_event_free(void *dp, void *ev)
+{
+    struct cuda_dev *d = dp;
+    if (ev && uccl__cuda_use(d->dev) == UCCL_OK)
+        uccl__cuda()->EventDestroy((cu_event)ev);
+}
+
+static int cuda_record(void *dp, void *ev, uintptr_t stream)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->EventRecord((cu_event)ev, (cu_stream)stream);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuEventRecord");
+}
+
+static int cuda_wait_event(void *dp, uintptr_t stream, void *ev)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->StreamWaitEvent((cu_stream)stream, (cu_event)ev, 0);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuStreamWaitEvent");
+}
+
+static int cuda_query(void *dp, void *ev)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->EventQuery((cu_event)ev);
+    if (r == CU_OK)
+        return 1;
+    return r == CU_ERR_NOT_READY ? 0 : uccl__cuda_err(r, "cuEventQuery");
+}
+
+static uint64_t any_conn(struct cuda_dev *d) { return d->conns[(d->rank + 1) % d->size]; }
+
+static int cuda_reg(void *dp, uintptr_t ptr, size_t len, uint64_t *reg_p)
+{
+    struct cuda_dev *d = dp;
+    return uccl_ep_reg(d->ep, ptr, len, reg_p);
+}
+
+static int cuda_key(void *dp, uint64_t reg, uintptr_t ptr, size_t len, uint64_t *key_p)
+{
+    struct cuda_dev *d = dp;
+    return uccl_ep_ipc_key(d->ep, any_conn(d), reg, ptr, len, key_p);
+}
+
+static void cuda_dereg(void *dp, uint64_t reg)
+{
+    struct cuda_dev *d = dp;
+    if (d->ep)
+        uccl_ep_dereg(d->ep, reg);
+}
+
+static int cuda_map(void *dp, int peer, uint64_t key, uint64_t addr, size_t len,
+                    uintptr_t *ptr_p, void **imp_p)
+{
+    struct cuda_dev *d = dp;
+    void *ptr = NULL;
+    int rc = uccl_ep_ipc_map(d->ep, d->conns[peer], key, addr, len, d->dev, &ptr, imp_p);
+    if (rc == UCCL_OK)
+        *ptr_p = (uintptr_t)ptr;
+    return rc;
+}
+
+static void cuda_unmap(void *dp, void *imp)
+{
+    (void)dp;
+    uccl_ep_ipc_unmap(imp);
+}
+
+static void cuda_destroy(void *dp)
+{
+    struct cuda_dev *d = dp;
+    if (d) {
+        free(d->conns);
+        free(d);
+    }
+}
+
+static const struct uccl__sg_dev cuda_ops = {
+    .memops = cuda_memops, .copy = cuda_copy, .reduce = cuda_reduce,
+    .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
+    .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
+    .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
+};
+
+int uccl__sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
+                      const struct uccl__sg_dev **ops_p, void **d_p)
+{
+    if (!ep || size < 1 || size > UCCL_SG_MAX_RANKS || rank < 0 || rank >= size)
+        return uccl__err(UCCL_ERR_INVALID, "stream-ordered group on CUDA: endpoint %p, %d ranks",
+                         (void *)ep, size);
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    struct cuda_dev *d = calloc(1, sizeof(*d));
+    uint64_t *c = calloc((size_t)size, sizeof(*c));
+    if (!d || !c) {
+        free(d);
+        free(c);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    memcpy(c, conns, (size_t)size * sizeof(*c));
+    *d = (struct cuda_dev){ep, dev, rank, size, c, 0};
+    *ops_p = &cuda_ops;
+    *d_p = d;
+    return UCCL_OK;
+}
+
+/* The endpoint went away before the group: its registrations went with it. */
+void uccl__sg_cuda_forget_ep(void *dp)
+{
+    struct cuda_dev *d = dp;
+    d->ep = NULL;
+}

@@ -1,0 +1,223 @@
+/* Stream-ordered groups: the collectives of processes of one host whose
+ * buffers are on one GPU, queued on a CUDA stream so that no host thread
+ * ever waits for the GPU (as NCCL's kernels are).
+ *
+ *   sgroup.c    the protocol: the shared page, rounds, registrations,
+ *               failure, the watchdog
+ *   sg_call.c   the collectives as rounds (allreduce, allgather, ...)
+ *   sg_cuda.c   the device it queues work on: the CUDA driver (stream
+ *               memory operations, copies, events, a reduction kernel
+ *               compiled by NVRTC), CUDA IPC through the endpoint
+ *   sg_emu.c    the same on the CPU for tests: streams emulated by threads
+ *
+ * A group's ranks share one file in /dev/shm (made and mapped by the
+ * Python layer, registered with CUDA): a header page, then one part per
+ * rank with the 32-bit words its stream writes (ready, done, done2, fin)
+ * and the descriptor slots its host writes.  In round k every rank
+ *   1. queues on the group's stream, after the caller's stream: ready = k;
+ *   2. publishes its buffers (key, address, length, tag) in slot k % NSLOT
+ *      and reads every peer's slot of round k (the host waits here for the
+ *      peers to *arrive*, never for a GPU); the ranks' calls are compared
+ *      (operation, argument, phases) and every range is checked;
+ *   3. queues: a wait for the ready word of each peer it reads, its copies
+ *      and its reduction (phase 1), done = k, a wait for every peer's done
+ *      >= k; with two phases, the phase-2 copies, done2 = k and a wait for
+ *      every done2 >= k; then fin = k, and the caller's stream waits for
+ *      the round's end (an event) where the call blocks.
+ * A wait here ends on a peer's stream reaching a write, never on work this
+ * process queues later.  Every round runs on the group's one stream, so
+ * the words only grow (a cyclic 32-bit count).
+ *
+ * Failures (a peer that does not arrive within the timeout, a peer process
+ * gone, ranks whose calls disagree, a round not through the stream within
+ * the timeout, a queueing error) fail the group for every rank: the reason
+ * goes into the header page, every rank's words are set far ahead so that
+ * no stream anywhere stays blocked, and every later call raises. */
+#ifndef UCCL_SGROUP_H
+#define UCCL_SGROUP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "uccl.h"
+
+#define UCCL_SG_MAX_RANKS 64   /* the reduction kernel reads one source per rank */
+
+/* element types and reduction operators of uccl_sg_call.red */
+enum {
+    UCCL_DT_F32, UCCL_DT_F64, UCCL_DT_F16, UCCL_DT_BF16, UCCL_DT_I8, UCCL_DT_U8,
+    UCCL_DT_I16, UCCL_DT_I32, UCCL_DT_I64, UCCL_DT_BOOL, UCCL_DT_COUNT
+};
+enum {
+    UCCL_RED_SUM, UCCL_RED_PROD, UCCL_RED_MIN, UCCL_RED_MAX, UCCL_RED_BAND, UCCL_RED_BOR,
+    UCCL_RED_BXOR, UCCL_RED_AVG, UCCL_RED_COUNT
+};
+size_t uccl_dtype_size(int dtype); /* 0 for an unknown type */
+
+/* Tags name what a rank publishes: every peer's buffer, or the k-th to rank d. */
+#define UCCL_SG_TAG_ALL 0ull
+#define UCCL_SG_TAG_TO(d, k) ((1ull << 40) | ((uint64_t)(d) << 20) | (uint64_t)(k))
+
+struct uccl_sg_pub {
+    uint64_t tag;
+    uintptr_t ptr;
+    size_t len;
+};
+/* Copy len bytes at offset off of what rank peer published under tag to
+ * dst; exact: the published buffer must be exactly len bytes (a send
+ * matched with a receive).  Phase 2 pulls run after every rank's phase 1. */
+struct uccl_sg_pull {
+    int peer, phase, exact;
+    uint64_t tag, off;
+    uintptr_t dst;
+    size_t len;
+};
+struct uccl_sg_copy {
+    uintptr_t dst, src;
+    size_t len;
+};
+/* out[0..count) <- op over ranks 0..n-1 (in rank order) of the elements at
+ * offset off of what each rank published under tag (this rank's too). */
+struct uccl_sg_red {
+    int dtype, op;
+    uint64_t tag, off;
+    uintptr_t out;
+    size_t count;
+};
+
+struct uccl_sg_call {
+    const char *what;          /* the operation's name, for messages */
+    uint32_t kind;             /* compared across ranks with arg: their calls must agree */
+    uint64_t arg;
+    int phases;                /* 1 or 2 */
+    uintptr_t caller;          /* the caller's stream: the round starts after its work */
+    int caller_waits;          /* the caller's stream waits for the round's end */
+    void *end_event;           /* an event of uccl_sg_event_new, recorded at the end, or NULL */
+    const struct uccl_sg_pub *pub;
+    int npub;
+    const struct uccl_sg_pull *pull;
+    int npull;
+    const struct uccl_sg_copy *copy; /* this rank's own copies, in phase 1 */
+    int ncopy;
+    const struct uccl_sg_red *red;   /* a reduction in phase 1, or NULL */
+};
+
+/* ---- the device a group queues on ------------------------------------------ */
+struct uccl__sg_memop {
+    uint32_t *addr;
+    uint32_t value;
+    int wait; /* 1: wait until *addr >= value (cyclic); 0: write value */
+};
+struct uccl__sg_red_args {
+    int dtype, op, nsrc;
+    uintptr_t out;
+    uintptr_t src[UCCL_SG_MAX_RANKS];
+    size_t count;
+};
+struct uccl__sg_dev {
+    int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
+    int (*copy)(void *d, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len);
+    int (*reduce)(void *d, uintptr_t stream, const struct uccl__sg_red_args *a);
+    int (*event_new)(void *d, void **ev_p);
+    void (*event_free)(void *d, void *ev);
+    int (*record)(void *d, void *ev, uintptr_t stream);
+    int (*wait_event)(void *d, uintptr_t stream, void *ev);
+    int (*query)(void *d, void *ev); /* 1 done, 0 not yet, < 0 error */
+    /* sharing this rank's memory: a registration, the key peers map it by
+     * (checked at every use: memory freed since fails), its release */
+    int (*reg)(void *d, uintptr_t ptr, size_t len, uint64_t *reg_p);
+    int (*key)(void *d, uint64_t reg, uintptr_t ptr, size_t len, uint64_t *key_p);
+    void (*dereg)(void *d, uint64_t reg);
+    /* a peer's published range, mapped here until unmap */
+    int (*map)(void *d, int peer, uint64_t key, uint64_t addr, size_t len, uintptr_t *ptr_p,
+               void **imp_p);
+    void (*unmap)(void *d, void *imp);
+    void (*destroy)(void *d);
+};
+
+/* The CUDA device: queues on device dev through the driver, shares memory
+ * through endpoint ep's connections conns[rank] (same-host, CUDA IPC). */
+int uccl__sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
+                      const struct uccl__sg_dev **ops_p, void **d_p);
+/* The endpoint was closed before the group: its registrations went with it. */
+void uccl__sg_cuda_forget_ep(void *d);
+/* Compile (once per process) the reduction kernel for dtype on device dev:
+ * UCCL_ERR_UNAVAIL where NVRTC cannot be loaded. */
+int uccl_sg_kernel_ready(int dev, int dtype);
+/* The emulated device (tests): a stream is a handle of uccl_sg_emu_stream_new,
+ * memory is this process's, keys are addresses (no access checks). */
+int uccl__sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p);
+int uccl_sg_emu_stream_new(uintptr_t *stream_p);
+/* Stop (after what is queued) and free; how many waits ran past the stuck bound. */
+int uccl_sg_emu_stream_free(uintptr_t stream);
+int uccl_sg_emu_stream_idle(uintptr_t stream, uint64_t timeout_ns);
+
+/* ---- the group -------------------------------------------------------------- */
+typedef struct uccl_sg uccl_sg_t;
+
+/* Bytes of the shared file for a group of size ranks. */
+size_t uccl_sg_page_bytes(int size);
+
+/* A group over the mapped file [page, +page_len) (every rank maps it; this
+ * rank writes its pid there), queueing on `stream` of the device (ops, d),
+ * which the group owns from here on, failed or not. */
+int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_s,
+                uintptr_t stream, const struct uccl__sg_dev *ops, void *d, uccl_sg_t **sg_p);
+
+/* Host waits call this every ~50 ms; nonzero stops the wait (fails the
+ * group: an interrupted round leaves the peers in it). */
+typedef int (*uccl_sg_interrupt_fn)(void *arg);
+
+/* Queue one round; *round_p its number.  Errors in the arguments come
+ * before anything is published (UCCL_ERR_INVALID, nothing failed); every
+ * later error fails the group. */
+int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt_fn intr,
+                  void *intr_arg, uint32_t *round_p);
+
+/* The collectives (sg_call.c), each one round: a flat buffer of count
+ * elements reduced in place (two phases: every rank reduces its chunk, then
+ * copies the others'); out (count elements) <- this rank's chunk of the
+ * reduction of in (size * count); every rank's nbytes into dst (size *
+ * nbytes, rank order); root's buffer to every rank; the reduction to root. */
+struct uccl_sg_opts {
+    uintptr_t caller;
+    int caller_waits;
+    void *end_event;
+    uccl_sg_interrupt_fn intr;
+    void *intr_arg;
+};
+int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t count,
+                      int dtype, int op, uint32_t *round_p);
+int uccl_sg_reduce_scatter(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t out,
+                           uintptr_t in, size_t count, int dtype, int op, uint32_t *round_p);
+int uccl_sg_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t src, size_t nbytes,
+                      uintptr_t dst, uint32_t *round_p);
+int uccl_sg_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t nbytes,
+                      int root, uint32_t *round_p);
+int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t count,
+                   int dtype, int op, int root, uint32_t *round_p);
+
+/* Has this rank's stream finished round k? (its fin word) */
+int uccl_sg_passed(uccl_sg_t *sg, uint32_t k);
+/* Events for a caller's Work: made, recorded by a round (end_event), waited
+ * for by a stream, queried, freed. */
+int uccl_sg_event_new(uccl_sg_t *sg, void **ev_p);
+void uccl_sg_event_free(uccl_sg_t *sg, void *ev);
+int uccl_sg_event_wait(uccl_sg_t *sg, uintptr_t stream, void *ev);
+int uccl_sg_event_query(uccl_sg_t *sg, void *ev);
+
+/* The reason the group failed (this rank or another noticed), or NULL. */
+const char *uccl_sg_error(uccl_sg_t *sg);
+/* Fail the group for every rank. */
+void uccl_sg_fail(uccl_sg_t *sg, const char *why);
+int uccl_sg_rank(uccl_sg_t *sg);
+int uccl_sg_size(uccl_sg_t *sg);
+
+/* Stop the watchdog; wait (at most the timeout) for this rank's stream to
+ * pass what it queued; release mappings and registrations.  Returns 1 when
+ * the page may be unmapped, 0 when the group failed with rounds queued:
+ * their copies may still read through the mappings and their writes reach
+ * the page, so both stay for the life of the process.  Frees sg. */
+int uccl_sg_close(uccl_sg_t *sg);
+
+#endif
