@@ -19,6 +19,7 @@ typedef struct {
     PyObject_HEAD
     uccl_sg_t *sg;
     void *cuda;                  /* the CUDA device (owned by sg), or NULL: emulated */
+    void *emu;                   /* the emulated device: kept after close (its counts) */
     PyObject *module;            /* strong ref: the exceptions */
     uccl__py_endpoint *endpoint; /* strong ref, or NULL (emulated) */
     int dev;
@@ -115,6 +116,7 @@ static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
     int rc;
     if (epo == Py_None) {
         rc = uccl__sg_emu_new(&ops, &d);
+        self->emu = d;
     } else {
         uccl__py_endpoint *ep = uccl__py_endpoint_arg(self->module, epo, "StreamGroup");
         if (!ep || uccl__py_ep_check(ep))
@@ -496,6 +498,19 @@ static PyObject *SG_event_wait(PyObject *op, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* wait_last(stream): the stream waits for the last round queued so far */
+static PyObject *SG_wait_last(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    uint64_t stream;
+    if (!self || !PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &stream))
+        return NULL;
+    int rc = uccl_sg_wait_last(self->sg, (uintptr_t)stream);
+    if (rc)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    Py_RETURN_NONE;
+}
+
 static PyObject *SG_event_query(PyObject *op, PyObject *args)
 {
     uccl__py_sgroup *self = open_group(op);
@@ -524,6 +539,19 @@ static PyObject *SG_kernel_ready(PyObject *op, PyObject *args)
     if (rc)
         return uccl__py_raise(self->module, rc, uccl_last_error());
     Py_RETURN_NONE;
+}
+
+static PyObject *SG_emu_counts(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    long c[3] = {0, 0, 0};
+    if (!self->emu) {
+        PyErr_SetString(PyExc_ValueError, "emu_counts: not an emulated group");
+        return NULL;
+    }
+    uccl__sg_emu_counts(self->emu, c);
+    return Py_BuildValue("(lll)", c[0], c[1], c[2]);
 }
 
 static int sg_close(uccl__py_sgroup *self)
@@ -559,6 +587,7 @@ static void SG_dealloc(PyObject *op)
     uccl__py_sgroup *self = (uccl__py_sgroup *)op;
     PyTypeObject *tp = Py_TYPE(op);
     sg_close(self);
+    uccl__sg_emu_free(self->emu);
     Py_CLEAR(self->endpoint);
     Py_CLEAR(self->module);
     freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
@@ -586,6 +615,10 @@ static PyMethodDef SG_methods[] = {
     {"event_free", SG_event_free, METH_VARARGS, "event_free(ev)"},
     {"event_wait", SG_event_wait, METH_VARARGS, "event_wait(stream, ev): the stream waits"},
     {"event_query", SG_event_query, METH_VARARGS, "event_query(ev) -> done?"},
+    {"wait_last", SG_wait_last, METH_VARARGS,
+     "wait_last(stream): the stream waits for the last round queued so far"},
+    {"emu_counts", SG_emu_counts, METH_NOARGS,
+     "emu_counts() -> (registrations, deregistrations, live mappings) of the emulated device"},
     {"kernel_ready", SG_kernel_ready, METH_VARARGS,
      "kernel_ready(dtype): compile the reduction kernel for dtype (raises where it cannot)"},
     {"close", SG_close, METH_NOARGS, "close() -> whether the page may be unmapped"},

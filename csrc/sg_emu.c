@@ -400,10 +400,14 @@ static int emu_query(void *d, void *evp)
            __atomic_load_n(&ev->recorded, __ATOMIC_ACQUIRE);
 }
 
+struct emu_dev {
+    long regs, deregs, maps; /* updated by the rank's host thread and its watchdog */
+};
+
 static int emu_reg(void *d, uintptr_t ptr, size_t len, uint64_t *reg_p)
 {
-    (void)d;
     (void)len;
+    __atomic_add_fetch(&((struct emu_dev *)d)->regs, 1, __ATOMIC_RELAXED);
     *reg_p = ptr;
     return UCCL_OK;
 }
@@ -419,29 +423,39 @@ static int emu_key(void *d, uint64_t reg, uintptr_t ptr, size_t len, uint64_t *k
 
 static void emu_dereg(void *d, uint64_t reg)
 {
-    (void)d;
     (void)reg;
+    __atomic_add_fetch(&((struct emu_dev *)d)->deregs, 1, __ATOMIC_RELAXED);
 }
 
 static int emu_map(void *d, int peer, uint64_t key, uint64_t addr, size_t len, uintptr_t *ptr_p,
                    void **imp_p)
 {
-    (void)d;
     (void)peer;
     (void)key;
     (void)len;
+    __atomic_add_fetch(&((struct emu_dev *)d)->maps, 1, __ATOMIC_RELAXED);
     *ptr_p = (uintptr_t)addr;
-    *imp_p = NULL;
+    *imp_p = d; /* anything not NULL: unmap counts it back */
     return UCCL_OK;
 }
 
 static void emu_unmap(void *d, void *imp)
 {
-    (void)d;
     (void)imp;
+    __atomic_sub_fetch(&((struct emu_dev *)d)->maps, 1, __ATOMIC_RELAXED);
 }
 
-static void emu_destroy(void *d) { (void)d; }
+static void emu_destroy(void *d) { (void)d; /* uccl__sg_emu_free, after the counts are read */ }
+
+void uccl__sg_emu_counts(void *d, long out[3])
+{
+    struct emu_dev *e = d;
+    out[0] = __atomic_load_n(&e->regs, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&e->deregs, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&e->maps, __ATOMIC_RELAXED);
+}
+
+void uccl__sg_emu_free(void *d) { free(d); }
 
 static const struct uccl__sg_dev emu_ops = {
     .memops = emu_memops, .copy = emu_copy, .reduce = emu_reduce, .event_new = emu_event_new,
@@ -452,7 +466,10 @@ static const struct uccl__sg_dev emu_ops = {
 
 int uccl__sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p)
 {
+    struct emu_dev *d = calloc(1, sizeof(*d));
+    if (!d)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     *ops_p = &emu_ops;
-    *d_p = NULL;
+    *d_p = d;
     return UCCL_OK;
 }

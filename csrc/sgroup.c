@@ -509,6 +509,13 @@ int uccl_sg_passed(uccl_sg_t *sg, uint32_t k)
     return ahead(ld32(w32(sg, sg->rank, OFF_FIN)), k);
 }
 
+int uccl_sg_wait_last(uccl_sg_t *sg, uintptr_t stream)
+{
+    if (stream == sg->stream)
+        return UCCL_OK;
+    return sg->ops->wait_event(sg->d, stream, sg->ev_end);
+}
+
 int uccl_sg_event_new(uccl_sg_t *sg, void **ev_p) { return sg->ops->event_new(sg->d, ev_p); }
 void uccl_sg_event_free(uccl_sg_t *sg, void *ev)
 {
@@ -709,11 +716,12 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     if (!rc)
         rc = dv->memops(sg->d, sg->stream, ops, nops);
     free(src);
-    if (!rc && c->caller_waits && c->caller != sg->stream) {
+    /* the group's end event, recorded every round: a stream that waits for
+     * it later waits for the last round queued so far (uccl_sg_wait_last) */
+    if (!rc)
         rc = dv->record(sg->d, sg->ev_end, sg->stream);
-        if (!rc)
-            rc = dv->wait_event(sg->d, c->caller, sg->ev_end);
-    }
+    if (!rc && c->caller_waits && c->caller != sg->stream)
+        rc = dv->wait_event(sg->d, c->caller, sg->ev_end);
     if (!rc && c->end_event)
         rc = dv->record(sg->d, c->end_event, sg->stream);
     return rc;

@@ -147,6 +147,11 @@ int uccl_sg_kernel_ready(int dev, int dtype);
 /* The emulated device (tests): a stream is a handle of uccl_sg_emu_stream_new,
  * memory is this process's, keys are addresses (no access checks). */
 int uccl__sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p);
+/* Its counts: registrations made, released, mappings live.  The device
+ * outlives its group (destroy leaves it) so tests can read them after
+ * close; uccl__sg_emu_free frees it. */
+void uccl__sg_emu_counts(void *d, long out[3]);
+void uccl__sg_emu_free(void *d);
 int uccl_sg_emu_stream_new(uintptr_t *stream_p);
 /* Stop (after what is queued) and free; how many waits ran past the stuck bound. */
 int uccl_sg_emu_stream_free(uintptr_t stream);
@@ -199,6 +204,8 @@ int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, s
 
 /* Has this rank's stream finished round k? (its fin word) */
 int uccl_sg_passed(uccl_sg_t *sg, uint32_t k);
+/* `stream` waits for the end of the last round queued so far (no host wait). */
+int uccl_sg_wait_last(uccl_sg_t *sg, uintptr_t stream);
 /* Events for a caller's Work: made, recorded by a round (end_event), waited
  * for by a stream, queried, freed. */
 int uccl_sg_event_new(uccl_sg_t *sg, void **ev_p);

@@ -157,6 +157,11 @@ class Runner:
                 return
         self.drive(task, deadline, give_up=True)
 
+    def idle(self) -> bool:
+        """Nothing queued or running: a call may go straight to the engine
+        without passing a task ahead of it."""
+        return not self._busy and not self._q and not self._closed and not self._poisoned
+
     def poison(self, why: str) -> None:
         """Refuse new tasks from now on (the ranks' orders no longer agree)."""
         with self._cv:
@@ -333,3 +338,59 @@ class Work(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._runner.future_of(self._task)
+
+
+class StreamWork(dist._Work):
+    """A blocking call's Work on the stream-ordered path (the engine queued
+    the operation on the group's stream in one call, and the caller's stream
+    waits for its end, as ProcessGroupNCCL's does): wait() raises if the
+    group failed since, and makes the current stream wait too where it is
+    not the caller's; is_completed() tells whether the GPU is past it."""
+
+    def __init__(self, sg: Any, k: int, result: list, caller: int):
+        super().__init__()
+        self._sg, self._k, self._result, self._caller = sg, k, result, caller
+
+    def _check(self) -> None:
+        if self._sg.c is None:
+            raise UcclError("the process group was shut down")
+        self._sg.check()   # the group failed since (a peer died): the bytes are not to be trusted
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._check()
+        from ._stream_group import _raw_stream
+        cur = _raw_stream(self._sg.dev)
+        if cur != self._caller:
+            self._sg.c.wait_last(cur)
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        c = self._sg.c
+        return c is None or c.passed(self._k)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._sg.error() is None
+
+    def exception(self) -> Any:
+        err = self._sg.error() if self._sg.c is not None else None
+        return UcclError(f"stream-ordered group: {err}") if err else None
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        raise ValueError("source_rank: this Work is not a receive from any source")
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        """Complete: its value is ready on the host, and torch's CUDA future
+        orders whoever waits on it after the caller's stream, which waits
+        for the operation."""
+        fut = torch.futures.Future(devices=[torch.device("cuda", self._sg.dev)])
+        fut.set_result(self._result)
+        return fut

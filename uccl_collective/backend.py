@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse, _stream_group
 from ._reduce import R
-from ._work import IF_IDLE, Runner, Task, Work
+from ._work import IF_IDLE, Runner, StreamWork, Task, Work
 from .collective import CollectiveContext
 from .p2p import UcclError, UcclTimeoutError
 
@@ -91,6 +91,17 @@ def _cuda_device(*groups: Any) -> int | None:
     if dev is not None and cpu:
         raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
                          "them all on one device")
+    return dev
+
+
+def _dense_cuda(*ts: Any) -> int | None:
+    """The device of contiguous dense CUDA tensors all on one device, else None."""
+    dev = None
+    for t in ts:
+        if not (isinstance(t, torch.Tensor) and t.is_cuda and t.layout == torch.strided and
+                t.is_contiguous()) or (dev is not None and t.device.index != dev):
+            return None
+        dev = t.device.index
     return dev
 
 
@@ -247,7 +258,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             fn = self._on_gpu(fn, dev, sync)
         task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
         if end is not None:
-            task.gpu_end, task.stream, task.check = end, self._stream(dev), sg.check
+            task.gpu_end, task.stream, task.check = end, sg.torch_stream, sg.check
         deadline = time.monotonic() + self._timeout
         self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
@@ -259,10 +270,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return Work(self._runner, task)
 
     def _stream_group(self, dev: int) -> "_stream_group.StreamGroup | None":
-        """The group's stream-ordered exchanges (made on first use, at the
-        same operation on every rank), or None where they do not apply: a
-        peer on another host or without CUDA IPC, UCCL_STREAM_ORDERED=0, a
-        group of one.  One device per rank, as a NCCL communicator."""
+        """The group's stream-ordered exchanges (the context's: made on first
+        use, at the same operation on every rank), or None where they do not
+        apply: a peer on another host or without CUDA IPC,
+        UCCL_STREAM_ORDERED=0, a group of one.  One device per rank and
+        group, as a NCCL communicator."""
         if self._sg is not None:
             if dev != self._sg.dev:
                 raise ValueError(f"this uccl group runs its CUDA operations on cuda:"
@@ -270,13 +282,28 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             return self._sg
         if self._sg_off:
             return None
-        ctx, me = self._ctx, self.rank()
-        if any(ctx.transports.get(r) != "shm-cma" for r in range(self.size()) if r != me):
+        sg = self._ctx.stream_group(dev, self._timeout)
+        if sg is None:
             self._sg_off = True
             return None
-        self._sg = _stream_group.StreamGroup(ctx, dev, self._timeout)
-        self._sctx = _stream_group.StreamCtx(ctx, self._sg)
-        return self._sg
+        self._sg, self._sctx = sg, _stream_group.StreamCtx(self._ctx, sg)
+        return sg
+
+    def _fast(self, opts: Any, *ts: Any) -> "_stream_group.StreamGroup | None":
+        """The stream-ordered group for a blocking call on contiguous CUDA
+        tensors of one device that goes straight to the engine (one C call
+        on this thread: no task, no Python algorithm): only when nothing of
+        the group's is queued ahead of it and no profiler runs.  None: the
+        general path."""
+        if opts is None or getattr(opts, "asyncOp", True) is not False or self._closed:
+            return None
+        dev = _dense_cuda(*ts)
+        if dev is None or not self._runner.idle() or torch.autograd._profiler_enabled():
+            return None
+        return self._stream_group(dev)
+
+    def _streamed(self, sg: Any, k: int, result: list, caller: int) -> StreamWork:
+        return StreamWork(sg, k, result, caller)
 
     def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
         """fn as a task of stream-ordered exchanges, as ProcessGroupNCCL runs
@@ -287,7 +314,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         group's stream, so memory the caller frees meanwhile is not handed
         out again before that stream is past the operation."""
         caller = torch.cuda.current_stream(dev)
-        own = self._stream(dev)
+        own = sg.torch_stream   # the stream its rounds run on: no event between them
         ready = torch.cuda.Event()
         ready.record(caller)
         for t in _tensors(*tensors):
@@ -390,6 +417,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return run
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
+        sg = self._fast(opts, output_tensor, input_tensor)
+        if sg is not None and output_tensor.dtype == input_tensor.dtype and \
+                output_tensor.numel() == self.size() * input_tensor.numel():
+            caller = _stream_group._raw_stream(sg.dev)
+            k = sg.c.allgather(caller, True, 0, input_tensor.data_ptr(),
+                               input_tensor.numel() * input_tensor.element_size(),
+                               output_tensor.data_ptr())
+            return self._streamed(sg, k, [output_tensor], caller)
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
         return self._submit(run, [output_tensor], opts, uses=[input_tensor],
                             prof=("all_gather_into_tensor", [input_tensor]))
@@ -477,8 +512,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
         if flat.is_cuda:
-            _reduce_gpu.allreduce(self._xctx, flat, op,
-                                  lambda nb: self._scratch(nb, 0, flat.device))
+            scratch = lambda nb: self._scratch(nb, 0, flat.device)  # noqa: E731
+            xctx = self._xctx
+            if isinstance(xctx, _stream_group.StreamCtx):   # the engine's kernel where it applies
+                xctx.allreduce(flat, op, scratch)
+            else:
+                _reduce_gpu.allreduce(xctx, flat, op, scratch)
             return
         ctx, n = self._ctx, self.size()
         if n > 1:
@@ -505,6 +544,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                                 list(tensors), opts, prof=("sparse_all_reduce", tensors))
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
+        sg = self._fast(opts, tensors[0])
+        codes = sg.reduce_codes(t.dtype, op) if sg is not None else None
+        if codes is not None:
+            caller = _stream_group._raw_stream(sg.dev)
+            k = sg.c.allreduce(caller, True, 0, t.data_ptr(), t.numel(), *codes)
+            return self._streamed(sg, k, list(tensors), caller)
 
         def run():
             s = _Staged(t)
@@ -534,6 +579,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
         root = self._root(opts, what)
+        sg = self._fast(opts, tensors[0])
+        codes = sg.reduce_codes(t.dtype, op) if sg is not None else None
+        if codes is not None:
+            caller = _stream_group._raw_stream(sg.dev)
+            k = sg.c.reduce(caller, True, 0, t.data_ptr(), t.numel(), *codes, root)
+            return self._streamed(sg, k, list(tensors), caller)
 
         def run():
             work = self._work_copy([t], t.dtype)  # only the root's tensor changes
@@ -558,8 +609,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         ctx, n, me = self._ctx, self.size(), self.rank()
         if flat.is_cuda:
             s = _Staged(out, copy_in=False)
-            _reduce_gpu.reduce_scatter(self._xctx, s.t, flat, op,
-                                       lambda nb: self._scratch(nb, 0, flat.device), what)
+            scratch = lambda nb: self._scratch(nb, 0, flat.device)  # noqa: E731
+            xctx = self._xctx
+            if isinstance(xctx, _stream_group.StreamCtx):
+                xctx.reduce_scatter(s.t.view(-1), flat, op, scratch, what)
+            else:
+                _reduce_gpu.reduce_scatter(xctx, s.t, flat, op, scratch, what)
             s.back()
             return
         k = out.numel()
@@ -586,6 +641,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
+        sg = self._fast(opts, output_tensor, input_tensor)
+        codes = sg.reduce_codes(out.dtype, op) if sg is not None else None
+        if codes is not None:
+            caller = _stream_group._raw_stream(sg.dev)
+            k = sg.c.reduce_scatter(caller, True, 0, output_tensor.data_ptr(),
+                                    input_tensor.data_ptr(), out.numel(), *codes)
+            return self._streamed(sg, k, [output_tensor], caller)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
             [output_tensor], opts, uses=[input_tensor],
@@ -636,6 +698,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"{what}: rootTensor {opts.rootTensor} (one tensor per rank)")
         me, n = self.rank(), self.size()
+        sg = self._fast(opts, tensors[0])
+        if sg is not None:
+            caller = _stream_group._raw_stream(sg.dev)
+            k = sg.c.broadcast(caller, True, 0, t.data_ptr(), t.numel() * t.element_size(), root)
+            return self._streamed(sg, k, list(tensors), caller)
 
         def run():
             s = _Staged(t, copy_in=me == root)
@@ -842,9 +909,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._closed = True
         self._ctx.finalize()   # fails what is in flight: every Work settles
         self._chan.ctx.finalize()
-        self._runner.close(why)
-        if self._sg is not None:
-            self._sg.close()
+        self._runner.close(why)   # the context's finalize() closed the stream group
         self._par.close()
 
     def shutdown(self) -> None:

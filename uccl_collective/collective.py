@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _engine
+from . import _engine, _stream_group
 from .p2p import Endpoint, FloatType, UcclError, UcclTimeoutError
 
 __all__ = [
@@ -229,6 +229,41 @@ class Handle(int):
         return self.test()
 
 
+class StreamHandle(Handle):
+    """A stream-ordered operation (CUDA tensors, every peer on this host):
+    wait() makes the caller's current stream wait for it and returns at
+    once (the host never waits for the GPU); test() tells whether the GPU
+    is past it.  A failed group makes both raise."""
+
+    def __new__(cls, sg: Any, event: int, keep: Any):
+        self = super().__new__(cls, None, (), (object(),))   # an id of its own
+        self._works = []
+        self._sg, self._event, self._keep = sg, event, keep
+        return self
+
+    def __del__(self):
+        sg, ev = getattr(self, "_sg", None), getattr(self, "_event", 0)
+        if sg is not None and ev and sg.c is not None:
+            sg.c.event_free(ev)   # the driver frees it once its record has run
+
+    def _check(self) -> None:
+        if self._sg.c is None:
+            raise UcclError("the context was finalized with this operation in flight")
+        self._sg.check()
+
+    def test(self) -> bool:
+        self._check()
+        return self._sg.c.event_query(self._event)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._check()
+        self._sg.c.event_wait(_stream_group._raw_stream(self._sg.dev), self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.test()
+
+
 _DONE = Handle(None)  # what upstream's dummy id -1 stands for
 
 
@@ -327,6 +362,8 @@ class CollectiveContext:
         self._orphans: list[Handle] = []   # what dropped, unfinished handles still run
         self.transports: dict[int, str] = {}
         self._conns: tuple[list[int], list[int]] = ([], [])
+        self._sg: Any = None        # the stream-ordered group (_stream_group), made on first use
+        self._sg_off = False
 
     # -- setup ---------------------------------------------------------------
     def init(self) -> "CollectiveContext":
@@ -447,6 +484,30 @@ class CollectiveContext:
             raise ValueError("CollectiveContext is not initialised (call init()) or finalized")
         return cm
 
+    def stream_group(self, dev: int, timeout_s: float | None = None) -> Any:
+        """The context's stream-ordered group on CUDA device dev
+        (_stream_group.StreamGroup), made at the first call, which every
+        rank makes at the same point; or None where it does not apply: a
+        peer not reached through this engine over shared memory with CUDA
+        IPC (another host, or use_copy_engine_for_intra=False),
+        UCCL_STREAM_ORDERED=0, a context of one rank.  One device per
+        context, as a NCCL communicator."""
+        if self._sg is not None:
+            if dev != self._sg.dev:
+                raise ValueError(f"this context runs its stream-ordered operations on cuda:"
+                                 f"{self._sg.dev} (its first one's); got cuda:{dev}")
+            return self._sg
+        if self._sg_off:
+            return None
+        me, n = self.rank, self.world_size
+        if (n < 2 or not _stream_group.enabled() or
+                any(self.transports.get(r) != "shm-cma" for r in range(n) if r != me)):
+            self._sg_off = True
+            return None
+        self._ep()
+        self._sg = _stream_group.StreamGroup(self, dev, timeout_s or self.timeout_s or 300.0)
+        return self._sg
+
     def gpu_ring(self, source: torch.Tensor, window: torch.Tensor, *, slots: int = 1024,
                  inflight: int = 64, trace: int = 0, paused: bool = False):
         """Collective: a command ring for GPU-initiated puts (gpu_ring.GpuRing)
@@ -481,6 +542,9 @@ class CollectiveContext:
         return ring
 
     def finalize(self) -> None:
+        if self._sg is not None:   # before the endpoint its registrations live in
+            self._sg.close()
+            self._sg = None
         if self._waiter is not None:
             self._waiter.shutdown(wait=False, cancel_futures=True)
             self._waiter = None
@@ -769,6 +833,18 @@ class CollectiveContext:
         if engine_only and not uneven and isinstance(recv, torch.Tensor):
             send, bufs = self._flat_bufs(send_tensor, recv, what)
             gpu = stream_args((send_tensor, recv))
+            sg = self.stream_group(gpu[0]) if gpu[0] >= 0 else None
+            if sg is not None:   # stream-ordered: the host never waits for the GPU
+                if not async_op:
+                    sg.c.allgather(gpu[1], True, 0, send[0], send[1], bufs[0][0])
+                    return None, None
+                ev = sg.c.event_new()
+                try:
+                    sg.c.allgather(gpu[1], False, ev, send[0], send[1], bufs[0][0])
+                except BaseException:
+                    sg.c.event_free(ev)
+                    raise
+                return None, StreamHandle(sg, ev, (send_tensor, recv))
             return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
