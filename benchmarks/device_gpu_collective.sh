@@ -89,13 +89,14 @@ if [ "${BENCH:-1}" = 1 ]; then
     fi
     bench ag_gloo "$n" 90 --compare gloo --sizes 1M,16M,64M --iters 5 --warmup 1
     bench pg_allgather "$n" 100 --backend uccl --op allgather --compare gloo \
-      --sizes 1M,16M,64M,256M --iters 5 --warmup 1
+      --sizes 1M,16M,64M,256M
     bench pg_allreduce "$n" 100 --backend uccl --op allreduce --compare gloo \
-      --sizes 1M,16M,64M,256M --iters 5 --warmup 1
+      --sizes 1M,16M,64M,256M
     if [ "$n" = 2 ] && [[ " ${BENCHES:-overhead} " == *" overhead "* ]]; then
       step overhead_n2 90 torchrun --nproc_per_node 2 benchmarks/overhead.py --device gpu \
-        --iters 2000 --profile "$logs/overhead_profile.txt" --json "$logs/overhead_n2.json"
-      grep -vE "^W[0-9]{4} " "$logs/overhead_n2.log" | head -20
+        --iters 2000 --pipelined 1000 --profile "$logs/overhead_profile.txt" \
+        --json "$logs/overhead_n2.json"
+      grep -vE "^W[0-9]{4} " "$logs/overhead_n2.log" | head -30
     fi
   done
 

@@ -5,18 +5,17 @@
 Each line is the median host time of one call (microseconds), timed in
 batches of 100 with nothing waited for: what the issuing thread pays, not
 the GPU.  Run it under CUDA MPS and without to see what MPS adds per call.
+(The first run, BENCHMARKS.md, also timed the stream memory operations
+through a module function that the engine's stream-ordered groups have
+since replaced.)
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import statistics
 import time
 
 import torch
-
-from uccl_collective import _engine
 
 
 def per_call_us(fn, iters: int) -> float:
@@ -36,23 +35,10 @@ def main() -> None:
     dev = 0
     torch.cuda.set_device(dev)
     s = torch.cuda.Stream(dev)
-    raw = s.cuda_stream
-    mm = mmap.mmap(-1, 4096)
-    page = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    _engine._gpu_host_register(dev, page, 4096)
     a = torch.zeros(1024, device="cuda")
     b = torch.zeros(1024, device="cuda")
-    w = [("w", page, 1)]
-    wait = [("a", page + 64, 0)]
-    cp = [("c", a.data_ptr(), b.data_ptr(), 4)]
-    chain = [("w", page, 1), ("a", page + 64, 0), ("c", a.data_ptr(), b.data_ptr(), 4),
-             ("w", page + 128, 1), ("a", page + 64, 0), ("w", page + 192, 1)]
     ev = torch.cuda.Event()
     cases = [
-        ("_gpu_stream_ops: one write", lambda: _engine._gpu_stream_ops(dev, raw, w)),
-        ("_gpu_stream_ops: one wait (satisfied)", lambda: _engine._gpu_stream_ops(dev, raw, wait)),
-        ("_gpu_stream_ops: one 4-byte copy", lambda: _engine._gpu_stream_ops(dev, raw, cp)),
-        ("_gpu_stream_ops: a round's 6 ops", lambda: _engine._gpu_stream_ops(dev, raw, chain)),
         ("torch.cuda.Event()", torch.cuda.Event),
         ("Event.record(stream)", lambda: ev.record(s)),
         ("stream.wait_event(ev)", lambda: s.wait_event(ev)),
@@ -73,7 +59,6 @@ def main() -> None:
             us = per_call_us(fn, args.iters)
             torch.cuda.synchronize()
         print(f"  {name:<44} {us:8.2f}")
-    _engine._gpu_host_unregister(dev, page)
 
 
 def _enter(s) -> None:

@@ -1,6 +1,6 @@
-/* Work on a caller's CUDA stream: copies, and 32-bit words in page-locked
- * host memory that streams write and wait for (uccl.h, "Stream-ordered
- * exchanges").
+/* Page-locked host memory for stream-ordered groups (sgroup.h): the
+ * shared page whose 32-bit words the streams write and wait for (sg_cuda.c
+ * queues those operations).
  *
  * These are what lets processes of one host order their streams after each
  * other with no host thread in the way: rank A's stream writes a counter
@@ -52,53 +52,4 @@ int uccl_gpu_host_unregister(int dev, void *ptr)
         return rc;
     cu_result r = cu->MemHostUnregister(ptr);
     return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuMemHostUnregister");
-}
-
-/* The device address of a word in registered host memory: its host address
- * (unified addressing, as gpu_copy.c's flags rely on too). */
-static cu_ptr word_addr(uintptr_t addr) { return (cu_ptr)addr; }
-
-static int check_word(uintptr_t addr, const char *what)
-{
-    if (!addr || (addr & 3u))
-        return uccl__err(UCCL_ERR_INVALID, "%s: word address 0x%zx is not 4-byte aligned",
-                         what, (size_t)addr);
-    return UCCL_OK;
-}
-
-int uccl_gpu_stream_write32(int dev, uintptr_t stream, uintptr_t addr, uint32_t value)
-{
-    const struct uccl__cuda *cu;
-    int rc = check_word(addr, "stream write");
-    if (rc || (rc = use(dev, &cu)))
-        return rc;
-    /* flags 0: a fence before the write, so what the stream wrote before
-     * (kernels, copies) is visible to whoever sees the value */
-    cu_result r = cu->StreamWriteValue32((cu_stream)stream, word_addr(addr), value, 0);
-    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuStreamWriteValue32");
-}
-
-int uccl_gpu_stream_wait32(int dev, uintptr_t stream, uintptr_t addr, uint32_t value)
-{
-    const struct uccl__cuda *cu;
-    int rc = check_word(addr, "stream wait");
-    if (rc || (rc = use(dev, &cu)))
-        return rc;
-    cu_result r = cu->StreamWaitValue32((cu_stream)stream, word_addr(addr), value,
-                                        CU_STREAM_WAIT_VALUE_GEQ);
-    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuStreamWaitValue32");
-}
-
-int uccl_gpu_copy_async(int dev, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len)
-{
-    const struct uccl__cuda *cu;
-    if (len == 0)
-        return UCCL_OK;
-    int rc = use(dev, &cu);
-    if (rc)
-        return rc;
-    cu_result r = cu->MemcpyAsync((cu_ptr)dst, (cu_ptr)src, len, (cu_stream)stream);
-    if (r != CU_OK)
-        return uccl__cuda_err(r, "cuMemcpyAsync on the caller's stream");
-    return UCCL_OK;
 }

@@ -189,13 +189,6 @@ static PyMethodDef module_methods[] = {
      "_gpu_host_register(dev, addr, len): page-locked and mapped for every device"},
     {"_gpu_host_unregister", uccl__py_gpu_host_unregister, METH_VARARGS,
      "_gpu_host_unregister(dev, addr)"},
-    {"_gpu_stream_ops", uccl__py_gpu_stream_ops, METH_VARARGS,
-     "_gpu_stream_ops(dev, stream, ops): ('w', addr, u32) / ('a', addr, u32) / ('c', dst, src, "
-     "len), queued in order"},
-    {"_ipc_key", uccl__py_ipc_key, METH_VARARGS,
-     "_ipc_key(endpoint, conn, mr, ptr, len) -> key: a same-host peer maps the range by it"},
-    {"_ipc_map", uccl__py_ipc_map, METH_VARARGS,
-     "_ipc_map(endpoint, conn, key, addr, len, dev) -> (ptr, mapping)"},
     {"sg_page_bytes", uccl__py_sg_page_bytes, METH_VARARGS,
      "sg_page_bytes(size) -> bytes of a stream-ordered group's shared file"},
     {"_sg_emu_stream", uccl__py_sg_emu_stream, METH_NOARGS,

@@ -115,7 +115,7 @@ static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
     void *d = NULL;
     int rc;
     if (epo == Py_None) {
-        rc = uccl__sg_emu_new(&ops, &d);
+        rc = uccl_sg_emu_new(&ops, &d);
         self->emu = d;
     } else {
         uccl__py_endpoint *ep = uccl__py_endpoint_arg(self->module, epo, "StreamGroup");
@@ -136,7 +136,7 @@ static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
             if (!ok)
                 return -1;
         }
-        rc = uccl__sg_cuda_new(ep->ep, c, rank, size, dev, &ops, &d);
+        rc = uccl_sg_cuda_new(ep->ep, c, rank, size, dev, &ops, &d);
         if (rc == UCCL_OK) {
             Py_INCREF(ep);
             self->endpoint = ep;
@@ -550,7 +550,7 @@ static PyObject *SG_emu_counts(PyObject *op, PyObject *unused)
         PyErr_SetString(PyExc_ValueError, "emu_counts: not an emulated group");
         return NULL;
     }
-    uccl__sg_emu_counts(self->emu, c);
+    uccl_sg_emu_counts(self->emu, c);
     return Py_BuildValue("(lll)", c[0], c[1], c[2]);
 }
 
@@ -562,7 +562,7 @@ static int sg_close(uccl__py_sgroup *self)
     self->sg = NULL;
     int ep_open = self->endpoint && !self->endpoint->closed;
     if (self->cuda && !ep_open)
-        uccl__sg_cuda_forget_ep(self->cuda); /* its registrations went with it */
+        uccl_sg_cuda_forget_ep(self->cuda); /* its registrations went with it */
     self->cuda = NULL;
     if (ep_open)
         uccl__py_ep_enter(self->endpoint);
@@ -587,7 +587,7 @@ static void SG_dealloc(PyObject *op)
     uccl__py_sgroup *self = (uccl__py_sgroup *)op;
     PyTypeObject *tp = Py_TYPE(op);
     sg_close(self);
-    uccl__sg_emu_free(self->emu);
+    uccl_sg_emu_free(self->emu);
     Py_CLEAR(self->endpoint);
     Py_CLEAR(self->module);
     freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);

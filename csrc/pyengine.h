@@ -6,7 +6,7 @@
  *   py_endpoint.c  the Endpoint type, over an engine endpoint (uccl.h)
  *   py_comm.c      the Communicator type, over an Endpoint (coll.h)
  *   py_ring.c      the GpuRing type and the kernel functions (ring.h)
- *   py_stream.c    stream-ordered exchanges' pieces (private functions)
+ *   py_stream.c    host memory registered for the GPU (private functions)
  *   py_sgroup.c    the StreamGroup type, over a stream-ordered group (sgroup.h)
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
@@ -96,9 +96,6 @@ PyObject *uccl__py_nvrtc_set_path(PyObject *module, PyObject *args);
 /* ---- py_stream.c ---- */
 PyObject *uccl__py_gpu_host_register(PyObject *module, PyObject *args);
 PyObject *uccl__py_gpu_host_unregister(PyObject *module, PyObject *args);
-PyObject *uccl__py_gpu_stream_ops(PyObject *module, PyObject *args);
-PyObject *uccl__py_ipc_key(PyObject *module, PyObject *args);
-PyObject *uccl__py_ipc_map(PyObject *module, PyObject *args);
 
 /* ---- py_sgroup.c ---- */
 extern PyType_Spec uccl__py_sgroup_spec;

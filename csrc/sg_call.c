@@ -22,16 +22,6 @@ static uint32_t kind(int k, int dtype, int op, int root)
     return (uint32_t)k | (uint32_t)dtype << 8 | (uint32_t)op << 16 | (uint32_t)root << 24;
 }
 
-size_t uccl_dtype_size(int dtype)
-{
-    static const unsigned char sz[UCCL_DT_COUNT] = {
-        [UCCL_DT_F32] = 4, [UCCL_DT_F64] = 8, [UCCL_DT_F16] = 2, [UCCL_DT_BF16] = 2,
-        [UCCL_DT_I8] = 1, [UCCL_DT_U8] = 1, [UCCL_DT_I16] = 2, [UCCL_DT_I32] = 4,
-        [UCCL_DT_I64] = 8, [UCCL_DT_BOOL] = 1,
-    };
-    return dtype >= 0 && dtype < UCCL_DT_COUNT ? sz[dtype] : 0;
-}
-
 /* Chunk r of count elements split n ways (the first count % n one longer). */
 static void bounds(size_t count, int n, int r, size_t *a, size_t *b)
 {
@@ -70,7 +60,7 @@ int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
                       int dtype, int op, uint32_t *round_p)
 {
     int n = uccl_sg_size(sg), me = uccl_sg_rank(sg), rc;
-    size_t nb, esz = uccl_dtype_size(dtype), a, b;
+    size_t nb = 0, esz = uccl_dtype_size(dtype), a, b;
     if ((rc = elems("all_reduce", count, dtype, &nb)))
         return rc;
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nb};
@@ -94,7 +84,7 @@ int uccl_sg_reduce_scatter(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_
                            uintptr_t in, size_t count, int dtype, int op, uint32_t *round_p)
 {
     int n = uccl_sg_size(sg), me = uccl_sg_rank(sg), rc;
-    size_t nb;
+    size_t nb = 0;
     if ((rc = elems("reduce_scatter", count, dtype, &nb)))
         return rc;
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, in, nb * (size_t)n};
@@ -149,7 +139,7 @@ int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, s
                    int dtype, int op, int root, uint32_t *round_p)
 {
     int rc = check_root(sg, "reduce", root);
-    size_t nb;
+    size_t nb = 0;
     if (rc || (rc = elems("reduce", count, dtype, &nb)))
         return rc;
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nb};

@@ -53,7 +53,7 @@ static const char kernel_src[] =
     "enum { SUM, PROD, MIN, MAX, BAND, BOR, BXOR, AVG };\n"
     "__device__ __forceinline__ float h2f(u16 h) { float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(h)); return f; }\n"
     "__device__ __forceinline__ u16 f2h(float f) { u16 h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
-    "__device__ __forceinline__ float b2f(u16 b) { return __uint_as_float(((u32)b) << 16); }\n"
+    "__device__ __forceinline__ float b2f(u16 b) { union { u32 u; float f; } c; c.u = (u32)b << 16; return c.f; }\n"
     "__device__ __forceinline__ u16 f2b(float f) { u16 h; asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
     "#define PLAIN(N, TT, AA, F) struct N { typedef TT T; typedef AA A; enum { FLT = F, BOOL = 0 };\\\n"
     "  static __device__ __forceinline__ A ld(T x) { return (A)x; }\\\n"
@@ -363,7 +363,7 @@ static const struct uccl__sg_dev cuda_ops = {
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
 };
 
-int uccl__sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
+int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
                       const struct uccl__sg_dev **ops_p, void **d_p)
 {
     if (!ep || size < 1 || size > UCCL_SG_MAX_RANKS || rank < 0 || rank >= size)
@@ -387,7 +387,7 @@ int uccl__sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, 
 }
 
 /* The endpoint went away before the group: its registrations went with it. */
-void uccl__sg_cuda_forget_ep(void *dp)
+void uccl_sg_cuda_forget_ep(void *dp)
 {
     struct cuda_dev *d = dp;
     d->ep = NULL;

@@ -445,9 +445,9 @@ static void emu_unmap(void *d, void *imp)
     __atomic_sub_fetch(&((struct emu_dev *)d)->maps, 1, __ATOMIC_RELAXED);
 }
 
-static void emu_destroy(void *d) { (void)d; /* uccl__sg_emu_free, after the counts are read */ }
+static void emu_destroy(void *d) { (void)d; /* uccl_sg_emu_free, after the counts are read */ }
 
-void uccl__sg_emu_counts(void *d, long out[3])
+void uccl_sg_emu_counts(void *d, long out[3])
 {
     struct emu_dev *e = d;
     out[0] = __atomic_load_n(&e->regs, __ATOMIC_RELAXED);
@@ -455,7 +455,7 @@ void uccl__sg_emu_counts(void *d, long out[3])
     out[2] = __atomic_load_n(&e->maps, __ATOMIC_RELAXED);
 }
 
-void uccl__sg_emu_free(void *d) { free(d); }
+void uccl_sg_emu_free(void *d) { free(d); }
 
 static const struct uccl__sg_dev emu_ops = {
     .memops = emu_memops, .copy = emu_copy, .reduce = emu_reduce, .event_new = emu_event_new,
@@ -464,7 +464,7 @@ static const struct uccl__sg_dev emu_ops = {
     .unmap = emu_unmap, .destroy = emu_destroy,
 };
 
-int uccl__sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p)
+int uccl_sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p)
 {
     struct emu_dev *d = calloc(1, sizeof(*d));
     if (!d)

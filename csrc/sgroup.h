@@ -137,21 +137,21 @@ struct uccl__sg_dev {
 
 /* The CUDA device: queues on device dev through the driver, shares memory
  * through endpoint ep's connections conns[rank] (same-host, CUDA IPC). */
-int uccl__sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
+int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
                       const struct uccl__sg_dev **ops_p, void **d_p);
 /* The endpoint was closed before the group: its registrations went with it. */
-void uccl__sg_cuda_forget_ep(void *d);
+void uccl_sg_cuda_forget_ep(void *d);
 /* Compile (once per process) the reduction kernel for dtype on device dev:
  * UCCL_ERR_UNAVAIL where NVRTC cannot be loaded. */
 int uccl_sg_kernel_ready(int dev, int dtype);
 /* The emulated device (tests): a stream is a handle of uccl_sg_emu_stream_new,
  * memory is this process's, keys are addresses (no access checks). */
-int uccl__sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p);
+int uccl_sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p);
 /* Its counts: registrations made, released, mappings live.  The device
  * outlives its group (destroy leaves it) so tests can read them after
- * close; uccl__sg_emu_free frees it. */
-void uccl__sg_emu_counts(void *d, long out[3]);
-void uccl__sg_emu_free(void *d);
+ * close; uccl_sg_emu_free frees it. */
+void uccl_sg_emu_counts(void *d, long out[3]);
+void uccl_sg_emu_free(void *d);
 int uccl_sg_emu_stream_new(uintptr_t *stream_p);
 /* Stop (after what is queued) and free; how many waits ran past the stuck bound. */
 int uccl_sg_emu_stream_free(uintptr_t stream);

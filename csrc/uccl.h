@@ -122,23 +122,13 @@ int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len);
  * *mark_p is NULL. */
 int uccl_ep_copy_start(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p);
 
-/* ---- Stream-ordered exchanges between processes of one host ------------
- * The pieces the backend's GPU collectives are built of where every peer is
- * on this host (uccl_collective/_stream_group.py): streams of different
- * processes ordered by 32-bit counters in page-locked host memory that all
- * of them map, and copies from a peer's registered device memory, all
- * queued on a caller's stream (gpu_stream.c, ipc_share.c).
- *
- * Register (unregister) page-aligned host memory for every device's
- * streams to read and write. */
+/* ---- Stream-ordered groups of processes of one host (sgroup.h) ----------
+ * The pieces below them: page-aligned host memory registered (and
+ * unregistered) for every device's streams to read and write (gpu_stream.c),
+ * and a registered region's device memory shared with a same-host peer
+ * (ipc_share.c). */
 int uccl_gpu_host_register(int dev, void *ptr, size_t len);
 int uccl_gpu_host_unregister(int dev, void *ptr);
-/* Queue on `stream` of device dev: write value to the word at addr (in
- * registered memory) once the work ahead of it is done; wait until the
- * word reaches value ((int32_t)(word - value) >= 0); a copy. */
-int uccl_gpu_stream_write32(int dev, uintptr_t stream, uintptr_t addr, uint32_t value);
-int uccl_gpu_stream_wait32(int dev, uintptr_t stream, uintptr_t addr, uint32_t value);
-int uccl_gpu_copy_async(int dev, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len);
 /* The key that lets the same-host peer of connection conn_id map
  * [ptr, +len) of region mr_id (device memory, still the allocation that was
  * registered): the address of the region's export record. */

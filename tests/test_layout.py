@@ -18,22 +18,24 @@ CSRC = ROOT / "csrc"
 # layer and of the layers below it.
 LAYERS = {
     "status.c": 0, "log.c": 0, "sock.c": 0, "wire.c": 0, "idmap.c": 0, "pool.c": 0,
-    "cuda_loader.c": 0, "ibv_loader.c": 0, "nvrtc_loader.c": 0,
+    "cuda_loader.c": 0, "ibv_loader.c": 0, "nvrtc_loader.c": 0, "dtype.c": 0,
     "gpu_mem.c": 1, "gpu_copy.c": 1, "gpu_kernel.c": 1, "gpu_stream.c": 1, "mem.c": 1, "transport.c": 1,
     "handshake.c": 2,
     "tp_tcp.c": 3, "tp_shm.c": 3, "tp_shm_ipc.c": 3, "tp_rdma.c": 3, "tp_rdma_dev.c": 3,
     "tp_rdma_stage.c": 3,
     "conn.c": 4, "proto.c": 4, "proto_eager.c": 4, "proto_stream.c": 4,
     "engine.c": 5, "listen.c": 5, "xfer.c": 5, "gate.c": 5, "ipc_share.c": 5,
-    "comm.c": 6, "coll_run.c": 6, "coll_algo.c": 6, "ring.c": 6,
+    "sg_cuda.c": 5, "sg_emu.c": 5,
+    "comm.c": 6, "coll_run.c": 6, "coll_algo.c": 6, "ring.c": 6, "sgroup.c": 6, "sg_round.c": 6, "sg_call.c": 6,
     "py_module.c": 7, "py_endpoint.c": 7, "py_comm.c": 7, "py_ring.c": 7,
-    "py_stream.c": 7,
+    "py_stream.c": 7, "py_sgroup.c": 7,
 }
 # What a transport may call in the protocol (transport.h, "upcalls").
 UPCALLS = {"uccl__conn_rx_begin", "uccl__conn_rx_end", "uccl__conn_rx_abort",
            "uccl__conn_tx_done", "uccl__conn_send_msg", "uccl__conn_fail"}
 # The collective layer and the module stand on the public C API alone.
-PUBLIC_ONLY = {6: ("uccl.h", "coll.h", "ring.h"), 7: ("uccl.h", "coll.h", "ring.h")}
+PUBLIC_ONLY = {6: ("uccl.h", "coll.h", "ring.h", "sgroup.h"),
+               7: ("uccl.h", "coll.h", "ring.h", "sgroup.h")}
 MAX_LINES = 800
 
 DEF_RE = re.compile(r"^(?!static)[A-Za-z_][\w \*]*?\b(uccl_\w+)\s*\([^;]*?\)\s*\{",
@@ -120,8 +122,8 @@ def test_the_checker_catches_an_upward_call(monkeypatch):
 
 @pytest.mark.parametrize("layer", sorted(PUBLIC_ONLY))
 def test_upper_layers_include_only_the_public_headers(layer):
-    allowed = PUBLIC_ONLY[layer] + ("comm.h", "pyengine.h", "status.h", "sock.h", "idmap.h",
-                                    "log.h", "wire.h")
+    allowed = PUBLIC_ONLY[layer] + ("comm.h", "sg_page.h", "pyengine.h", "status.h", "sock.h",
+                                    "idmap.h", "log.h", "wire.h")
     for name, lv in LAYERS.items():
         if lv != layer:
             continue

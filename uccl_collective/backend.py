@@ -195,6 +195,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._sg: _stream_group.StreamGroup | None = None
         self._sg_off = not _stream_group.enabled() or size == 1
         self._run_ctx: Any = None   # a task's StreamCtx while it runs
+        self._red_codes: dict = {}  # (operator, dtype) -> the engine kernel's codes, or ()
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -301,6 +302,22 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if dev is None or not self._runner.idle() or torch.autograd._profiler_enabled():
             return None
         return self._stream_group(dev)
+
+    def _fast_red(self, opts: Any, what: str, t: Any, *more: Any) -> tuple | None:
+        """(group, dtype code, operator code) for a blocking reduction that
+        goes straight to the engine (_fast, and a dtype and operator its
+        kernel takes), or None.  The operator's check is made once per
+        (operator, dtype): a bad one raises here as on the general path."""
+        sg = self._fast(opts, t, *more)
+        if sg is None:
+            return None
+        op = opts.reduceOp
+        key = (getattr(op, "op", op), t.dtype)
+        codes = self._red_codes.get(key)
+        if codes is None:
+            _reduce.check_op(key[0], t.dtype, what)
+            codes = self._red_codes[key] = sg.reduce_codes(t.dtype, key[0]) or ()
+        return (sg, *codes) if codes else None
 
     def _streamed(self, sg: Any, k: int, result: list, caller: int) -> StreamWork:
         return StreamWork(sg, k, result, caller)
@@ -542,14 +559,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             sp = _sparse.check(tensors, opts)
             return self._submit(lambda: _sparse.allreduce(self._ctx, sp, self.rank(), self.size()),
                                 list(tensors), opts, prof=("sparse_all_reduce", tensors))
+        fast = self._fast_red(opts, what, tensors[0]) if len(tensors) == 1 else None
+        if fast is not None:
+            sg, t = fast[0], tensors[0]
+            caller = _stream_group._raw_stream(sg.dev)
+            k = sg.c.allreduce(caller, True, 0, t.data_ptr(), t.numel(), *fast[1:])
+            return self._streamed(sg, k, list(tensors), caller)
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
-        sg = self._fast(opts, tensors[0])
-        codes = sg.reduce_codes(t.dtype, op) if sg is not None else None
-        if codes is not None:
-            caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.allreduce(caller, True, 0, t.data_ptr(), t.numel(), *codes)
-            return self._streamed(sg, k, list(tensors), caller)
 
         def run():
             s = _Staged(t)
@@ -579,11 +596,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
         root = self._root(opts, what)
-        sg = self._fast(opts, tensors[0])
-        codes = sg.reduce_codes(t.dtype, op) if sg is not None else None
-        if codes is not None:
+        fast = self._fast_red(opts, what, tensors[0])
+        if fast is not None:
+            sg = fast[0]
             caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.reduce(caller, True, 0, t.data_ptr(), t.numel(), *codes, root)
+            k = sg.c.reduce(caller, True, 0, t.data_ptr(), t.numel(), *fast[1:], root)
             return self._streamed(sg, k, list(tensors), caller)
 
         def run():
@@ -640,14 +657,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
-        out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
-        sg = self._fast(opts, output_tensor, input_tensor)
-        codes = sg.reduce_codes(out.dtype, op) if sg is not None else None
-        if codes is not None:
+        fast = self._fast_red(opts, what, output_tensor, input_tensor)
+        if fast is not None and output_tensor.dtype == input_tensor.dtype and \
+                input_tensor.numel() == self.size() * output_tensor.numel():
+            sg = fast[0]
             caller = _stream_group._raw_stream(sg.dev)
             k = sg.c.reduce_scatter(caller, True, 0, output_tensor.data_ptr(),
-                                    input_tensor.data_ptr(), out.numel(), *codes)
+                                    input_tensor.data_ptr(), output_tensor.numel(), *fast[1:])
             return self._streamed(sg, k, [output_tensor], caller)
+        out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
             [output_tensor], opts, uses=[input_tensor],

@@ -232,8 +232,9 @@ class Handle(int):
 class StreamHandle(Handle):
     """A stream-ordered operation (CUDA tensors, every peer on this host):
     wait() makes the caller's current stream wait for it and returns at
-    once (the host never waits for the GPU); test() tells whether the GPU
-    is past it.  A failed group makes both raise."""
+    once (the host never waits for the GPU), after which the handle is
+    done (test() True, as after upstream's wait); before that, test() tells
+    whether the GPU is past it.  A failed group makes both raise."""
 
     def __new__(cls, sg: Any, event: int, keep: Any):
         self = super().__new__(cls, None, (), (object(),))   # an id of its own
@@ -253,11 +254,12 @@ class StreamHandle(Handle):
 
     def test(self) -> bool:
         self._check()
-        return self._sg.c.event_query(self._event)
+        return self._done or self._sg.c.event_query(self._event)
 
     def wait(self, timeout: float | None = None) -> bool:
         self._check()
         self._sg.c.event_wait(_stream_group._raw_stream(self._sg.dev), self._event)
+        self._done = True
         return True
 
     def is_completed(self) -> bool:

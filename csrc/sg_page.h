@@ -1,0 +1,120 @@
+/* The inside of a stream-ordered group (sgroup.h), shared by sgroup.c (the
+ * page, failure, host waits, registrations, the watchdog) and sg_round.c
+ * (one round).  Private to those two files. */
+#ifndef UCCL_SG_PAGE_H
+#define UCCL_SG_PAGE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "sgroup.h"
+
+#define PAGE 4096
+#define REASON 440                  /* header: failed flag (u32) at 0, reason at 8 */
+#define RANK_BYTES (5 * 4096)
+#define OFF_READY 0                 /* u32 words the streams write, a cache line each */
+#define OFF_DONE 64
+#define OFF_DONE2 128
+#define OFF_FIN 192
+#define OFF_CONSUMED 256            /* u64 words the host writes */
+#define OFF_PID 264
+#define OFF_SLOTS 320
+#define NSLOT 4
+#define SLOT_BYTES ((RANK_BYTES - OFF_SLOTS) / NSLOT)
+#define ENTRY_BYTES 32
+#define MAX_ENTRIES ((SLOT_BYTES - (int)sizeof(struct slot_head)) / ENTRY_BYTES)
+#define RELEASE_AHEAD (1u << 30)    /* words set this far past the last round let every wait pass */
+#define REG_CACHE 64
+#define WATCH_NS 20000000ull        /* the watchdog's period */
+#define SLOW_CHECK_NS 50000000ull   /* host waits: dead peers and interrupts this often */
+
+enum { FLAG_OK = 0, FLAG_FAILED = 1, FLAG_WRITING = 2 };
+
+struct slot_head {
+    uint32_t count, kind;
+    uint64_t round;                 /* stored last */
+    uint64_t arg;
+    uint32_t phases, pad;
+    char what[16];
+};
+struct entry {
+    uint64_t tag, key, addr, len;
+};
+
+struct reg {
+    uintptr_t ptr;
+    size_t len;
+    uint64_t reg, key, used;
+    uint32_t last;                  /* the last round that published it */
+};
+struct pending {
+    uint32_t k;
+    uint64_t t0;
+    int nimp;
+    void **imp;
+};
+
+struct uccl_sg {
+    uint8_t *page;
+    size_t page_len;
+    int rank, size;
+    uint64_t timeout_ns;
+    uintptr_t stream;
+    const struct uccl__sg_dev *ops;
+    void *d;
+    void *ev_start, *ev_end;        /* reused every round: a wait captures the event's state */
+    uint32_t round;
+    uint64_t clock;
+    struct reg *regs;
+    int nregs, cap_regs;
+    struct entry *peer_ent;         /* size * MAX_ENTRIES: the peers' slots of this round */
+    uint32_t *peer_cnt;
+    pthread_mutex_t mu;             /* pend, failed, error, closed */
+    pthread_cond_t cv;
+    struct pending *pend;
+    int npend, cap_pend;
+    pthread_t watch;
+    int watching, closed, failed;
+    char error[REASON];
+};
+
+/* ---- the page ---------------------------------------------------------------- */
+
+/* ---- the page's words ---- */
+static inline uint8_t *part(uccl_sg_t *sg, int r) { return sg->page + PAGE + (size_t)r * RANK_BYTES; }
+static inline uint32_t *w32(uccl_sg_t *sg, int r, int off) { return (uint32_t *)(part(sg, r) + off); }
+static inline uint64_t *w64(uccl_sg_t *sg, int r, int off) { return (uint64_t *)(part(sg, r) + off); }
+static inline uint32_t ld32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline uint64_t ld64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline void st64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+/* a >= b for round numbers, as the streams compare them (cyclic, 32-bit) */
+static inline int ahead(uint32_t a, uint32_t b) { return (uint32_t)(a - b) < 0x80000000u; }
+
+static inline uint8_t *slot(uccl_sg_t *sg, int r, uint32_t k)
+{
+    return part(sg, r) + OFF_SLOTS + (size_t)(k % NSLOT) * SLOT_BYTES;
+}
+
+/* ---- sgroup.c ---- */
+typedef int (*uccl__sg_ready_fn)(uccl_sg_t *sg, uint32_t k, int r);
+int uccl__sg_consumed_ready(uccl_sg_t *sg, uint32_t k, int r);
+int uccl__sg_arrived(uccl_sg_t *sg, uint32_t k, int r);
+/* Spin, then yield, then sleep, until ready(); past the deadline, with a
+ * peer process gone, or on an interrupt: fail the group. */
+int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r,
+                       const char *what, const char *waiting, uint64_t deadline,
+                       uccl_sg_interrupt_fn intr, void *intr_arg);
+/* Fail the group with the message recorded on this thread; the status as it was. */
+int uccl__sg_fail_rc(uccl_sg_t *sg, int rc);
+/* The error of a call made once the group had failed. */
+int uccl__sg_failed_err(uccl_sg_t *sg, const char *what);
+/* The key peers map this rank's [ptr, +len) by (a cached registration). */
+int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p);
+/* A round queued (its mappings, released once the stream is past it). */
+int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p);
+void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p);
+/* Release what rounds behind this rank's stream mapped. */
+void uccl__sg_reclaim(uccl_sg_t *sg);
+
+#endif
