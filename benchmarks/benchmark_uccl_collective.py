@@ -120,6 +120,10 @@ def get_args() -> argparse.Namespace:
                    help="ipc-copy of allgather (both modes): add the copy of this rank's own "
                         "chunk into the output, which an out-of-place allgather also makes "
                         "(the issue's target counts only the N(N-1) cross-process chunks)")
+    p.add_argument("--in-place", action="store_true",
+                   help="allgather of the context: the send tensor is this rank's own chunk of "
+                        "the output (nccl-tests' in-place form): no copy of it is needed, and "
+                        "ipc-copy's N(N-1) cross-process chunks are all the bytes that move")
     p.add_argument("--nccl-shared-gpu", action="store_true",
                    help="--compare nccl even when ranks share a GPU (where it hangs)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds, for every blocking call")
@@ -140,6 +144,8 @@ def get_args() -> argparse.Namespace:
     if args.compare == "nccl" and args.device != "gpu":
         p.error("--compare nccl needs --device gpu (NCCL moves CUDA tensors); "
                 "use --compare gloo on CPU tensors")
+    if args.in_place and (args.backend != "context" or args.op != "allgather"):
+        p.error("--in-place is the context's allgather (--backend context --op allgather)")
     if args.compare == "ipc-copy" and args.device != "gpu":
         p.error("--compare ipc-copy needs --device gpu (it times CUDA IPC copies)")
     if args.compare == "nccl" and local_world() > torch.cuda.device_count() \
@@ -265,6 +271,11 @@ class Runner(_Bench):
         g = torch.Generator().manual_seed(1234 + self.rank)
         self.x = torch.rand(n, generator=g).to(self.dev)
         self.y = torch.empty(n * self.world if self.args.op == "allgather" else n, device=self.dev)
+        self.x_init = None
+        if self.args.in_place and self.args.op == "allgather":
+            self.x_init = self.x
+            self.x = self.y[self.rank * n:(self.rank + 1) * n]
+            self.x.copy_(self.x_init)
         self.y_views = list(self.y.chunk(self.world)) if self.args.op == "allgather" else None
         if self.gpu and self.args.compare == "gloo" and self.args.op != "allgather":
             # Gloo's send/recv take host memory: stage through pinned buffers
@@ -366,6 +377,8 @@ class Runner(_Bench):
 
     def check(self, size: int, fn, who: str, ranges=None) -> None:
         self.y.fill_(float("nan"))  # poison
+        if self.x_init is not None:   # in place: the send tensor is a chunk of y
+            self.x.copy_(self.x_init)
         fn()
         settle(self.dev)
         want = self.expected(size)

@@ -19,7 +19,7 @@
 # (default 530: under 9 minutes) whatever hangs.  TEST_FILES: the test files
 # (default tests/test_gpu_collective.py), one step each; NPROCS: the process
 # counts (default "2 4"); BENCHES: only these benchmark runs (ag_ipc,
-# ag_ipc_own, ag_64k, ag_gloo, pg_allgather, pg_allreduce, overhead).  Everything runs under
+# ag_ipc_own, ag_ipc_inplace, ag_64k, ag_gloo, pg_allgather, pg_allreduce, overhead).  Everything runs under
 # CUDA MPS (the daemon is started here and stopped at the end; MPS=0 runs
 # without): processes sharing one GPU then run their work side by side
 # instead of time-slicing the GPU.  Without MPS, a copy waited for on the
@@ -83,6 +83,9 @@ if [ "${BENCH:-1}" = 1 ]; then
     bench ag_ipc "$n" 100 --compare ipc-copy --sizes 64K,1M,16M,64M,256M
     # the same against the copies an out-of-place allgather makes (its own chunk too)
     bench ag_ipc_own "$n" 60 --compare ipc-copy --ipc-own-copy --sizes 16M,64M,256M
+    # in place (the send tensor is this rank's chunk of the output): only the
+    # N(N-1) cross-process chunks move, exactly ipc-copy's copies
+    bench ag_ipc_inplace "$n" 60 --compare ipc-copy --in-place --sizes 16M,64M,256M
     if [ "$n" = 2 ]; then
       # the 64 KiB allgather's time per call, many calls (target <= 40 us)
       bench ag_64k 2 60 --compare ipc-copy --sizes 64K --iters 1000 --warmup 50
@@ -107,7 +110,8 @@ logs = sys.argv[1]
 fmt = lambda v, w=9, p=1: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
 print(f"{'run':<16} {'n':>2} {'size':>7}  {'uccl us':>9} {'busbw':>8}  {'reference':<22} "
       f"{'ref us':>9} {'busbw':>8}  {'uccl/ref':>8}  target")
-order = ["ag_ipc", "ag_ipc_own", "ag_64k", "ag_gloo", "pg_allgather", "pg_allreduce"]
+order = ["ag_ipc", "ag_ipc_own", "ag_ipc_inplace", "ag_64k", "ag_gloo", "pg_allgather",
+         "pg_allreduce"]
 runs = []
 for path in glob.glob(os.path.join(logs, "*.json")):
     run, n = os.path.basename(path)[:-5].rsplit("_n", 1)
