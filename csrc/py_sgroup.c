@@ -22,6 +22,7 @@ typedef struct {
     void *emu;                   /* the emulated device: kept after close (its counts) */
     PyObject *module;            /* strong ref: the exceptions */
     uccl__py_endpoint *endpoint; /* strong ref, or NULL (emulated) */
+    PyObject *owner;             /* strong ref: what keeps the page mapped (its mmap) */
     int dev;
 } uccl__py_sgroup;
 
@@ -89,15 +90,15 @@ static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
 {
     uccl__py_sgroup *self = (uccl__py_sgroup *)op;
     static char *kwlist[] = {"endpoint", "conns", "rank", "size", "dev", "page", "page_len",
-                             "timeout_s", "stream", NULL};
-    PyObject *epo, *conns;
+                             "timeout_s", "stream", "owner", NULL};
+    PyObject *epo, *conns, *owner = Py_None;
     int rank, size, dev;
     uint64_t page, stream;
     size_t page_len;
     double timeout_s;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiiiO&O&dO&", kwlist, &epo, &conns, &rank,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiiiO&O&dO&|O", kwlist, &epo, &conns, &rank,
                                      &size, &dev, uccl__py_to_u64, &page, uccl__py_to_size,
-                                     &page_len, &timeout_s, uccl__py_to_u64, &stream))
+                                     &page_len, &timeout_s, uccl__py_to_u64, &stream, &owner))
         return -1;
     if (self->sg || self->module) {
         PyErr_SetString(PyExc_RuntimeError, "StreamGroup.__init__ called twice");
@@ -155,6 +156,10 @@ static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
         return -1;
     }
     self->dev = dev;
+    /* the page stays mapped at least as long as this group runs (its
+     * watchdog reads it until close): whatever owns the mapping is kept */
+    Py_INCREF(owner);
+    self->owner = owner;
     return 0;
 }
 
@@ -586,9 +591,13 @@ static void SG_dealloc(PyObject *op)
 {
     uccl__py_sgroup *self = (uccl__py_sgroup *)op;
     PyTypeObject *tp = Py_TYPE(op);
-    sg_close(self);
+    int ok = sg_close(self);
     uccl_sg_emu_free(self->emu);
     Py_CLEAR(self->endpoint);
+    if (ok)
+        Py_CLEAR(self->owner);
+    /* else the group failed with rounds queued: this rank's stream may
+     * still write into the page, which stays mapped for the process */
     Py_CLEAR(self->module);
     freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     f(op);

@@ -57,6 +57,11 @@ static int failed_locked(uccl_sg_t *sg)
     uint32_t f = ld32(flag);
     if (f == FLAG_OK)
         return 0;
+    /* another rank is writing its reason: a few stores, wait for them */
+    for (int i = 0; f == FLAG_WRITING && i < 100000; i++) {
+        sched_yield();
+        f = ld32(flag);
+    }
     sg->failed = 1;
     if (f == FLAG_FAILED) {
         memcpy(sg->error, sg->page + 8, REASON - 1);

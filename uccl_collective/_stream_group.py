@@ -127,7 +127,7 @@ class StreamGroup:
                 _name_nvrtc()   # where the reduction kernel's compiler is
             self.c = _engine.StreamGroup(None if emulated else ctx._ep(), list(ctx._conns[0]),
                                          self.rank, self.size, dev, self._base, self._len,
-                                         float(timeout_s), self.stream)
+                                         float(timeout_s), self.stream, owner=self._mm)
         except BaseException:
             self._release_page(False)
             raise
