@@ -177,11 +177,11 @@ int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned blo
     return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuLaunchKernel");
 }
 
-int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid, unsigned block, uintptr_t stream,
-                               void **params)
+int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_y,
+                               unsigned block, uintptr_t stream, void **params)
 {
-    cu_result r = uccl__cuda()->LaunchKernel(k->fn, grid, 1, 1, block, 1, 1, 0, (cu_stream)stream,
-                                             params, NULL);
+    cu_result r = uccl__cuda()->LaunchKernel(k->fn, grid_x, grid_y, 1, block, 1, 1, 0,
+                                             (cu_stream)stream, params, NULL);
     return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuLaunchKernel");
 }
 

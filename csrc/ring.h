@@ -43,8 +43,8 @@ int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned blo
 void uccl_gpu_kernel_free(uccl_kernel_t *k);
 /* The engine's own kernels, whose arguments it builds itself: launched
  * without the parameter check (one driver call). */
-int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid, unsigned block, uintptr_t stream,
-                               void **params);
+int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_y,
+                               unsigned block, uintptr_t stream, void **params);
 
 /* Page-locked host memory mapped for device dev (zeroed): host and device
  * address.  And device memory (zeroed), for counters that GPU threads

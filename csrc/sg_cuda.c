@@ -38,7 +38,9 @@ struct cuda_dev {
     uccl_ep_t *ep;
     int dev, rank, size;
     uint64_t *conns;
-    int batch_off; /* the driver refused a batch: one call per operation */
+    int batch_off;            /* the driver refused a batch: one call per operation */
+    uccl_kernel_t *copy_k;    /* copies of one phase in one launch, or NULL */
+    size_t kernel_copy_bytes; /* ... when they move at most this (UCCL_SG_KERNEL_COPY_BYTES) */
 };
 
 /* The reduction kernel: out[i] <- op over the sources (rank order) of
@@ -134,6 +136,30 @@ static const char kernel_src[] =
     "  }\n"
     "}\n";
 
+/* Several copies in one launch (block row y copies segment y), 16 bytes
+ * at a time where both ends are aligned: one driver call where each
+ * cuMemcpyAsync costs several microseconds of the host's time. */
+#define COPY_SEGS 32
+static const char copy_src[] =
+    "typedef unsigned long long u64; typedef unsigned int u32;\n"
+    "struct alignas(16) V16 { u32 w[4]; };\n"
+    "struct CopyArgs { u64 dst[32]; u64 src[32]; u64 len[32]; int n; };\n"
+    "extern \"C\" __global__ void uccl_sg_copy(CopyArgs a) {\n"
+    "  int s = blockIdx.y;\n"
+    "  if (s >= a.n) return;\n"
+    "  u64 len = a.len[s];\n"
+    "  const unsigned char *src = (const unsigned char *)a.src[s];\n"
+    "  unsigned char *dst = (unsigned char *)a.dst[s];\n"
+    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  u64 nv = ((a.dst[s] | a.src[s]) & 15) == 0 ? len / 16 : 0;\n"
+    "  for (u64 j = tid; j < nv; j += stride) ((V16 *)dst)[j] = ((const V16 *)src)[j];\n"
+    "  for (u64 i = nv * 16 + tid; i < len; i += stride) dst[i] = src[i];\n"
+    "}\n";
+struct copy_args {
+    uint64_t dst[COPY_SEGS], src[COPY_SEGS], len[COPY_SEGS];
+    int32_t n;
+};
+
 /* The kernel's argument, laid out as its struct Args. */
 struct kernel_args {
     uint64_t out, src[UCCL_SG_MAX_RANKS], count;
@@ -150,8 +176,40 @@ static const char *const dt_names[UCCL_DT_COUNT] = {
 static struct {
     pthread_mutex_t mu;
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
+    uccl_kernel_t *copy[MAX_DEVS];
+    int copy_failed[MAX_DEVS];
     int sms[MAX_DEVS];
-} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {0}};
+} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {NULL}, {0}, {0}};
+
+/* Under kernels.mu: the device's SM count (grid sizes), once. */
+static void read_sms(int dev)
+{
+    cu_device d;
+    const struct uccl__cuda *cu = uccl__cuda();
+    if (kernels.sms[dev])
+        return;
+    if (cu->DeviceGet(&d, dev) != CU_OK ||
+        cu->DeviceGetAttribute(&kernels.sms[dev], CU_DEV_ATTR_SM_COUNT, d) != CU_OK ||
+        kernels.sms[dev] < 1)
+        kernels.sms[dev] = 32;
+}
+
+/* The copy kernel of device dev, compiled at the first group; NULL where it
+ * cannot be (no NVRTC): copies then go one by one on the copy engine. */
+static uccl_kernel_t *copy_kernel(int dev)
+{
+    pthread_mutex_lock(&kernels.mu);
+    if (!kernels.copy[dev] && !kernels.copy_failed[dev]) {
+        if (uccl_gpu_compile(dev, copy_src, "uccl_sg_copy", 0, NULL, NULL, 0, NULL, NULL, 0,
+                             &kernels.copy[dev]) != UCCL_OK)
+            kernels.copy_failed[dev] = 1;
+        else
+            read_sms(dev);
+    }
+    uccl_kernel_t *k = kernels.copy[dev];
+    pthread_mutex_unlock(&kernels.mu);
+    return k;
+}
 
 int uccl_sg_kernel_ready(int dev, int dtype)
 {
@@ -170,14 +228,8 @@ int uccl_sg_kernel_ready(int dev, int dtype)
                                   &kernels.k[dev][dtype]);
             free(src);
         }
-        if (rc == UCCL_OK && !kernels.sms[dev]) {
-            cu_device d;
-            const struct uccl__cuda *cu = uccl__cuda();
-            if (cu->DeviceGet(&d, dev) != CU_OK ||
-                cu->DeviceGetAttribute(&kernels.sms[dev], CU_DEV_ATTR_SM_COUNT, d) != CU_OK ||
-                kernels.sms[dev] < 1)
-                kernels.sms[dev] = 32;
-        }
+        if (rc == UCCL_OK)
+            read_sms(dev);
     }
     pthread_mutex_unlock(&kernels.mu);
     return rc;
@@ -222,11 +274,36 @@ static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *
     return UCCL_OK;
 }
 
-static int cuda_copy(void *dp, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len)
+static int cuda_copies(void *dp, uintptr_t stream, const struct uccl_sg_copy *cs, int n)
 {
-    (void)dp;
-    cu_result r = uccl__cuda()->MemcpyAsync((cu_ptr)dst, (cu_ptr)src, len, (cu_stream)stream);
-    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuMemcpyAsync on the group's stream");
+    struct cuda_dev *d = dp;
+    size_t total = 0, longest = 0;
+    for (int i = 0; i < n; i++) {
+        total += cs[i].len;
+        longest = cs[i].len > longest ? cs[i].len : longest;
+    }
+    uccl_kernel_t *k = n <= COPY_SEGS && total <= d->kernel_copy_bytes ? d->copy_k : NULL;
+    if (k) {
+        struct copy_args a;
+        memset(&a, 0, sizeof(a));
+        for (int i = 0; i < n; i++) {
+            a.dst[i] = cs[i].dst;
+            a.src[i] = cs[i].src;
+            a.len[i] = cs[i].len;
+        }
+        a.n = n;
+        size_t blocks = (longest / 16 + THREADS) / THREADS, cap = (size_t)kernels.sms[d->dev] * 4;
+        void *params[] = {&a};
+        return uccl__gpu_launch_unchecked(k, (unsigned)(blocks < cap ? blocks : cap), (unsigned)n,
+                                          THREADS, stream, params);
+    }
+    for (int i = 0; i < n; i++) {
+        cu_result r = uccl__cuda()->MemcpyAsync((cu_ptr)cs[i].dst, (cu_ptr)cs[i].src, cs[i].len,
+                                                (cu_stream)stream);
+        if (r != CU_OK)
+            return uccl__cuda_err(r, "cuMemcpyAsync on the group's stream");
+    }
+    return UCCL_OK;
 }
 
 static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_args *a)
@@ -253,7 +330,7 @@ static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_arg
         blocks = cap;
     void *params[] = {&ka};
     return uccl__gpu_launch_unchecked(kernels.k[d->dev][a->dtype], (unsigned)(blocks ? blocks : 1),
-                                      THREADS, stream, params);
+                                      1, THREADS, stream, params);
 }
 
 static int cuda_event_new(void *dp, void **ev_p)
@@ -357,7 +434,7 @@ static void cuda_destroy(void *dp)
 }
 
 static const struct uccl__sg_dev cuda_ops = {
-    .memops = cuda_memops, .copy = cuda_copy, .reduce = cuda_reduce,
+    .memops = cuda_memops, .copies = cuda_copies, .reduce = cuda_reduce,
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
@@ -380,7 +457,14 @@ int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, i
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     }
     memcpy(c, conns, (size_t)size * sizeof(*c));
-    *d = (struct cuda_dev){ep, dev, rank, size, c, 0};
+    int bad = 0;
+    long kb = uccl__env_long("UCCL_SG_KERNEL_COPY_BYTES", 8l << 20, 0, 1l << 40, &bad);
+    if (bad) {
+        free(d);
+        free(c);
+        return UCCL_ERR_INVALID;
+    }
+    *d = (struct cuda_dev){ep, dev, rank, size, c, 0, kb ? copy_kernel(dev) : NULL, (size_t)kb};
     *ops_p = &cuda_ops;
     *d_p = d;
     return UCCL_OK;

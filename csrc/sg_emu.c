@@ -348,10 +348,14 @@ static int emu_memops(void *d, uintptr_t stream, const struct uccl__sg_memop *op
     return rc;
 }
 
-static int emu_copy(void *d, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len)
+static int emu_copies(void *d, uintptr_t stream, const struct uccl_sg_copy *cs, int n)
 {
     (void)d;
-    return push(stream, (struct emu_op){.kind = E_COPY, .dst = dst, .src = src, .len = len});
+    int rc = UCCL_OK;
+    for (int i = 0; i < n && !rc; i++)
+        rc = push(stream, (struct emu_op){.kind = E_COPY, .dst = cs[i].dst, .src = cs[i].src,
+                                          .len = cs[i].len});
+    return rc;
 }
 
 static int emu_reduce(void *d, uintptr_t stream, const struct uccl__sg_red_args *a)
@@ -458,7 +462,7 @@ void uccl_sg_emu_counts(void *d, long out[3])
 void uccl_sg_emu_free(void *d) { free(d); }
 
 static const struct uccl__sg_dev emu_ops = {
-    .memops = emu_memops, .copy = emu_copy, .reduce = emu_reduce, .event_new = emu_event_new,
+    .memops = emu_memops, .copies = emu_copies, .reduce = emu_reduce, .event_new = emu_event_new,
     .event_free = emu_event_free, .record = emu_record, .wait_event = emu_wait_event,
     .query = emu_query, .reg = emu_reg, .key = emu_key, .dereg = emu_dereg, .map = emu_map,
     .unmap = emu_unmap, .destroy = emu_destroy,

@@ -59,10 +59,11 @@ struct uccl_sg {
     size_t page_len;
     int rank, size;
     uint64_t timeout_ns;
-    uintptr_t stream;
     const struct uccl__sg_dev *ops;
     void *d;
-    void *ev_start, *ev_end;        /* reused every round: a wait captures the event's state */
+    uintptr_t own;                  /* the group's stream (rounds of calls that do not block) */
+    uintptr_t last;                 /* the stream the last round ran on */
+    void *ev_start, *ev_mark;       /* reused: a wait captures the event's state when queued */
     uint32_t round;
     uint64_t clock;
     struct reg *regs;

@@ -120,26 +120,40 @@ static void memop(struct uccl__sg_memop *ops, int *n, uint32_t *addr, uint32_t v
     ops[(*n)++] = (struct uccl__sg_memop){addr, v, wait};
 }
 
-/* Everything after the slots were read: map, then queue the phases. */
+/* Copies of one phase in one call: cs (n of them) on `stream`. */
+static int copies(uccl_sg_t *sg, uintptr_t stream, struct uccl_sg_copy *cs, int n)
+{
+    return n ? sg->ops->copies(sg->d, stream, cs, n) : UCCL_OK;
+}
+
+/* Everything after the slots were read, on stream X: map, then queue the
+ * phases (ready written with the waits for the peers read, in one call). */
 static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *what, uint32_t k,
-                       struct pending *p, struct uccl__sg_memop *ops)
+                       uintptr_t X, struct pending *p, struct uccl__sg_memop *ops)
 {
     const struct uccl__sg_dev *dv = sg->ops;
-    int n = sg->size, me = sg->rank, nops = 0, rc = UCCL_OK;
-    uintptr_t *src = calloc((size_t)c->npull + 1, sizeof(*src));
+    int n = sg->size, me = sg->rank, nops = 0, rc = UCCL_OK, n1 = 0, n2 = 0;
+    struct uccl_sg_copy *cp = calloc((size_t)c->npull + (size_t)c->ncopy + 1, sizeof(*cp));
     struct uccl__sg_red_args ra;
     memset(&ra, 0, sizeof(ra));
     unsigned char reads[UCCL_SG_MAX_RANKS] = {0};
-    if (!src)
+    if (!cp)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    /* phase 1's copies first in cp, phase 2's from the end */
+    struct uccl_sg_copy *cp2 = cp + c->npull + c->ncopy;
     for (int i = 0; i < c->npull && !rc; i++) {
         const struct uccl_sg_pull *q = &c->pull[i];
         if (q->len == 0)
             continue;
-        rc = map_range(sg, what, q->peer, q->tag, q->off, q->len, q->exact, p, &src[i]);
+        struct uccl_sg_copy *to = q->phase == 1 ? &cp[n1++] : &cp2[-++n2];
+        *to = (struct uccl_sg_copy){q->dst, 0, q->len};
+        rc = map_range(sg, what, q->peer, q->tag, q->off, q->len, q->exact, p, &to->src);
         if (q->phase == 1)
             reads[q->peer] = 1;
     }
+    for (int i = 0; i < c->ncopy; i++)
+        if (c->copy[i].len && c->copy[i].dst != c->copy[i].src)
+            cp[n1++] = c->copy[i];
     const struct uccl_sg_red *red = c->red;
     if (!rc && red && red->count) {
         size_t nb = red->count * uccl_dtype_size(red->dtype);
@@ -161,22 +175,18 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
         }
     }
     if (rc) {
-        free(src);
+        free(cp);
         return rc;
     }
+    memop(ops, &nops, w32(sg, me, OFF_READY), k, 0);
     for (int r = 0; r < n; r++)
         if (reads[r])
             memop(ops, &nops, w32(sg, r, OFF_READY), k, 1);
-    if (nops)
-        rc = dv->memops(sg->d, sg->stream, ops, nops);
-    for (int i = 0; i < c->npull && !rc; i++)
-        if (c->pull[i].len && c->pull[i].phase == 1)
-            rc = dv->copy(sg->d, sg->stream, c->pull[i].dst, src[i], c->pull[i].len);
-    for (int i = 0; i < c->ncopy && !rc; i++)
-        if (c->copy[i].len && c->copy[i].dst != c->copy[i].src)
-            rc = dv->copy(sg->d, sg->stream, c->copy[i].dst, c->copy[i].src, c->copy[i].len);
+    rc = dv->memops(sg->d, X, ops, nops);
+    if (!rc)
+        rc = copies(sg, X, cp, n1);
     if (!rc && red && red->count)
-        rc = dv->reduce(sg->d, sg->stream, &ra);
+        rc = dv->reduce(sg->d, X, &ra);
     nops = 0;
     memop(ops, &nops, w32(sg, me, OFF_DONE), k, 0);
     for (int r = 0; r < n; r++)
@@ -184,10 +194,9 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
             memop(ops, &nops, w32(sg, r, OFF_DONE), k, 1);
     if (c->phases == 2) {
         if (!rc)
-            rc = dv->memops(sg->d, sg->stream, ops, nops);
-        for (int i = 0; i < c->npull && !rc; i++)
-            if (c->pull[i].len && c->pull[i].phase == 2)
-                rc = dv->copy(sg->d, sg->stream, c->pull[i].dst, src[i], c->pull[i].len);
+            rc = dv->memops(sg->d, X, ops, nops);
+        if (!rc)
+            rc = copies(sg, X, cp2 - n2, n2);
         nops = 0;
         memop(ops, &nops, w32(sg, me, OFF_DONE2), k, 0);
         for (int r = 0; r < n; r++)
@@ -196,16 +205,36 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     }
     memop(ops, &nops, w32(sg, me, OFF_FIN), k, 0);
     if (!rc)
-        rc = dv->memops(sg->d, sg->stream, ops, nops);
-    free(src);
-    /* the group's end event, recorded every round: a stream that waits for
-     * it later waits for the last round queued so far (uccl_sg_wait_last) */
-    if (!rc)
-        rc = dv->record(sg->d, sg->ev_end, sg->stream);
-    if (!rc && c->caller_waits && c->caller != sg->stream)
-        rc = dv->wait_event(sg->d, c->caller, sg->ev_end);
+        rc = dv->memops(sg->d, X, ops, nops);
+    free(cp);
     if (!rc && c->end_event)
-        rc = dv->record(sg->d, c->end_event, sg->stream);
+        rc = dv->record(sg->d, c->end_event, X);
+    return rc;
+}
+
+/* The stream round k runs on: the caller's own where the call blocks (its
+ * stream then orders what follows after the round with no event), else the
+ * group's (after an event of the caller's: work queued after the call may
+ * overlap the round).  A round on another stream than the last one starts
+ * after everything the group queued there: the words only grow. */
+static int order_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uintptr_t *X_p)
+{
+    uintptr_t X = c->caller_waits ? c->caller : sg->own;
+    int rc = UCCL_OK;
+    if (X != sg->last) {
+        rc = sg->ops->record(sg->d, sg->ev_mark, sg->last);
+        if (!rc)
+            rc = sg->ops->wait_event(sg->d, X, sg->ev_mark);
+    }
+    if (!rc && X != c->caller) {
+        rc = sg->ops->record(sg->d, sg->ev_start, c->caller);
+        if (!rc)
+            rc = sg->ops->wait_event(sg->d, X, sg->ev_start);
+    }
+    if (!rc) {
+        sg->last = X;
+        *X_p = X;
+    }
     return rc;
 }
 
@@ -249,15 +278,8 @@ int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt
         uccl__err(UCCL_ERR_NOMEM, "out of memory");
         return uccl__sg_fail_rc(sg, UCCL_ERR_NOMEM);
     }
-    /* on the group's stream: after the caller's work, then ready = k */
-    if (c->caller != sg->stream) {
-        rc = sg->ops->record(sg->d, sg->ev_start, c->caller);
-        if (!rc)
-            rc = sg->ops->wait_event(sg->d, sg->stream, sg->ev_start);
-    }
-    ops[0] = (struct uccl__sg_memop){w32(sg, sg->rank, OFF_READY), k, 0};
-    if (!rc)
-        rc = sg->ops->memops(sg->d, sg->stream, ops, 1);
+    uintptr_t X = 0;
+    rc = order_round(sg, c, &X);
     if (!rc) { /* publish: entries and header, the round alone and last */
         uint8_t *s = slot(sg, sg->rank, k);
         struct slot_head *h = (struct slot_head *)s;
@@ -272,7 +294,7 @@ int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt
         rc = read_peers(sg, c, what, k, deadline, intr, intr_arg);
     }
     if (!rc)
-        rc = queue_round(sg, c, what, k, &p, ops);
+        rc = queue_round(sg, c, what, k, X, &p, ops);
     free(ops);
     int arc = uccl__sg_pending_add(sg, p); /* even when failed: queued copies may read through them */
     if (arc) {

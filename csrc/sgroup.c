@@ -385,7 +385,7 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
     sg->rank = rank;
     sg->size = size;
     sg->timeout_ns = (uint64_t)(timeout_s * 1e9);
-    sg->stream = stream;
+    sg->own = sg->last = stream;
     sg->ops = ops;
     sg->d = d;
     pthread_mutex_init(&sg->mu, NULL);
@@ -397,15 +397,15 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
     if (!rc)
         rc = ops->event_new(d, &sg->ev_start);
     if (!rc)
-        rc = ops->event_new(d, &sg->ev_end);
+        rc = ops->event_new(d, &sg->ev_mark);
     if (!rc && pthread_create(&sg->watch, NULL, watch_main, sg) != 0)
         rc = uccl__err(UCCL_ERR_NOMEM, "stream-ordered group: no watchdog thread: %s",
                        strerror(errno));
     if (rc) {
         if (sg->ev_start)
             ops->event_free(d, sg->ev_start);
-        if (sg->ev_end)
-            ops->event_free(d, sg->ev_end);
+        if (sg->ev_mark)
+            ops->event_free(d, sg->ev_mark);
         ops->destroy(d);
         free(sg->peer_ent);
         free(sg->peer_cnt);
@@ -430,9 +430,11 @@ int uccl_sg_passed(uccl_sg_t *sg, uint32_t k)
 
 int uccl_sg_wait_last(uccl_sg_t *sg, uintptr_t stream)
 {
-    if (stream == sg->stream)
+    if (stream == sg->last)
         return UCCL_OK;
-    return sg->ops->wait_event(sg->d, stream, sg->ev_end);
+    /* everything queued on the last round's stream so far: the round too */
+    int rc = sg->ops->record(sg->d, sg->ev_mark, sg->last);
+    return rc ? rc : sg->ops->wait_event(sg->d, stream, sg->ev_mark);
 }
 
 int uccl_sg_event_new(uccl_sg_t *sg, void **ev_p) { return sg->ops->event_new(sg->d, ev_p); }
@@ -494,7 +496,7 @@ int uccl_sg_close(uccl_sg_t *sg)
     free(sg->peer_ent);
     free(sg->peer_cnt);
     sg->ops->event_free(sg->d, sg->ev_start);
-    sg->ops->event_free(sg->d, sg->ev_end);
+    sg->ops->event_free(sg->d, sg->ev_mark);
     sg->ops->destroy(sg->d);
     pthread_mutex_destroy(&sg->mu);
     pthread_cond_destroy(&sg->cv);

@@ -14,19 +14,22 @@
  * Python layer, registered with CUDA): a header page, then one part per
  * rank with the 32-bit words its stream writes (ready, done, done2, fin)
  * and the descriptor slots its host writes.  In round k every rank
- *   1. queues on the group's stream, after the caller's stream: ready = k;
- *   2. publishes its buffers (key, address, length, tag) in slot k % NSLOT
+ *   1. publishes its buffers (key, address, length, tag) in slot k % NSLOT
  *      and reads every peer's slot of round k (the host waits here for the
  *      peers to *arrive*, never for a GPU); the ranks' calls are compared
  *      (operation, argument, phases) and every range is checked;
- *   3. queues: a wait for the ready word of each peer it reads, its copies
- *      and its reduction (phase 1), done = k, a wait for every peer's done
- *      >= k; with two phases, the phase-2 copies, done2 = k and a wait for
- *      every done2 >= k; then fin = k, and the caller's stream waits for
- *      the round's end (an event) where the call blocks.
+ *   2. queues, on the caller's stream where the call blocks (else on the
+ *      group's, after an event of the caller's): ready = k with a wait for
+ *      the ready word of each peer it reads, its copies and its reduction
+ *      (phase 1), done = k and a wait for every peer's done >= k; with two
+ *      phases, the phase-2 copies, done2 = k and a wait for every done2 >=
+ *      k; then fin = k.
  * A wait here ends on a peer's stream reaching a write, never on work this
- * process queues later.  Every round runs on the group's one stream, so
- * the words only grow (a cyclic 32-bit count).
+ * process queues later.  A round on another stream than the last one
+ * starts after everything the group queued there, so the words only grow
+ * (a cyclic 32-bit count).  The copies of one phase go in one kernel
+ * launch up to UCCL_SG_KERNEL_COPY_BYTES (8 MiB) in all, else one by one
+ * on the copy engine.
  *
  * Failures (a peer that does not arrive within the timeout, a peer process
  * gone, ranks whose calls disagree, a round not through the stream within
@@ -91,7 +94,8 @@ struct uccl_sg_call {
     uint64_t arg;
     int phases;                /* 1 or 2 */
     uintptr_t caller;          /* the caller's stream: the round starts after its work */
-    int caller_waits;          /* the caller's stream waits for the round's end */
+    int caller_waits;          /* the caller's stream waits for the round's end (the round
+                                  then runs on it; else on the group's stream) */
     void *end_event;           /* an event of uccl_sg_event_new, recorded at the end, or NULL */
     const struct uccl_sg_pub *pub;
     int npub;
@@ -116,7 +120,8 @@ struct uccl__sg_red_args {
 };
 struct uccl__sg_dev {
     int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
-    int (*copy)(void *d, uintptr_t stream, uintptr_t dst, uintptr_t src, size_t len);
+    /* n copies (any mix of sizes), queued in one go where the device can */
+    int (*copies)(void *d, uintptr_t stream, const struct uccl_sg_copy *cs, int n);
     int (*reduce)(void *d, uintptr_t stream, const struct uccl__sg_red_args *a);
     int (*event_new)(void *d, void **ev_p);
     void (*event_free)(void *d, void *ev);

@@ -462,3 +462,35 @@ def test_bad_arguments_raise_before_anything_is_published():
     res, err, streams = on_ranks(2, rank)
     assert err == [None, None], err
     close_all(groups, streams)
+
+
+def test_rounds_on_changing_streams_stay_in_order():
+    """Blocking rounds run on the caller's stream, the others on the
+    group's: a round on another stream than the last starts after it (the
+    words only grow).  Each rank switches between two caller streams and
+    the group's stream every round; every result arrives, nothing sticks."""
+    n = 3
+    groups = make_groups(n)
+    rounds = 3 * NSLOT + 2
+
+    def rank(r):
+        sg, outs = groups[r], []
+        other = _engine._sg_emu_stream()
+        for i in range(rounds):
+            x = torch.full((64,), 100 * i + r, dtype=torch.int32)
+            y = torch.full((64 * n,), -1, dtype=torch.int32)
+            stream = (_callers.stream, other)[(i + r) % 2]
+            blocking = (i + r) % 3 != 0
+            sg.c.allgather(stream, blocking, 0, x.data_ptr(), x.nbytes, y.data_ptr())
+            outs.append((x, y))
+        assert _engine._sg_emu_stream_idle(other, IDLE_S)
+        assert _engine._sg_emu_stream_free(other) == 0
+        return outs
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        for i, (_x, y) in enumerate(res[r]):
+            want = torch.cat([torch.full((64,), 100 * i + q, dtype=torch.int32) for q in range(n)])
+            assert torch.equal(y, want), (r, i)
+    close_all(groups, streams)
