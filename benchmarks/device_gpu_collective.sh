@@ -19,7 +19,7 @@
 # (default 530: under 9 minutes) whatever hangs.  TEST_FILES: the test files
 # (default tests/test_gpu_collective.py), one step each; NPROCS: the process
 # counts (default "2 4"); BENCHES: only these benchmark runs (ag_ipc,
-# ag_ipc_own, ag_ipc_inplace, ag_64k, ag_gloo, pg_allgather, pg_allreduce, overhead).  Everything runs under
+# ag_ipc_own, ag_ipc_inplace, ag_64k, ag_gloo, pg_allgather, pg_allreduce, overhead, floor).  Everything runs under
 # CUDA MPS (the daemon is started here and stopped at the end; MPS=0 runs
 # without): processes sharing one GPU then run their work side by side
 # instead of time-slicing the GPU.  Without MPS, a copy waited for on the
@@ -100,6 +100,12 @@ if [ "${BENCH:-1}" = 1 ]; then
         --iters 2000 --pipelined 1000 --profile "$logs/overhead_profile.txt" \
         --json "$logs/overhead_n2.json"
       grep -vE "^W[0-9]{4} " "$logs/overhead_n2.log" | head -30
+    fi
+    if [ "$n" = 2 ] && [[ " ${BENCHES:-floor} " == *" floor "* ]]; then
+      # what a backend that does nothing costs per dist.* call: the floor of any Python backend
+      step floor_n2 90 torchrun --nproc_per_node 2 benchmarks/pg_floor.py --device gpu \
+        --iters 2000 --rounds 5
+      grep -E "^\[Rank 0\]|^ +[0-9]+ B " "$logs/floor_n2.log" | head -12
     fi
   done
 
