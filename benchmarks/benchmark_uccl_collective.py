@@ -379,6 +379,8 @@ class Runner(_Bench):
         self.y.fill_(float("nan"))  # poison
         if self.x_init is not None:   # in place: the send tensor is a chunk of y
             self.x.copy_(self.x_init)
+            settle(self.dev)   # every rank's x restored before anyone reads a peer's
+            dist.barrier(group=self.obj_group)
         fn()
         settle(self.dev)
         want = self.expected(size)
