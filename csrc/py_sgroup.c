@@ -12,6 +12,8 @@
  * there (0: none); it returns the round's number.  A round runs without the
  * GIL; its host waits check for signals every ~50 ms (an interrupted round
  * fails the group). */
+#include <stdarg.h>
+
 #include "pyengine.h"
 #include "sgroup.h"
 
@@ -223,84 +225,65 @@ static int do_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, ui
     return uccl_sg_broadcast(sg, o, r->a, r->count, r->root, k);
 }
 
-/* allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) */
-static PyObject *SG_allreduce(PyObject *op, PyObject *args)
+/* A collective: (caller, caller_waits, end_event), then its own arguments
+ * parsed by fmt into the fields of *r the varargs point at, then its round. */
+static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct red_call *r,
+                            const char *fmt, ...)
 {
     uccl__py_sgroup *self = open_group(op);
     struct uccl_sg_opts o;
     Py_ssize_t at;
-    struct red_call r = {0};
     if (!self || opts_arg(args, &at, &o))
         return NULL;
     PyObject *t = rest(args, at);
-    int ok = t && PyArg_ParseTuple(t, "O&O&ii", uccl__py_to_u64, &r.a, uccl__py_to_size, &r.count,
-                                   &r.dtype, &r.op);
-    Py_XDECREF(t);
-    return ok ? run_round(self, &o, do_allreduce, &r) : NULL;
+    if (!t)
+        return NULL;
+    va_list va;
+    va_start(va, fmt);
+    int ok = PyArg_VaParse(t, fmt, va);
+    va_end(va);
+    Py_DECREF(t);
+    return ok ? run_round(self, &o, fn, r) : NULL;
+}
+
+/* allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) */
+static PyObject *SG_allreduce(PyObject *op, PyObject *args)
+{
+    struct red_call r = {0};
+    return collective(op, args, do_allreduce, &r, "O&O&ii", uccl__py_to_u64, &r.a,
+                      uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
 
 /* reduce_scatter(caller, caller_waits, end_event, out, inp, count, dtype, op) */
 static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
-    struct uccl_sg_opts o;
-    Py_ssize_t at;
     struct red_call r = {0};
-    if (!self || opts_arg(args, &at, &o))
-        return NULL;
-    PyObject *t = rest(args, at);
-    int ok = t && PyArg_ParseTuple(t, "O&O&O&ii", uccl__py_to_u64, &r.a, uccl__py_to_u64, &r.b,
-                                   uccl__py_to_size, &r.count, &r.dtype, &r.op);
-    Py_XDECREF(t);
-    return ok ? run_round(self, &o, do_reduce_scatter, &r) : NULL;
+    return collective(op, args, do_reduce_scatter, &r, "O&O&O&ii", uccl__py_to_u64, &r.a,
+                      uccl__py_to_u64, &r.b, uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
 
 /* reduce(caller, caller_waits, end_event, ptr, count, dtype, op, root) */
 static PyObject *SG_reduce(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
-    struct uccl_sg_opts o;
-    Py_ssize_t at;
     struct red_call r = {0};
-    if (!self || opts_arg(args, &at, &o))
-        return NULL;
-    PyObject *t = rest(args, at);
-    int ok = t && PyArg_ParseTuple(t, "O&O&iii", uccl__py_to_u64, &r.a, uccl__py_to_size,
-                                   &r.count, &r.dtype, &r.op, &r.root);
-    Py_XDECREF(t);
-    return ok ? run_round(self, &o, do_reduce, &r) : NULL;
+    return collective(op, args, do_reduce, &r, "O&O&iii", uccl__py_to_u64, &r.a,
+                      uccl__py_to_size, &r.count, &r.dtype, &r.op, &r.root);
 }
 
 /* allgather(caller, caller_waits, end_event, src, nbytes, dst) */
 static PyObject *SG_allgather(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
-    struct uccl_sg_opts o;
-    Py_ssize_t at;
     struct red_call r = {0};
-    if (!self || opts_arg(args, &at, &o))
-        return NULL;
-    PyObject *t = rest(args, at);
-    int ok = t && PyArg_ParseTuple(t, "O&O&O&", uccl__py_to_u64, &r.a, uccl__py_to_size, &r.count,
-                                   uccl__py_to_u64, &r.b);
-    Py_XDECREF(t);
-    return ok ? run_round(self, &o, do_allgather, &r) : NULL;
+    return collective(op, args, do_allgather, &r, "O&O&O&", uccl__py_to_u64, &r.a,
+                      uccl__py_to_size, &r.count, uccl__py_to_u64, &r.b);
 }
 
 /* broadcast(caller, caller_waits, end_event, ptr, nbytes, root) */
 static PyObject *SG_broadcast(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
-    struct uccl_sg_opts o;
-    Py_ssize_t at;
     struct red_call r = {0};
-    if (!self || opts_arg(args, &at, &o))
-        return NULL;
-    PyObject *t = rest(args, at);
-    int ok = t && PyArg_ParseTuple(t, "O&O&i", uccl__py_to_u64, &r.a, uccl__py_to_size, &r.count,
-                                   &r.root);
-    Py_XDECREF(t);
-    return ok ? run_round(self, &o, do_broadcast, &r) : NULL;
+    return collective(op, args, do_broadcast, &r, "O&O&i", uccl__py_to_u64, &r.a,
+                      uccl__py_to_size, &r.count, &r.root);
 }
 
 /* The general round's lists, parsed with the GIL held. */

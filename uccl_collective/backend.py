@@ -271,23 +271,16 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return Work(self._runner, task)
 
     def _stream_group(self, dev: int) -> "_stream_group.StreamGroup | None":
-        """The group's stream-ordered exchanges (the context's: made on first
-        use, at the same operation on every rank), or None where they do not
-        apply: a peer on another host or without CUDA IPC,
-        UCCL_STREAM_ORDERED=0, a group of one.  One device per rank and
-        group, as a NCCL communicator."""
-        if self._sg is not None:
-            if dev != self._sg.dev:
-                raise ValueError(f"this uccl group runs its CUDA operations on cuda:"
-                                 f"{self._sg.dev} (its first one's); got cuda:{dev}")
-            return self._sg
+        """The group's stream-ordered exchanges: its context's (made on first
+        use, at the same operation on every rank; ValueError for a second
+        device), or None where they do not apply (CollectiveContext.stream_group)."""
         if self._sg_off:
             return None
         sg = self._ctx.stream_group(dev, self._timeout)
         if sg is None:
             self._sg_off = True
-            return None
-        self._sg, self._sctx = sg, _stream_group.StreamCtx(self._ctx, sg)
+        elif sg is not self._sg:
+            self._sg, self._sctx = sg, _stream_group.StreamCtx(self._ctx, sg)
         return sg
 
     def _fast(self, opts: Any, *ts: Any) -> "_stream_group.StreamGroup | None":
