@@ -12,9 +12,11 @@
  * there (0: none); it returns the round's number.  A round runs without the
  * GIL; its host waits check for signals every ~50 ms (an interrupted round
  * fails the group). */
-#include <stdarg.h>
-
 #include "pyengine.h"
+
+#include <stdarg.h>
+#include <time.h>
+
 #include "sgroup.h"
 
 typedef struct {
@@ -25,6 +27,8 @@ typedef struct {
     PyObject *module;            /* strong ref: the exceptions */
     uccl__py_endpoint *endpoint; /* strong ref, or NULL (emulated) */
     PyObject *owner;             /* strong ref: what keeps the page mapped (its mmap) */
+    int inflight;                /* rounds running without the GIL (under the GIL) */
+    int close_pending;           /* close() came from inside a round (a signal handler) */
     int dev;
 } uccl__py_sgroup;
 
@@ -68,7 +72,14 @@ static int interrupted(void *arg)
 
 typedef int (*call_fn)(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *arg, uint32_t *k);
 
-/* Run fn without the GIL (and with the endpoint held), return the round. */
+static int sg_close(uccl__py_sgroup *self);
+
+/* The group this thread is running a round of (its host waits call back
+ * into Python for signals: a handler there may close the group). */
+static _Thread_local uccl__py_sgroup *in_round;
+
+/* Run fn without the GIL (and with the endpoint held), return the round.
+ * The group stays alive meanwhile: close() waits for rounds in flight. */
 static PyObject *run_round(uccl__py_sgroup *self, struct uccl_sg_opts *o, call_fn fn, void *arg)
 {
     struct intr in;
@@ -77,14 +88,26 @@ static PyObject *run_round(uccl__py_sgroup *self, struct uccl_sg_opts *o, call_f
     o->intr_arg = &in;
     if (self->endpoint)
         uccl__py_ep_enter(self->endpoint);
+    uccl_sg_t *sg = self->sg;
+    uccl__py_sgroup *outer = in_round;
+    self->inflight++;
+    in_round = self;
     in.ts = PyEval_SaveThread();
-    int rc = fn(self->sg, o, arg, &k);
+    int rc = fn(sg, o, arg, &k);
     PyEval_RestoreThread(in.ts);
+    in_round = outer;
+    self->inflight--;
+    PyObject *res = rc ? round_error(self, rc) : PyLong_FromUnsignedLong(k);
+    if (self->close_pending && self->inflight == 0) {
+        self->close_pending = 0;
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb); /* the round's error, kept across the close */
+        sg_close(self);
+        PyErr_Restore(et, ev, tb);
+    }
     if (self->endpoint)
         uccl__py_ep_leave(self->endpoint);
-    if (rc)
-        return round_error(self, rc);
-    return PyLong_FromUnsignedLong(k);
+    return res;
 }
 
 /* ---- construction -------------------------------------------------------------- */
@@ -493,7 +516,13 @@ static PyObject *SG_wait_last(PyObject *op, PyObject *args)
     uint64_t stream;
     if (!self || !PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &stream))
         return NULL;
-    int rc = uccl_sg_wait_last(self->sg, (uintptr_t)stream);
+    int rc;
+    uccl_sg_t *sg = self->sg;
+    self->inflight++; /* a round may hold the group's call lock: wait without the GIL */
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_sg_wait_last(sg, (uintptr_t)stream);
+    Py_END_ALLOW_THREADS
+    self->inflight--;
     if (rc)
         return uccl__py_raise(self->module, rc, uccl_last_error());
     Py_RETURN_NONE;
@@ -542,10 +571,28 @@ static PyObject *SG_emu_counts(PyObject *op, PyObject *unused)
     return Py_BuildValue("(lll)", c[0], c[1], c[2]);
 }
 
+/* Close: a round in flight on another thread is failed (its host waits
+ * end at once) and waited for first; one in flight on this thread (close
+ * from a signal handler inside it) closes the group once it returns. */
 static int sg_close(uccl__py_sgroup *self)
 {
     if (!self->sg)
         return 1;
+    if (self->inflight) {
+        uccl_sg_fail(self->sg, "the group was closed with an operation in flight");
+        if (in_round == self) {
+            self->close_pending = 1;
+            return 0;
+        }
+        while (self->inflight) {
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            Py_END_ALLOW_THREADS
+        }
+        if (!self->sg)
+            return 1; /* closed by a round's thread meanwhile */
+    }
     uccl_sg_t *sg = self->sg;
     self->sg = NULL;
     int ep_open = self->endpoint && !self->endpoint->closed;

@@ -70,6 +70,7 @@ struct uccl_sg {
     int nregs, cap_regs;
     struct entry *peer_ent;         /* size * MAX_ENTRIES: the peers' slots of this round */
     uint32_t *peer_cnt;
+    pthread_mutex_t call_mu;        /* one round (or wait_last) at a time: last, round, regs */
     pthread_mutex_t mu;             /* pend, failed, error, closed */
     pthread_cond_t cv;
     struct pending *pend;

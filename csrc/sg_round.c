@@ -30,6 +30,13 @@ static int check_call(uccl_sg_t *sg, const struct uccl_sg_call *c)
                              sg->rank, c->phases);
     }
     if (c->red) {
+        int dt = c->red->dtype, op = c->red->op;
+        int flt = dt == UCCL_DT_F32 || dt == UCCL_DT_F64 || dt == UCCL_DT_F16 || dt == UCCL_DT_BF16;
+        if ((flt && (op == UCCL_RED_BAND || op == UCCL_RED_BOR || op == UCCL_RED_BXOR)) ||
+            (dt == UCCL_DT_BOOL && op == UCCL_RED_AVG))
+            return uccl__err(UCCL_ERR_INVALID, "%s: operator %d is not defined for element type "
+                             "%d (bitwise operators need integers or bool; AVG a number)",
+                             what, op, dt);
         size_t esz = uccl_dtype_size(c->red->dtype);
         if (!esz || c->red->op < 0 || c->red->op >= UCCL_RED_COUNT ||
             c->red->count > SIZE_MAX / esz || c->red->off + c->red->count * esz < c->red->off)
@@ -110,8 +117,6 @@ static int read_peers(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *w
         memcpy(sg->peer_ent + (size_t)r * MAX_ENTRIES, (const uint8_t *)h + sizeof(*h),
                (size_t)h->count * ENTRY_BYTES);
     }
-    /* every peer's buffers this round are read: their slots may be reused */
-    st64(w64(sg, sg->rank, OFF_CONSUMED), k);
     return UCCL_OK;
 }
 
@@ -178,6 +183,10 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
         free(cp);
         return rc;
     }
+    /* every peer's buffers this round are read and mapped: their slots may
+     * be reused, and their registrations dropped (not before: a peer's
+     * eviction follows this word) */
+    st64(w64(sg, me, OFF_CONSUMED), k);
     memop(ops, &nops, w32(sg, me, OFF_READY), k, 0);
     for (int r = 0; r < n; r++)
         if (reads[r])
@@ -238,8 +247,8 @@ static int order_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uintptr_t *X
     return rc;
 }
 
-int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt_fn intr,
-                  void *intr_arg, uint32_t *round_p)
+static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt_fn intr,
+                        void *intr_arg, uint32_t *round_p)
 {
     const char *what = c->what ? c->what : "exchange";
     if (uccl_sg_error(sg))
@@ -296,6 +305,7 @@ int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt
     if (!rc)
         rc = queue_round(sg, c, what, k, X, &p, ops);
     free(ops);
+    p.t0 = uccl__now_ns(); /* the watchdog times the stream, not the peers' arrival */
     int arc = uccl__sg_pending_add(sg, p); /* even when failed: queued copies may read through them */
     if (arc) {
         uccl__sg_pending_free(sg, &p);
@@ -310,3 +320,13 @@ int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt
     return UCCL_OK;
 }
 
+/* One round at a time per group: two threads must not number, publish or
+ * order rounds at once (their order is the group's, on every rank). */
+int uccl_sg_round(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_interrupt_fn intr,
+                  void *intr_arg, uint32_t *round_p)
+{
+    pthread_mutex_lock(&sg->call_mu);
+    int rc = round_locked(sg, c, intr, intr_arg, round_p);
+    pthread_mutex_unlock(&sg->call_mu);
+    return rc;
+}

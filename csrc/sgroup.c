@@ -51,7 +51,7 @@ static void release_words(uccl_sg_t *sg)
 /* Under mu: has the group failed (here, or at a rank that wrote the page)? */
 static int failed_locked(uccl_sg_t *sg)
 {
-    if (sg->failed)
+    if (__atomic_load_n(&sg->failed, __ATOMIC_ACQUIRE))
         return 1;
     uint32_t *flag = (uint32_t *)sg->page;
     uint32_t f = ld32(flag);
@@ -62,13 +62,13 @@ static int failed_locked(uccl_sg_t *sg)
         sched_yield();
         f = ld32(flag);
     }
-    sg->failed = 1;
     if (f == FLAG_FAILED) {
         memcpy(sg->error, sg->page + 8, REASON - 1);
         sg->error[REASON - 1] = '\0';
     }
     if (!sg->error[0])
         snprintf(sg->error, sizeof(sg->error), "another rank failed the group");
+    __atomic_store_n(&sg->failed, 1, __ATOMIC_RELEASE); /* after the reason: readers see it whole */
     release_words(sg);
     pthread_cond_broadcast(&sg->cv);
     return 1;
@@ -77,8 +77,8 @@ static int failed_locked(uccl_sg_t *sg)
 static void fail_locked(uccl_sg_t *sg, const char *why)
 {
     if (!failed_locked(sg)) {
-        sg->failed = 1;
         snprintf(sg->error, sizeof(sg->error), "%s", why);
+        __atomic_store_n(&sg->failed, 1, __ATOMIC_RELEASE);
         uint32_t *flag = (uint32_t *)sg->page, zero = FLAG_OK;
         if (__atomic_compare_exchange_n(flag, &zero, FLAG_WRITING, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE)) {
@@ -99,7 +99,7 @@ void uccl_sg_fail(uccl_sg_t *sg, const char *why)
 
 const char *uccl_sg_error(uccl_sg_t *sg)
 {
-    if (sg->failed)
+    if (__atomic_load_n(&sg->failed, __ATOMIC_ACQUIRE))
         return sg->error;
     if (ld32((uint32_t *)sg->page) == FLAG_OK)
         return NULL;
@@ -389,6 +389,7 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
     sg->ops = ops;
     sg->d = d;
     pthread_mutex_init(&sg->mu, NULL);
+    pthread_mutex_init(&sg->call_mu, NULL);
     pthread_cond_init(&sg->cv, NULL);
     sg->peer_ent = calloc((size_t)size * MAX_ENTRIES, sizeof(struct entry));
     sg->peer_cnt = calloc((size_t)size, sizeof(uint32_t));
@@ -410,6 +411,7 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
         free(sg->peer_ent);
         free(sg->peer_cnt);
         pthread_mutex_destroy(&sg->mu);
+        pthread_mutex_destroy(&sg->call_mu);
         pthread_cond_destroy(&sg->cv);
         free(sg);
         return rc;
@@ -430,11 +432,16 @@ int uccl_sg_passed(uccl_sg_t *sg, uint32_t k)
 
 int uccl_sg_wait_last(uccl_sg_t *sg, uintptr_t stream)
 {
-    if (stream == sg->last)
-        return UCCL_OK;
-    /* everything queued on the last round's stream so far: the round too */
-    int rc = sg->ops->record(sg->d, sg->ev_mark, sg->last);
-    return rc ? rc : sg->ops->wait_event(sg->d, stream, sg->ev_mark);
+    pthread_mutex_lock(&sg->call_mu);
+    int rc = UCCL_OK;
+    if (stream != sg->last) {
+        /* everything queued on the last round's stream so far: the round too */
+        rc = sg->ops->record(sg->d, sg->ev_mark, sg->last);
+        if (!rc)
+            rc = sg->ops->wait_event(sg->d, stream, sg->ev_mark);
+    }
+    pthread_mutex_unlock(&sg->call_mu);
+    return rc;
 }
 
 int uccl_sg_event_new(uccl_sg_t *sg, void **ev_p) { return sg->ops->event_new(sg->d, ev_p); }
@@ -499,6 +506,7 @@ int uccl_sg_close(uccl_sg_t *sg)
     sg->ops->event_free(sg->d, sg->ev_mark);
     sg->ops->destroy(sg->d);
     pthread_mutex_destroy(&sg->mu);
+    pthread_mutex_destroy(&sg->call_mu);
     pthread_cond_destroy(&sg->cv);
     free(sg);
     return ok;

@@ -494,3 +494,131 @@ def test_rounds_on_changing_streams_stay_in_order():
             want = torch.cat([torch.full((64,), 100 * i + q, dtype=torch.int32) for q in range(n)])
             assert torch.equal(y, want), (r, i)
     close_all(groups, streams)
+
+
+def test_a_rank_on_the_general_path_meets_one_on_the_fast_path():
+    """The backend's blocking broadcast and reduce go straight to the
+    engine where they can, and through a task (StreamCtx) where they cannot
+    (a task queued ahead, a profiler): each rank decides alone, so both ways
+    must make the same round.  Rank 0 calls the engine, rank 1 StreamCtx."""
+    n = 2
+    groups = make_groups(n)
+    data = [torch.arange(16, dtype=torch.float32) * (r + 1) for r in range(n)]
+
+    def rank(r):
+        b = data[r].clone() if r == 0 else torch.full((16,), -1.0)
+        red = data[r].clone()
+        if r == 0:
+            groups[0].c.broadcast(_callers.stream, True, 0, b.data_ptr(), b.nbytes, 0)
+            groups[0].c.reduce(_callers.stream, True, 0, red.data_ptr(), 16, _engine.DT_F32,
+                               _engine.RED_SUM, 1)
+        else:
+            ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[1])
+            ctx.broadcast(b, 0)
+            ctx.reduce(red, R.SUM, 1, None)
+        return b, red
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    assert torch.equal(res[1][0], data[0]), "broadcast"
+    assert torch.equal(res[1][1], data[0] + data[1]), "reduce at the root"
+    assert torch.equal(res[0][1], data[0]), "reduce: a non-root's buffer is only read"
+    close_all(groups, streams)
+
+
+def test_groups_of_ranks_on_different_devices_meet():
+    """The page is the context's, whatever device each rank's group is on
+    (one GPU per rank: devices 0 and 1)."""
+    store, out = Store(), [None, None]
+
+    def mk(r):
+        out[r] = sgm.StreamGroup(Ctx(store, r, 2, 5.0), r, 5.0, emulated=True)
+    ts = [threading.Thread(target=mk, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    assert all(out), "the ranks did not meet"
+    close_all(out, [])
+
+
+def test_closing_a_group_with_a_round_in_flight_fails_it_and_waits():
+    """close() on one thread while another waits in a round for a peer that
+    never comes: the round raises at once, close returns, nothing crashes."""
+    groups = make_groups(2, timeout_s=20.0)
+    s0 = _engine._sg_emu_stream()
+    x = torch.zeros(16, dtype=torch.float32)
+    got = []
+
+    def r0():
+        try:
+            groups[0].c.allreduce(s0, True, 0, x.data_ptr(), 16, _engine.DT_F32,
+                                  _engine.RED_SUM)
+        except BaseException as e:   # noqa: BLE001 - reported to the test
+            got.append(e)
+    t = threading.Thread(target=r0)
+    t.start()
+    time.sleep(0.3)   # rank 0 waits for rank 1, which never calls
+    t0 = time.monotonic()
+    groups[0].close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 5.0
+    assert len(got) == 1 and isinstance(got[0], UcclError) and \
+        "closed with an operation in flight" in str(got[0]), got
+    groups[1].close()
+    assert _engine._sg_emu_stream_free(s0) == 0
+
+
+def test_operators_the_kernel_does_not_define_are_refused():
+    groups = make_groups(2)
+
+    def rank(r):
+        x = torch.zeros(4, dtype=torch.float32)
+        with pytest.raises(ValueError, match="bitwise operators need integers"):
+            groups[r].c.allreduce(_callers.stream, True, 0, x.data_ptr(), 4, _engine.DT_F32,
+                                  _engine.RED_BXOR)
+        b = torch.zeros(4, dtype=torch.bool)
+        with pytest.raises(ValueError, match="AVG a number"):
+            groups[r].c.allreduce(_callers.stream, True, 0, b.data_ptr(), 4, _engine.DT_BOOL,
+                                  _engine.RED_AVG)
+        assert groups[r].error() is None
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    close_all(groups, streams)
+
+
+def test_the_fast_path_runs_only_with_nothing_of_the_group_ahead():
+    """Runner.inline (the backend's fast path): runs the call holding the
+    runner's token when no task is queued or running; else declines, and
+    the call takes the general path behind the task (the order the ranks
+    share).  A task submitted while the inline call runs waits for it."""
+    from uccl_collective._work import Runner, Task
+    r = Runner("test", 10.0)
+    assert r.inline(lambda: 42) == (True, 42)
+    gate, order = threading.Event(), []
+
+    def slow():
+        gate.wait(10)
+        order.append("task")
+    t = Task(slow, [])
+    r.submit(t, False, time.monotonic() + 10)   # the runner's thread runs it
+    deadline = time.monotonic() + 5
+    while not r._busy and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert r.inline(lambda: order.append("inline")) == (False, None)
+    gate.set()
+    r.drive(t, time.monotonic() + 10, run_here=False)
+    assert order == ["task"]
+
+    def during():   # a task submitted now must not start before this returns
+        t2 = Task(lambda: order.append("task2"), [])
+        r.submit(t2, False, time.monotonic() + 10)
+        time.sleep(0.2)
+        order.append("inline")
+        return t2
+    ran, t2 = r.inline(during)
+    r.drive(t2, time.monotonic() + 10, run_here=False)
+    assert ran and order == ["task", "inline", "task2"], order
+    r.poison("test")
+    assert r.inline(lambda: 1) == (False, None)
+    r.close("test")

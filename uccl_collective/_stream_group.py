@@ -71,6 +71,16 @@ def enabled() -> bool:
     return os.environ.get("UCCL_STREAM_ORDERED", "1") != "0"
 
 
+def refuse_capture(dev: int, what: str) -> None:
+    """A stream-ordered operation cannot be captured in a CUDA graph: its
+    counters' values are numbered per call, and a replay would write old
+    ones.  Raised before anything is queued or published."""
+    if torch.cuda.is_current_stream_capturing():
+        raise UcclError(f"{what}: the current stream of cuda:{dev} is capturing a CUDA graph; "
+                        "uccl's stream-ordered operations number each call and cannot be "
+                        "replayed (run them outside the capture)")
+
+
 def open_page(kv: Any, key: str, rank: int, size: int) -> tuple[mmap.mmap, Any, int, int]:
     """The group's shared file, mapped: rank 0 makes it, the others open it
     (its name through the store); unlinked once every rank has it open.
@@ -111,8 +121,10 @@ class StreamGroup:
     def __init__(self, ctx: Any, dev: int, timeout_s: float, emulated: bool = False):
         self.rank, self.size, self.dev, self.timeout_s = ctx.rank, ctx.world_size, dev, timeout_s
         self.emulated = emulated
+        # one group per context: the key names no device (the ranks' devices differ
+        # where each rank has a GPU of its own)
         self._mm, self._buf, self._base, self._len = open_page(
-            ctx._kv, f"stream_group/{dev}", self.rank, self.size)
+            ctx._kv, "stream_group", self.rank, self.size)
         self._torch_stream = None
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
@@ -233,7 +245,8 @@ class StreamCtx:
             if recv.numel() * recv.element_size() != n * nb:
                 raise ValueError(f"allgather: output holds {recv.numel() * recv.element_size()} "
                                  f"bytes; group size {n} x input's {nb} expected")
-            self._g.c.allgather(self._stream(), False, 0, send.data_ptr(), nb, recv.data_ptr())
+            s = self._stream()
+            self._g.c.allgather(s, s != self._g.stream, 0, send.data_ptr(), nb, recv.data_ptr())
             return
         outs = list(recv)
         if len(outs) != n:
@@ -272,6 +285,12 @@ class StreamCtx:
                 pulls.append((peer, tag_to(self.rank, k), t.data_ptr(), nb))
         self._g.run(self._stream(), publish, pulls, (), what)
 
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        """t (contiguous) <- the root's t: the engine's broadcast round, the
+        same one a blocking call's fast path makes (ranks may take either)."""
+        self._g.c.broadcast(self._stream(), self._stream() != self._g.stream, 0, t.data_ptr(),
+                            t.numel() * t.element_size(), root)
+
     # -- reductions: the engine's kernel where it applies -------------------------------
     def allreduce(self, flat: torch.Tensor, op: Any, scratch) -> None:
         """flat (contiguous, 1-D) <- its reduction over the group, in place."""
@@ -280,7 +299,20 @@ class StreamCtx:
             from . import _reduce_gpu
             _reduce_gpu.allreduce(self, flat, op, scratch)
             return
-        self._g.c.allreduce(self._stream(), False, 0, flat.data_ptr(), flat.numel(), *codes)
+        s = self._stream()
+        self._g.c.allreduce(s, s != self._g.stream, 0, flat.data_ptr(), flat.numel(), *codes)
+
+    def reduce(self, flat: torch.Tensor, op: Any, root: int, scratch) -> None:
+        """The root's flat (contiguous, 1-D) <- the reduction over the group
+        (the others' only read): the engine's reduce round, as a blocking
+        call's fast path makes, where its kernel applies; else an all-reduce
+        (every rank alike, since the kernel's availability is the same)."""
+        codes = self._g.reduce_codes(flat.dtype, op)
+        if codes is None:
+            self.allreduce(flat, op, scratch)
+            return
+        s = self._stream()
+        self._g.c.reduce(s, s != self._g.stream, 0, flat.data_ptr(), flat.numel(), *codes, root)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: Any, scratch,
                        what: str) -> None:
@@ -290,5 +322,6 @@ class StreamCtx:
             from . import _reduce_gpu
             _reduce_gpu.reduce_scatter(self, out, flat, op, scratch, what)
             return
-        self._g.c.reduce_scatter(self._stream(), False, 0, out.data_ptr(), flat.data_ptr(),
+        s = self._stream()
+        self._g.c.reduce_scatter(s, s != self._g.stream, 0, out.data_ptr(), flat.data_ptr(),
                                  out.numel(), *codes)

@@ -157,10 +157,23 @@ class Runner:
                 return
         self.drive(task, deadline, give_up=True)
 
-    def idle(self) -> bool:
-        """Nothing queued or running: a call may go straight to the engine
-        without passing a task ahead of it."""
-        return not self._busy and not self._q and not self._closed and not self._poisoned
+    def inline(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """fn() on this thread holding the token, as a task at the head of
+        the queue would run: (True, its result); or (False, None) without
+        running it when a task is queued or running, or the group is closed
+        or poisoned (the caller then takes the general path, which queues or
+        raises).  For calls that go straight to the engine: nothing else of
+        the group's can start while fn runs."""
+        with self._cv:
+            if self._busy or self._q or self._closed or self._poisoned:
+                return False, None
+            self._busy = True
+        try:
+            return True, fn()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def poison(self, why: str) -> None:
         """Refuse new tasks from now on (the ranks' orders no longer agree)."""

@@ -285,16 +285,18 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _fast(self, opts: Any, *ts: Any) -> "_stream_group.StreamGroup | None":
         """The stream-ordered group for a blocking call on contiguous CUDA
-        tensors of one device that goes straight to the engine (one C call
-        on this thread: no task, no Python algorithm): only when nothing of
-        the group's is queued ahead of it and no profiler runs.  None: the
-        general path."""
+        tensors of one device that may go straight to the engine (one C
+        call on this thread, under the runner's token: _streamed), or None:
+        the general path (another kind of call, a profiler running)."""
         if opts is None or getattr(opts, "asyncOp", True) is not False or self._closed:
             return None
         dev = _dense_cuda(*ts)
-        if dev is None or not self._runner.idle() or torch.autograd._profiler_enabled():
+        if dev is None or torch.autograd._profiler_enabled():
             return None
-        return self._stream_group(dev)
+        sg = self._stream_group(dev)
+        if sg is not None:
+            _stream_group.refuse_capture(dev, "uccl")
+        return sg
 
     def _fast_red(self, opts: Any, what: str, t: Any, *more: Any) -> tuple | None:
         """(group, dtype code, operator code) for a blocking reduction that
@@ -312,8 +314,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             codes = self._red_codes[key] = sg.reduce_codes(t.dtype, key[0]) or ()
         return (sg, *codes) if codes else None
 
-    def _streamed(self, sg: Any, k: int, result: list, caller: int) -> StreamWork:
-        return StreamWork(sg, k, result, caller)
+    def _streamed(self, sg: Any, call: Callable[[int], int], result: list) -> StreamWork | None:
+        """call(caller's stream) -> round, run here under the runner's token
+        (nothing of the group's queued or running: else None, and the
+        caller takes the general path, which keeps the order)."""
+        caller = _stream_group._raw_stream(sg.dev)
+        ran, k = self._runner.inline(lambda: call(caller))
+        return StreamWork(sg, k, result, caller) if ran else None
 
     def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
         """fn as a task of stream-ordered exchanges, as ProcessGroupNCCL runs
@@ -323,6 +330,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         event completes with it.  The tensors are recorded as used on the
         group's stream, so memory the caller frees meanwhile is not handed
         out again before that stream is past the operation."""
+        _stream_group.refuse_capture(dev, "uccl")
         caller = torch.cuda.current_stream(dev)
         own = sg.torch_stream   # the stream its rounds run on: no event between them
         ready = torch.cuda.Event()
@@ -430,11 +438,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sg = self._fast(opts, output_tensor, input_tensor)
         if sg is not None and output_tensor.dtype == input_tensor.dtype and \
                 output_tensor.numel() == self.size() * input_tensor.numel():
-            caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.allgather(caller, True, 0, input_tensor.data_ptr(),
-                               input_tensor.numel() * input_tensor.element_size(),
-                               output_tensor.data_ptr())
-            return self._streamed(sg, k, [output_tensor], caller)
+            src, dst = input_tensor.data_ptr(), output_tensor.data_ptr()
+            nb = input_tensor.numel() * input_tensor.element_size()
+            w = self._streamed(sg, lambda s: sg.c.allgather(s, True, 0, src, nb, dst),
+                               [output_tensor])
+            if w is not None:
+                return w
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
         return self._submit(run, [output_tensor], opts, uses=[input_tensor],
                             prof=("all_gather_into_tensor", [input_tensor]))
@@ -554,10 +563,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                                 list(tensors), opts, prof=("sparse_all_reduce", tensors))
         fast = self._fast_red(opts, what, tensors[0]) if len(tensors) == 1 else None
         if fast is not None:
-            sg, t = fast[0], tensors[0]
-            caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.allreduce(caller, True, 0, t.data_ptr(), t.numel(), *fast[1:])
-            return self._streamed(sg, k, list(tensors), caller)
+            sg, ptr, n = fast[0], tensors[0].data_ptr(), tensors[0].numel()
+            w = self._streamed(sg, lambda s: sg.c.allreduce(s, True, 0, ptr, n, *fast[1:]),
+                               list(tensors))
+            if w is not None:
+                return w
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
 
@@ -591,14 +601,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         root = self._root(opts, what)
         fast = self._fast_red(opts, what, tensors[0])
         if fast is not None:
-            sg = fast[0]
-            caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.reduce(caller, True, 0, t.data_ptr(), t.numel(), *fast[1:], root)
-            return self._streamed(sg, k, list(tensors), caller)
+            sg, ptr, n = fast[0], t.data_ptr(), t.numel()
+            w = self._streamed(sg, lambda s: sg.c.reduce(s, True, 0, ptr, n, *fast[1:], root),
+                               list(tensors))
+            if w is not None:
+                return w
 
         def run():
             work = self._work_copy([t], t.dtype)  # only the root's tensor changes
-            self._allreduce_flat(work, op)
+            xctx = self._xctx
+            if isinstance(xctx, _stream_group.StreamCtx):   # the fast path's round
+                xctx.reduce(work, op, root, lambda nb: self._scratch(nb, 0, work.device))
+            else:
+                self._allreduce_flat(work, op)
             if self.rank() == root:
                 t.copy_(work.view(t.shape))
         return self._submit(run, list(tensors), opts, prof=("reduce", tensors))
@@ -653,11 +668,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         fast = self._fast_red(opts, what, output_tensor, input_tensor)
         if fast is not None and output_tensor.dtype == input_tensor.dtype and \
                 input_tensor.numel() == self.size() * output_tensor.numel():
-            sg = fast[0]
-            caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.reduce_scatter(caller, True, 0, output_tensor.data_ptr(),
-                                    input_tensor.data_ptr(), output_tensor.numel(), *fast[1:])
-            return self._streamed(sg, k, [output_tensor], caller)
+            sg, dst, src, n = fast[0], output_tensor.data_ptr(), input_tensor.data_ptr(), \
+                output_tensor.numel()
+            w = self._streamed(
+                sg, lambda s: sg.c.reduce_scatter(s, True, 0, dst, src, n, *fast[1:]),
+                [output_tensor])
+            if w is not None:
+                return w
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         return self._submit(
             lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
@@ -711,13 +728,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         me, n = self.rank(), self.size()
         sg = self._fast(opts, tensors[0])
         if sg is not None:
-            caller = _stream_group._raw_stream(sg.dev)
-            k = sg.c.broadcast(caller, True, 0, t.data_ptr(), t.numel() * t.element_size(), root)
-            return self._streamed(sg, k, list(tensors), caller)
+            ptr, nb = t.data_ptr(), t.numel() * t.element_size()
+            w = self._streamed(sg, lambda s: sg.c.broadcast(s, True, 0, ptr, nb, root),
+                               list(tensors))
+            if w is not None:
+                return w
 
         def run():
             s = _Staged(t, copy_in=me == root)
-            self._star(what, root, [s.t] * n, s.t, to_root=False)
+            xctx = self._xctx
+            if isinstance(xctx, _stream_group.StreamCtx):   # the fast path's round
+                xctx.broadcast(s.t, root)
+            else:
+                self._star(what, root, [s.t] * n, s.t, to_root=False)
             if me != root:
                 s.back()
         return self._submit(run, list(tensors), opts, prof=("broadcast", tensors))

@@ -139,7 +139,9 @@ class Handle(int):
     keeps them until the operation is over.  On CUDA tensors wait() returns
     once the bytes are in place, so any work queued after it (on any stream)
     sees them; the operation itself started only after the work queued on
-    the caller's current stream before the call."""
+    the caller's current stream before the call.  (A stream-ordered
+    iallgather returns a StreamHandle instead: its wait() orders the
+    current stream only.)"""
 
     def __new__(cls, cm: _engine.Communicator | None, ops: Sequence[int] = (),
                 works: Sequence = (), keep: Any = None, orphans: list | None = None):
@@ -837,6 +839,7 @@ class CollectiveContext:
             gpu = stream_args((send_tensor, recv))
             sg = self.stream_group(gpu[0]) if gpu[0] >= 0 else None
             if sg is not None:   # stream-ordered: the host never waits for the GPU
+                _stream_group.refuse_capture(gpu[0], what)
                 if not async_op:
                     sg.c.allgather(gpu[1], True, 0, send[0], send[1], bufs[0][0])
                     return None, None
@@ -846,6 +849,10 @@ class CollectiveContext:
                 except BaseException:
                     sg.c.event_free(ev)
                     raise
+                # used on the group's stream: freed memory is not handed out
+                # again before that stream is past them (the handle may be dropped)
+                send_tensor.record_stream(sg.torch_stream)
+                recv.record_stream(sg.torch_stream)
                 return None, StreamHandle(sg, ev, (send_tensor, recv))
             return cm.allgather(send, bufs, algo, async_op, self.timeout_s, *gpu), None
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
