@@ -1,12 +1,15 @@
-"""Helpers shared by the benchmark scripts: size parsing, printing, result files."""
+"""Helpers shared by the benchmark scripts: size parsing, printing, result files,
+and the timing of calls back to back (as nccl-tests time)."""
 from __future__ import annotations
 
 import argparse
 import csv
 import json
 import re
+import time
 
 import torch
+import torch.distributed as dist
 
 
 def parse_size(text: str) -> int:
@@ -44,3 +47,24 @@ def write_results(rows: list[dict], args: argparse.Namespace) -> None:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
+
+
+def settle(dev: torch.device) -> None:
+    """Wait for everything queued on the GPU (a no-op on the CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, iters: int, group=None, dev: torch.device | None = None) -> float:
+    """Seconds per call, the slowest rank's: every rank starts after a
+    barrier with its GPU idle, and stops the clock once its GPU is done."""
+    dev = dev or torch.device("cpu")
+    settle(dev)
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    settle(dev)
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
+    return float(dt) / iters

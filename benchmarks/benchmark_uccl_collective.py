@@ -74,7 +74,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bench_common import parse_sizes, pretty, write_results  # noqa: E402 (this folder is on sys.path)
+from bench_common import parse_sizes, pretty, settle, timed, write_results  # noqa: E402 (this folder is on sys.path)
 from tqdm import tqdm
 
 DEFAULT_SIZES = [1 << k for k in range(10, 27, 2)]  # 1K ... 64M per rank
@@ -165,12 +165,6 @@ def pick_device(args) -> torch.device:
     idx = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(idx)
     return torch.device("cuda", idx)
-
-
-def settle(dev: torch.device) -> None:
-    """Wait for everything queued on the GPU (a no-op on the CPU)."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -524,21 +518,6 @@ class GroupRunner(_Bench):
                                      f"on {self.dev}: {name} differs from Gloo's "
                                      f"{'(on CPU copies) ' if self.gpu else ''}{bad}")
         self.x.copy_(self.x_init)
-
-
-def timed(fn, iters: int, group=None, dev: torch.device | None = None) -> float:
-    """Seconds per call, the slowest rank's: every rank starts after a
-    barrier with its GPU idle, and stops the clock once its GPU is done."""
-    dev = dev or torch.device("cpu")
-    settle(dev)
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    settle(dev)
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
-    return float(dt) / iters
 
 
 def bandwidths(op: str, size: int, world: int, seconds: float, dual: bool):

@@ -18,11 +18,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from bench_common import timed  # noqa: E402 (this folder is on sys.path)
 
 
 class NoopWork(dist._Work):
@@ -50,20 +51,6 @@ class NoopGroup(dist.ProcessGroup):
         return NoopWork()
 
     all_gather_single = _allgather_base   # torch's newer name
-
-
-def per_call_us(fn, n: int, dev: torch.device, group) -> float:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-    return float(dt) / n * 1e6
 
 
 def main() -> None:
@@ -102,7 +89,7 @@ def main() -> None:
         got = {name: [] for name, _ in paths}
         for _ in range(args.rounds):
             for name, fn in paths:
-                got[name].append(per_call_us(fn, args.iters, dev, gloo))
+                got[name].append(timed(fn, args.iters, gloo, dev) * 1e6)
         if rank == 0:
             for name, ts in got.items():
                 print(f"  {size:>9} B  {name:<34} {statistics.median(ts):8.1f} us")

@@ -216,7 +216,7 @@ static PyObject *rest(PyObject *args, Py_ssize_t at)
     return PyTuple_GetSlice(args, at, PyTuple_Size(args));
 }
 
-struct red_call {
+struct coll_args {
     uintptr_t a, b;
     size_t count;
     int dtype, op, root;
@@ -224,33 +224,33 @@ struct red_call {
 
 static int do_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct red_call *r = p;
+    struct coll_args *r = p;
     return uccl_sg_allreduce(sg, o, r->a, r->count, r->dtype, r->op, k);
 }
 static int do_reduce_scatter(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct red_call *r = p;
+    struct coll_args *r = p;
     return uccl_sg_reduce_scatter(sg, o, r->a, r->b, r->count, r->dtype, r->op, k);
 }
 static int do_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct red_call *r = p;
+    struct coll_args *r = p;
     return uccl_sg_reduce(sg, o, r->a, r->count, r->dtype, r->op, r->root, k);
 }
 static int do_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct red_call *r = p;
+    struct coll_args *r = p;
     return uccl_sg_allgather(sg, o, r->a, r->count, r->b, k);
 }
 static int do_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct red_call *r = p;
+    struct coll_args *r = p;
     return uccl_sg_broadcast(sg, o, r->a, r->count, r->root, k);
 }
 
 /* A collective: (caller, caller_waits, end_event), then its own arguments
  * parsed by fmt into the fields of *r the varargs point at, then its round. */
-static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct red_call *r,
+static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct coll_args *r,
                             const char *fmt, ...)
 {
     uccl__py_sgroup *self = open_group(op);
@@ -272,7 +272,7 @@ static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct red
 /* allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) */
 static PyObject *SG_allreduce(PyObject *op, PyObject *args)
 {
-    struct red_call r = {0};
+    struct coll_args r = {0};
     return collective(op, args, do_allreduce, &r, "O&O&ii", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
@@ -280,7 +280,7 @@ static PyObject *SG_allreduce(PyObject *op, PyObject *args)
 /* reduce_scatter(caller, caller_waits, end_event, out, inp, count, dtype, op) */
 static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
 {
-    struct red_call r = {0};
+    struct coll_args r = {0};
     return collective(op, args, do_reduce_scatter, &r, "O&O&O&ii", uccl__py_to_u64, &r.a,
                       uccl__py_to_u64, &r.b, uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
@@ -288,7 +288,7 @@ static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
 /* reduce(caller, caller_waits, end_event, ptr, count, dtype, op, root) */
 static PyObject *SG_reduce(PyObject *op, PyObject *args)
 {
-    struct red_call r = {0};
+    struct coll_args r = {0};
     return collective(op, args, do_reduce, &r, "O&O&iii", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.dtype, &r.op, &r.root);
 }
@@ -296,7 +296,7 @@ static PyObject *SG_reduce(PyObject *op, PyObject *args)
 /* allgather(caller, caller_waits, end_event, src, nbytes, dst) */
 static PyObject *SG_allgather(PyObject *op, PyObject *args)
 {
-    struct red_call r = {0};
+    struct coll_args r = {0};
     return collective(op, args, do_allgather, &r, "O&O&O&", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, uccl__py_to_u64, &r.b);
 }
@@ -304,7 +304,7 @@ static PyObject *SG_allgather(PyObject *op, PyObject *args)
 /* broadcast(caller, caller_waits, end_event, ptr, nbytes, root) */
 static PyObject *SG_broadcast(PyObject *op, PyObject *args)
 {
-    struct red_call r = {0};
+    struct coll_args r = {0};
     return collective(op, args, do_broadcast, &r, "O&O&i", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.root);
 }

@@ -19,8 +19,9 @@ CollectiveContext the calls they make:
   (allgather, allgather_chunks, _p2p), as rounds of the group, plus the
   reductions the engine's kernel does (allreduce, reduce_scatter).
 
-Every round runs on the group's own stream after an event of the caller's
-stream, so the counters only grow.  Failures (a peer that does not arrive
+A blocking call's round runs on the caller's stream, others on the group's
+own stream after an event of the caller's; a round on another stream than
+the last starts after it, so the counters only grow.  Failures (a peer that does not arrive
 within the timeout, a peer process gone, calls that disagree, a round not
 through the stream in time) fail the group for every rank: every stream is
 released, and every later call raises with the reason.  A failed group keeps
@@ -49,6 +50,9 @@ R = dist.ReduceOp.RedOpType
 TAG_ALL = 0              # a buffer every peer reads
 KIND_EXCHANGE = 1        # a general round (its pulls are checked buffer by buffer)
 
+# The raw cudaStream_t of a device's current stream in one call (what Triton
+# uses); torch.cuda.current_stream(dev) builds a Stream object through
+# several Python layers, a cost paid on every operation on CUDA tensors.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
     (lambda dev: torch.cuda.current_stream(dev).cuda_stream)
 
@@ -151,10 +155,11 @@ class StreamGroup:
 
     # -- what the engine's kernel reduces ----------------------------------------
     def reduce_codes(self, dtype: torch.dtype, op: Any) -> tuple[int, int] | None:
-        """(dtype, operator) codes of the engine's reduction kernel, or None
+        """(dtype, operator) codes of the engine's reduction kernel for op (a
+        RedOpType, as _reduce.op_type gives), or None
         where the kernel does not apply (another dtype or operator, or no
         compiler: the callers then reduce with torch ops)."""
-        dt, opc = DTYPES.get(dtype), OPS.get(op.op if hasattr(op, "op") else op)
+        dt, opc = DTYPES.get(dtype), OPS.get(op)
         if dt is None or opc is None:
             return None
         ok = self._kernels.get(dt)
@@ -180,8 +185,14 @@ class StreamGroup:
         (dst, src, nbytes).  The caller's stream waits for the round's end
         (unless it is the group's own).  Returns the round's number."""
         pull = [(peer, 1, True, tag, 0, dst, nb) for peer, tag, dst, nb in pulls]
-        return self.c.round(caller, caller != self.stream, 0, what, KIND_EXCHANGE, 0, 1,
-                            list(publish), pull, list(local), None)
+        return self.c.round(*self.order(caller), 0, what, KIND_EXCHANGE, 0, 1, list(publish),
+                            pull, list(local), None)
+
+    def order(self, caller: int) -> tuple[int, bool]:
+        """(caller, caller_waits) of a round after the work on stream caller:
+        the caller's stream waits for it (the round runs there) unless it is
+        the group's own stream."""
+        return caller, caller != self.stream
 
     # -- failure ---------------------------------------------------------------------
     def error(self) -> str | None:
@@ -205,7 +216,6 @@ class StreamGroup:
         if self.emulated:
             _engine._sg_emu_stream_free(self.stream)
         self._release_page(ok)
-        self._c_closed = c   # its counts stay readable (tests)
 
     def _release_page(self, ok: bool) -> None:
         if not ok:
@@ -238,6 +248,10 @@ class StreamCtx:
     def _stream(self) -> int:
         return _raw_stream(self._g.dev)
 
+    def _at(self) -> tuple[int, bool]:
+        """(caller, caller_waits) for a round after the current stream's work."""
+        return self._g.order(_raw_stream(self._g.dev))
+
     def allgather(self, send: torch.Tensor, recv: Any, algorithm: str = "auto") -> None:
         n, me = self.world_size, self.rank
         nb = send.numel() * send.element_size()
@@ -245,8 +259,7 @@ class StreamCtx:
             if recv.numel() * recv.element_size() != n * nb:
                 raise ValueError(f"allgather: output holds {recv.numel() * recv.element_size()} "
                                  f"bytes; group size {n} x input's {nb} expected")
-            s = self._stream()
-            self._g.c.allgather(s, s != self._g.stream, 0, send.data_ptr(), nb, recv.data_ptr())
+            self._g.c.allgather(*self._at(), 0, send.data_ptr(), nb, recv.data_ptr())
             return
         outs = list(recv)
         if len(outs) != n:
@@ -288,8 +301,7 @@ class StreamCtx:
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         """t (contiguous) <- the root's t: the engine's broadcast round, the
         same one a blocking call's fast path makes (ranks may take either)."""
-        self._g.c.broadcast(self._stream(), self._stream() != self._g.stream, 0, t.data_ptr(),
-                            t.numel() * t.element_size(), root)
+        self._g.c.broadcast(*self._at(), 0, t.data_ptr(), t.numel() * t.element_size(), root)
 
     # -- reductions: the engine's kernel where it applies -------------------------------
     def allreduce(self, flat: torch.Tensor, op: Any, scratch) -> None:
@@ -299,8 +311,7 @@ class StreamCtx:
             from . import _reduce_gpu
             _reduce_gpu.allreduce(self, flat, op, scratch)
             return
-        s = self._stream()
-        self._g.c.allreduce(s, s != self._g.stream, 0, flat.data_ptr(), flat.numel(), *codes)
+        self._g.c.allreduce(*self._at(), 0, flat.data_ptr(), flat.numel(), *codes)
 
     def reduce(self, flat: torch.Tensor, op: Any, root: int, scratch) -> None:
         """The root's flat (contiguous, 1-D) <- the reduction over the group
@@ -311,8 +322,7 @@ class StreamCtx:
         if codes is None:
             self.allreduce(flat, op, scratch)
             return
-        s = self._stream()
-        self._g.c.reduce(s, s != self._g.stream, 0, flat.data_ptr(), flat.numel(), *codes, root)
+        self._g.c.reduce(*self._at(), 0, flat.data_ptr(), flat.numel(), *codes, root)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: Any, scratch,
                        what: str) -> None:
@@ -322,6 +332,5 @@ class StreamCtx:
             from . import _reduce_gpu
             _reduce_gpu.reduce_scatter(self, out, flat, op, scratch, what)
             return
-        s = self._stream()
-        self._g.c.reduce_scatter(s, s != self._g.stream, 0, out.data_ptr(), flat.data_ptr(),
-                                 out.numel(), *codes)
+        self._g.c.reduce_scatter(*self._at(), 0, out.data_ptr(), flat.data_ptr(), out.numel(),
+                                 *codes)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import _profiling
+from ._stream_group import _raw_stream
 from .p2p import UcclError, UcclTimeoutError
 
 #: Runner.submit's run_now for point-to-point posts: run here only when
@@ -371,7 +372,6 @@ class StreamWork(dist._Work):
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._check()
-        from ._stream_group import _raw_stream
         cur = _raw_stream(self._sg.dev)
         if cur != self._caller:
             self._sg.c.wait_last(cur)

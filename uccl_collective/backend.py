@@ -306,8 +306,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sg = self._fast(opts, t, *more)
         if sg is None:
             return None
-        op = opts.reduceOp
-        key = (getattr(op, "op", op), t.dtype)
+        key = (_reduce.op_type(opts.reduceOp), t.dtype)
         codes = self._red_codes.get(key)
         if codes is None:
             _reduce.check_op(key[0], t.dtype, what)

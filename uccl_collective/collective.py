@@ -82,10 +82,6 @@ def _tensor_buf(t: Any, what: str) -> tuple[int, int]:
 
 NO_STREAM = (-1, 0)
 
-# The raw cudaStream_t of a device's current stream in one call (what Triton
-# uses); torch.cuda.current_stream(dev) builds a Stream object through
-# several Python layers, a cost paid on every operation on CUDA tensors.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
@@ -112,9 +108,7 @@ def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
     if cpu:
         raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
                          "them all on one device")
-    if _raw_stream is not None:
-        return dev, _raw_stream(dev)
-    return dev, torch.cuda.current_stream(dev).cuda_stream
+    return dev, _stream_group._raw_stream(dev)
 
 
 _handle_ids = itertools.count(1)
