@@ -439,6 +439,100 @@ out:
     return res;
 }
 
+/* ---- point to point ------------------------------------------------------------------ */
+struct p2p_call {
+    struct uccl_sg_p2p_op *ops;
+    int n;
+    uintptr_t stream;
+    uint64_t *codes;
+};
+
+static int do_p2p(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct p2p_call *a = p;
+    *k = 0;
+    return uccl_sg_p2p(sg, a->ops, a->n, o->caller, a->stream, o->intr, o->intr_arg, a->codes);
+}
+
+static int fill_p2p(void *out, Py_ssize_t i, PyObject *it)
+{
+    struct uccl_sg_p2p_op *p = (struct uccl_sg_p2p_op *)out + i;
+    uint64_t ptr;
+    return PyArg_ParseTuple(it, "ipO&O&", &p->peer, &p->send, uccl__py_to_u64, &ptr,
+                            uccl__py_to_size, &p->len)
+               ? (p->ptr = (uintptr_t)ptr, 0)
+               : -1;
+}
+
+/* p2p(caller, stream, [(peer, send, ptr, len)]) -> [code]: post the messages in order */
+static PyObject *SG_p2p(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    uint64_t caller, stream;
+    PyObject *items, *res = NULL;
+    Py_ssize_t n = 0;
+    struct p2p_call a = {NULL, 0, 0, NULL};
+    if (!self || !PyArg_ParseTuple(args, "O&O&O", uccl__py_to_u64, &caller, uccl__py_to_u64,
+                                   &stream, &items))
+        return NULL;
+    if (parse_list(items, &n, (void **)&a.ops, sizeof(*a.ops), fill_p2p))
+        goto out;
+    if (n < 1 || n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "p2p: %zd messages", n);
+        goto out;
+    }
+    a.n = (int)n;
+    a.stream = (uintptr_t)stream;
+    a.codes = PyMem_Calloc((size_t)n, sizeof(uint64_t));
+    if (!a.codes) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    struct uccl_sg_opts o = {(uintptr_t)caller, 0, NULL, NULL, NULL};
+    PyObject *k = run_round(self, &o, do_p2p, &a);
+    if (!k)
+        goto out;
+    Py_DECREF(k);
+    res = PyList_New(n);
+    for (Py_ssize_t i = 0; res && i < n; i++) {
+        PyObject *c = PyLong_FromUnsignedLongLong(a.codes[i]);
+        if (!c) {
+            Py_CLEAR(res);
+            break;
+        }
+        PyList_SetItem(res, i, c); /* steals c */
+    }
+out:
+    PyMem_Free(a.ops);
+    PyMem_Free(a.codes);
+    return res;
+}
+
+/* p2p_wait(code, stream): the stream waits for the message (no host wait) */
+static PyObject *SG_p2p_wait(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    uint64_t code, stream;
+    if (!self || !PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &code, uccl__py_to_u64, &stream))
+        return NULL;
+    int rc = uccl_sg_p2p_wait(self->sg, code, (uintptr_t)stream);
+    return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
+}
+
+static PyObject *SG_p2p_passed(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    uint64_t code;
+    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &code))
+        return NULL;
+    if (!self->sg)
+        Py_RETURN_TRUE; /* closed: its messages were waited for */
+    int rc = uccl_sg_p2p_passed(self->sg, code);
+    if (rc < 0)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    return PyBool_FromLong(rc);
+}
+
 /* ---- state, events, close ----------------------------------------------------------- */
 static PyObject *SG_passed(PyObject *op, PyObject *args)
 {
@@ -647,6 +741,10 @@ static PyMethodDef SG_methods[] = {
      "allgather(caller, caller_waits, end_event, src, nbytes, dst) -> k"},
     {"broadcast", SG_broadcast, METH_VARARGS,
      "broadcast(caller, caller_waits, end_event, ptr, nbytes, root) -> k"},
+    {"p2p", SG_p2p, METH_VARARGS,
+     "p2p(caller, stream, [(peer, send, ptr, len)]) -> [code]: messages posted in order"},
+    {"p2p_wait", SG_p2p_wait, METH_VARARGS, "p2p_wait(code, stream): the stream waits for it"},
+    {"p2p_passed", SG_p2p_passed, METH_VARARGS, "p2p_passed(code): the message is in place"},
     {"passed", SG_passed, METH_VARARGS, "passed(k): this rank's stream is past round k"},
     {"error", SG_error, METH_NOARGS, "error() -> why the group failed, or None"},
     {"fail", SG_fail, METH_VARARGS, "fail(why): fail the group for every rank"},
@@ -679,55 +777,3 @@ PyType_Spec uccl__py_sgroup_spec = {
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = SG_slots,
 };
-
-/* ---- module functions ------------------------------------------------------------------ */
-PyObject *uccl__py_sg_page_bytes(PyObject *module, PyObject *args)
-{
-    (void)module;
-    int size;
-    if (!PyArg_ParseTuple(args, "i", &size))
-        return NULL;
-    if (size < 1 || size > UCCL_SG_MAX_RANKS)
-        return PyErr_Format(PyExc_ValueError, "sg_page_bytes: %d ranks (1..%d)", size,
-                            UCCL_SG_MAX_RANKS);
-    return PyLong_FromSize_t(uccl_sg_page_bytes(size));
-}
-
-PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused)
-{
-    (void)unused;
-    uintptr_t s = 0;
-    int rc = uccl_sg_emu_stream_new(&s);
-    if (rc)
-        return uccl__py_raise(module, rc, uccl_last_error());
-    return PyLong_FromUnsignedLongLong((unsigned long long)s);
-}
-
-/* _sg_emu_stream_free(stream) -> how many waits ran past the stuck bound */
-PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args)
-{
-    (void)module;
-    uint64_t s;
-    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &s))
-        return NULL;
-    int stuck;
-    Py_BEGIN_ALLOW_THREADS
-    stuck = uccl_sg_emu_stream_free((uintptr_t)s);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(stuck);
-}
-
-/* _sg_emu_stream_idle(stream, timeout_s) -> True once all it queued has run */
-PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args)
-{
-    (void)module;
-    uint64_t s;
-    double timeout_s;
-    if (!PyArg_ParseTuple(args, "O&d", uccl__py_to_u64, &s, &timeout_s))
-        return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = uccl_sg_emu_stream_idle((uintptr_t)s, (uint64_t)(timeout_s * 1e9));
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(rc == UCCL_OK);
-}

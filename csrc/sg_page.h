@@ -46,12 +46,41 @@ struct reg {
     size_t len;
     uint64_t reg, key, used;
     uint32_t last;                  /* the last round that published it */
+    uint32_t pins;                  /* point-to-point messages a peer may still map it for */
 };
 struct pending {
     uint32_t k;
     uint64_t t0;
     int nimp;
     void **imp;
+};
+
+/* ---- point-to-point channels (sg_p2p.c): one per ordered pair (src, dst),
+ * after the ranks' parts.  Each side's stream writes its own ready and
+ * done words; the hosts write the slots (a message's two descriptors and
+ * its state: the message number above, arrival bits below). */
+#define P2P_SLOTS 16
+enum { P2P_SRC = 0, P2P_DST = 1 };
+struct p2p_desc {
+    uint64_t key, addr, len;
+};
+struct p2p_slot {
+    uint64_t state;                 /* (k << 32) | 1: src arrived, 2: dst arrived, 4: read */
+    struct p2p_desc d[2];
+    uint64_t pad;
+};
+struct p2p_chan {
+    uint32_t ready[2][16];          /* [side][0], a cache line each */
+    uint32_t done[2][16];
+    uint64_t high, pad[7];          /* the highest message number posted (release's base) */
+    struct p2p_slot slot[P2P_SLOTS];
+};
+/* A message posted here, until the copier's done word passes it. */
+struct p2p_pending {
+    uint32_t chan, k;
+    int copier;                     /* the side whose stream copies (P2P_SRC/P2P_DST) */
+    uint64_t t0, reg;               /* reg: this rank's registration pinned for it, or 0 */
+    void *imp;                      /* the peer's memory mapped for the copy, or NULL */
 };
 
 struct uccl_sg {
@@ -77,6 +106,13 @@ struct uccl_sg {
     int npend, cap_pend;
     pthread_t watch;
     int watching, closed, failed;
+    /* point to point (sg_p2p.c) */
+    pthread_mutex_t p2p_mu;         /* one post at a time: the counters, ev_p2p */
+    pthread_mutex_t reg_mu;         /* regs (rounds and posts register) */
+    void *ev_p2p;
+    uint32_t *p2p_sent, *p2p_recvd; /* messages posted to / from each rank */
+    struct p2p_pending *p2p;        /* under mu */
+    int np2p, cap_p2p;
     char error[REASON];
 };
 
@@ -92,6 +128,11 @@ static inline void st32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOM
 static inline void st64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 /* a >= b for round numbers, as the streams compare them (cyclic, 32-bit) */
 static inline int ahead(uint32_t a, uint32_t b) { return (uint32_t)(a - b) < 0x80000000u; }
+
+static inline struct p2p_chan *chan_at(uccl_sg_t *sg, uint32_t c)
+{
+    return (struct p2p_chan *)(sg->page + PAGE + (size_t)sg->size * RANK_BYTES) + c;
+}
 
 static inline uint8_t *slot(uccl_sg_t *sg, int r, uint32_t k)
 {
@@ -111,12 +152,22 @@ int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r
 int uccl__sg_fail_rc(uccl_sg_t *sg, int rc);
 /* The error of a call made once the group had failed. */
 int uccl__sg_failed_err(uccl_sg_t *sg, const char *what);
-/* The key peers map this rank's [ptr, +len) by (a cached registration). */
-int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p);
+/* The key peers map this rank's [ptr, +len) by (a cached registration);
+ * with pin_p, the registration is kept (and *pin_p names it) until
+ * uccl__sg_reg_unpin: a peer may map it after this call returns. */
+int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p,
+                     uint64_t *pin_p);
+void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg);
 /* A round queued (its mappings, released once the stream is past it). */
 int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p);
 void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p);
 /* Release what rounds behind this rank's stream mapped. */
 void uccl__sg_reclaim(uccl_sg_t *sg);
+/* A message posted (sg_p2p.c), watched and reclaimed with the rounds. */
+int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p);
+/* ---- sg_p2p.c (under mu) ---- */
+int uccl__sg_p2p_passed(uccl_sg_t *sg, const struct p2p_pending *p);
+void uccl__sg_p2p_release(uccl_sg_t *sg);        /* every channel's words far ahead */
+void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, char *why, size_t len);
 
 #endif

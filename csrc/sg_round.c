@@ -272,7 +272,7 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         if (c->pub[i].len == 0)
             continue;
         ent[nent] = (struct entry){c->pub[i].tag, 0, c->pub[i].ptr, c->pub[i].len};
-        rc = uccl__sg_reg_key(sg, c->pub[i].ptr, c->pub[i].len, k, &ent[nent].key);
+        rc = uccl__sg_reg_key(sg, c->pub[i].ptr, c->pub[i].len, k, &ent[nent].key, NULL);
         nent++;
     }
     if (rc)

@@ -23,7 +23,10 @@
 
 size_t uccl_sg_page_bytes(int size)
 {
-    return size > 0 ? PAGE + (size_t)size * RANK_BYTES : 0;
+    if (size < 1)
+        return 0;
+    size_t n = PAGE + (size_t)size * RANK_BYTES + (size_t)size * size * sizeof(struct p2p_chan);
+    return (n + PAGE - 1) / PAGE * PAGE;
 }
 
 static int alive(uint64_t pid)
@@ -46,6 +49,7 @@ static void release_words(uccl_sg_t *sg)
         st32(w32(sg, r, OFF_DONE2), far);
         st32(w32(sg, r, OFF_FIN), far);
     }
+    uccl__sg_p2p_release(sg);
 }
 
 /* Under mu: has the group failed (here, or at a rank that wrote the page)? */
@@ -195,7 +199,7 @@ static void reg_drop(uccl_sg_t *sg, int i)
 }
 
 /* Past REG_CACHE: drop the least recently used registrations every peer has
- * read the keys of (none is still to map one). */
+ * read the keys of (none is still to map one) and no message pins. */
 static void reg_evict(uccl_sg_t *sg)
 {
     uint32_t read = sg->round;
@@ -207,7 +211,7 @@ static void reg_evict(uccl_sg_t *sg)
     while (sg->nregs > REG_CACHE) {
         int victim = -1;
         for (int i = 0; i < sg->nregs; i++)
-            if (ahead(read, sg->regs[i].last) &&
+            if (ahead(read, sg->regs[i].last) && sg->regs[i].pins == 0 &&
                 (victim < 0 || sg->regs[i].used < sg->regs[victim].used))
                 victim = i;
         if (victim < 0)
@@ -220,7 +224,8 @@ static void reg_evict(uccl_sg_t *sg)
  * reused while the memory is the allocation it registered (the device
  * checks that at every use: a freed and reused address fails the check
  * and is registered anew). */
-int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p)
+static int reg_key_locked(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k,
+                          uint64_t *key_p, uint64_t *pin_p)
 {
     if (sg->size == 1) { /* nobody to share it with */
         *key_p = 0;
@@ -234,6 +239,10 @@ int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint6
             e->last = k;
             e->used = ++sg->clock;
             *key_p = e->key;
+            if (pin_p) {
+                e->pins++;
+                *pin_p = e->reg;
+            }
             return UCCL_OK;
         }
         reg_drop(sg, i);
@@ -255,10 +264,32 @@ int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint6
         sg->ops->dereg(sg->d, reg);
         return rc;
     }
-    sg->regs[sg->nregs++] = (struct reg){ptr, len, reg, key, ++sg->clock, k};
+    sg->regs[sg->nregs++] = (struct reg){ptr, len, reg, key, ++sg->clock, k, pin_p ? 1 : 0};
     *key_p = key;
+    if (pin_p)
+        *pin_p = reg;
     reg_evict(sg);
     return UCCL_OK;
+}
+
+int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p,
+                     uint64_t *pin_p)
+{
+    pthread_mutex_lock(&sg->reg_mu);
+    int rc = reg_key_locked(sg, ptr, len, k, key_p, pin_p);
+    pthread_mutex_unlock(&sg->reg_mu);
+    return rc;
+}
+
+void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg)
+{
+    pthread_mutex_lock(&sg->reg_mu);
+    for (int i = 0; i < sg->nregs; i++)
+        if (sg->regs[i].reg == reg && sg->regs[i].pins) {
+            sg->regs[i].pins--;
+            break;
+        } /* not found: dropped meanwhile (its memory was freed and reused) */
+    pthread_mutex_unlock(&sg->reg_mu);
 }
 
 /* ---- rounds behind the stream ------------------------------------------------------- */
@@ -272,11 +303,27 @@ void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p)
 /* Under mu: release the peers' memory that rounds behind this rank's stream
  * mapped (its fin word passed them).  Not once the group failed: fin may
  * then be the release's value, with copies still queued. */
+static void p2p_free(uccl_sg_t *sg, struct p2p_pending *p)
+{
+    if (p->imp)
+        sg->ops->unmap(sg->d, p->imp);
+    if (p->reg)
+        uccl__sg_reg_unpin(sg, p->reg);
+}
+
 static void reclaim_locked(uccl_sg_t *sg)
 {
     uint32_t fin = ld32(w32(sg, sg->rank, OFF_FIN));
     if (failed_locked(sg))
         return;
+    int kept = 0;
+    for (int i = 0; i < sg->np2p; i++) {
+        if (uccl__sg_p2p_passed(sg, &sg->p2p[i]))
+            p2p_free(sg, &sg->p2p[i]);
+        else
+            sg->p2p[kept++] = sg->p2p[i];
+    }
+    sg->np2p = kept;
     int done = 0;
     while (done < sg->npend && ahead(fin, sg->pend[done].k))
         uccl__sg_pending_free(sg, &sg->pend[done++]);
@@ -284,6 +331,25 @@ static void reclaim_locked(uccl_sg_t *sg)
         memmove(sg->pend, sg->pend + done, (size_t)(sg->npend - done) * sizeof(*sg->pend));
         sg->npend -= done;
     }
+}
+
+int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p)
+{
+    pthread_mutex_lock(&sg->mu);
+    if (sg->np2p == sg->cap_p2p) {
+        int cap = sg->cap_p2p ? 2 * sg->cap_p2p : 16;
+        struct p2p_pending *n = realloc(sg->p2p, (size_t)cap * sizeof(*n));
+        if (!n) {
+            pthread_mutex_unlock(&sg->mu);
+            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        }
+        sg->p2p = n;
+        sg->cap_p2p = cap;
+    }
+    sg->p2p[sg->np2p++] = p;
+    pthread_cond_broadcast(&sg->cv);
+    pthread_mutex_unlock(&sg->mu);
+    return UCCL_OK;
 }
 
 int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p)
@@ -306,16 +372,17 @@ int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p)
     return UCCL_OK;
 }
 
-/* While rounds are pending: release what rounds behind the stream held;
- * fail the group if the oldest has not passed this rank's stream within
- * the timeout, or a peer process is gone; once the group failed (here or
- * at another rank), keep every stream released. */
+/* While rounds or messages are pending: release what those behind the
+ * streams held; fail the group if the oldest round has not passed this
+ * rank's stream within the timeout, or a message has not been copied
+ * within it, or a peer process is gone; once the group failed (here or at
+ * another rank), keep every stream released. */
 static void *watch_main(void *arg)
 {
     uccl_sg_t *sg = arg;
     pthread_mutex_lock(&sg->mu);
     while (!sg->closed) {
-        if (sg->npend == 0 && !failed_locked(sg)) {
+        if (sg->npend == 0 && sg->np2p == 0 && !failed_locked(sg)) {
             pthread_cond_wait(&sg->cv, &sg->mu);
             continue;
         }
@@ -329,19 +396,25 @@ static void *watch_main(void *arg)
             break;
         if (failed_locked(sg)) {
             release_words(sg);
-            if (sg->npend == 0)
+            if (sg->npend == 0 && sg->np2p == 0)
                 pthread_cond_wait(&sg->cv, &sg->mu); /* until a round or close */
             continue;
         }
         reclaim_locked(sg);
-        if (sg->npend == 0)
+        if (sg->npend == 0 && sg->np2p == 0)
             continue;
-        const struct pending *old = &sg->pend[0];
         int gone = -1;
         for (int p = 0; p < sg->size && gone < 0; p++)
             if (p != sg->rank && !alive(ld64(w64(sg, p, OFF_PID))))
                 gone = p;
-        if (gone < 0 && uccl__now_ns() - old->t0 <= sg->timeout_ns)
+        uint64_t now = uccl__now_ns();
+        const struct pending *old = sg->npend && now - sg->pend[0].t0 > sg->timeout_ns
+                                        ? &sg->pend[0] : NULL;
+        const struct p2p_pending *late = NULL;
+        for (int i = 0; i < sg->np2p && !late; i++)
+            if (now - sg->p2p[i].t0 > sg->timeout_ns)
+                late = &sg->p2p[i];
+        if (gone < 0 && !old && !late)
             continue;
         char why[REASON], words[256] = "";
         size_t at_w = 0;
@@ -350,12 +423,14 @@ static void *watch_main(void *arg)
                                      p ? ", " : "", p, ld32(w32(sg, p, OFF_READY)),
                                      ld32(w32(sg, p, OFF_DONE)));
         if (gone >= 0)
-            snprintf(why, sizeof(why), "rank %d exited with round %u queued (ready/done words "
-                     "by rank: %s)", gone, old->k, words);
-        else
+            snprintf(why, sizeof(why), "rank %d exited with %d round(s) and %d message(s) "
+                     "queued (ready/done words by rank: %s)", gone, sg->npend, sg->np2p, words);
+        else if (old)
             snprintf(why, sizeof(why), "round %u not through rank %d's stream within %.3g s "
                      "(ready/done words by rank: %s)", old->k, sg->rank,
                      (double)sg->timeout_ns / 1e9, words);
+        else
+            uccl__sg_p2p_why(sg, late, why, sizeof(why));
         fail_locked(sg, why);
     }
     pthread_mutex_unlock(&sg->mu);
@@ -363,6 +438,23 @@ static void *watch_main(void *arg)
 }
 
 /* ---- the group ------------------------------------------------------------------------ */
+static void sg_free(uccl_sg_t *sg)
+{
+    free(sg->peer_ent);
+    free(sg->peer_cnt);
+    free(sg->p2p_sent);
+    free(sg->p2p_recvd);
+    free(sg->p2p);
+    free(sg->pend);
+    free(sg->regs);
+    pthread_mutex_destroy(&sg->mu);
+    pthread_mutex_destroy(&sg->call_mu);
+    pthread_mutex_destroy(&sg->p2p_mu);
+    pthread_mutex_destroy(&sg->reg_mu);
+    pthread_cond_destroy(&sg->cv);
+    free(sg);
+}
+
 int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_s,
                 uintptr_t stream, const struct uccl__sg_dev *ops, void *d, uccl_sg_t **sg_p)
 {
@@ -390,15 +482,21 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
     sg->d = d;
     pthread_mutex_init(&sg->mu, NULL);
     pthread_mutex_init(&sg->call_mu, NULL);
+    pthread_mutex_init(&sg->p2p_mu, NULL);
+    pthread_mutex_init(&sg->reg_mu, NULL);
     pthread_cond_init(&sg->cv, NULL);
     sg->peer_ent = calloc((size_t)size * MAX_ENTRIES, sizeof(struct entry));
     sg->peer_cnt = calloc((size_t)size, sizeof(uint32_t));
-    if (!sg->peer_ent || !sg->peer_cnt)
+    sg->p2p_sent = calloc((size_t)size, sizeof(uint32_t));
+    sg->p2p_recvd = calloc((size_t)size, sizeof(uint32_t));
+    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd)
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     if (!rc)
         rc = ops->event_new(d, &sg->ev_start);
     if (!rc)
         rc = ops->event_new(d, &sg->ev_mark);
+    if (!rc)
+        rc = ops->event_new(d, &sg->ev_p2p);
     if (!rc && pthread_create(&sg->watch, NULL, watch_main, sg) != 0)
         rc = uccl__err(UCCL_ERR_NOMEM, "stream-ordered group: no watchdog thread: %s",
                        strerror(errno));
@@ -407,13 +505,10 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
             ops->event_free(d, sg->ev_start);
         if (sg->ev_mark)
             ops->event_free(d, sg->ev_mark);
+        if (sg->ev_p2p)
+            ops->event_free(d, sg->ev_p2p);
         ops->destroy(d);
-        free(sg->peer_ent);
-        free(sg->peer_cnt);
-        pthread_mutex_destroy(&sg->mu);
-        pthread_mutex_destroy(&sg->call_mu);
-        pthread_cond_destroy(&sg->cv);
-        free(sg);
+        sg_free(sg);
         return rc;
     }
     sg->watching = 1;
@@ -477,12 +572,12 @@ int uccl_sg_close(uccl_sg_t *sg)
      * (on the host, bounded) until this rank's stream is past them */
     uint64_t until = uccl__now_ns() + sg->timeout_ns;
     pthread_mutex_lock(&sg->mu);
-    while (sg->npend && !failed_locked(sg)) {
+    while ((sg->npend || sg->np2p) && !failed_locked(sg)) {
         reclaim_locked(sg);
-        if (!sg->npend)
+        if (!sg->npend && !sg->np2p)
             break;
         if (uccl__now_ns() > until) {
-            fail_locked(sg, "closed with rounds still queued that did not finish");
+            fail_locked(sg, "closed with rounds or messages still queued that did not finish");
             break;
         }
         pthread_mutex_unlock(&sg->mu);
@@ -490,24 +585,20 @@ int uccl_sg_close(uccl_sg_t *sg)
         nanosleep(&ts, NULL);
         pthread_mutex_lock(&sg->mu);
     }
-    int ok = !failed_locked(sg) || sg->npend == 0;
+    int ok = !failed_locked(sg) || (sg->npend == 0 && sg->np2p == 0);
     pthread_mutex_unlock(&sg->mu);
-    while (sg->nregs)
-        reg_drop(sg, sg->nregs - 1);
     if (ok) {
         for (int i = 0; i < sg->npend; i++)
             uccl__sg_pending_free(sg, &sg->pend[i]);
+        for (int i = 0; i < sg->np2p; i++)
+            p2p_free(sg, &sg->p2p[i]);
     } /* else the mappings stay: the stream may still copy through them */
-    free(sg->pend);
-    free(sg->regs);
-    free(sg->peer_ent);
-    free(sg->peer_cnt);
+    while (sg->nregs)
+        reg_drop(sg, sg->nregs - 1);
     sg->ops->event_free(sg->d, sg->ev_start);
     sg->ops->event_free(sg->d, sg->ev_mark);
+    sg->ops->event_free(sg->d, sg->ev_p2p);
     sg->ops->destroy(sg->d);
-    pthread_mutex_destroy(&sg->mu);
-    pthread_mutex_destroy(&sg->call_mu);
-    pthread_cond_destroy(&sg->cv);
-    free(sg);
+    sg_free(sg);
     return ok;
 }

@@ -207,6 +207,36 @@ int uccl_sg_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
 int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t count,
                    int dtype, int op, int root, uint32_t *round_p);
 
+/* ---- point to point (sg_p2p.c) --------------------------------------------------
+ * Messages between two ranks of the group, matched in order per ordered
+ * pair (the k-th send from a to b with the k-th receive at b from a), as
+ * NCCL and Gloo match them, with no host ever waiting for a peer or a GPU
+ * (but for P2P_SLOTS messages posted on one side ahead of the other's
+ * host: then the poster waits, within the timeout).  Each side posts its
+ * buffer into the pair's slot for message k; whichever host posts second
+ * moves the bytes: its stream waits for the first side's ready word (that
+ * side's stream reached the message: its buffer is ready), copies through
+ * CUDA IPC (pull or push), and writes its done word; the first side's
+ * stream only writes ready.  Either side's Work then waits for the
+ * copier's done word (p2p_wait).  Posts queue on `stream` (one per process
+ * for every message of the group: each stream then runs its messages in
+ * the order its host posted them, so a wait can never be behind the write
+ * it waits for, whatever order the ranks post in) after the caller's work.
+ * A message not copied within the timeout, sizes that differ, or a peer
+ * gone fail the group, as a round's failure does. */
+struct uccl_sg_p2p_op {
+    int peer, send;        /* send: this rank sends to peer; else receives from it */
+    uintptr_t ptr;
+    size_t len;            /* a send and its receive must have the same length */
+};
+/* Post n messages in order; codes[i] names message i for p2p_wait/passed. */
+int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_t caller,
+                uintptr_t stream, uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *codes);
+/* `stream` waits for message `code` to be in place (no host wait). */
+int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream);
+/* Is message `code` in place? (1 yes, 0 not yet, < 0 not a code of this group) */
+int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code);
+
 /* Has this rank's stream finished round k? (its fin word) */
 int uccl_sg_passed(uccl_sg_t *sg, uint32_t k);
 /* `stream` waits for the end of the last round queued so far (no host wait). */

@@ -130,6 +130,7 @@ class StreamGroup:
         self._mm, self._buf, self._base, self._len = open_page(
             ctx._kv, "stream_group", self.rank, self.size)
         self._torch_stream = None
+        self._p2p_stream: Any = None   # made on first use (p2p_stream)
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
         try:
@@ -194,6 +195,27 @@ class StreamGroup:
         the group's own stream."""
         return caller, caller != self.stream
 
+    # -- point to point ---------------------------------------------------------------
+    @property
+    def p2p_stream(self) -> int:
+        """The stream every send and receive of the group runs on (made on
+        first use): one per process, so that it runs the messages in the
+        order they were posted (csrc/sg_p2p.c says why that matters)."""
+        s = self._p2p_stream
+        if s is None:
+            with self._lock:
+                if self._p2p_stream is None:
+                    self._p2p_stream = (_engine._sg_emu_stream() if self.emulated
+                                        else torch.cuda.Stream(self.dev))
+                s = self._p2p_stream
+        return s if self.emulated else s.cuda_stream
+
+    def p2p(self, caller: int, msgs: Sequence[tuple[int, bool, int, int]]) -> list[int]:
+        """Post messages (peer, send?, ptr, nbytes) in order, after the work
+        on stream `caller`; no host wait (but for P2P_SLOTS messages ahead
+        of a peer).  Returns a code per message for p2p_wait / p2p_passed."""
+        return self.c.p2p(caller, self.p2p_stream, msgs)
+
     # -- failure ---------------------------------------------------------------------
     def error(self) -> str | None:
         """Why the group failed (this rank or another noticed), or None."""
@@ -215,6 +237,8 @@ class StreamGroup:
         ok = c.close()
         if self.emulated:
             _engine._sg_emu_stream_free(self.stream)
+            if self._p2p_stream is not None:
+                _engine._sg_emu_stream_free(self._p2p_stream)
         self._release_page(ok)
 
     def _release_page(self, ok: bool) -> None:

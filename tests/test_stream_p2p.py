@@ -1,0 +1,282 @@
+"""Stream-ordered point-to-point messages (csrc/sg_p2p.c, through
+uccl_collective/_stream_group.py's StreamGroup.p2p) on the CPU: ranks are
+threads, the page is the real shared file, streams are the engine's
+emulated streams (test_stream_group.py's harness).  What is checked: the
+bytes of every message, whatever order the ranks post in; that posting
+never waits for a peer; that a mismatch, a missing peer and a hostile
+argument fail loudly; that nothing stays blocked or registered."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from uccl_collective import _engine
+from uccl_collective.p2p import UcclError
+from test_stream_group import (  # noqa: F401 - caller_streams: the autouse fixture
+    Ctx, _callers, caller_streams, close_all, drain, make_groups, on_ranks)
+from uccl_collective import _stream_group as sgm
+
+P2P_SLOTS = 16   # csrc/sg_page.h
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def post(g, msgs):
+    """msgs [(peer, send?, tensor)] -> codes, after the caller's stream."""
+    return g.p2p(_callers.stream, [(p, s, t.data_ptr(), nbytes(t)) for p, s, t in msgs])
+
+
+def wait_all(g, codes):
+    for c in codes:
+        g.c.p2p_wait(c, _callers.stream)
+
+
+def _plan(n: int, per_pair: int, seed: int):
+    """Every pair's payloads (random sizes, 0 and 1 among them)."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for s in range(n):
+        for d in range(n):
+            if s != d:
+                sizes = [0, 1] + [int(x) for x in rng.integers(2, 70000, per_pair - 2)]
+                rng.shuffle(sizes)
+                data[s, d] = [torch.from_numpy(rng.integers(0, 256, z, dtype=np.uint8))
+                              for z in sizes]
+    return data
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_messages_arrive_whatever_order_the_ranks_post_in(n):
+    per_pair = 6
+    data = _plan(n, per_pair, seed=n)
+    groups = make_groups(n)
+
+    def rank(r):
+        rng = np.random.default_rng(100 + r)
+        # this rank's messages, each channel in order, the channels interleaved at random
+        queues = [[(j, True, i) for i in range(per_pair)] for j in range(n) if j != r] + \
+                 [[(j, False, i) for i in range(per_pair)] for j in range(n) if j != r]
+        order = []
+        while any(queues):
+            q = queues[int(rng.choice([i for i, q in enumerate(queues) if q]))]
+            order.append(q.pop(0))
+        got = {(j, i): torch.full((nbytes(data[j, r][i]),), 0xA5, dtype=torch.uint8)
+               for j in range(n) if j != r for i in range(per_pair)}   # poisoned
+        sends = {(j, i): data[r, j][i].clone() for j in range(n) if j != r
+                 for i in range(per_pair)}
+        codes = []
+        while order:   # posts of 1..4 messages
+            k = int(rng.integers(1, 5))
+            batch, order = order[:k], order[k:]
+            codes += post(groups[r], [(j, s, sends[j, i] if s else got[j, i])
+                                      for j, s, i in batch])
+        wait_all(groups[r], codes)
+        return got, sends, codes
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        got, _sends, codes = res[r]
+        assert len(codes) == 2 * (n - 1) * per_pair
+        assert all(groups[r].c.p2p_passed(c) for c in codes)
+        for (j, i), t in got.items():
+            assert torch.equal(t, data[j, r][i]), f"rank {r}: message {i} from rank {j}"
+    counts = close_all(groups, streams)
+    # every registration released, every mapping too (a rank that always
+    # posted second registered nothing: the first side's buffer is mapped)
+    assert sum(c[0] for c in counts) > 0, counts
+    for regs, deregs, maps in counts:
+        assert regs == deregs and maps == 0, counts
+
+
+def test_a_post_returns_before_the_peer_posts_and_the_stream_waits():
+    groups = make_groups(2)
+    x = torch.from_numpy(np.random.default_rng(7).integers(0, 256, 100003, dtype=np.uint8))
+    go = threading.Event()
+
+    def rank(r):
+        if r == 1:
+            assert go.wait(10)
+            time.sleep(0.05)
+            wait_all(groups[1], post(groups[1], [(0, True, x)]))
+            return None
+        y = torch.full((nbytes(x),), 0xA5, dtype=torch.uint8)
+        t0 = time.monotonic()
+        codes = post(groups[0], [(1, False, y)])
+        wait_all(groups[0], codes)
+        took = time.monotonic() - t0
+        passed_early = groups[0].c.p2p_passed(codes[0])
+        # the caller's stream is held at the wait: the bytes do not exist yet
+        idle_early = _engine._sg_emu_stream_idle(_callers.stream, 0.2)
+        go.set()
+        return y, codes, took, passed_early, idle_early
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    y, codes, took, passed_early, idle_early = res[0]
+    assert took < 1.0 and not passed_early and not idle_early, (took, passed_early, idle_early)
+    drain(groups, streams)
+    assert groups[0].c.p2p_passed(codes[0])
+    assert torch.equal(y, x)
+    close_all(groups, streams)
+
+
+def test_sizes_that_differ_fail_both_sides_and_release_the_streams():
+    groups = make_groups(2)
+
+    def rank(r):
+        if r == 0:
+            a = torch.ones(8, dtype=torch.uint8)
+            wait_all(groups[0], post(groups[0], [(1, True, a)]))
+            return a
+        time.sleep(0.1)   # rank 1 posts second: it finds the mismatch
+        b = torch.zeros(12, dtype=torch.uint8)
+        post(groups[1], [(0, False, b)])
+        return b
+    res, err, streams = on_ranks(2, rank)
+    assert isinstance(err[1], UcclError) and "rank 0 sends 8 bytes, rank 1 receives 12" in \
+        str(err[1]), err
+    drain(groups, streams)   # rank 0's stream, waiting for the copy, was released
+    for r in range(2):
+        with pytest.raises(UcclError, match="rank 0 sends 8 bytes, rank 1 receives 12"):
+            groups[r].check()
+
+    def again(r):   # every later post raises with the reason
+        post(groups[r], [(1 - r, r == 0, torch.ones(4, dtype=torch.uint8))])
+    _res, err2, streams2 = on_ranks(2, again)
+    assert all(isinstance(e, UcclError) and "sends 8 bytes" in str(e) for e in err2), err2
+    close_all(groups, streams + streams2)
+
+
+def test_a_receiver_that_never_posts_fails_the_group_within_the_timeout():
+    groups = make_groups(2, timeout_s=1.0)
+
+    def rank(r):
+        if r == 1:
+            return None   # never posts its recv
+        a = torch.ones(64, dtype=torch.uint8)
+        t0 = time.monotonic()
+        wait_all(groups[0], post(groups[0], [(1, True, a)]))
+        while groups[0].error() is None and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        return time.monotonic() - t0, a
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    took = res[0][0]
+    assert 0.9 < took < 5.0, took
+    drain(groups, streams)   # the caller's stream waited for the copy: released
+    for r in range(2):
+        with pytest.raises(UcclError, match="message 1 from rank 0 to rank 1 not in place "
+                                            "within 1 s: the receiver never posted its recv"):
+            groups[r].check()
+    close_all(groups, streams)
+
+
+def test_a_sender_more_than_the_slots_ahead_waits_for_the_receiver():
+    groups = make_groups(2)
+    count = P2P_SLOTS + 4
+    xs = [torch.from_numpy(np.random.default_rng(i).integers(0, 256, 999 + i, dtype=np.uint8))
+          for i in range(count)]
+
+    def rank(r):
+        t0 = time.monotonic()
+        if r == 0:
+            codes = [post(groups[0], [(1, True, x)])[0] for x in xs]
+            wait_all(groups[0], codes)
+            return time.monotonic() - t0
+        time.sleep(0.5)
+        ys = [torch.full_like(x, 0xA5) for x in xs]
+        wait_all(groups[1], [post(groups[1], [(0, False, y)])[0] for y in ys])
+        return ys
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    assert res[0] > 0.4, f"message {P2P_SLOTS + 1} was posted without waiting ({res[0]:.3f} s)"
+    drain(groups, streams)
+    for x, y in zip(xs, res[1]):
+        assert torch.equal(x, y)
+    close_all(groups, streams)
+
+
+def test_a_sender_too_far_ahead_of_a_receiver_that_never_comes_times_out():
+    groups = make_groups(2, timeout_s=1.0)
+    xs = [torch.ones(16, dtype=torch.uint8) for _ in range(P2P_SLOTS + 1)]
+
+    def rank(r):
+        if r == 1:
+            return None
+        for i, x in enumerate(xs):
+            try:
+                post(groups[0], [(1, True, x)])
+            except UcclError as e:
+                return i, str(e)
+        return None
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    i, msg = res[0]
+    assert i == P2P_SLOTS and f"taking message 1 of the 0 -> 1 channel ({P2P_SLOTS} messages " \
+        "ahead)" in msg and "timeout" in msg, res
+    drain(groups, streams)
+    close_all(groups, streams)
+
+
+def test_messages_and_collective_rounds_in_different_orders_on_the_ranks():
+    groups = make_groups(2)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.integers(0, 256, 5000, dtype=np.uint8))
+    parts = [torch.from_numpy(rng.integers(0, 256, 777, dtype=np.uint8)) for _ in range(2)]
+
+    def rank(r):
+        ctx = sgm.StreamCtx(Ctx(None, r, 2, 5.0), groups[r])
+        out = torch.full((2 * 777,), 0xA5, dtype=torch.uint8)
+        if r == 0:   # recv, then allgather
+            y = torch.full_like(x, 0xA5)
+            codes = post(groups[0], [(1, False, y)])
+            ctx.allgather(parts[0], out)
+            wait_all(groups[0], codes)
+            return out, y
+        ctx.allgather(parts[1], out)   # allgather, then send
+        wait_all(groups[1], post(groups[1], [(0, True, x)]))
+        return out, None
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    drain(groups, streams)
+    assert torch.equal(res[0][1], x)
+    for r in range(2):
+        assert torch.equal(res[r][0], torch.cat(parts))
+    close_all(groups, streams)
+
+
+def test_bad_arguments_raise_before_anything_is_posted():
+    groups = make_groups(2)
+
+    def rank(r):
+        g, t = groups[r], torch.ones(4, dtype=torch.uint8)
+        errs = []
+        for msgs in ([(r, True, t.data_ptr(), 4)], [(2, True, t.data_ptr(), 4)],
+                     [(-1, False, t.data_ptr(), 4)], [(1 - r, True, 0, 4)], []):
+            try:
+                g.p2p(_callers.stream, msgs)
+            except ValueError as e:
+                errs.append(str(e))
+        for code in (0, 12345, (3 << 33) | 1, (5 << 33) | 1):   # own channel, no channel
+            try:
+                g.c.p2p_passed(code)
+            except ValueError as e:
+                errs.append(str(e))
+        return errs
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    for errs in res:
+        assert len(errs) == 9, errs
+        assert any("peer 0 in a group of 2 (this rank 0)" in e or
+                   "peer 1 in a group of 2 (this rank 1)" in e for e in errs), errs
+        assert any("is not a message code of this group" in e for e in errs), errs
+    for g in groups:
+        assert g.error() is None   # nothing was posted, nothing failed
+    drain(groups, streams)
+    close_all(groups, streams)
