@@ -227,7 +227,7 @@ def backend_plan(ws: int, big) -> list:
     for op in ("ar", "agit"):
         for mode in ("blocking", "async", "async-side-stream", "blocking-side-stream"):
             add(f"stream-{op}-{mode}", "stream_pg", op=op, mode=mode)
-    for op in ("ar", "agit", "rs"):
+    for op in ("ar", "agit", "rs", "p2p"):
         for mode in ("async", "blocking"):
             add(f"{op}-{mode}-wait-does-not-block-host", "nonblocking_wait", op=op, mode=mode)
     # training (last: they can spoil a group)
@@ -1177,7 +1177,8 @@ def _case_nonblocking_wait(x: X, i, p):
     n = 4097
     inp = torch.zeros(n * ws if p["op"] == "rs" else n, device=x.dev)
     out = {"ar": lambda: inp, "agit": lambda: torch.zeros(n * ws, device=x.dev),
-           "rs": lambda: torch.zeros(n, device=x.dev)}[p["op"]]()
+           "rs": lambda: torch.zeros(n, device=x.dev),
+           "p2p": lambda: torch.zeros(n, device=x.dev)}[p["op"]]()
     # made before the timed part: an allocation while the GPU spins may wait for it
     src = torch.arange(inp.numel(), device=x.dev, dtype=torch.float32) % 97 + me + 1
     x.sync()
@@ -1185,14 +1186,23 @@ def _case_nonblocking_wait(x: X, i, p):
     t0 = time.monotonic()
     torch.cuda._sleep(cycles)
     inp.copy_(src)
+
+    def p2p(a):
+        # send right and receive from the left, every rank in the same order:
+        # a blocking send returns before its receiver has even posted
+        if not a:
+            dist.send(inp, x.right)
+            dist.recv(out, x.left)
+            return None
+        return [dist.isend(inp, x.right), dist.irecv(out, x.left)]
     call = {"ar": lambda a: dist.all_reduce(inp, async_op=a),
             "agit": lambda a: dist.all_gather_into_tensor(out, inp, async_op=a),
-            "rs": lambda a: dist.reduce_scatter_tensor(out, inp, async_op=a)}[p["op"]]
+            "rs": lambda a: dist.reduce_scatter_tensor(out, inp, async_op=a), "p2p": p2p}[p["op"]]
     w = call(p["mode"] == "async")
     issued = time.monotonic() - t0
     busy = None
-    if w is not None:
-        busy = w.is_completed()
+    for w in (w if isinstance(w, list) else [w] if w is not None else []):
+        busy = busy or w.is_completed()
         assert w.wait() is True
     host = time.monotonic() - t0
     seen = out.clone()
@@ -1210,6 +1220,8 @@ def _case_nonblocking_wait(x: X, i, p):
         exp = base * ws + ws * (ws + 1) // 2
     elif p["op"] == "agit":
         exp = torch.cat([base[:n] + r + 1 for r in range(ws)])
+    elif p["op"] == "p2p":
+        exp = base[:n] + x.left + 1
     else:
         full = torch.arange(n * ws, dtype=torch.float32) % 97
         exp = (full * ws + ws * (ws + 1) // 2)[me * n:(me + 1) * n]

@@ -46,6 +46,14 @@ class Store:
             assert self._cv.wait_for(lambda: k in self._d, 10), f"store key {k} never set"
             return self._d[k]
 
+    def compare_set(self, k, expected, desired):
+        with self._cv:
+            cur = self._d.get(k)
+            if (cur is None and expected == "") or (cur is not None and cur == expected.encode()):
+                cur = self._d[k] = desired.encode()
+                self._cv.notify_all()
+            return cur if cur is not None else expected.encode()
+
     def add(self, k, n):
         with self._cv:
             self._d[k] = int(self._d.get(k, 0)) + n

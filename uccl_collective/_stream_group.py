@@ -86,18 +86,26 @@ def refuse_capture(dev: int, what: str) -> None:
 
 
 def open_page(kv: Any, key: str, rank: int, size: int) -> tuple[mmap.mmap, Any, int, int]:
-    """The group's shared file, mapped: rank 0 makes it, the others open it
-    (its name through the store); unlinked once every rank has it open.
-    Returns (mmap, its ctypes buffer, address, length)."""
+    """The group's shared file, mapped: the first rank to get here makes it
+    (its name through the store's compare_set; the group is made at the
+    first stream-ordered operation, which a send and its receive may be,
+    with other ranks never coming), the others open it; unlinked once every
+    rank has it open.  Returns (mmap, its ctypes buffer, address, length)."""
     length = _engine.sg_page_bytes(size)
-    if rank == 0:
-        name = f"/dev/shm/uccl-sg-{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, length)
-        kv.set(f"{key}/name", name)
-    else:
-        name = kv.get(f"{key}/name").decode()
-        fd = os.open(name, os.O_RDWR)
+    mine = f"/dev/shm/uccl-sg-{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, length)   # sized before anyone can see its name
+        name = kv.compare_set(f"{key}/name", "", mine).decode()
+        if name != mine:   # another rank's came first
+            os.close(fd)
+            fd = -1
+            os.unlink(mine)
+            fd = os.open(name, os.O_RDWR)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
     try:
         got = os.fstat(fd).st_size
         if got != length:
@@ -131,6 +139,7 @@ class StreamGroup:
             ctx._kv, "stream_group", self.rank, self.size)
         self._torch_stream = None
         self._p2p_stream: Any = None   # made on first use (p2p_stream)
+        self._future_stream: Any = None
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
         try:
@@ -209,6 +218,15 @@ class StreamGroup:
                                         else torch.cuda.Stream(self.dev))
                 s = self._p2p_stream
         return s if self.emulated else s.cuda_stream
+
+    def future_stream(self) -> Any:
+        """A torch stream of the group's that only waits (for messages a
+        CUDA future of a P2PWork stands for): torch records the future's
+        events on it."""
+        with self._lock:
+            if self._future_stream is None:
+                self._future_stream = torch.cuda.Stream(self.dev)
+            return self._future_stream
 
     def p2p(self, caller: int, msgs: Sequence[tuple[int, bool, int, int]]) -> list[int]:
         """Post messages (peer, send?, ptr, nbytes) in order, after the work

@@ -407,3 +407,82 @@ class StreamWork(dist._Work):
         fut = torch.futures.Future(devices=[torch.device("cuda", self._sg.dev)])
         fut.set_result(self._result)
         return fut
+
+
+class P2PWork(dist._Work):
+    """A send or receive of CUDA tensors on the stream-ordered path
+    (csrc/sg_p2p.c: posted without any host wait): wait() makes the current
+    stream wait for the message to be in place, whichever side copies it,
+    and returns at once, as ProcessGroupNCCL's does; is_completed() tells
+    whether it is; the group's failure (a peer gone, sizes that differ, a
+    message not in place within the timeout) raises from wait() and is
+    exception()."""
+
+    def __init__(self, sg: Any, codes: list[int], result: list):
+        super().__init__()
+        self._sg, self._codes, self._result = sg, codes, result
+
+    def _check(self) -> None:
+        if self._sg.c is None:
+            raise UcclError("the process group was shut down")
+        self._sg.check()
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._check()
+        cur = _raw_stream(self._sg.dev)
+        for code in self._codes:
+            self._sg.c.p2p_wait(code, cur)
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        c = self._sg.c
+        return c is None or all(c.p2p_passed(code) for code in self._codes)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._sg.error() is None
+
+    def exception(self) -> Any:
+        err = self._sg.error() if self._sg.c is not None else None
+        return UcclError(f"stream-ordered group: {err}") if err else None
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        raise ValueError("source_rank: this Work is not a receive from any source")
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes once the message is in place (at once if it is), or
+        with the group's error: a receive whose sender died raises from the
+        future's wait() within the group's timeout.  Its CUDA events are
+        recorded on a stream of the group's that waited for the message."""
+        fut = torch.futures.Future(devices=[torch.device("cuda", self._sg.dev)])
+        if self.is_completed():
+            self._complete(fut)
+        else:
+            threading.Thread(target=self._deliver, args=(fut,), daemon=True,
+                             name="uccl-p2p-future").start()
+        return fut
+
+    def _complete(self, fut: torch.futures.Future) -> None:
+        try:
+            with torch.cuda.stream(self._sg.future_stream()):
+                self.wait()
+                fut.set_result(self._result)
+        except Exception as e:   # noqa: BLE001 - the future carries it
+            fut.set_exception(e)
+
+    def _deliver(self, fut: torch.futures.Future) -> None:
+        """Polls (bounded: the group's watchdog fails a message not in
+        place within the timeout, which is_completed() then sees)."""
+        pause = 2e-5
+        while not self.is_completed() and self._sg.c is not None and self._sg.error() is None:
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        self._complete(fut)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse, _stream_group
 from ._reduce import R
-from ._work import IF_IDLE, Runner, StreamWork, Task, Work
+from ._work import IF_IDLE, P2PWork, Runner, StreamWork, Task, Work
 from .collective import CollectiveContext
 from .p2p import UcclError, UcclTimeoutError
 
@@ -196,6 +196,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._sg_off = not _stream_group.enabled() or size == 1
         self._run_ctx: Any = None   # a task's StreamCtx while it runs
         self._red_codes: dict = {}  # (operator, dtype) -> the engine kernel's codes, or ()
+        self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
@@ -875,12 +876,45 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                              f"(0..{n - 1}, this is {me})")
         return peer
 
+    def _streamed_p2p(self, t: torch.Tensor, peer: int, send: bool, tensors: Any,
+                      what: str) -> P2PWork | None:
+        """A send or receive of a CUDA tensor where the group's ranks share
+        this host: one message of the stream-ordered group (csrc/sg_p2p.c),
+        posted here with no host wait, after the work queued on the current
+        stream, and matched in order with the peer's receive or send, as
+        NCCL's are; None elsewhere (CPU tensors, peers on other hosts: the
+        engine's messages, _anysource.Channel).  Both sides of a message
+        must take the same path: a CUDA tensor is matched with a CUDA tensor.
+        The tensors are kept until the message is in place, so that memory
+        freed meanwhile is not handed out while a peer still copies."""
+        if not t.is_cuda:
+            return None
+        dev = t.device.index
+        sg = self._stream_group(dev)
+        if sg is None:
+            return None
+        _stream_group.refuse_capture(dev, f"uccl {what}")
+        prof = _profiling.begin(what, tensors)
+        try:
+            codes = sg.p2p(_stream_group._raw_stream(dev),
+                           [(peer, send, t.data_ptr(), t.numel() * t.element_size())])
+        finally:
+            _profiling.end(prof)
+        live = [e for e in self._p2p_live if not all(map(sg.c.p2p_passed, e[0]))]
+        live.append((codes, (t, tensors)))
+        self._p2p_live = live
+        return P2PWork(sg, codes, list(tensors))
+
     def send(self, tensors, dstRank, tag=0):
         what = "send"
         t = _one(tensors, what)
         dst = self._peer(dstRank, what)
         src = t.contiguous()
-
+        if self._closed:
+            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
+        work = self._streamed_p2p(src, dst, True, tensors, what)
+        if work is not None:
+            return work
         return self._submit(lambda: self._chan.send(src, dst), list(tensors), p2p=True,
                             prof=("send", tensors))
 
@@ -895,6 +929,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "recv"
         t = self._recv_tensor(tensors, what)
         src = self._peer(srcRank, what)
+        if self._closed:
+            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
+        work = self._streamed_p2p(t, src, False, tensors, what)
+        if work is not None:
+            return work
         return self._submit(lambda: self._chan.recv(t, src, time.monotonic() + self._timeout),
                             list(tensors), p2p=True, prof=("recv", tensors))
 
@@ -905,6 +944,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         t = self._recv_tensor(tensors, what)
         if self.size() < 2:
             raise ValueError(f"{what}: the group has no other rank (size {self.size()})")
+        if t.is_cuda and self._stream_group(t.device.index) is not None:
+            raise ValueError(f"{what}: a CUDA tensor's messages go stream-ordered on this group "
+                             "(its ranks share a host), and those are matched by sender, as "
+                             "NCCL's are, which has no receive from any source either; name "
+                             "the source (dist.recv(t, src=...)), or receive into a CPU tensor "
+                             "(UCCL_STREAM_ORDERED=0 turns the stream-ordered path off)")
         got: list = []
 
         def run():
