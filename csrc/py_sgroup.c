@@ -519,6 +519,20 @@ static PyObject *SG_p2p_wait(PyObject *op, PyObject *args)
     return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
 }
 
+/* p2p_arena(peer, ptr, len): where sends to peer posted first are staged */
+static PyObject *SG_p2p_arena(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = open_group(op);
+    int peer;
+    uint64_t ptr;
+    size_t len;
+    if (!self || !PyArg_ParseTuple(args, "iO&O&", &peer, uccl__py_to_u64, &ptr, uccl__py_to_size,
+                                   &len))
+        return NULL;
+    int rc = uccl_sg_p2p_arena(self->sg, peer, (uintptr_t)ptr, len);
+    return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
+}
+
 static PyObject *SG_p2p_passed(PyObject *op, PyObject *args)
 {
     uccl__py_sgroup *self = (uccl__py_sgroup *)op;
@@ -745,6 +759,8 @@ static PyMethodDef SG_methods[] = {
      "p2p(caller, stream, [(peer, send, ptr, len)]) -> [code]: messages posted in order"},
     {"p2p_wait", SG_p2p_wait, METH_VARARGS, "p2p_wait(code, stream): the stream waits for it"},
     {"p2p_passed", SG_p2p_passed, METH_VARARGS, "p2p_passed(code): the message is in place"},
+    {"p2p_arena", SG_p2p_arena, METH_VARARGS,
+     "p2p_arena(peer, ptr, len): stage the sends to peer posted first there"},
     {"passed", SG_passed, METH_VARARGS, "passed(k): this rank's stream is past round k"},
     {"error", SG_error, METH_NOARGS, "error() -> why the group failed, or None"},
     {"fail", SG_fail, METH_VARARGS, "fail(why): fail the group for every rank"},

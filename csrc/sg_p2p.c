@@ -8,7 +8,13 @@
  * bit already set is second: it reads the other's descriptor, maps that
  * buffer, sets the read bit (the slot may be reused from then on), and
  * queues on its stream: wait for the other side's ready word to reach k,
- * one copy, done = k.  The first side queues ready = k only.
+ * one copy, done = k.  The first side queues ready = k only.  A sender
+ * that posts first and has a staging arena for the peer (small messages)
+ * copies its bytes into the arena's slot for k before writing ready, and
+ * publishes that slot: its send is complete once staged, whatever the
+ * receiver does (a buffered send, as NCCL's and Gloo's small ones are).
+ * The slot is written again only after the receiver's done word passed
+ * the message it last staged.
  *
  * No wait can be stuck behind the write it waits for.  A second side's
  * stream waits for the first side's ready write, queued when that host
@@ -28,6 +34,7 @@
 
 #define BIT_READ 4u
 #define MAX_OPS 4096 /* messages in one post */
+#define CODE_STAGED (1ull << 62) /* a staged send: complete once staged (the sender's ready) */
 
 static inline uint32_t state_k(uint64_t s) { return (uint32_t)(s >> 32); }
 
@@ -49,13 +56,14 @@ static int slot_free(uccl_sg_t *sg, uint32_t k, int c)
 /* The copier's done word of a message and its number, from a code. */
 static int decode(uccl_sg_t *sg, uint64_t code, uint32_t **done_p, uint32_t *k_p)
 {
-    uint64_t c = code >> 33;
+    uint64_t c = (code & ~CODE_STAGED) >> 33;
     int copier = (int)((code >> 32) & 1);
     uint32_t n = (uint32_t)sg->size;
     if (c >= (uint64_t)n * n || c / n == c % n || (uint32_t)code == 0)
         return uccl__err(UCCL_ERR_INVALID, "%#llx is not a message code of this group "
                          "(%u ranks)", (unsigned long long)code, n);
-    *done_p = &chan_at(sg, (uint32_t)c)->done[copier][0];
+    struct p2p_chan *ch = chan_at(sg, (uint32_t)c);
+    *done_p = code & CODE_STAGED ? &ch->ready[P2P_SRC][0] : &ch->done[copier][0];
     *k_p = (uint32_t)code;
     return UCCL_OK;
 }
@@ -186,8 +194,12 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     /* the peer's bit already there: this side is second, and no peer reads its descriptor */
     uint64_t s = ld64(&sl->state);
     int known_second = state_k(s) == k, second = 0;
-    struct p2p_desc mine = {0, o->ptr, o->len};
-    if (!known_second && o->len &&
+    struct p2p_arena *ar = o->send ? &sg->arena[o->peer] : NULL;
+    size_t stage_bytes = ar && ar->ptr ? ar->len / P2P_SLOTS : 0;
+    uintptr_t stage = stage_bytes ? ar->ptr + (k % P2P_SLOTS) * stage_bytes : 0;
+    int staged = !known_second && o->len && o->len <= stage_bytes;
+    struct p2p_desc mine = {staged ? ar->key : 0, staged ? stage : o->ptr, o->len};
+    if (!known_second && !staged && o->len &&
         (rc = uccl__sg_reg_key(sg, o->ptr, o->len, sg->round, &mine.key, &p.reg)))
         return rc;
     sl->d[side] = mine;
@@ -202,6 +214,18 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
             p.reg = 0;
         }
         rc = copy_second(sg, o, ch, sl, k, side, X, &p);
+    } else if (staged) {
+        /* the slot's last message copied out by the receiver, then this one in */
+        uint32_t prev = ar->staged[k % P2P_SLOTS];
+        struct uccl__sg_memop free_slot = {&ch->done[P2P_DST][0], prev, 1};
+        struct uccl__sg_memop ready = {&ch->ready[side][0], k, 0};
+        struct uccl_sg_copy cp = {stage, o->ptr, o->len};
+        rc = prev ? sg->ops->memops(sg->d, X, &free_slot, 1) : UCCL_OK;
+        if (!rc)
+            rc = sg->ops->copies(sg->d, X, &cp, 1);
+        if (!rc)
+            rc = sg->ops->memops(sg->d, X, &ready, 1);
+        ar->staged[k % P2P_SLOTS] = k;
     } else {
         struct uccl__sg_memop ready = {&ch->ready[side][0], k, 0};
         rc = sg->ops->memops(sg->d, X, &ready, 1);
@@ -214,7 +238,27 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
             uccl__sg_reg_unpin(sg, p.reg);
         rc = rc ? rc : arc;
     }
-    *code_p = ((uint64_t)c << 33) | ((uint64_t)p.copier << 32) | k;
+    *code_p = ((uint64_t)c << 33) | ((uint64_t)p.copier << 32) | k |
+              (staged && !second ? CODE_STAGED : 0);
+    return rc;
+}
+
+int uccl_sg_p2p_arena(uccl_sg_t *sg, int peer, uintptr_t ptr, size_t len)
+{
+    if (peer < 0 || peer >= sg->size || peer == sg->rank || !ptr || len < P2P_SLOTS)
+        return uccl__err(UCCL_ERR_INVALID, "stream-ordered send staging: peer %d in a group of "
+                         "%d (this rank %d), arena %#lx of %zu bytes (at least %d)", peer,
+                         sg->size, sg->rank, (unsigned long)ptr, len, P2P_SLOTS);
+    pthread_mutex_lock(&sg->p2p_mu);
+    struct p2p_arena *ar = &sg->arena[peer];
+    int rc = UCCL_OK;
+    uint64_t key = 0, reg = 0;
+    if (ar->ptr)
+        rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered send staging for rank %d is set "
+                       "already", peer);
+    else if (!(rc = uccl__sg_reg_key(sg, ptr, len, sg->round, &key, &reg)))
+        *ar = (struct p2p_arena){ptr, len, key, {0}}; /* pinned: the peer maps it until close */
+    pthread_mutex_unlock(&sg->p2p_mu);
     return rc;
 }
 

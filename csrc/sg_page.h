@@ -75,6 +75,16 @@ struct p2p_chan {
     uint64_t high, pad[7];          /* the highest message number posted (release's base) */
     struct p2p_slot slot[P2P_SLOTS];
 };
+/* Where this rank stages the sends to one peer that it posts first
+ * (uccl_sg_p2p_arena): P2P_SLOTS slots of len / P2P_SLOTS bytes, and the
+ * message each slot last staged (its receiver must have copied it out
+ * before the slot is written again). */
+struct p2p_arena {
+    uintptr_t ptr;
+    size_t len;
+    uint64_t key;
+    uint32_t staged[P2P_SLOTS];
+};
 /* A message posted here, until the copier's done word passes it. */
 struct p2p_pending {
     uint32_t chan, k;
@@ -111,6 +121,7 @@ struct uccl_sg {
     pthread_mutex_t reg_mu;         /* regs (rounds and posts register) */
     void *ev_p2p;
     uint32_t *p2p_sent, *p2p_recvd; /* messages posted to / from each rank */
+    struct p2p_arena *arena;        /* per peer (under p2p_mu) */
     struct p2p_pending *p2p;        /* under mu */
     int np2p, cap_p2p;
     char error[REASON];

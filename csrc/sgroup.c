@@ -444,6 +444,7 @@ static void sg_free(uccl_sg_t *sg)
     free(sg->peer_cnt);
     free(sg->p2p_sent);
     free(sg->p2p_recvd);
+    free(sg->arena);
     free(sg->p2p);
     free(sg->pend);
     free(sg->regs);
@@ -489,7 +490,8 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
     sg->peer_cnt = calloc((size_t)size, sizeof(uint32_t));
     sg->p2p_sent = calloc((size_t)size, sizeof(uint32_t));
     sg->p2p_recvd = calloc((size_t)size, sizeof(uint32_t));
-    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd)
+    sg->arena = calloc((size_t)size, sizeof(struct p2p_arena));
+    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd || !sg->arena)
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     if (!rc)
         rc = ops->event_new(d, &sg->ev_start);

@@ -232,9 +232,17 @@ struct uccl_sg_p2p_op {
 /* Post n messages in order; codes[i] names message i for p2p_wait/passed. */
 int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_t caller,
                 uintptr_t stream, uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *codes);
-/* `stream` waits for message `code` to be in place (no host wait). */
+/* Stage the sends to `peer` that this rank posts first in [ptr, +len) of
+ * its GPU memory (kept registered until close): such a send is complete
+ * once its bytes are copied there, so a send then receive on every rank
+ * (each blocking, as `dist.send(); dist.recv()`) does not wait for the
+ * peer's receive, as NCCL's and Gloo's buffered sends do not.  Sends of up
+ * to len / P2P_SLOTS bytes are staged; larger ones wait for the receiver. */
+int uccl_sg_p2p_arena(uccl_sg_t *sg, int peer, uintptr_t ptr, size_t len);
+/* `stream` waits for message `code` to be in place, or for a staged send
+ * to be staged (no host wait). */
 int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream);
-/* Is message `code` in place? (1 yes, 0 not yet, < 0 not a code of this group) */
+/* Is message `code` in place (or staged)? (1 yes, 0 not yet, < 0 not a code of this group) */
 int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code);
 
 /* Has this rank's stream finished round k? (its fin word) */

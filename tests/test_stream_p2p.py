@@ -280,3 +280,88 @@ def test_bad_arguments_raise_before_anything_is_posted():
         assert g.error() is None   # nothing was posted, nothing failed
     drain(groups, streams)
     close_all(groups, streams)
+
+
+def test_a_small_send_posted_first_is_complete_once_staged():
+    groups = make_groups(2)
+    x = torch.from_numpy(np.random.default_rng(11).integers(0, 256, 4099, dtype=np.uint8))
+    go = threading.Event()
+
+    def rank(r):
+        if r == 0:
+            src = x.clone()
+            codes = post(groups[0], [(1, True, src)])
+            wait_all(groups[0], codes)
+            # the receiver has not posted: the send is complete all the same
+            idle = _engine._sg_emu_stream_idle(_callers.stream, 5.0)
+            passed = groups[0].c.p2p_passed(codes[0])
+            src.fill_(0)   # the send buffer is the caller's again
+            go.set()
+            return idle, passed
+        assert go.wait(10)
+        y = torch.full_like(x, 0xA5)
+        wait_all(groups[1], post(groups[1], [(0, False, y)]))
+        return y
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    assert res[0] == (True, True), res[0]
+    drain(groups, streams)
+    assert torch.equal(res[1], x)
+    close_all(groups, streams)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_rank_sending_then_receiving_blocking_works_for_staged_sends(n):
+    """dist.send(); dist.recv() on every rank, each wait()ed (the caller's
+    stream waits for the send before the receive is even posted): works as
+    NCCL's and Gloo's small buffered sends do, whichever side posts first,
+    and with the arena's slots reused (more messages than slots)."""
+    groups = make_groups(n)
+    rounds = P2P_SLOTS + 5
+    data = {(r, i): torch.from_numpy(np.random.default_rng(r * 1000 + i).integers(
+        0, 256, 1000 + 37 * i, dtype=np.uint8)) for r in range(n) for i in range(rounds)}
+
+    def rank(r):
+        right, left = (r + 1) % n, (r - 1) % n
+        got, sent = [], []   # kept until the streams ran (as the backend keeps them)
+        for i in range(rounds):
+            sent.append(data[r, i].clone())
+            wait_all(groups[r], post(groups[r], [(right, True, sent[-1])]))
+            y = torch.full_like(data[left, i], 0xA5)
+            wait_all(groups[r], post(groups[r], [(left, False, y)]))
+            got.append(y)
+        return got, sent
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        for i in range(rounds):
+            assert torch.equal(res[r][0][i], data[(r - 1) % n, i]), (r, i)
+    close_all(groups, streams)
+
+
+def test_every_rank_sending_then_receiving_unstaged_fails_loudly_as_a_deadlock(monkeypatch):
+    """The same with staging off: each send completes only in the peer's
+    receive, which its stream orders after its own send; the streams wait
+    on each other (NCCL deadlocks there too, for sends larger than its
+    buffers).  The watchdog fails the group within the timeout and
+    releases every stream."""
+    monkeypatch.setenv("UCCL_SG_EAGER_BYTES", "0")
+    groups = make_groups(2, timeout_s=1.0)
+
+    def rank(r):
+        wait_all(groups[r], post(groups[r], [(1 - r, True, torch.ones(64, dtype=torch.uint8))]))
+        y = torch.zeros(64, dtype=torch.uint8)
+        wait_all(groups[r], post(groups[r], [(1 - r, False, y)]))
+        t0 = time.monotonic()
+        while groups[r].error() is None and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        return time.monotonic() - t0
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    assert all(t < 5 for t in res), res
+    drain(groups, streams)
+    for g in groups:
+        with pytest.raises(UcclError, match="not in place within 1 s"):
+            g.check()
+    close_all(groups, streams)

@@ -71,6 +71,23 @@ def tag_to(dst: int, k: int) -> int:
     return (1 << 40) | (dst << 20) | k
 
 
+#: messages posted ahead per pair of ranks before a post waits (csrc/sg_page.h)
+P2P_SLOTS = 16
+
+
+def eager_bytes() -> int:
+    """UCCL_SG_EAGER_BYTES: sends up to this size are staged when the
+    sender posts first (complete once staged, as a buffered send); 0: none."""
+    v = os.environ.get("UCCL_SG_EAGER_BYTES", "")
+    try:
+        n = int(v) if v else 256 << 10
+    except ValueError:
+        raise ValueError(f"UCCL_SG_EAGER_BYTES={v!r} is not a number of bytes") from None
+    if not 0 <= n <= 64 << 20:
+        raise ValueError(f"UCCL_SG_EAGER_BYTES={n} is not in 0..{64 << 20}")
+    return n
+
+
 def enabled() -> bool:
     return os.environ.get("UCCL_STREAM_ORDERED", "1") != "0"
 
@@ -140,6 +157,7 @@ class StreamGroup:
         self._torch_stream = None
         self._p2p_stream: Any = None   # made on first use (p2p_stream)
         self._future_stream: Any = None
+        self._arenas: dict[int, torch.Tensor] = {}   # per peer: staged sends (p2p)
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
         try:
@@ -231,8 +249,21 @@ class StreamGroup:
     def p2p(self, caller: int, msgs: Sequence[tuple[int, bool, int, int]]) -> list[int]:
         """Post messages (peer, send?, ptr, nbytes) in order, after the work
         on stream `caller`; no host wait (but for P2P_SLOTS messages ahead
-        of a peer).  Returns a code per message for p2p_wait / p2p_passed."""
+        of a peer).  Returns a code per message for p2p_wait / p2p_passed.
+        A send of up to eager_bytes() is staged when posted first (the
+        peer's arena is made at the first such send)."""
+        eager = eager_bytes()
+        for peer, send, _ptr, nb in msgs:
+            if send and 0 < nb <= eager and peer not in self._arenas:
+                self._make_arena(peer, eager)
         return self.c.p2p(caller, self.p2p_stream, msgs)
+
+    def _make_arena(self, peer: int, eager: int) -> None:
+        nb = P2P_SLOTS * ((eager + 255) // 256 * 256)
+        dev = "cpu" if self.emulated else torch.device("cuda", self.dev)
+        arena = torch.empty(nb, dtype=torch.uint8, device=dev)
+        self.c.p2p_arena(peer, arena.data_ptr(), nb)
+        self._arenas[peer] = arena   # kept until close (the peer maps it)
 
     # -- failure ---------------------------------------------------------------------
     def error(self) -> str | None:
@@ -253,6 +284,10 @@ class StreamGroup:
         if c is None:
             return
         ok = c.close()
+        if ok:
+            self._arenas.clear()
+        else:   # peers' streams may still copy out of them
+            _KEPT.append(self._arenas)
         if self.emulated:
             _engine._sg_emu_stream_free(self.stream)
             if self._p2p_stream is not None:
