@@ -443,7 +443,6 @@ out:
 struct p2p_call {
     struct uccl_sg_p2p_op *ops;
     int n;
-    uintptr_t stream;
     uint64_t *codes;
 };
 
@@ -451,29 +450,28 @@ static int do_p2p(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t
 {
     struct p2p_call *a = p;
     *k = 0;
-    return uccl_sg_p2p(sg, a->ops, a->n, o->caller, a->stream, o->intr, o->intr_arg, a->codes);
+    return uccl_sg_p2p(sg, a->ops, a->n, o->caller, o->intr, o->intr_arg, a->codes);
 }
 
 static int fill_p2p(void *out, Py_ssize_t i, PyObject *it)
 {
     struct uccl_sg_p2p_op *p = (struct uccl_sg_p2p_op *)out + i;
-    uint64_t ptr;
-    return PyArg_ParseTuple(it, "ipO&O&", &p->peer, &p->send, uccl__py_to_u64, &ptr,
-                            uccl__py_to_size, &p->len)
-               ? (p->ptr = (uintptr_t)ptr, 0)
+    uint64_t ptr, stream;
+    return PyArg_ParseTuple(it, "ipO&O&O&", &p->peer, &p->send, uccl__py_to_u64, &ptr,
+                            uccl__py_to_size, &p->len, uccl__py_to_u64, &stream)
+               ? (p->ptr = (uintptr_t)ptr, p->stream = (uintptr_t)stream, 0)
                : -1;
 }
 
-/* p2p(caller, stream, [(peer, send, ptr, len)]) -> [code]: post the messages in order */
+/* p2p(caller, [(peer, send, ptr, len, stream)]) -> [code]: post the messages in order */
 static PyObject *SG_p2p(PyObject *op, PyObject *args)
 {
     uccl__py_sgroup *self = open_group(op);
-    uint64_t caller, stream;
+    uint64_t caller;
     PyObject *items, *res = NULL;
     Py_ssize_t n = 0;
-    struct p2p_call a = {NULL, 0, 0, NULL};
-    if (!self || !PyArg_ParseTuple(args, "O&O&O", uccl__py_to_u64, &caller, uccl__py_to_u64,
-                                   &stream, &items))
+    struct p2p_call a = {NULL, 0, NULL};
+    if (!self || !PyArg_ParseTuple(args, "O&O", uccl__py_to_u64, &caller, &items))
         return NULL;
     if (parse_list(items, &n, (void **)&a.ops, sizeof(*a.ops), fill_p2p))
         goto out;
@@ -482,7 +480,6 @@ static PyObject *SG_p2p(PyObject *op, PyObject *args)
         goto out;
     }
     a.n = (int)n;
-    a.stream = (uintptr_t)stream;
     a.codes = PyMem_Calloc((size_t)n, sizeof(uint64_t));
     if (!a.codes) {
         PyErr_NoMemory();
@@ -529,7 +526,13 @@ static PyObject *SG_p2p_arena(PyObject *op, PyObject *args)
     if (!self || !PyArg_ParseTuple(args, "iO&O&", &peer, uccl__py_to_u64, &ptr, uccl__py_to_size,
                                    &len))
         return NULL;
-    int rc = uccl_sg_p2p_arena(self->sg, peer, (uintptr_t)ptr, len);
+    int rc;
+    uccl_sg_t *sg = self->sg;
+    self->inflight++; /* a post may hold the lock while it waits: wait without the GIL */
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_sg_p2p_arena(sg, peer, (uintptr_t)ptr, len);
+    Py_END_ALLOW_THREADS
+    self->inflight--;
     return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
 }
 
@@ -756,7 +759,7 @@ static PyMethodDef SG_methods[] = {
     {"broadcast", SG_broadcast, METH_VARARGS,
      "broadcast(caller, caller_waits, end_event, ptr, nbytes, root) -> k"},
     {"p2p", SG_p2p, METH_VARARGS,
-     "p2p(caller, stream, [(peer, send, ptr, len)]) -> [code]: messages posted in order"},
+     "p2p(caller, [(peer, send, ptr, len, stream)]) -> [code]: messages posted in order"},
     {"p2p_wait", SG_p2p_wait, METH_VARARGS, "p2p_wait(code, stream): the stream waits for it"},
     {"p2p_passed", SG_p2p_passed, METH_VARARGS, "p2p_passed(code): the message is in place"},
     {"p2p_arena", SG_p2p_arena, METH_VARARGS,

@@ -16,13 +16,15 @@
  * The slot is written again only after the receiver's done word passed
  * the message it last staged.
  *
- * No wait can be stuck behind the write it waits for.  A second side's
+ * Each side queues a pair's messages (both ways) on one stream of its own
+ * for that peer, in its host's posting order, as NCCL's per-pair streams.
+ * Within a pair no wait is behind the write it waits for: a second side's
  * stream waits for the first side's ready write, queued when that host
- * arrived, which was before this host arrived; a stream runs its
- * messages in its host's posting order.  A cycle of such waits would need
- * each arrival to come before the previous one.  A Work's wait (the
- * caller's stream waits for the copier's done word) is queued by the
- * caller after the post, so nothing of the group's waits behind it. */
+ * arrived, before this host did, and a cycle of such waits would need each
+ * arrival to come before the previous one.  What the ranks' programs add
+ * across pairs (a Work's wait on the caller's stream, which a later post
+ * then starts after) can still make a cycle, as with NCCL; a message not
+ * in place within the timeout then fails the group. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,21 +90,35 @@ void uccl__sg_p2p_release(uccl_sg_t *sg)
     }
 }
 
-void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, char *why, size_t len)
+void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
+                      size_t len)
 {
     uint32_t n = (uint32_t)sg->size;
     int src = (int)(p->chan / n), dst = (int)(p->chan % n);
     int peer = src == sg->rank ? dst : src;
     const struct p2p_chan *ch = chan_at(sg, p->chan);
     uint64_t s = ld64(&ch->slot[p->k % P2P_SLOTS].state);
-    int both = state_k(s) == p->k && (s & 3u) == 3u;
-    snprintf(why, len, "message %u from rank %d to rank %d not in place within %.3g s: %s "
-             "(ready words %u/%u, done %u/%u)", p->k, src, dst, (double)sg->timeout_ns / 1e9,
+    /* a slot reused since (a later message in it) was posted both sides */
+    int both = (state_k(s) == p->k && (s & 3u) == 3u) ||
+               (state_k(s) != p->k && ahead(state_k(s), p->k));
+    char when[48];
+    if (closing)
+        snprintf(when, sizeof(when), "when rank %d closed the group", sg->rank);
+    else
+        snprintf(when, sizeof(when), "within %.3g s", (double)sg->timeout_ns / 1e9);
+    snprintf(why, len, "message %u from rank %d to rank %d not in place %s: %s "
+             "(ready words %u/%u, done %u/%u)", p->k, src, dst, when,
              both ? "both sides posted it, and the copier's stream did not get to it"
                   : (peer == dst ? "the receiver never posted its recv"
                                  : "the sender never posted its send"),
              ld32(&ch->ready[P2P_SRC][0]), ld32(&ch->ready[P2P_DST][0]),
              ld32(&ch->done[P2P_SRC][0]), ld32(&ch->done[P2P_DST][0]));
+}
+
+int uccl__sg_p2p_unmatched(uccl_sg_t *sg, const struct p2p_pending *p)
+{
+    uint64_t s = ld64(&chan_at(sg, p->chan)->slot[p->k % P2P_SLOTS].state);
+    return state_k(s) == p->k && (s & 3u) != 3u;
 }
 
 static void raise_high(struct p2p_chan *ch, uint32_t k)
@@ -190,7 +206,7 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
                                 uccl__now_ns() + sg->timeout_ns, intr, intr_arg);
     if (rc)
         return rc;
-    struct p2p_pending p = {c, k, 1 - side, uccl__now_ns(), 0, NULL};
+    struct p2p_pending p = {c, k, 1 - side, uccl__now_ns(), 0, NULL, 0};
     /* the peer's bit already there: this side is second, and no peer reads its descriptor */
     uint64_t s = ld64(&sl->state);
     int known_second = state_k(s) == k, second = 0;
@@ -199,12 +215,16 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     uintptr_t stage = stage_bytes ? ar->ptr + (k % P2P_SLOTS) * stage_bytes : 0;
     int staged = !known_second && o->len && o->len <= stage_bytes;
     struct p2p_desc mine = {staged ? ar->key : 0, staged ? stage : o->ptr, o->len};
+    uint32_t round = __atomic_load_n(&sg->round, __ATOMIC_RELAXED);
     if (!known_second && !staged && o->len &&
-        (rc = uccl__sg_reg_key(sg, o->ptr, o->len, sg->round, &mine.key, &p.reg)))
+        (rc = uccl__sg_reg_key(sg, o->ptr, o->len, round, &mine.key, &p.reg)))
         return rc;
     sl->d[side] = mine;
-    if ((rc = arrive(sg, sl, k, side, &second)))
+    if ((rc = arrive(sg, sl, k, side, &second))) {
+        if (p.reg)
+            uccl__sg_reg_unpin(sg, p.reg);
         return rc;
+    }
     *count = k;
     raise_high(ch, k);
     if (second) {
@@ -256,24 +276,27 @@ int uccl_sg_p2p_arena(uccl_sg_t *sg, int peer, uintptr_t ptr, size_t len)
     if (ar->ptr)
         rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered send staging for rank %d is set "
                        "already", peer);
-    else if (!(rc = uccl__sg_reg_key(sg, ptr, len, sg->round, &key, &reg)))
+    else if (!(rc = uccl__sg_reg_key(sg, ptr, len, __atomic_load_n(&sg->round, __ATOMIC_RELAXED),
+                                     &key, &reg)))
         *ar = (struct p2p_arena){ptr, len, key, {0}}; /* pinned: the peer maps it until close */
     pthread_mutex_unlock(&sg->p2p_mu);
     return rc;
 }
 
 int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_t caller,
-                uintptr_t stream, uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *codes)
+                uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *codes)
 {
     if (n < 1 || n > MAX_OPS || !ops || !codes)
         return uccl__err(UCCL_ERR_INVALID, "stream-ordered send/recv: %d messages in one post "
                          "(1..%d)", n, MAX_OPS);
     for (int i = 0; i < n; i++) {
         const struct uccl_sg_p2p_op *o = &ops[i];
-        if (o->peer < 0 || o->peer >= sg->size || o->peer == sg->rank || (o->len && !o->ptr))
+        if (o->peer < 0 || o->peer >= sg->size || o->peer == sg->rank || (o->len && !o->ptr) ||
+            !o->stream)
             return uccl__err(UCCL_ERR_INVALID, "stream-ordered %s %d: peer %d in a group of %d "
-                             "(this rank %d), buffer %#lx of %zu bytes", o->send ? "send" : "recv",
-                             i, o->peer, sg->size, sg->rank, (unsigned long)o->ptr, o->len);
+                             "(this rank %d), buffer %#lx of %zu bytes, stream %#lx",
+                             o->send ? "send" : "recv", i, o->peer, sg->size, sg->rank,
+                             (unsigned long)o->ptr, o->len, (unsigned long)o->stream);
     }
     pthread_mutex_lock(&sg->p2p_mu);
     int rc = UCCL_OK;
@@ -282,17 +305,20 @@ int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_
         goto out;
     }
     uccl__sg_reclaim(sg);
-    /* the messages start after the caller's work so far */
-    if (caller != stream) {
-        rc = sg->ops->record(sg->d, sg->ev_p2p, caller);
+    /* the messages start after the caller's work so far: an event of the
+     * caller's, waited for by each pair's stream before its first message */
+    rc = sg->ops->record(sg->d, sg->ev_p2p, caller);
+    if (rc) /* nothing posted yet: the group stays up */
+        goto out;
+    for (int i = 0; i < n && !rc; i++) {
+        int first = 1;
+        for (int j = 0; j < i && first; j++)
+            first = ops[j].stream != ops[i].stream;
+        if (first && ops[i].stream != caller)
+            rc = sg->ops->wait_event(sg->d, ops[i].stream, sg->ev_p2p);
         if (!rc)
-            rc = sg->ops->wait_event(sg->d, stream, sg->ev_p2p);
-        if (rc) { /* nothing posted yet: the group stays up */
-            goto out;
-        }
+            rc = post_one(sg, &ops[i], ops[i].stream, intr, intr_arg, &codes[i]);
     }
-    for (int i = 0; i < n && !rc; i++)
-        rc = post_one(sg, &ops[i], stream, intr, intr_arg, &codes[i]);
     if (rc && !uccl_sg_error(sg))
         rc = uccl__sg_fail_rc(sg, rc); /* peers may wait on what was posted */
 out:

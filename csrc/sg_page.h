@@ -91,6 +91,7 @@ struct p2p_pending {
     int copier;                     /* the side whose stream copies (P2P_SRC/P2P_DST) */
     uint64_t t0, reg;               /* reg: this rank's registration pinned for it, or 0 */
     void *imp;                      /* the peer's memory mapped for the copy, or NULL */
+    int passed;                     /* reclaim's reading of the copier's word */
 };
 
 struct uccl_sg {
@@ -179,6 +180,8 @@ int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p);
 /* ---- sg_p2p.c (under mu) ---- */
 int uccl__sg_p2p_passed(uccl_sg_t *sg, const struct p2p_pending *p);
 void uccl__sg_p2p_release(uccl_sg_t *sg);        /* every channel's words far ahead */
-void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, char *why, size_t len);
+void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
+                      size_t len);
+int uccl__sg_p2p_unmatched(uccl_sg_t *sg, const struct p2p_pending *p); /* the peer never posted it */
 
 #endif

@@ -277,7 +277,7 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     }
     if (rc)
         return uccl__sg_fail_rc(sg, rc);
-    sg->round = k;
+    __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED); /* posts read it (sg_p2p.c) */
     struct pending p = {k, uccl__now_ns(), 0, calloc((size_t)c->npull + (size_t)sg->size + 1,
                                                      sizeof(void *))};
     struct uccl__sg_memop *ops = calloc(2 * (size_t)sg->size + 2, sizeof(*ops));

@@ -236,7 +236,8 @@ static int reg_key_locked(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k,
         if (e->ptr != ptr || e->len != len)
             continue;
         if (sg->ops->key(sg->d, e->reg, ptr, len, &e->key) == UCCL_OK) {
-            e->last = k;
+            if (ahead(k, e->last)) /* a post may pass an older round than a round's own */
+                e->last = k;
             e->used = ++sg->clock;
             *key_p = e->key;
             if (pin_p) {
@@ -313,12 +314,17 @@ static void p2p_free(uccl_sg_t *sg, struct p2p_pending *p)
 
 static void reclaim_locked(uccl_sg_t *sg)
 {
+    /* the words first, then the failure flag: a failing rank sets its flag
+     * before it releases the words, so a released value read here is seen
+     * as the failure below, and nothing is freed on it */
     uint32_t fin = ld32(w32(sg, sg->rank, OFF_FIN));
+    for (int i = 0; i < sg->np2p; i++)
+        sg->p2p[i].passed = uccl__sg_p2p_passed(sg, &sg->p2p[i]);
     if (failed_locked(sg))
         return;
     int kept = 0;
     for (int i = 0; i < sg->np2p; i++) {
-        if (uccl__sg_p2p_passed(sg, &sg->p2p[i]))
+        if (sg->p2p[i].passed)
             p2p_free(sg, &sg->p2p[i]);
         else
             sg->p2p[kept++] = sg->p2p[i];
@@ -430,7 +436,7 @@ static void *watch_main(void *arg)
                      "(ready/done words by rank: %s)", old->k, sg->rank,
                      (double)sg->timeout_ns / 1e9, words);
         else
-            uccl__sg_p2p_why(sg, late, why, sizeof(why));
+            uccl__sg_p2p_why(sg, late, 0, why, sizeof(why));
         fail_locked(sg, why);
     }
     pthread_mutex_unlock(&sg->mu);
@@ -577,6 +583,15 @@ int uccl_sg_close(uccl_sg_t *sg)
     while ((sg->npend || sg->np2p) && !failed_locked(sg)) {
         reclaim_locked(sg);
         if (!sg->npend && !sg->np2p)
+            break;
+        for (int i = 0; i < sg->np2p; i++)
+            if (uccl__sg_p2p_unmatched(sg, &sg->p2p[i])) { /* it never will be */
+                char why[REASON];
+                uccl__sg_p2p_why(sg, &sg->p2p[i], 1, why, sizeof(why));
+                fail_locked(sg, why);
+                break;
+            }
+        if (failed_locked(sg))
             break;
         if (uccl__now_ns() > until) {
             fail_locked(sg, "closed with rounds or messages still queued that did not finish");

@@ -218,20 +218,23 @@ int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, s
  * side's stream reached the message: its buffer is ready), copies through
  * CUDA IPC (pull or push), and writes its done word; the first side's
  * stream only writes ready.  Either side's Work then waits for the
- * copier's done word (p2p_wait).  Posts queue on `stream` (one per process
- * for every message of the group: each stream then runs its messages in
- * the order its host posted them, so a wait can never be behind the write
- * it waits for, whatever order the ranks post in) after the caller's work.
+ * copier's done word (p2p_wait).  Posts queue on the pair's stream (one
+ * per peer for the messages both ways, as NCCL's per-pair streams: each
+ * runs its messages in the order its host posted them, so no wait of the
+ * pair's is behind the write it waits for, whatever order the two ranks
+ * post in) after the caller's work.
  * A message not copied within the timeout, sizes that differ, or a peer
  * gone fail the group, as a round's failure does. */
 struct uccl_sg_p2p_op {
     int peer, send;        /* send: this rank sends to peer; else receives from it */
     uintptr_t ptr;
     size_t len;            /* a send and its receive must have the same length */
+    uintptr_t stream;      /* the pair's stream: every message with this peer, both ways */
 };
-/* Post n messages in order; codes[i] names message i for p2p_wait/passed. */
+/* Post n messages in order, each after the caller's work so far; codes[i]
+ * names message i for p2p_wait/passed. */
 int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_t caller,
-                uintptr_t stream, uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *codes);
+                uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *codes);
 /* Stage the sends to `peer` that this rank posts first in [ptr, +len) of
  * its GPU memory (kept registered until close): such a send is complete
  * once its bytes are copied there, so a send then receive on every rank

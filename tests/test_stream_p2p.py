@@ -365,3 +365,151 @@ def test_every_rank_sending_then_receiving_unstaged_fails_loudly_as_a_deadlock(m
         with pytest.raises(UcclError, match="not in place within 1 s"):
             g.check()
     close_all(groups, streams)
+
+
+def test_messages_of_different_pairs_do_not_queue_behind_each_other():
+    """Each pair has its own stream (as NCCL's): rank 0's send to rank 2
+    must not wait behind its send to rank 1, whose receiver's stream waits
+    (through its caller's stream) for rank 2's send, which waits for the
+    send to rank 2.  One stream for every pair made this a cycle."""
+    groups = make_groups(3, timeout_s=5.0)
+    e1, e2 = threading.Event(), threading.Event()
+    rng = np.random.default_rng(5)
+    xs = {k: torch.from_numpy(rng.integers(0, 256, 3000, dtype=np.uint8)) for k in
+          ("0to1", "0to2", "2to1")}
+
+    def rank(r):
+        if r == 1:
+            a = torch.full((3000,), 0xA5, dtype=torch.uint8)
+            wait_all(groups[1], post(groups[1], [(2, False, a)]))   # the caller waits for 2 -> 1
+            b = torch.full((3000,), 0xA5, dtype=torch.uint8)
+            codes = post(groups[1], [(0, False, b)])                 # starts after that wait
+            wait_all(groups[1], codes)
+            e1.set()
+            return a, b
+        if r == 2:
+            assert e1.wait(10)
+            a = torch.full((3000,), 0xA5, dtype=torch.uint8)
+            wait_all(groups[2], post(groups[2], [(0, False, a)]))   # the caller waits for 0 -> 2
+            s = xs["2to1"].clone()
+            wait_all(groups[2], post(groups[2], [(1, True, s)]))
+            e2.set()
+            return a, s
+        assert e2.wait(10)
+        a, b = xs["0to1"].clone(), xs["0to2"].clone()
+        wait_all(groups[0], post(groups[0], [(1, True, a)]) + post(groups[0], [(2, True, b)]))
+        return a, b
+    res, err, streams = on_ranks(3, rank)
+    assert err == [None] * 3, err
+    drain(groups, streams)
+    for g in groups:
+        assert g.error() is None, g.error()
+    assert torch.equal(res[1][0], xs["2to1"]) and torch.equal(res[1][1], xs["0to1"])
+    assert torch.equal(res[2][0], xs["0to2"])
+    close_all(groups, streams)
+
+
+def test_a_staged_slot_is_rewritten_only_after_its_receiver_copied_it_out():
+    """The receiver's copies are held (its caller's stream waits for a
+    message rank 2 sends only at the end) while the sender stages more
+    messages than there are slots: the later ones must wait on the GPU for
+    the earlier ones to be copied out, not overwrite them."""
+    groups = make_groups(3)
+    count = P2P_SLOTS + 4
+    xs = [torch.from_numpy(np.random.default_rng(100 + i).integers(0, 256, 2000, dtype=np.uint8))
+          for i in range(count)]
+    held, posted, release = threading.Event(), threading.Event(), threading.Event()
+
+    def rank(r):
+        if r == 2:
+            assert release.wait(20)
+            s = torch.ones(8, dtype=torch.uint8)
+            wait_all(groups[2], post(groups[2], [(1, True, s)]))
+            return s
+        if r == 0:
+            sent = [x.clone() for x in xs]
+            codes = [post(groups[0], [(1, True, sent[i])])[0] for i in range(P2P_SLOTS)]
+            assert held.wait(20)   # rank 1 posted its first receives; its copies are held
+            codes += [post(groups[0], [(1, True, sent[i])])[0] for i in range(P2P_SLOTS, count)]
+            posted.set()
+            wait_all(groups[0], codes)
+            return sent
+        gate = torch.zeros(8, dtype=torch.uint8)
+        wait_all(groups[1], post(groups[1], [(2, False, gate)]))   # holds the caller's stream
+        ys = [torch.full_like(x, 0xA5) for x in xs]
+        codes = [post(groups[1], [(0, False, ys[i])])[0] for i in range(P2P_SLOTS)]
+        held.set()
+        assert posted.wait(20)
+        time.sleep(0.2)   # the sender's stream had time to overwrite a slot, were it free
+        release.set()
+        codes += [post(groups[1], [(0, False, ys[i])])[0] for i in range(P2P_SLOTS, count)]
+        wait_all(groups[1], codes)
+        return ys, gate
+    res, err, streams = on_ranks(3, rank, timeout=60)
+    assert err == [None] * 3, err
+    drain(groups, streams)
+    for i, (x, y) in enumerate(zip(xs, res[1][0])):
+        assert torch.equal(x, y), f"message {i}"
+    close_all(groups, streams)
+
+
+def test_posts_from_several_threads_at_once():
+    """Two threads of rank 0 send to rank 1 at once (the first staged send
+    makes the peer's staging arena: one, whichever thread comes first)."""
+    groups = make_groups(2)
+    rounds = 20
+    xs = [torch.full((777,), i, dtype=torch.uint8) for i in range(2 * rounds)]
+
+    def rank(r):
+        if r == 1:
+            ys = [torch.full((777,), 0xA5, dtype=torch.uint8) for _ in xs]
+            for y in ys:
+                wait_all(groups[1], post(groups[1], [(0, False, y)]))
+            return ys
+        errs = []
+
+        def sender(lo):
+            _callers.stream = stream
+            try:
+                for i in range(lo, lo + rounds):
+                    wait_all(groups[0], post(groups[0], [(1, True, xs[i])]))
+            except BaseException as e:   # noqa: BLE001
+                errs.append(e)
+        stream = _callers.stream
+        ts = [threading.Thread(target=sender, args=(lo,)) for lo in (0, rounds)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        return errs
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None] and res[0] == [], (err, res[0])
+    drain(groups, streams)
+    got = sorted(int(y[0]) for y in res[1])
+    assert got == list(range(2 * rounds)), got   # every message once, whole
+    for y in res[1]:
+        assert torch.equal(y, torch.full_like(y, int(y[0])))
+    close_all(groups, streams)
+
+
+def test_closing_with_a_message_the_peer_never_posted_fails_at_once():
+    groups = make_groups(2, timeout_s=30.0)
+    x = torch.ones(100, dtype=torch.uint8)
+
+    def rank(r):
+        if r == 0:
+            wait_all(groups[0], post(groups[0], [(1, True, x)]))
+        return None
+    _res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    t0 = time.monotonic()
+    c = groups[0].c
+    groups[0].close()
+    took = time.monotonic() - t0
+    assert took < 5.0, f"close() took {took:.1f} s (the group's timeout is 30 s)"
+    with pytest.raises(UcclError, match="message 1 from rank 0 to rank 1 not in place when rank 0 "
+                                        "closed the group: the receiver never posted its recv"):
+        groups[1].check()
+    del c
+    drain([groups[1]], streams)
+    close_all([groups[1]], streams)

@@ -155,9 +155,10 @@ class StreamGroup:
         self._mm, self._buf, self._base, self._len = open_page(
             ctx._kv, "stream_group", self.rank, self.size)
         self._torch_stream = None
-        self._p2p_stream: Any = None   # made on first use (p2p_stream)
+        self._pair_streams: dict[int, Any] = {}   # per peer, made on first use (pair_stream)
         self._future_stream: Any = None
         self._arenas: dict[int, torch.Tensor] = {}   # per peer: staged sends (p2p)
+        self._arena_lock = threading.Lock()
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
         try:
@@ -223,18 +224,17 @@ class StreamGroup:
         return caller, caller != self.stream
 
     # -- point to point ---------------------------------------------------------------
-    @property
-    def p2p_stream(self) -> int:
-        """The stream every send and receive of the group runs on (made on
-        first use): one per process, so that it runs the messages in the
-        order they were posted (csrc/sg_p2p.c says why that matters)."""
-        s = self._p2p_stream
+    def pair_stream(self, peer: int) -> int:
+        """The stream this rank's messages with peer (both ways) run on, in
+        the order they were posted, as NCCL's per-pair streams (made on
+        first use; csrc/sg_p2p.c says why the order matters)."""
+        s = self._pair_streams.get(peer)
         if s is None:
             with self._lock:
-                if self._p2p_stream is None:
-                    self._p2p_stream = (_engine._sg_emu_stream() if self.emulated
-                                        else torch.cuda.Stream(self.dev))
-                s = self._p2p_stream
+                s = self._pair_streams.get(peer)
+                if s is None:
+                    s = self._pair_streams[peer] = (
+                        _engine._sg_emu_stream() if self.emulated else torch.cuda.Stream(self.dev))
         return s if self.emulated else s.cuda_stream
 
     def future_stream(self) -> Any:
@@ -253,17 +253,23 @@ class StreamGroup:
         A send of up to eager_bytes() is staged when posted first (the
         peer's arena is made at the first such send)."""
         eager = eager_bytes()
-        for peer, send, _ptr, nb in msgs:
+        out = []
+        for peer, send, ptr, nb in msgs:
             if send and 0 < nb <= eager and peer not in self._arenas:
                 self._make_arena(peer, eager)
-        return self.c.p2p(caller, self.p2p_stream, msgs)
+            ok = isinstance(peer, int) and 0 <= peer < self.size and peer != self.rank
+            out.append((peer, send, ptr, nb, self.pair_stream(peer) if ok else 0))
+        return self.c.p2p(caller, out)
 
     def _make_arena(self, peer: int, eager: int) -> None:
-        nb = P2P_SLOTS * ((eager + 255) // 256 * 256)
-        dev = "cpu" if self.emulated else torch.device("cuda", self.dev)
-        arena = torch.empty(nb, dtype=torch.uint8, device=dev)
-        self.c.p2p_arena(peer, arena.data_ptr(), nb)
-        self._arenas[peer] = arena   # kept until close (the peer maps it)
+        with self._arena_lock:   # one per peer, whichever thread sends first
+            if peer in self._arenas:
+                return
+            nb = P2P_SLOTS * ((eager + 255) // 256 * 256)
+            dev = "cpu" if self.emulated else torch.device("cuda", self.dev)
+            arena = torch.empty(nb, dtype=torch.uint8, device=dev)
+            self.c.p2p_arena(peer, arena.data_ptr(), nb)
+            self._arenas[peer] = arena   # kept until close (the peer maps it)
 
     # -- failure ---------------------------------------------------------------------
     def error(self) -> str | None:
@@ -290,8 +296,8 @@ class StreamGroup:
             _KEPT.append(self._arenas)
         if self.emulated:
             _engine._sg_emu_stream_free(self.stream)
-            if self._p2p_stream is not None:
-                _engine._sg_emu_stream_free(self._p2p_stream)
+            for s in self._pair_streams.values():
+                _engine._sg_emu_stream_free(s)
         self._release_page(ok)
 
     def _release_page(self, ok: bool) -> None:

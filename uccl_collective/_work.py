@@ -422,16 +422,21 @@ class P2PWork(dist._Work):
         super().__init__()
         self._sg, self._codes, self._result = sg, codes, result
 
-    def _check(self) -> None:
-        if self._sg.c is None:
+    def _c(self) -> Any:
+        """The group's engine object, checked (read once: close() may clear it)."""
+        c = self._sg.c
+        if c is None:
             raise UcclError("the process group was shut down")
-        self._sg.check()
+        err = c.error()
+        if err is not None:
+            raise UcclError(f"stream-ordered group (rank {self._sg.rank}): {err}")
+        return c
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        self._check()
+        c = self._c()
         cur = _raw_stream(self._sg.dev)
         for code in self._codes:
-            self._sg.c.p2p_wait(code, cur)
+            c.p2p_wait(code, cur)
         return True
 
     def synchronize(self) -> None:
@@ -482,7 +487,11 @@ class P2PWork(dist._Work):
         """Polls (bounded: the group's watchdog fails a message not in
         place within the timeout, which is_completed() then sees)."""
         pause = 2e-5
-        while not self.is_completed() and self._sg.c is not None and self._sg.error() is None:
+        while True:
+            c = self._sg.c
+            if c is None or c.error() is not None or \
+                    all(c.p2p_passed(code) for code in self._codes):
+                break
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
         self._complete(fut)

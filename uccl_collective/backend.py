@@ -900,7 +900,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                            [(peer, send, t.data_ptr(), t.numel() * t.element_size())])
         finally:
             _profiling.end(prof)
-        live = [e for e in self._p2p_live if not all(map(sg.c.p2p_passed, e[0]))]
+        if sg.error() is None:
+            live = [e for e in self._p2p_live if not all(map(sg.c.p2p_passed, e[0]))]
+        else:   # failed: the words say nothing, and queued copies may still read them
+            _stream_group._KEPT.append(self._p2p_live)
+            live = []
         live.append((codes, (t, tensors)))
         self._p2p_live = live
         return P2PWork(sg, codes, list(tensors))
