@@ -354,7 +354,35 @@ class Work(dist._Work):
         return self._runner.future_of(self._task)
 
 
-class StreamWork(dist._Work):
+class _GroupWork(dist._Work):
+    """What the Works of a stream-ordered group share: the group (`_sg`),
+    the result, and the calls that follow from wait() and is_completed()."""
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def _error(self) -> str | None:
+        c = self._sg.c
+        return c.error() if c is not None else None
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error() is None
+
+    def exception(self) -> Any:
+        err = self._error()
+        return UcclError(f"stream-ordered group: {err}") if err else None
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        raise ValueError("source_rank: this Work is not a receive from any source")
+
+    _source_rank = source_rank
+
+
+class StreamWork(_GroupWork):
     """A blocking call's Work on the stream-ordered path (the engine queued
     the operation on the group's stream in one call, and the caller's stream
     waits for its end, as ProcessGroupNCCL's does): wait() raises if the
@@ -377,28 +405,9 @@ class StreamWork(dist._Work):
             self._sg.c.wait_last(cur)
         return True
 
-    def synchronize(self) -> None:
-        self.wait()
-
     def is_completed(self) -> bool:
         c = self._sg.c
         return c is None or c.passed(self._k)
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._sg.error() is None
-
-    def exception(self) -> Any:
-        err = self._sg.error() if self._sg.c is not None else None
-        return UcclError(f"stream-ordered group: {err}") if err else None
-
-    def result(self) -> list:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        raise ValueError("source_rank: this Work is not a receive from any source")
-
-    _source_rank = source_rank
 
     def get_future(self) -> torch.futures.Future:
         """Complete: its value is ready on the host, and torch's CUDA future
@@ -409,7 +418,7 @@ class StreamWork(dist._Work):
         return fut
 
 
-class P2PWork(dist._Work):
+class P2PWork(_GroupWork):
     """A send or receive of CUDA tensors on the stream-ordered path
     (csrc/sg_p2p.c: posted without any host wait): wait() makes the current
     stream wait for the message to be in place, whichever side copies it,
@@ -439,28 +448,9 @@ class P2PWork(dist._Work):
             c.p2p_wait(code, cur)
         return True
 
-    def synchronize(self) -> None:
-        self.wait()
-
     def is_completed(self) -> bool:
         c = self._sg.c
         return c is None or all(c.p2p_passed(code) for code in self._codes)
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._sg.error() is None
-
-    def exception(self) -> Any:
-        err = self._sg.error() if self._sg.c is not None else None
-        return UcclError(f"stream-ordered group: {err}") if err else None
-
-    def result(self) -> list:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        raise ValueError("source_rank: this Work is not a receive from any source")
-
-    _source_rank = source_rank
 
     def get_future(self) -> torch.futures.Future:
         """Completes once the message is in place (at once if it is), or
