@@ -152,6 +152,18 @@ static int arrive(uccl_sg_t *sg, struct p2p_slot *sl, uint32_t k, int side, int 
     }
 }
 
+/* On stream X: wait for *wait >= wv (none when wv is 0), the copy (none
+ * when empty), then *write = k. */
+static int wait_copy_write(uccl_sg_t *sg, uintptr_t X, uint32_t *wait, uint32_t wv,
+                           const struct uccl_sg_copy *cp, uint32_t *write, uint32_t k)
+{
+    struct uccl__sg_memop w = {wait, wv, 1}, wr = {write, k, 0};
+    int rc = wv ? sg->ops->memops(sg->d, X, &w, 1) : UCCL_OK;
+    if (!rc && cp->len)
+        rc = sg->ops->copies(sg->d, X, cp, 1);
+    return rc ? rc : sg->ops->memops(sg->d, X, &wr, 1);
+}
+
 /* The second side: check the other's descriptor, map its buffer, queue the
  * copy between the other side's ready word and this side's done word. */
 static int copy_second(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p_chan *ch,
@@ -174,15 +186,8 @@ static int copy_second(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p
         cp.src = o->send ? o->ptr : theirs;
     }
     __atomic_fetch_or(&sl->state, BIT_READ, __ATOMIC_ACQ_REL);
-    struct uccl__sg_memop wait = {&ch->ready[1 - side][0], k, 1};
-    struct uccl__sg_memop done = {&ch->done[side][0], k, 0};
-    if (!rc)
-        rc = sg->ops->memops(sg->d, X, &wait, 1);
-    if (!rc && o->len)
-        rc = sg->ops->copies(sg->d, X, &cp, 1);
-    if (!rc)
-        rc = sg->ops->memops(sg->d, X, &done, 1);
-    return rc;
+    return rc ? rc : wait_copy_write(sg, X, &ch->ready[1 - side][0], k, &cp,
+                                     &ch->done[side][0], k);
 }
 
 /* Post one message (under p2p_mu, after the stream's ordering). */
@@ -236,15 +241,9 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
         rc = copy_second(sg, o, ch, sl, k, side, X, &p);
     } else if (staged) {
         /* the slot's last message copied out by the receiver, then this one in */
-        uint32_t prev = ar->staged[k % P2P_SLOTS];
-        struct uccl__sg_memop free_slot = {&ch->done[P2P_DST][0], prev, 1};
-        struct uccl__sg_memop ready = {&ch->ready[side][0], k, 0};
         struct uccl_sg_copy cp = {stage, o->ptr, o->len};
-        rc = prev ? sg->ops->memops(sg->d, X, &free_slot, 1) : UCCL_OK;
-        if (!rc)
-            rc = sg->ops->copies(sg->d, X, &cp, 1);
-        if (!rc)
-            rc = sg->ops->memops(sg->d, X, &ready, 1);
+        rc = wait_copy_write(sg, X, &ch->done[P2P_DST][0], ar->staged[k % P2P_SLOTS], &cp,
+                             &ch->ready[side][0], k);
         ar->staged[k % P2P_SLOTS] = k;
     } else {
         struct uccl__sg_memop ready = {&ch->ready[side][0], k, 0};

@@ -59,7 +59,7 @@ struct pending {
  * after the ranks' parts.  Each side's stream writes its own ready and
  * done words; the hosts write the slots (a message's two descriptors and
  * its state: the message number above, arrival bits below). */
-#define P2P_SLOTS 16
+#define P2P_SLOTS UCCL_SG_P2P_SLOTS
 enum { P2P_SRC = 0, P2P_DST = 1 };
 struct p2p_desc {
     uint64_t key, addr, len;

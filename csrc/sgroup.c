@@ -36,6 +36,21 @@ static int alive(uint64_t pid)
     return kill((pid_t)pid, 0) == 0 || errno != ESRCH;
 }
 
+/* Room for one more of *arr's n elements of esz bytes (capacity *cap,
+ * doubled from `first`). */
+static int grow(void **arr, int *cap, int n, size_t esz, int first)
+{
+    if (n < *cap)
+        return UCCL_OK;
+    int c = *cap ? 2 * *cap : first;
+    void *a = realloc(*arr, (size_t)c * esz);
+    if (!a)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    *arr = a;
+    *cap = c;
+    return UCCL_OK;
+}
+
 /* ---- failure ------------------------------------------------------------------- */
 /* Every rank's words far past any round (under mu).  Done again while the
  * group stays failed: a live rank's stream may still write the rounds it
@@ -249,16 +264,12 @@ static int reg_key_locked(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k,
         reg_drop(sg, i);
         break;
     }
-    if (sg->nregs == sg->cap_regs) {
-        int cap = sg->cap_regs ? 2 * sg->cap_regs : REG_CACHE + 8;
-        struct reg *n = realloc(sg->regs, (size_t)cap * sizeof(*n));
-        if (!n)
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        sg->regs = n;
-        sg->cap_regs = cap;
-    }
+    int rc = grow((void **)&sg->regs, &sg->cap_regs, sg->nregs, sizeof(struct reg),
+                  REG_CACHE + 8);
+    if (rc)
+        return rc;
     uint64_t reg = 0, key = 0;
-    int rc = sg->ops->reg(sg->d, ptr, len, &reg);
+    rc = sg->ops->reg(sg->d, ptr, len, &reg);
     if (rc)
         return rc;
     if ((rc = sg->ops->key(sg->d, reg, ptr, len, &key))) {
@@ -342,15 +353,10 @@ static void reclaim_locked(uccl_sg_t *sg)
 int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p)
 {
     pthread_mutex_lock(&sg->mu);
-    if (sg->np2p == sg->cap_p2p) {
-        int cap = sg->cap_p2p ? 2 * sg->cap_p2p : 16;
-        struct p2p_pending *n = realloc(sg->p2p, (size_t)cap * sizeof(*n));
-        if (!n) {
-            pthread_mutex_unlock(&sg->mu);
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        }
-        sg->p2p = n;
-        sg->cap_p2p = cap;
+    int rc = grow((void **)&sg->p2p, &sg->cap_p2p, sg->np2p, sizeof(p), 16);
+    if (rc) {
+        pthread_mutex_unlock(&sg->mu);
+        return rc;
     }
     sg->p2p[sg->np2p++] = p;
     pthread_cond_broadcast(&sg->cv);
@@ -361,15 +367,10 @@ int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p)
 int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p)
 {
     pthread_mutex_lock(&sg->mu);
-    if (sg->npend == sg->cap_pend) {
-        int cap = sg->cap_pend ? 2 * sg->cap_pend : 16;
-        struct pending *n = realloc(sg->pend, (size_t)cap * sizeof(*n));
-        if (!n) {
-            pthread_mutex_unlock(&sg->mu);
-            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        }
-        sg->pend = n;
-        sg->cap_pend = cap;
+    int rc = grow((void **)&sg->pend, &sg->cap_pend, sg->npend, sizeof(p), 16);
+    if (rc) {
+        pthread_mutex_unlock(&sg->mu);
+        return rc;
     }
     sg->pend[sg->npend++] = p;
     if (sg->npend == 1)

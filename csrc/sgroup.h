@@ -45,6 +45,7 @@
 #include "uccl.h"
 
 #define UCCL_SG_MAX_RANKS 64   /* the reduction kernel reads one source per rank */
+#define UCCL_SG_P2P_SLOTS 16   /* messages of a pair posted ahead before a post waits */
 
 /* element types and reduction operators of uccl_sg_call.red */
 enum {

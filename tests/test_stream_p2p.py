@@ -20,7 +20,7 @@ from test_stream_group import (  # noqa: F401 - caller_streams: the autouse fixt
     Ctx, _callers, caller_streams, close_all, drain, make_groups, on_ranks)
 from uccl_collective import _stream_group as sgm
 
-P2P_SLOTS = 16   # csrc/sg_page.h
+P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sgroup.h
 
 
 def nbytes(t: torch.Tensor) -> int:

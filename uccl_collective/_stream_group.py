@@ -71,8 +71,8 @@ def tag_to(dst: int, k: int) -> int:
     return (1 << 40) | (dst << 20) | k
 
 
-#: messages posted ahead per pair of ranks before a post waits (csrc/sg_page.h)
-P2P_SLOTS = 16
+#: messages posted ahead per pair of ranks before a post waits (csrc/sgroup.h)
+P2P_SLOTS = _engine.SG_P2P_SLOTS
 
 
 def eager_bytes() -> int:
@@ -159,6 +159,7 @@ class StreamGroup:
         self._future_stream: Any = None
         self._arenas: dict[int, torch.Tensor] = {}   # per peer: staged sends (p2p)
         self._arena_lock = threading.Lock()
+        self._eager = eager_bytes()   # read once: posts are a hot path
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
         try:
@@ -250,9 +251,10 @@ class StreamGroup:
         """Post messages (peer, send?, ptr, nbytes) in order, after the work
         on stream `caller`; no host wait (but for P2P_SLOTS messages ahead
         of a peer).  Returns a code per message for p2p_wait / p2p_passed.
-        A send of up to eager_bytes() is staged when posted first (the
-        peer's arena is made at the first such send)."""
-        eager = eager_bytes()
+        A send of up to eager_bytes() (read when the group was made) is
+        staged when posted first (the peer's arena is made at the first
+        such send)."""
+        eager = self._eager
         out = []
         for peer, send, ptr, nb in msgs:
             if send and 0 < nb <= eager and peer not in self._arenas:

@@ -361,6 +361,18 @@ class _GroupWork(dist._Work):
     def synchronize(self) -> None:
         self.wait()
 
+    def _c(self) -> Any:
+        """The group's engine object, checked (read once: close() may clear
+        it); raises where the group was shut down or failed since (a peer
+        died: the bytes are not to be trusted)."""
+        c = self._sg.c
+        if c is None:
+            raise UcclError("the process group was shut down")
+        err = c.error()
+        if err is not None:
+            raise UcclError(f"stream-ordered group (rank {self._sg.rank}): {err}")
+        return c
+
     def _error(self) -> str | None:
         c = self._sg.c
         return c.error() if c is not None else None
@@ -393,16 +405,11 @@ class StreamWork(_GroupWork):
         super().__init__()
         self._sg, self._k, self._result, self._caller = sg, k, result, caller
 
-    def _check(self) -> None:
-        if self._sg.c is None:
-            raise UcclError("the process group was shut down")
-        self._sg.check()   # the group failed since (a peer died): the bytes are not to be trusted
-
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        self._check()
+        c = self._c()
         cur = _raw_stream(self._sg.dev)
         if cur != self._caller:
-            self._sg.c.wait_last(cur)
+            c.wait_last(cur)
         return True
 
     def is_completed(self) -> bool:
@@ -430,16 +437,6 @@ class P2PWork(_GroupWork):
     def __init__(self, sg: Any, codes: list[int], result: list):
         super().__init__()
         self._sg, self._codes, self._result = sg, codes, result
-
-    def _c(self) -> Any:
-        """The group's engine object, checked (read once: close() may clear it)."""
-        c = self._sg.c
-        if c is None:
-            raise UcclError("the process group was shut down")
-        err = c.error()
-        if err is not None:
-            raise UcclError(f"stream-ordered group (rank {self._sg.rank}): {err}")
-        return c
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         c = self._c()
@@ -477,11 +474,7 @@ class P2PWork(_GroupWork):
         """Polls (bounded: the group's watchdog fails a message not in
         place within the timeout, which is_completed() then sees)."""
         pause = 2e-5
-        while True:
-            c = self._sg.c
-            if c is None or c.error() is not None or \
-                    all(c.p2p_passed(code) for code in self._codes):
-                break
+        while self._error() is None and not self.is_completed():
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
         self._complete(fut)

@@ -887,6 +887,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         must take the same path: a CUDA tensor is matched with a CUDA tensor.
         The tensors are kept until the message is in place, so that memory
         freed meanwhile is not handed out while a peer still copies."""
+        if self._closed:
+            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         if not t.is_cuda:
             return None
         dev = t.device.index
@@ -914,8 +916,6 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         t = _one(tensors, what)
         dst = self._peer(dstRank, what)
         src = t.contiguous()
-        if self._closed:
-            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         work = self._streamed_p2p(src, dst, True, tensors, what)
         if work is not None:
             return work
@@ -933,8 +933,6 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "recv"
         t = self._recv_tensor(tensors, what)
         src = self._peer(srcRank, what)
-        if self._closed:
-            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         work = self._streamed_p2p(t, src, False, tensors, what)
         if work is not None:
             return work
