@@ -902,14 +902,22 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                            [(peer, send, t.data_ptr(), t.numel() * t.element_size())])
         finally:
             _profiling.end(prof)
-        if sg.error() is None:
-            live = [e for e in self._p2p_live if not all(map(sg.c.p2p_passed, e[0]))]
-        else:   # failed: the words say nothing, and queued copies may still read them
-            _stream_group._KEPT.append(self._p2p_live)
-            live = []
-        live.append((codes, (t, tensors)))
-        self._p2p_live = live
+        self._keep_unfinished_p2p()
+        self._p2p_live.append((codes, (t, tensors)))
         return P2PWork(sg, codes, list(tensors))
+
+    def _keep_unfinished_p2p(self) -> None:
+        """Drop the tensors of messages in place; once the group failed (the
+        words say nothing then, and released streams still run the copies
+        they had queued) or is closing, keep the rest for good."""
+        sg = self._sg
+        if not self._p2p_live or sg is None or sg.c is None:
+            return
+        if sg.error() is None:
+            self._p2p_live = [e for e in self._p2p_live if not all(map(sg.c.p2p_passed, e[0]))]
+        if sg.error() is not None or self._closed:
+            _stream_group._KEPT.append(self._p2p_live)
+            self._p2p_live = []
 
     def send(self, tensors, dstRank, tag=0):
         what = "send"
@@ -987,6 +995,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        self._keep_unfinished_p2p()
         self._ctx.finalize()   # fails what is in flight: every Work settles
         self._chan.ctx.finalize()
         self._runner.close(why)   # the context's finalize() closed the stream group
