@@ -16,7 +16,10 @@ Launch with torchrun, e.g.
     --dual both send at once.
 --backend uccl: the ops run as torch.distributed calls through the "uccl"
     process group (init_process_group("uccl")), timed against the same call on
-    a Gloo group: --op allreduce|allgather|reduce_scatter|broadcast|alltoall.
+    a Gloo group: --op allreduce|allgather|reduce_scatter|broadcast|alltoall,
+    and --op ring (batch_isend_irecv of a send to the right and a receive
+    from the left, each Work waited for: on CUDA tensors the stream-ordered
+    point to point, whose wait() does not block the host).
     Sizes are the tensor's bytes (allgather: per rank; reduce_scatter: per
     rank's output).  busbw as nccl-tests: allreduce algbw x 2(N-1)/N,
     allgather/reduce_scatter/alltoall algbw x (N-1)/N, broadcast algbw.
@@ -41,8 +44,8 @@ Launch with torchrun, e.g.
             through CUDA IPC (torch.multiprocessing's reduce_tensor, handles
             exchanged through Gloo) and, after a barrier, all ranks copy at
             once: allgather, the N-1 peer chunks into the output (N(N-1)
-            copies in all); ring, the left neighbour's chunk; sendrecv, the
-            receiver's chunk.  --backend uccl: alltoall N-1 slices of size/N;
+            copies in all); ring (both modes), the left neighbour's chunk;
+            sendrecv, the receiver's chunk.  --backend uccl: alltoall N-1 slices of size/N;
             broadcast, every non-root copies the root's tensor;
             reduce_scatter, N-1 slices of the output's size; allreduce,
             2(N-1) slices of size/N (the movement of reduce-scatter +
@@ -133,7 +136,7 @@ def get_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.ring:
         args.op = "ring"
-    pg_ops = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
+    pg_ops = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "ring")
     if args.backend == "uccl" and args.op not in pg_ops:
         p.error(f"--backend uccl runs {', '.join(pg_ops)}")
     if args.backend == "context" and args.op not in ("allgather", "sendrecv", "ring"):
@@ -408,12 +411,12 @@ class GroupRunner(_Bench):
         op = self.args.op
         if op == "allgather":
             return "list-allgather"
-        return "host-staged" if op in ("reduce_scatter", "alltoall") else "cuda"
+        return "host-staged" if op in ("reduce_scatter", "alltoall", "ring") else "cuda"
 
     def sizes(self, size: int):
         n, w, op = size // 4, self.world, self.args.op
         n_in = n * w if op == "reduce_scatter" else n
-        n_out = {"allgather": n * w, "reduce_scatter": n, "alltoall": n}.get(op, 0)
+        n_out = {"allgather": n * w, "reduce_scatter": n, "alltoall": n, "ring": n}.get(op, 0)
         return n, n_in, n_out
 
     def buffers(self, size: int):
@@ -447,6 +450,8 @@ class GroupRunner(_Bench):
             return [(p, 0, n, "y", p * n) for p in (range(w) if self.args.ipc_own_copy else peers)]
         if op == "alltoall":
             return [(p, r * c, c, "y", p * c) for p in peers]
+        if op == "ring":
+            return [((r - 1) % w, 0, n, "y", 0)]
         if op == "reduce_scatter":
             return [(p, r * n, n, "scratch", k * n) for k, p in enumerate(peers)]
         if op == "broadcast":
@@ -471,6 +476,12 @@ class GroupRunner(_Bench):
             getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(y, x, group=group)
         elif op == "broadcast":
             dist.broadcast(x, 0, group=group)
+        elif op == "ring":
+            me, w = dist.get_rank(group), self.world
+            ops = [dist.P2POp(dist.isend, x, (me + 1) % w, group=group),
+                   dist.P2POp(dist.irecv, y, (me - 1) % w, group=group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         else:
             dist.all_to_all_single(y, x, group=group)
 

@@ -7,6 +7,8 @@
 #   CollectiveContext allgather, 1M..64M               vs Gloo's list all_gather on CUDA tensors
 #   dist.all_gather_into_tensor / dist.all_reduce on
 #   the "uccl" group, 1M..256M                         vs Gloo on the same CUDA tensors
+#   a ring step of dist.batch_isend_irecv (point to point), 4 B..16M
+#                                                      vs Gloo (host-staged) and ipc-copy
 #   each at 2 and 4 processes (2 first);
 #   the 64 KiB CollectiveContext allgather at 2 processes, 1000 calls (target: <= 40 us);
 #   benchmarks/overhead.py --device gpu (4-byte allgather / all_reduce per call, with a profile).
@@ -19,7 +21,8 @@
 # (default 530: under 9 minutes) whatever hangs.  TEST_FILES: the test files
 # (default tests/test_gpu_collective.py), one step each; NPROCS: the process
 # counts (default "2 4"); BENCHES: only these benchmark runs (ag_ipc,
-# ag_ipc_own, ag_ipc_inplace, ag_64k, ag_gloo, pg_allgather, pg_allreduce, overhead, floor).  Everything runs under
+# ag_ipc_own, ag_ipc_inplace, ag_64k, ag_gloo, pg_allgather, pg_allreduce, pg_ring,
+# pg_ring_ipc, overhead, floor).  Everything runs under
 # CUDA MPS (the daemon is started here and stopped at the end; MPS=0 runs
 # without): processes sharing one GPU then run their work side by side
 # instead of time-slicing the GPU.  Without MPS, a copy waited for on the
@@ -95,6 +98,11 @@ if [ "${BENCH:-1}" = 1 ]; then
       --sizes 1M,16M,64M,256M
     bench pg_allreduce "$n" 100 --backend uccl --op allreduce --compare gloo \
       --sizes 1M,16M,64M,256M
+    # point to point per message: a ring step of batch_isend_irecv, each Work waited for
+    bench pg_ring "$n" 100 --backend uccl --op ring --compare gloo --sizes 4,64K,1M,16M \
+      --iters 200 --warmup 20
+    bench pg_ring_ipc "$n" 60 --backend uccl --op ring --compare ipc-copy --sizes 4,64K,1M,16M \
+      --iters 200 --warmup 20
     if [ "$n" = 2 ] && [[ " ${BENCHES:-overhead} " == *" overhead "* ]]; then
       step overhead_n2 90 torchrun --nproc_per_node 2 benchmarks/overhead.py --device gpu \
         --iters 2000 --pipelined 1000 --profile "$logs/overhead_profile.txt" \
@@ -117,7 +125,7 @@ fmt = lambda v, w=9, p=1: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"
 print(f"{'run':<16} {'n':>2} {'size':>7}  {'uccl us':>9} {'busbw':>8}  {'reference':<22} "
       f"{'ref us':>9} {'busbw':>8}  {'uccl/ref':>8}  target")
 order = ["ag_ipc", "ag_ipc_own", "ag_ipc_inplace", "ag_64k", "ag_gloo", "pg_allgather",
-         "pg_allreduce"]
+         "pg_allreduce", "pg_ring", "pg_ring_ipc"]
 runs = []
 for path in glob.glob(os.path.join(logs, "*.json")):
     run, n = os.path.basename(path)[:-5].rsplit("_n", 1)
