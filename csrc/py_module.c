@@ -279,7 +279,7 @@ static int module_exec(PyObject *m)
         {"DT_BOOL", UCCL_DT_BOOL}, {"RED_SUM", UCCL_RED_SUM}, {"RED_PROD", UCCL_RED_PROD},
         {"RED_MIN", UCCL_RED_MIN}, {"RED_MAX", UCCL_RED_MAX}, {"RED_BAND", UCCL_RED_BAND},
         {"RED_BOR", UCCL_RED_BOR}, {"RED_BXOR", UCCL_RED_BXOR}, {"RED_AVG", UCCL_RED_AVG},
-        {"SG_MAX_RANKS", UCCL_SG_MAX_RANKS}, {"SG_P2P_SLOTS", UCCL_SG_P2P_SLOTS},
+        {"SG_MAX_RANKS", UCCL_SG_MAX_RANKS}, {"SG_P2P_SLOTS", UCCL_SG_P2P_SLOTS}, {"SG_FUSED_RANKS", UCCL_SG_FUSED_RANKS},
     };
     for (size_t i = 0; i < sizeof(sg_consts) / sizeof(sg_consts[0]); i++)
         if (PyModule_AddIntConstant(m, sg_consts[i].name, sg_consts[i].value) < 0)

@@ -516,25 +516,33 @@ static PyObject *SG_p2p_wait(PyObject *op, PyObject *args)
     return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
 }
 
-/* p2p_arena(peer, ptr, len): where sends to peer posted first are staged */
-static PyObject *SG_p2p_arena(PyObject *op, PyObject *args)
+/* p2p_arena(peer, ptr, len): where sends to peer posted first are staged;
+ * fused_arena(ptr, len, slot_bytes): where one-launch rounds stage inputs.
+ * Set without the GIL: a round or post may hold the lock while it waits. */
+static PyObject *set_arena(PyObject *op, PyObject *args, int fused)
 {
     uccl__py_sgroup *self = open_group(op);
-    int peer;
+    int peer = 0;
     uint64_t ptr;
-    size_t len;
-    if (!self || !PyArg_ParseTuple(args, "iO&O&", &peer, uccl__py_to_u64, &ptr, uccl__py_to_size,
-                                   &len))
+    size_t len, slot = 0;
+    if (!self || !(fused ? PyArg_ParseTuple(args, "O&O&O&", uccl__py_to_u64, &ptr,
+                                            uccl__py_to_size, &len, uccl__py_to_size, &slot)
+                         : PyArg_ParseTuple(args, "iO&O&", &peer, uccl__py_to_u64, &ptr,
+                                            uccl__py_to_size, &len)))
         return NULL;
     int rc;
     uccl_sg_t *sg = self->sg;
-    self->inflight++; /* a post may hold the lock while it waits: wait without the GIL */
+    self->inflight++;
     Py_BEGIN_ALLOW_THREADS
-    rc = uccl_sg_p2p_arena(sg, peer, (uintptr_t)ptr, len);
+    rc = fused ? uccl_sg_fused_arena(sg, (uintptr_t)ptr, len, slot)
+               : uccl_sg_p2p_arena(sg, peer, (uintptr_t)ptr, len);
     Py_END_ALLOW_THREADS
     self->inflight--;
     return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
 }
+
+static PyObject *SG_p2p_arena(PyObject *op, PyObject *args) { return set_arena(op, args, 0); }
+static PyObject *SG_fused_arena(PyObject *op, PyObject *args) { return set_arena(op, args, 1); }
 
 static PyObject *SG_p2p_passed(PyObject *op, PyObject *args)
 {
@@ -764,6 +772,8 @@ static PyMethodDef SG_methods[] = {
     {"p2p_passed", SG_p2p_passed, METH_VARARGS, "p2p_passed(code): the message is in place"},
     {"p2p_arena", SG_p2p_arena, METH_VARARGS,
      "p2p_arena(peer, ptr, len): stage the sends to peer posted first there"},
+    {"fused_arena", SG_fused_arena, METH_VARARGS,
+     "fused_arena(ptr, len, slot_bytes): stage one-launch rounds' inputs there (zeroed)"},
     {"passed", SG_passed, METH_VARARGS, "passed(k): this rank's stream is past round k"},
     {"error", SG_error, METH_NOARGS, "error() -> why the group failed, or None"},
     {"fail", SG_fail, METH_VARARGS, "fail(why): fail the group for every rank"},

@@ -39,6 +39,23 @@ static int run(uccl_sg_t *sg, const struct uccl_sg_opts *o, struct uccl_sg_call 
     return uccl_sg_round(sg, c, o->intr, o->intr_arg, round_p);
 }
 
+/* Whether nb bytes per rank go as a one-launch round: the group has an
+ * arena whose slots hold them (the same on every rank). */
+static int fits(uccl_sg_t *sg, size_t nb)
+{
+    size_t most = uccl_sg_fused_bytes(sg);
+    return most && nb <= most;
+}
+
+/* A one-launch round (sg_round.c). */
+static int fused_run(uccl_sg_t *sg, const struct uccl_sg_opts *o, const char *what,
+                     uint32_t k, uint64_t arg, const struct uccl_sg_fused *f, uint32_t *round_p)
+{
+    struct uccl_sg_call c = {.what = what, .kind = k | UCCL_SG_FUSED_KIND, .arg = arg,
+                             .phases = 1, .fused = f};
+    return run(sg, o, &c, round_p);
+}
+
 static int elems(const char *what, size_t count, int dtype, size_t *nb_p)
 {
     size_t esz = uccl_dtype_size(dtype);
@@ -63,6 +80,10 @@ int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
     size_t nb = 0, esz = uccl_dtype_size(dtype), a, b;
     if ((rc = elems("all_reduce", count, dtype, &nb)))
         return rc;
+    if (fits(sg, nb)) {
+        struct uccl_sg_fused f = {0, dtype, op, ptr, ptr, nb, count};
+        return fused_run(sg, o, "all_reduce", kind(K_ALLREDUCE, dtype, op, 0), count, &f, round_p);
+    }
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nb};
     struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
     int npull = 0;
@@ -100,6 +121,10 @@ int uccl_sg_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t src
     int n = uccl_sg_size(sg), me = uccl_sg_rank(sg);
     if (nbytes > SIZE_MAX / UCCL_SG_MAX_RANKS)
         return uccl__err(UCCL_ERR_INVALID, "allgather: %zu bytes per rank", nbytes);
+    if (fits(sg, nbytes)) {
+        struct uccl_sg_fused f = {1, UCCL_DT_U8, 0, src, dst, nbytes, nbytes};
+        return fused_run(sg, o, "allgather", kind(K_ALLGATHER, 0, 0, 0), nbytes, &f, round_p);
+    }
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, src, nbytes};
     struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
     int npull = 0;

@@ -127,14 +127,74 @@ static const char kernel_src[] =
     "    ((T *)a.out)[i] = fin<D, OP>(acc, n);\n"
     "  }\n"
     "}\n"
-    "extern \"C\" __global__ void uccl_sg_reduce(Args a) {\n"
+    "__device__ __forceinline__ void reduce_all(const Args &a) {\n"
     "  switch (a.op) {\n"
     "  case SUM: body<UCCL_DT, SUM>(a); break;   case PROD: body<UCCL_DT, PROD>(a); break;\n"
     "  case MIN: body<UCCL_DT, MIN>(a); break;   case MAX: body<UCCL_DT, MAX>(a); break;\n"
     "  case BAND: body<UCCL_DT, BAND>(a); break; case BOR: body<UCCL_DT, BOR>(a); break;\n"
     "  case BXOR: body<UCCL_DT, BXOR>(a); break; case AVG: body<UCCL_DT, AVG>(a); break;\n"
     "  }\n"
+    "}\n"
+    "extern \"C\" __global__ void uccl_sg_reduce(Args a) { reduce_all(a); }\n";
+
+/* A one-launch round (sgroup.h, struct uccl__sg_fused_args), appended to
+ * kernel_src: every block stages its share of the input into this rank's
+ * slot; the last block to finish writes this rank's ready word (fenced, so
+ * a peer that sees it sees the bytes); every block waits until each peer's
+ * ready word reaches the round, then computes from the slots (this rank's
+ * input read in place) and the last block writes fin.  Its blocks spin, so
+ * the launch is small (FUSED_BLOCKS): the peers' launches, on the same GPU,
+ * must fit beside it.  A failed group's words are released far ahead,
+ * which ends the spin. */
+#define FUSED_BLOCKS 16
+static const char fused_src[] =
+    "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 fin;\n"
+    "  u32 k; int gather, op, n, me; };\n"
+    "__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u64 len) {\n"
+    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  u64 nv = ((dst | src) & 15) == 0 ? len / 16 : 0;\n"
+    "  for (u64 j = tid; j < nv; j += stride) ((V16 *)dst)[j] = ((const V16 *)src)[j];\n"
+    "  for (u64 i = nv * 16 + tid; i < len; i += stride) ((u8 *)dst)[i] = ((const u8 *)src)[i];\n"
+    "}\n"
+    "__device__ __forceinline__ void arrive(u32 *ctr, u64 word, u32 k) {\n"
+    "  __syncthreads();\n"
+    "  if (threadIdx.x == 0) {\n"
+    "    __threadfence_system();\n"
+    "    if (atomicAdd(ctr, 1u) == gridDim.x - 1) {\n"
+    "      *(volatile u32 *)ctr = 0;\n"
+    "      __threadfence_system();\n"
+    "      *(volatile u32 *)word = k;\n"
+    "    }\n"
+    "  }\n"
+    "}\n"
+    "extern \"C\" __global__ void uccl_sg_fused(FArgs a) {\n"
+    "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
+    "  arrive((u32 *)a.ctr, a.ready[a.me], a.k);\n"
+    "  if (threadIdx.x == 0) {\n"
+    "    for (int r = 0; r < a.n; r++)\n"
+    "      if (r != a.me)\n"
+    "        while ((int)(*(volatile u32 *)a.ready[r] - a.k) < 0) __nanosleep(128);\n"
+    "    __threadfence();\n"
+    "  }\n"
+    "  __syncthreads();\n"
+    "  if (a.gather) {\n"
+    "    for (int r = 0; r < a.n; r++) {\n"
+    "      u64 src = r == a.me ? a.in : a.slot[r], dst = a.out + (u64)r * a.nbytes;\n"
+    "      if (dst != src) copy_bytes(dst, src, a.nbytes);\n"
+    "    }\n"
+    "  } else if (a.count) {\n"
+    "    Args b; b.out = a.out; b.count = a.count; b.nsrc = a.n; b.op = a.op;\n"
+    "    for (int r = 0; r < a.n; r++) b.src[r] = r == a.me ? a.in : a.slot[r];\n"
+    "    reduce_all(b);\n"
+    "  }\n"
+    "  arrive((u32 *)a.ctr + 1, a.fin, a.k);\n"
     "}\n";
+/* Its argument, laid out as struct FArgs. */
+struct fused_args {
+    uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], fin;
+    uint32_t k;
+    int32_t gather, op, n, me;
+};
 
 /* Several copies in one launch (block row y copies segment y), 16 bytes
  * at a time where both ends are aligned: one driver call where each
@@ -176,10 +236,11 @@ static const char *const dt_names[UCCL_DT_COUNT] = {
 static struct {
     pthread_mutex_t mu;
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
+    uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *copy[MAX_DEVS];
     int copy_failed[MAX_DEVS];
     int sms[MAX_DEVS];
-} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {NULL}, {0}, {0}};
+} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {{NULL}}, {NULL}, {0}, {0}};
 
 /* Under kernels.mu: the device's SM count (grid sizes), once. */
 static void read_sms(int dev)
@@ -211,28 +272,42 @@ static uccl_kernel_t *copy_kernel(int dev)
     return k;
 }
 
+/* Under kernels.mu: compile kernel_src (and `more`) for dtype, taking `name`. */
+static int compile_for(int dev, int dtype, const char *more, const char *name,
+                       uccl_kernel_t **k_p)
+{
+    size_t len = sizeof(kernel_src) + strlen(more) + 64;
+    char *src = malloc(len);
+    if (!src)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    snprintf(src, len, "#define UCCL_DT %s\n%s%s", dt_names[dtype], kernel_src, more);
+    int rc = uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, k_p);
+    free(src);
+    if (rc == UCCL_OK)
+        read_sms(dev);
+    return rc;
+}
+
 int uccl_sg_kernel_ready(int dev, int dtype)
 {
     if (dev < 0 || dev >= MAX_DEVS || !uccl_dtype_size(dtype))
         return uccl__err(UCCL_ERR_INVALID, "reduction kernel: device %d, type %d", dev, dtype);
     pthread_mutex_lock(&kernels.mu);
-    int rc = UCCL_OK;
-    if (!kernels.k[dev][dtype]) {
-        size_t len = sizeof(kernel_src) + 64;
-        char *src = malloc(len);
-        if (!src) {
-            rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
-        } else {
-            snprintf(src, len, "#define UCCL_DT %s\n%s", dt_names[dtype], kernel_src);
-            rc = uccl_gpu_compile(dev, src, "uccl_sg_reduce", 0, NULL, NULL, 0, NULL, NULL, 0,
-                                  &kernels.k[dev][dtype]);
-            free(src);
-        }
-        if (rc == UCCL_OK)
-            read_sms(dev);
-    }
+    int rc = kernels.k[dev][dtype] ? UCCL_OK
+                                   : compile_for(dev, dtype, "", "uccl_sg_reduce",
+                                                 &kernels.k[dev][dtype]);
     pthread_mutex_unlock(&kernels.mu);
     return rc;
+}
+
+static uccl_kernel_t *fused_kernel(int dev, int dtype)
+{
+    pthread_mutex_lock(&kernels.mu);
+    if (!kernels.fused[dev][dtype])
+        compile_for(dev, dtype, fused_src, "uccl_sg_fused", &kernels.fused[dev][dtype]);
+    uccl_kernel_t *k = kernels.fused[dev][dtype];
+    pthread_mutex_unlock(&kernels.mu);
+    return k;
 }
 
 static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *ops, int n)
@@ -331,6 +406,40 @@ static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_arg
     void *params[] = {&ka};
     return uccl__gpu_launch_unchecked(kernels.k[d->dev][a->dtype], (unsigned)(blocks ? blocks : 1),
                                       1, THREADS, stream, params);
+}
+
+static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_args *a)
+{
+    struct cuda_dev *d = dp;
+    int dt = a->gather ? UCCL_DT_U8 : a->dtype, rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (a->nsrc > 8 || !uccl_dtype_size(dt))
+        return uccl__err(UCCL_ERR_INVALID, "one-launch round: %d ranks, type %d", a->nsrc, dt);
+    uccl_kernel_t *k = fused_kernel(d->dev, dt);
+    if (!k)
+        return UCCL_ERR_UNAVAIL; /* compile_for said why */
+    struct fused_args fa;
+    memset(&fa, 0, sizeof(fa));
+    fa.in = a->in;
+    fa.out = a->out;
+    fa.ctr = a->ctr;
+    fa.nbytes = a->nbytes;
+    fa.count = a->count;
+    for (int r = 0; r < a->nsrc; r++) {
+        fa.slot[r] = a->slot[r];
+        fa.ready[r] = (uint64_t)(uintptr_t)a->ready[r];
+    }
+    fa.fin = (uint64_t)(uintptr_t)a->fin;
+    fa.k = a->k;
+    fa.gather = a->gather;
+    fa.op = a->op;
+    fa.n = a->nsrc;
+    fa.me = a->me;
+    size_t blocks = (a->nbytes / 16 + THREADS - 1) / THREADS;
+    blocks = blocks < 1 ? 1 : blocks > FUSED_BLOCKS ? FUSED_BLOCKS : blocks;
+    void *params[] = {&fa};
+    return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, THREADS, stream, params);
 }
 
 static int cuda_event_new(void *dp, void **ev_p)
@@ -438,6 +547,7 @@ static const struct uccl__sg_dev cuda_ops = {
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
+    .fused = cuda_fused,
 };
 
 int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,

@@ -125,6 +125,15 @@ struct uccl_sg {
     struct p2p_arena *arena;        /* per peer (under p2p_mu) */
     struct p2p_pending *p2p;        /* under mu */
     int np2p, cap_p2p;
+    /* one-launch rounds (sg_round.c; under call_mu) */
+    uintptr_t fz_arena;             /* this rank's arena (uccl_sg_fused_arena), or 0 */
+    size_t fz_slot, fz_len;
+    uint64_t fz_key;
+    uintptr_t fz_peer[UCCL_SG_FUSED_RANKS]; /* every rank's arena as mapped here */
+    void *fz_imp[UCCL_SG_FUSED_RANKS];
+    int fz_nimp, fz_mapped;
+    uint32_t fz_unchecked;          /* a one-launch round whose peers' calls are not yet
+                                       compared with this rank's, or 0 */
     char error[REASON];
 };
 

@@ -1,6 +1,15 @@
 /* One round of a stream-ordered group (sgroup.h): the call checked, this
  * rank's buffers published, the peers' read and compared, their ranges
- * mapped, and the phases queued on the group's stream. */
+ * mapped, and the phases queued on the group's stream.
+ *
+ * A one-launch round (struct uccl_sg_fused) publishes only its call: its
+ * input goes through this rank's arena, which every peer mapped at the
+ * first such round, so the host waits for no peer.  Its call is compared
+ * with the peers' at the next round (or at the first one, where the arenas
+ * are exchanged).  Arena slots alternate between rounds: a round starts on
+ * the GPU only once every peer's stream is past the round before the last
+ * one (each round waits for a word every peer writes after it), so the
+ * slot it fills was read by all. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,7 +19,22 @@
 #include "sock.h"
 #include "status.h"
 
+#define FZ_TAG (2ull << 40) /* the arena's entry, published in the first one-launch round */
+#define FZ_KIND UCCL_SG_FUSED_KIND
+
 /* ---- checks -------------------------------------------------------------------------- */
+static int check_op(const char *what, int dt, int op)
+{
+    int flt = dt == UCCL_DT_F32 || dt == UCCL_DT_F64 || dt == UCCL_DT_F16 || dt == UCCL_DT_BF16;
+    if ((flt && (op == UCCL_RED_BAND || op == UCCL_RED_BOR || op == UCCL_RED_BXOR)) ||
+        (dt == UCCL_DT_BOOL && op == UCCL_RED_AVG))
+        return uccl__err(UCCL_ERR_INVALID, "%s: operator %d is not defined for element type "
+                         "%d (bitwise operators need integers or bool; AVG a number)", what, op, dt);
+    if (!uccl_dtype_size(dt) || op < 0 || op >= UCCL_RED_COUNT)
+        return uccl__err(UCCL_ERR_INVALID, "%s: reduction of type %d, operator %d", what, dt, op);
+    return UCCL_OK;
+}
+
 static int check_call(uccl_sg_t *sg, const struct uccl_sg_call *c)
 {
     const char *what = c->what ? c->what : "exchange";
@@ -29,19 +53,21 @@ static int check_call(uccl_sg_t *sg, const struct uccl_sg_call *c)
                              i, p->peer, p->phase, (unsigned long long)p->off, p->len, sg->size,
                              sg->rank, c->phases);
     }
+    const struct uccl_sg_fused *f = c->fused;
+    if (f && (!sg->fz_arena || sg->size > UCCL_SG_FUSED_RANKS || f->nbytes > sg->fz_slot))
+        return uccl__err(UCCL_ERR_INVALID, "%s: a one-launch round of %zu bytes in a group of "
+                         "%d, arena slots of %zu bytes", what, f->nbytes, sg->size, sg->fz_slot);
+    int rc = f && !f->gather ? check_op(what, f->dtype, f->op) : UCCL_OK;
+    if (rc)
+        return rc;
     if (c->red) {
-        int dt = c->red->dtype, op = c->red->op;
-        int flt = dt == UCCL_DT_F32 || dt == UCCL_DT_F64 || dt == UCCL_DT_F16 || dt == UCCL_DT_BF16;
-        if ((flt && (op == UCCL_RED_BAND || op == UCCL_RED_BOR || op == UCCL_RED_BXOR)) ||
-            (dt == UCCL_DT_BOOL && op == UCCL_RED_AVG))
-            return uccl__err(UCCL_ERR_INVALID, "%s: operator %d is not defined for element type "
-                             "%d (bitwise operators need integers or bool; AVG a number)",
-                             what, op, dt);
+        if ((rc = check_op(what, c->red->dtype, c->red->op)))
+            return rc;
         size_t esz = uccl_dtype_size(c->red->dtype);
-        if (!esz || c->red->op < 0 || c->red->op >= UCCL_RED_COUNT ||
-            c->red->count > SIZE_MAX / esz || c->red->off + c->red->count * esz < c->red->off)
-            return uccl__err(UCCL_ERR_INVALID, "%s: reduction of type %d, operator %d, %zu "
-                             "elements", what, c->red->dtype, c->red->op, c->red->count);
+        if (c->red->count > SIZE_MAX / esz || c->red->off + c->red->count * esz < c->red->off)
+            return uccl__err(UCCL_ERR_INVALID, "%s: reduction of %zu elements of type %d at "
+                             "offset %llu", what, c->red->count, c->red->dtype,
+                             (unsigned long long)c->red->off);
     }
     return UCCL_OK;
 }
@@ -88,6 +114,54 @@ static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint6
     return rc;
 }
 
+/* Rank r's call in round k (its slot's header h) against this rank's. */
+static int compare(uccl_sg_t *sg, int r, uint32_t k, const struct slot_head *h, uint32_t kind,
+                   uint64_t arg, int phases, const char *what)
+{
+    if (h->kind == kind && h->arg == arg && (int)h->phases == phases)
+        return UCCL_OK;
+    char theirs[17];
+    memcpy(theirs, h->what, 16);
+    theirs[16] = '\0';
+    return uccl__err(UCCL_ERR_MISMATCH, "%s: the ranks' calls disagree in round %u: rank %d is "
+                     "in %s (kind %#x, argument %llu), rank %d in %s (kind %#x, argument %llu)%s",
+                     what, k, r, theirs, h->kind, (unsigned long long)h->arg, sg->rank, what,
+                     kind, (unsigned long long)arg,
+                     (h->kind ^ kind) == FZ_KIND ? "; one of them a one-launch round: "
+                     "UCCL_SG_FUSED_BYTES must be the same on every rank" : "");
+}
+
+/* The last round's call, if it was a one-launch round, against the peers'
+ * (their slots of it: they published it before they ran it), then that
+ * round's slots are this rank's no longer. */
+static int check_unchecked(uccl_sg_t *sg, const char *what, uint64_t deadline,
+                           uccl_sg_interrupt_fn intr, void *intr_arg)
+{
+    uint32_t u = sg->fz_unchecked;
+    if (!u)
+        return UCCL_OK;
+    const struct slot_head *mine = (const struct slot_head *)slot(sg, sg->rank, u);
+    char mine_what[17];
+    memcpy(mine_what, mine->what, 16);
+    mine_what[16] = '\0';
+    for (int r = 0; r < sg->size; r++) {
+        if (r == sg->rank)
+            continue;
+        char waiting[64];
+        snprintf(waiting, sizeof(waiting), "rank %d arriving at round %u", r, u);
+        int rc = uccl__sg_host_wait(sg, uccl__sg_arrived, u, r, what, waiting, deadline, intr,
+                                    intr_arg);
+        if (!rc)
+            rc = compare(sg, r, u, (const struct slot_head *)slot(sg, r, u), mine->kind,
+                         mine->arg, (int)mine->phases, mine_what);
+        if (rc)
+            return rc;
+    }
+    st64(w64(sg, sg->rank, OFF_CONSUMED), u);
+    sg->fz_unchecked = 0;
+    return UCCL_OK;
+}
+
 /* Read every peer's slot of round k (waiting for them to arrive) and
  * compare their calls with this one. */
 static int read_peers(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *what, uint32_t k,
@@ -102,14 +176,8 @@ static int read_peers(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *w
         if (rc)
             return rc;
         const struct slot_head *h = (const struct slot_head *)slot(sg, r, k);
-        char theirs[17];
-        memcpy(theirs, h->what, 16);
-        theirs[16] = '\0';
-        if (h->kind != c->kind || h->arg != c->arg || (int)h->phases != c->phases)
-            return uccl__err(UCCL_ERR_MISMATCH, "%s: the ranks' calls disagree: rank %d is in "
-                             "%s (kind %#x, argument %llu), rank %d in %s (kind %#x, argument "
-                             "%llu)", what, r, theirs, h->kind, (unsigned long long)h->arg,
-                             sg->rank, what, c->kind, (unsigned long long)c->arg);
+        if ((rc = compare(sg, r, k, h, c->kind, c->arg, c->phases, what)))
+            return rc;
         if (h->count > (uint32_t)MAX_ENTRIES)
             return uccl__err(UCCL_ERR_PROTO, "%s: rank %d published %u buffers (at most %d)",
                              what, r, h->count, MAX_ENTRIES);
@@ -216,8 +284,98 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     if (!rc)
         rc = dv->memops(sg->d, X, ops, nops);
     free(cp);
-    if (!rc && c->end_event)
-        rc = dv->record(sg->d, c->end_event, X);
+    return rc;
+}
+
+/* A one-launch round's steps one by one, for a device without the launch
+ * (the emulated one): the same words, copies and reduction. */
+static int fused_steps(uccl_sg_t *sg, uintptr_t X, const struct uccl__sg_fused_args *a)
+{
+    const struct uccl__sg_dev *dv = sg->ops;
+    struct uccl__sg_memop ops[UCCL_SG_FUSED_RANKS + 1];
+    struct uccl_sg_copy cs[UCCL_SG_FUSED_RANKS];
+    int nops = 0, ncs = 0, me = a->me;
+    cs[0] = (struct uccl_sg_copy){a->slot[me], a->in, a->nbytes};
+    int rc = copies(sg, X, cs, a->nbytes ? 1 : 0);
+    memop(ops, &nops, a->ready[me], a->k, 0);
+    for (int r = 0; r < a->nsrc; r++)
+        if (r != me)
+            memop(ops, &nops, a->ready[r], a->k, 1);
+    if (!rc)
+        rc = dv->memops(sg->d, X, ops, nops);
+    if (!rc && a->gather) {
+        for (int r = 0; r < a->nsrc; r++) {
+            uintptr_t dst = a->out + (size_t)r * a->nbytes, src = r == me ? a->in : a->slot[r];
+            if (a->nbytes && dst != src)
+                cs[ncs++] = (struct uccl_sg_copy){dst, src, a->nbytes};
+        }
+        rc = copies(sg, X, cs, ncs);
+    } else if (!rc && a->count) {
+        struct uccl__sg_red_args ra = {a->dtype, a->op, a->nsrc, a->out, {0}, a->count};
+        for (int r = 0; r < a->nsrc; r++)
+            ra.src[r] = r == me ? a->in : a->slot[r];
+        rc = dv->reduce(sg->d, X, &ra);
+    }
+    nops = 0;
+    memop(ops, &nops, a->fin, a->k, 0);
+    return rc ? rc : dv->memops(sg->d, X, ops, nops);
+}
+
+static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k, uintptr_t X)
+{
+    struct uccl__sg_fused_args a = {fz->gather, fz->dtype, fz->op, sg->size, sg->rank, k,
+                                    fz->in, fz->out, sg->fz_arena + 2 * sg->fz_slot,
+                                    fz->nbytes, fz->count, {0}, {NULL}, w32(sg, sg->rank, OFF_FIN)};
+    for (int r = 0; r < sg->size; r++) {
+        a.slot[r] = (r == sg->rank ? sg->fz_arena : sg->fz_peer[r]) + (k & 1) * sg->fz_slot;
+        a.ready[r] = w32(sg, r, OFF_READY);
+    }
+    return sg->ops->fused ? sg->ops->fused(sg->d, X, &a) : fused_steps(sg, X, &a);
+}
+
+/* The first one-launch round: map every peer's arena (published in it), for
+ * the group's life. */
+static int map_arenas(uccl_sg_t *sg, const char *what)
+{
+    struct pending p = {0, 0, 0, sg->fz_imp};
+    int rc = UCCL_OK;
+    for (int r = 0; r < sg->size && !rc; r++)
+        if (r != sg->rank)
+            rc = map_range(sg, what, r, FZ_TAG, 0, sg->fz_len, 1, &p, &sg->fz_peer[r]);
+    sg->fz_nimp = p.nimp;
+    sg->fz_mapped = !rc;
+    return rc;
+}
+
+size_t uccl_sg_fused_bytes(uccl_sg_t *sg)
+{
+    pthread_mutex_lock(&sg->call_mu);
+    size_t n = sg->fz_arena && sg->size <= UCCL_SG_FUSED_RANKS ? sg->fz_slot : 0;
+    pthread_mutex_unlock(&sg->call_mu);
+    return n;
+}
+
+int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_bytes)
+{
+    size_t need = 2 * slot_bytes + 16;
+    if (!ptr || (ptr & 15) || !slot_bytes || slot_bytes % 16 || slot_bytes > (SIZE_MAX - 16) / 2 ||
+        len < need || sg->size > UCCL_SG_FUSED_RANKS)
+        return uccl__err(UCCL_ERR_INVALID, "one-launch rounds: arena %#lx of %zu bytes, slots "
+                         "of %zu bytes (multiples of 16; two slots and 16 bytes needed), %d "
+                         "ranks (at most %d)", (unsigned long)ptr, len, slot_bytes, sg->size,
+                         UCCL_SG_FUSED_RANKS);
+    pthread_mutex_lock(&sg->call_mu);
+    int rc = UCCL_OK;
+    uint64_t key = 0, reg = 0;
+    if (sg->fz_arena)
+        rc = uccl__err(UCCL_ERR_INVALID, "one-launch rounds: the arena is set already");
+    else if (!(rc = uccl__sg_reg_key(sg, ptr, need, sg->round, &key, &reg))) {
+        sg->fz_arena = ptr; /* pinned: every peer maps it until close */
+        sg->fz_slot = slot_bytes;
+        sg->fz_len = need;
+        sg->fz_key = key;
+    }
+    pthread_mutex_unlock(&sg->call_mu);
     return rc;
 }
 
@@ -261,6 +419,8 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         k = 1;
     uccl__sg_reclaim(sg);
     uint64_t deadline = uccl__now_ns() + sg->timeout_ns;
+    if ((rc = check_unchecked(sg, what, deadline, intr, intr_arg)))
+        return uccl__sg_fail_rc(sg, rc);
     char waiting[64];
     snprintf(waiting, sizeof(waiting), "peers reading round %u", k - NSLOT);
     /* the slot of round k was last used by round k - NSLOT: every peer has read it */
@@ -275,6 +435,9 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         rc = uccl__sg_reg_key(sg, c->pub[i].ptr, c->pub[i].len, k, &ent[nent].key, NULL);
         nent++;
     }
+    int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped;
+    if (fused && !sg->fz_mapped)
+        ent[nent++] = (struct entry){FZ_TAG, sg->fz_key, sg->fz_arena, sg->fz_len};
     if (rc)
         return uccl__sg_fail_rc(sg, rc);
     __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED); /* posts read it (sg_p2p.c) */
@@ -300,10 +463,23 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         memset(h->what, 0, sizeof(h->what));
         strncpy(h->what, what, sizeof(h->what));
         st64(&h->round, k);
-        rc = read_peers(sg, c, what, k, deadline, intr, intr_arg);
+        if (exchange)
+            rc = read_peers(sg, c, what, k, deadline, intr, intr_arg);
     }
-    if (!rc)
+    if (!rc && fused) {
+        if (exchange) {
+            rc = map_arenas(sg, what);
+            st64(w64(sg, sg->rank, OFF_CONSUMED), k);
+        } else {
+            sg->fz_unchecked = k;
+        }
+        if (!rc)
+            rc = queue_fused(sg, c->fused, k, X);
+    } else if (!rc) {
         rc = queue_round(sg, c, what, k, X, &p, ops);
+    }
+    if (!rc && c->end_event)
+        rc = sg->ops->record(sg->d, c->end_event, X);
     free(ops);
     p.t0 = uccl__now_ns(); /* the watchdog times the stream, not the peers' arrival */
     int arc = uccl__sg_pending_add(sg, p); /* even when failed: queued copies may read through them */

@@ -610,6 +610,8 @@ int uccl_sg_close(uccl_sg_t *sg)
             uccl__sg_pending_free(sg, &sg->pend[i]);
         for (int i = 0; i < sg->np2p; i++)
             p2p_free(sg, &sg->p2p[i]);
+        for (int i = 0; i < sg->fz_nimp; i++)
+            sg->ops->unmap(sg->d, sg->fz_imp[i]);
     } /* else the mappings stay: the stream may still copy through them */
     while (sg->nregs)
         reg_drop(sg, sg->nregs - 1);

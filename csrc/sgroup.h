@@ -46,6 +46,8 @@
 
 #define UCCL_SG_MAX_RANKS 64   /* the reduction kernel reads one source per rank */
 #define UCCL_SG_P2P_SLOTS 16   /* messages of a pair posted ahead before a post waits */
+#define UCCL_SG_FUSED_RANKS 8  /* one-launch rounds: every rank's staging slot is an argument */
+#define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
 /* element types and reduction operators of uccl_sg_call.red */
 enum {
@@ -89,6 +91,18 @@ struct uccl_sg_red {
     size_t count;
 };
 
+/* A one-launch round (sg_round.c): this rank's input is staged into its
+ * slot of its arena (uccl_sg_fused_arena), and one launch waits for every
+ * rank's ready word and computes out from the ranks' slots: no host wait
+ * for the peers, no mapping of their buffers.  gather: out holds the ranks'
+ * nbytes in rank order; else out[0..count) <- op over the ranks in rank
+ * order (out may be in). */
+struct uccl_sg_fused {
+    int gather, dtype, op;
+    uintptr_t in, out;
+    size_t nbytes, count;
+};
+
 struct uccl_sg_call {
     const char *what;          /* the operation's name, for messages */
     uint32_t kind;             /* compared across ranks with arg: their calls must agree */
@@ -105,6 +119,7 @@ struct uccl_sg_call {
     const struct uccl_sg_copy *copy; /* this rank's own copies, in phase 1 */
     int ncopy;
     const struct uccl_sg_red *red;   /* a reduction in phase 1, or NULL */
+    const struct uccl_sg_fused *fused; /* instead of the above: a one-launch round */
 };
 
 /* ---- the device a group queues on ------------------------------------------ */
@@ -118,6 +133,18 @@ struct uccl__sg_red_args {
     uintptr_t out;
     uintptr_t src[UCCL_SG_MAX_RANKS];
     size_t count;
+};
+/* A one-launch round as the device runs it: slot[r] is rank r's staging
+ * slot of this round (mine: where in is staged), ready[r] its ready word;
+ * ctr two counters of device memory, zero between launches. */
+struct uccl__sg_fused_args {
+    int gather, dtype, op, nsrc, me;
+    uint32_t k;
+    uintptr_t in, out, ctr;
+    size_t nbytes, count;
+    uintptr_t slot[UCCL_SG_FUSED_RANKS];
+    uint32_t *ready[UCCL_SG_FUSED_RANKS];
+    uint32_t *fin;
 };
 struct uccl__sg_dev {
     int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
@@ -139,6 +166,9 @@ struct uccl__sg_dev {
                void **imp_p);
     void (*unmap)(void *d, void *imp);
     void (*destroy)(void *d);
+    /* a one-launch round, or NULL: the round then queues its steps one by
+     * one (the copy in, the words, the reduction or copies, fin) */
+    int (*fused)(void *d, uintptr_t stream, const struct uccl__sg_fused_args *a);
 };
 
 /* The CUDA device: queues on device dev through the driver, shares memory
@@ -243,6 +273,19 @@ int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_
  * peer's receive, as NCCL's and Gloo's buffered sends do not.  Sends of up
  * to len / P2P_SLOTS bytes are staged; larger ones wait for the receiver. */
 int uccl_sg_p2p_arena(uccl_sg_t *sg, int peer, uintptr_t ptr, size_t len);
+
+/* The arena of one-launch rounds: [ptr, +len) of this rank's device memory,
+ * zeroed, kept registered until close: two slots of slot_bytes (rounds
+ * alternate; a round starts only once every peer is past the round before
+ * the last, so a slot is free again), then the launch's two counters.
+ * Collectives of at most slot_bytes per rank (allreduce, allgather) then
+ * run as one-launch rounds in groups of at most UCCL_SG_FUSED_RANKS;
+ * every rank sets the same slot_bytes before its first collective.  The
+ * peers' calls are compared one round late: a disagreement raises at the
+ * next call. */
+int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_bytes);
+/* The most bytes per rank a one-launch round takes here (0: none). */
+size_t uccl_sg_fused_bytes(uccl_sg_t *sg);
 /* `stream` waits for message `code` to be in place, or for a staged send
  * to be staged (no host wait). */
 int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream);

@@ -75,6 +75,18 @@ def caller_streams(monkeypatch):
     monkeypatch.setattr(sgm, "_raw_stream", lambda dev: _callers.stream)
 
 
+@pytest.fixture(autouse=True, params=["two-sided", "one-launch"])
+def round_form(request, monkeypatch):
+    """Every test here both ways: all_reduce and allgather of a few bytes
+    per rank as two-sided rounds, and as one-launch rounds (the default up
+    to UCCL_SG_FUSED_BYTES; tests/test_stream_fused.py has their own)."""
+    if request.param == "two-sided":
+        monkeypatch.setenv("UCCL_SG_FUSED_BYTES", "0")
+    else:
+        monkeypatch.delenv("UCCL_SG_FUSED_BYTES", raising=False)
+    return request.param
+
+
 def make_groups(n, timeout_s=5.0):
     store, out = Store(), [None] * n
 
@@ -396,7 +408,9 @@ def test_a_hostile_slot_count_is_refused():
     close_all(groups, streams)
 
 
-def test_registrations_are_reused_and_bounded():
+def test_registrations_are_reused_and_bounded(monkeypatch):
+    """Two-sided rounds (one-launch rounds register nothing but their arena)."""
+    monkeypatch.setenv("UCCL_SG_FUSED_BYTES", "0")
     n = 2
     groups = make_groups(n)
     rounds = 64 + 20   # the cache holds 64 (csrc/sgroup.c, REG_CACHE)

@@ -75,17 +75,29 @@ def tag_to(dst: int, k: int) -> int:
 P2P_SLOTS = _engine.SG_P2P_SLOTS
 
 
+def _env_bytes(name: str, default: int) -> int:
+    v = os.environ.get(name, "")
+    try:
+        n = int(v) if v else default
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a number of bytes") from None
+    if not 0 <= n <= 64 << 20:
+        raise ValueError(f"{name}={n} is not in 0..{64 << 20}")
+    return n
+
+
 def eager_bytes() -> int:
     """UCCL_SG_EAGER_BYTES: sends up to this size are staged when the
     sender posts first (complete once staged, as a buffered send); 0: none."""
-    v = os.environ.get("UCCL_SG_EAGER_BYTES", "")
-    try:
-        n = int(v) if v else 256 << 10
-    except ValueError:
-        raise ValueError(f"UCCL_SG_EAGER_BYTES={v!r} is not a number of bytes") from None
-    if not 0 <= n <= 64 << 20:
-        raise ValueError(f"UCCL_SG_EAGER_BYTES={n} is not in 0..{64 << 20}")
-    return n
+    return _env_bytes("UCCL_SG_EAGER_BYTES", 256 << 10)
+
+
+def fused_bytes() -> int:
+    """UCCL_SG_FUSED_BYTES: all_reduce and allgather of up to this many
+    bytes per rank run as one launch that stages the input in an arena the
+    peers mapped once (no host wait for the peers; csrc/sg_round.c), in
+    groups of up to SG_FUSED_RANKS ranks; 0: never.  The same on every rank."""
+    return _env_bytes("UCCL_SG_FUSED_BYTES", 1 << 20)
 
 
 def enabled() -> bool:
@@ -162,6 +174,8 @@ class StreamGroup:
         self._eager = eager_bytes()   # read once: posts are a hot path
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
+        fused = fused_bytes()   # a bad value raises before anything is made
+        self._fused: torch.Tensor | None = None
         try:
             if emulated:
                 self.stream = _engine._sg_emu_stream()
@@ -174,9 +188,23 @@ class StreamGroup:
             self.c = _engine.StreamGroup(None if emulated else ctx._ep(), list(ctx._conns[0]),
                                          self.rank, self.size, dev, self._base, self._len,
                                          float(timeout_s), self.stream, owner=self._mm)
+            self._fused = self._fused_arena(fused)
         except BaseException:
             self._release_page(False)
             raise
+
+    def _fused_arena(self, nb: int) -> torch.Tensor | None:
+        """The arena of one-launch rounds (two slots of nb bytes and two
+        counters, zeroed), kept until close: the peers map it."""
+        if not nb or self.size > _engine.SG_FUSED_RANKS:
+            return None
+        slot = (nb + 15) // 16 * 16
+        arena = torch.zeros(2 * slot + 16, dtype=torch.uint8,
+                            device="cpu" if self.emulated else torch.device("cuda", self.dev))
+        if not self.emulated:
+            torch.cuda.synchronize(self.dev)   # zeroed before any round's launch reads it
+        self.c.fused_arena(arena.data_ptr(), arena.numel(), slot)
+        return arena
 
     @property
     def torch_stream(self) -> Any:
@@ -294,8 +322,9 @@ class StreamGroup:
         ok = c.close()
         if ok:
             self._arenas.clear()
+            self._fused = None
         else:   # peers' streams may still copy out of them
-            _KEPT.append(self._arenas)
+            _KEPT.append((self._arenas, self._fused))
         if self.emulated:
             _engine._sg_emu_stream_free(self.stream)
             for s in self._pair_streams.values():
