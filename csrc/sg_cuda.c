@@ -140,12 +140,16 @@ static const char kernel_src[] =
 /* A one-launch round (sgroup.h, struct uccl__sg_fused_args), appended to
  * kernel_src: every block stages its share of the input into this rank's
  * slot; the last block to finish writes this rank's ready word (fenced, so
- * a peer that sees it sees the bytes); every block waits until each peer's
- * ready word reaches the round, then computes from the slots (this rank's
- * input read in place) and the last block writes fin.  Its blocks spin, so
- * the launch is small (FUSED_BLOCKS): the peers' launches, on the same GPU,
- * must fit beside it.  A failed group's words are released far ahead,
- * which ends the spin. */
+ * a peer that sees it sees the bytes); block 0 waits until each peer's
+ * ready word (host memory) reaches the round and then raises a flag in
+ * device memory that the other blocks wait for (one poller over PCIe: 16
+ * of them cost ~4x at 64 KiB); every block then computes from the slots
+ * (this rank's input read in place) and the last block writes fin.  Its
+ * blocks spin, so the launch is small (FUSED_BLOCKS): the peers' launches
+ * must fit beside it on a GPU the ranks share (and they run at once only
+ * under MPS: without it a spinning launch holds the GPU for its time
+ * slice).  A failed group's words are released far ahead, which ends the
+ * spin. */
 #define FUSED_BLOCKS 16
 static const char fused_src[] =
     "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 fin;\n"
@@ -159,7 +163,7 @@ static const char fused_src[] =
     "__device__ __forceinline__ void arrive(u32 *ctr, u64 word, u32 k) {\n"
     "  __syncthreads();\n"
     "  if (threadIdx.x == 0) {\n"
-    "    __threadfence_system();\n"
+    "    __threadfence();\n"
     "    if (atomicAdd(ctr, 1u) == gridDim.x - 1) {\n"
     "      *(volatile u32 *)ctr = 0;\n"
     "      __threadfence_system();\n"
@@ -167,13 +171,21 @@ static const char fused_src[] =
     "    }\n"
     "  }\n"
     "}\n"
+    "__device__ __forceinline__ bool before(u64 word, u32 k) { return (int)(*(volatile u32 *)word - k) < 0; }\n"
     "extern \"C\" __global__ void uccl_sg_fused(FArgs a) {\n"
     "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
     "  arrive((u32 *)a.ctr, a.ready[a.me], a.k);\n"
+    "  u64 seen = a.ctr + 8;\n"
     "  if (threadIdx.x == 0) {\n"
-    "    for (int r = 0; r < a.n; r++)\n"
-    "      if (r != a.me)\n"
-    "        while ((int)(*(volatile u32 *)a.ready[r] - a.k) < 0) __nanosleep(128);\n"
+    "    if (blockIdx.x == 0) {\n"
+    "      for (int r = 0; r < a.n; r++)\n"
+    "        if (r != a.me)\n"
+    "          while (before(a.ready[r], a.k)) __nanosleep(64);\n"
+    "      __threadfence();\n"
+    "      *(volatile u32 *)seen = a.k;\n"
+    "    } else {\n"
+    "      while (before(seen, a.k)) __nanosleep(32);\n"
+    "    }\n"
     "    __threadfence();\n"
     "  }\n"
     "  __syncthreads();\n"
@@ -442,6 +454,23 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, THREADS, stream, params);
 }
 
+static uint64_t cuda_fused_id(void *dp)
+{
+    struct cuda_dev *d = dp;
+    const struct uccl__cuda *cu = uccl__cuda();
+    cu_device dv;
+    int mps = 0, bus = 0, slot = 0, dom = 0;
+    if (cu->DeviceGet(&dv, d->dev) != CU_OK)
+        return (uint64_t)d->dev + 1;
+    if (cu->DeviceGetAttribute(&mps, CU_DEV_ATTR_MPS_ENABLED, dv) == CU_OK && mps)
+        return 0;
+    /* unknown to an older driver: taken as off (the two-sided rounds are the safe side) */
+    cu->DeviceGetAttribute(&bus, CU_DEV_ATTR_PCI_BUS, dv);
+    cu->DeviceGetAttribute(&slot, CU_DEV_ATTR_PCI_DEVICE, dv);
+    cu->DeviceGetAttribute(&dom, CU_DEV_ATTR_PCI_DOMAIN, dv);
+    return 1 + ((uint64_t)(uint32_t)dom << 32 | (uint64_t)(uint32_t)bus << 8 | (uint32_t)slot);
+}
+
 static int cuda_event_new(void *dp, void **ev_p)
 {
     struct cuda_dev *d = dp;
@@ -547,7 +576,7 @@ static const struct uccl__sg_dev cuda_ops = {
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
-    .fused = cuda_fused,
+    .fused = cuda_fused, .fused_id = cuda_fused_id,
 };
 
 int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,

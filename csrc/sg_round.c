@@ -19,7 +19,8 @@
 #include "sock.h"
 #include "status.h"
 
-#define FZ_TAG (2ull << 40) /* the arena's entry, published in the first one-launch round */
+#define FZ_TAG (2ull << 40)  /* the arena's entry, published in the first one-launch round */
+#define FZ_INFO (3ull << 40) /* ... and the rank's GPU identity (addr: uccl__sg_dev.fused_id) */
 #define FZ_KIND UCCL_SG_FUSED_KIND
 
 /* ---- checks -------------------------------------------------------------------------- */
@@ -334,23 +335,32 @@ static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k
 }
 
 /* The first one-launch round: map every peer's arena (published in it), for
- * the group's life. */
-static int map_arenas(uccl_sg_t *sg, const char *what)
+ * the group's life; and whether to go on with one-launch rounds (every rank
+ * decides the same from the same entries: not where two ranks' GPU
+ * identities are the same, uccl__sg_dev.fused_id says why). */
+static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
 {
     struct pending p = {0, 0, 0, sg->fz_imp};
+    uint64_t ids[UCCL_SG_FUSED_RANKS];
     int rc = UCCL_OK;
-    for (int r = 0; r < sg->size && !rc; r++)
+    for (int r = 0; r < sg->size && !rc; r++) {
+        const struct entry *e = r == sg->rank ? NULL : peer_entry(sg, r, FZ_INFO);
+        ids[r] = r == sg->rank ? my_id : e ? e->addr : 0;
         if (r != sg->rank)
             rc = map_range(sg, what, r, FZ_TAG, 0, sg->fz_len, 1, &p, &sg->fz_peer[r]);
+    }
     sg->fz_nimp = p.nimp;
     sg->fz_mapped = !rc;
+    for (int r = 0; r < sg->size; r++)
+        for (int q = r + 1; q < sg->size; q++)
+            sg->fz_off |= ids[r] && ids[r] == ids[q];
     return rc;
 }
 
 size_t uccl_sg_fused_bytes(uccl_sg_t *sg)
 {
     pthread_mutex_lock(&sg->call_mu);
-    size_t n = sg->fz_arena && sg->size <= UCCL_SG_FUSED_RANKS ? sg->fz_slot : 0;
+    size_t n = sg->fz_arena && !sg->fz_off && sg->size <= UCCL_SG_FUSED_RANKS ? sg->fz_slot : 0;
     pthread_mutex_unlock(&sg->call_mu);
     return n;
 }
@@ -436,8 +446,11 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         nent++;
     }
     int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped;
-    if (fused && !sg->fz_mapped)
+    if (fused && !sg->fz_mapped) {
+        uint64_t id = sg->ops->fused_id ? sg->ops->fused_id(sg->d) : 0;
         ent[nent++] = (struct entry){FZ_TAG, sg->fz_key, sg->fz_arena, sg->fz_len};
+        ent[nent++] = (struct entry){FZ_INFO, 0, id, 0};
+    }
     if (rc)
         return uccl__sg_fail_rc(sg, rc);
     __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED); /* posts read it (sg_p2p.c) */
@@ -468,7 +481,7 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     }
     if (!rc && fused) {
         if (exchange) {
-            rc = map_arenas(sg, what);
+            rc = map_arenas(sg, what, ent[nent - 1].addr);
             st64(w64(sg, sg->rank, OFF_CONSUMED), k);
         } else {
             sg->fz_unchecked = k;

@@ -169,6 +169,12 @@ struct uccl__sg_dev {
     /* a one-launch round, or NULL: the round then queues its steps one by
      * one (the copy in, the words, the reduction or copies, fin) */
     int (*fused)(void *d, uintptr_t stream, const struct uccl__sg_fused_args *a);
+    /* 0 where this rank's launches run beside other processes' (MPS, or the
+     * emulated device; or NULL), else its GPU's identity: one-launch rounds
+     * spin, and ranks on one GPU without MPS would each hold it for a time
+     * slice (~2 ms a round), so a group where two ranks show the same
+     * identity runs two-sided rounds instead */
+    uint64_t (*fused_id)(void *d);
 };
 
 /* The CUDA device: queues on device dev through the driver, shares memory
@@ -277,7 +283,7 @@ int uccl_sg_p2p_arena(uccl_sg_t *sg, int peer, uintptr_t ptr, size_t len);
 /* The arena of one-launch rounds: [ptr, +len) of this rank's device memory,
  * zeroed, kept registered until close: two slots of slot_bytes (rounds
  * alternate; a round starts only once every peer is past the round before
- * the last, so a slot is free again), then the launch's two counters.
+ * the last, so a slot is free again), then 16 bytes of the launch's counters.
  * Collectives of at most slot_bytes per rank (allreduce, allgather) then
  * run as one-launch rounds in groups of at most UCCL_SG_FUSED_RANKS;
  * every rank sets the same slot_bytes before its first collective.  The

@@ -237,8 +237,8 @@ def backend_plan(ws: int, big) -> list:
     return cases
 
 
-KILL_STEPS = ("killed-ctx-allgather-raises", "killed-ctx-recv-raises",
-              "killed-async-all_reduce-future-raises", "killed-irecv-future-raises",
+KILL_STEPS = ("killed-ctx-allgather-then-next-raises", "killed-ctx-recv-raises",
+              "killed-async-all_reduce-future-then-next-raises", "killed-irecv-future-raises",
               "killed-all_reduce-then-barrier-raises")
 
 
@@ -1368,12 +1368,20 @@ def _kill_step(x: X, step: str, victim: int):
     torch, dist, dev, ws = x.torch, x.dist, x.dev, x.ws
     n = 1 << 16
     ctx, g = x.kill_ctxs.get(step), x.kill_groups.get(step)
-    if step == "killed-ctx-allgather-raises":
-        ctx.allgather(torch.ones(n, device=dev), torch.empty(ws * n, device=dev))
+    if step == "killed-ctx-allgather-then-next-raises":
+        # stream-ordered: a one-launch allgather (up to UCCL_SG_FUSED_BYTES)
+        # waits on the GPU, not the host, and may return at once; the next
+        # call compares the last one's with the peers' on the host
+        for _ in range(2):
+            ctx.allgather(torch.ones(n, device=dev), torch.empty(ws * n, device=dev))
     elif step == "killed-ctx-recv-raises":
         ctx.recv(torch.empty(n, device=dev), src=victim)
-    elif step == "killed-async-all_reduce-future-raises":
-        dist.all_reduce(torch.ones(n, device=dev), async_op=True, group=g).get_future().wait()
+    elif step == "killed-async-all_reduce-future-then-next-raises":
+        # as torch documents for NCCL, the future's wait() orders the current
+        # stream and does not wait for the GPU: a one-launch round (up to
+        # UCCL_SG_FUSED_BYTES) then returns, and the next call raises
+        for _ in range(2):
+            dist.all_reduce(torch.ones(n, device=dev), async_op=True, group=g).get_future().wait()
     elif step == "killed-irecv-future-raises":
         dist.irecv(torch.empty(n, device=dev), src=victim, group=g).get_future().wait()
     elif step == "killed-all_reduce-then-barrier-raises":
