@@ -1,0 +1,223 @@
+"""One-launch rounds of stream-ordered groups (csrc/sg_round.c, struct
+uccl_sg_fused) on the CPU's emulated device: all_reduce and allgather of
+up to UCCL_SG_FUSED_BYTES per rank go through an arena the peers mapped
+once, with no host wait for the peers; their calls are compared one round
+late.  The emulated device runs the round's steps one by one (the copy in,
+the words, the reduction or copies, fin); the single CUDA launch that does
+the same runs in tests/test_gpu_collective.py on the GPU machine."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from uccl_collective import _engine
+from uccl_collective import _stream_group as sgm
+from uccl_collective.p2p import UcclError, UcclTimeoutError
+from test_stream_group import (  # noqa: F401 - caller_streams: the autouse fixture
+    Ctx, Store, _callers, caller_streams, close_all, drain, make_groups, on_ranks)
+
+SLOT = 4096   # UCCL_SG_FUSED_BYTES in these tests: sizes above it go two-sided
+
+
+@pytest.fixture(autouse=True)
+def small_arena(monkeypatch):
+    monkeypatch.setenv("UCCL_SG_FUSED_BYTES", str(SLOT))
+
+
+def allreduce(g, t, op):
+    return g.c.allreduce(_callers.stream, True, 0, t.data_ptr(), t.numel(), sgm.DTYPES[t.dtype],
+                         op)
+
+
+def allgather(g, t, out):
+    return g.c.allgather(_callers.stream, True, 0, t.data_ptr(), t.numel() * t.element_size(),
+                         out.data_ptr())
+
+
+OPS = [(torch.int64, _engine.RED_SUM, lambda a: a.sum(0)),
+       (torch.float32, _engine.RED_MAX, lambda a: a.max(0)),
+       (torch.uint8, _engine.RED_BXOR, lambda a: np.bitwise_xor.reduce(a, 0)),
+       (torch.int32, _engine.RED_MIN, lambda a: a.min(0))]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_one_launch_rounds_move_and_reduce_the_right_bytes(n):
+    """Sizes 0, 1, odd and up to the slot, many rounds (both arena slots
+    reused many times), mixed with two-sided rounds above the slot, ranks
+    running ahead of each other: every result against numpy's."""
+    groups = make_groups(n)
+    rng = np.random.default_rng(n)
+    plan = []   # (kind, dtype/op index, elements)
+    for i in range(40):
+        kind = ("allreduce", "allgather")[i % 2]
+        esz = 8 if kind == "allreduce" else 1
+        top = SLOT // esz if i % 5 else 3 * SLOT // esz   # every fifth: two-sided
+        count = int(rng.choice([0, 1, 7, int(rng.integers(1, top + 1)), top]))
+        plan.append((kind, i % len(OPS), count))
+    data = [[rng.integers(0, 1 << 8, max(c, 1) * 8, dtype=np.uint8) for _ in range(n)]
+            for _k, _o, c in plan]
+
+    def inputs(i, r):
+        kind, o, count = plan[i]
+        dt = OPS[o][0] if kind == "allreduce" else torch.uint8
+        raw = torch.from_numpy(data[i][r].copy())
+        return raw.view(dt)[:count].clone()
+
+    def rank(r):
+        g, keep, inputs_alive = groups[r], [], []
+        jitter = np.random.default_rng(100 + r)
+        for i, (kind, o, count) in enumerate(plan):
+            if jitter.random() < 0.3:
+                time.sleep(jitter.random() * 0.003)   # ranks ahead of each other
+            x = inputs(i, r)
+            if kind == "allreduce":
+                allreduce(g, x, OPS[o][1])
+                keep.append(x)
+            else:
+                out = torch.full((n * count,), 0xA5, dtype=torch.uint8)   # poisoned
+                allgather(g, x, out)
+                keep.append(out)
+                inputs_alive.append(x)   # the stream copies it in after the call returns
+        return keep, inputs_alive
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    res = [keep for keep, _alive in res]
+    for i, (kind, o, count) in enumerate(plan):
+        ins = [inputs(i, r) for r in range(n)]
+        if kind == "allreduce":
+            want = torch.from_numpy(np.asarray(OPS[o][2](np.stack([t.numpy() for t in ins]))))
+            want = want.to(ins[0].dtype).reshape(-1)
+        else:
+            want = torch.cat(ins)
+        for r in range(n):
+            assert torch.equal(res[r][i], want), f"round {i} ({kind}, {count}) at rank {r}"
+    close_all(groups, streams)
+
+
+def test_one_launch_rounds_register_only_the_arena():
+    """No host wait for the peers, no registration of the callers' buffers:
+    a hundred rounds on fresh buffers register one thing, the arena."""
+    n = 2
+    groups = make_groups(n)
+
+    def rank(r):
+        keep = []
+        for i in range(100):
+            x = torch.full((64,), r + i, dtype=torch.int64)
+            allreduce(groups[r], x, _engine.RED_SUM)
+            keep.append(x)
+        return keep, groups[r].c.emu_counts()
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        keep, (regs, _deregs, _maps) = res[r]
+        assert regs == 1, "only the arena"
+        assert all(torch.equal(x, torch.full((64,), 1 + 2 * i)) for i, x in enumerate(keep))
+    close_all(groups, streams)
+
+
+def test_a_disagreement_raises_at_the_next_call_on_every_rank():
+    """Calls of one-launch rounds that differ (counts 10 and 12) are compared
+    one round late: both return, the next call raises on every rank with
+    both calls named, and every stream is released."""
+    n = 2
+    groups = make_groups(n)
+
+    def rank(r):
+        g = groups[r]
+        x = torch.ones(4, dtype=torch.int64)
+        allreduce(g, x, _engine.RED_SUM)   # the first: arenas exchanged, compared at once
+        y = torch.ones(10 + 2 * r, dtype=torch.int64)
+        allreduce(g, y, _engine.RED_SUM)   # returns: compared at the next call
+        with pytest.raises(UcclError, match="calls disagree in round 2") as e:
+            allreduce(g, x, _engine.RED_SUM)
+        return str(e.value)
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    for r in range(n):
+        assert "argument 10" in res[r] and "argument 12" in res[r], res[r]
+    drain(groups, streams)
+    for g in groups:
+        with pytest.raises(UcclError, match="calls disagree"):
+            g.check()
+    close_all(groups, streams)
+
+
+def test_ranks_that_disagree_on_the_threshold_fail_at_once(monkeypatch):
+    """Rank 0 takes a one-launch round, rank 1 (as with UCCL_SG_FUSED_BYTES=0)
+    a two-sided one: both raise in the call, naming the variable."""
+    per_rank = threading.local()
+    monkeypatch.setattr(sgm, "fused_bytes", lambda: per_rank.nb)
+    store, groups = Store(), [None, None]
+
+    def mk(r):
+        per_rank.nb = SLOT if r == 0 else 0
+        groups[r] = sgm.StreamGroup(Ctx(store, r, 2, 5.0), 0, 5.0, emulated=True)
+    ts = [threading.Thread(target=mk, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    assert all(groups)
+
+    def rank(r):
+        x = torch.ones(8, dtype=torch.int64)
+        allreduce(groups[r], x, _engine.RED_SUM)
+    res, err, streams = on_ranks(2, rank)
+    assert all(isinstance(e, UcclError) and "UCCL_SG_FUSED_BYTES must be the same" in str(e)
+               for e in err), err
+    drain(groups, streams)
+    close_all(groups, streams)
+
+
+def test_a_peer_that_stops_coming_fails_the_group_within_the_timeout():
+    """After a round together, rank 1 stops: rank 0's next one-launch round
+    returns at once (its stream waits for rank 1), the watchdog fails the
+    group within the timeout and releases the stream, and the call after it
+    raises."""
+    n, timeout = 2, 1.5
+    groups = make_groups(n, timeout_s=timeout)
+
+    def rank(r):
+        g = groups[r]
+        x = torch.ones(4, dtype=torch.int64)
+        allreduce(g, x, _engine.RED_SUM)
+        if r == 1:
+            return x   # kept: the streams may still read and write it after the call
+        t0 = time.monotonic()
+        allreduce(g, x, _engine.RED_SUM)
+        queued = time.monotonic() - t0
+        with pytest.raises(UcclError) as e:
+            allreduce(g, x, _engine.RED_SUM)
+        return queued, time.monotonic() - t0, e.value, x
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    queued, took, e, _x = res[0]
+    assert queued < 0.5 * timeout, f"the round waited {queued:.2f} s on the host"
+    assert took < timeout + 2.0, f"raised after {took:.2f} s (timeout {timeout} s)"
+    assert isinstance(e, UcclTimeoutError) or "not within the group's timeout" in str(e), e
+    drain(groups, streams)   # rank 0's stream was released
+    close_all(groups, streams)
+
+
+@pytest.mark.parametrize("off, nb, slot, why", [
+    (None, 4096, 1024, "arena 0 of 4096 bytes"),
+    (8, 4096, 1024, "arena 0x[0-9a-f]+ of 4096 bytes"),   # not 16-aligned
+    (0, 4096, 1000, "slots of 1000 bytes"),
+    (0, 2047, 1024, "arena 0x[0-9a-f]+ of 2047 bytes, slots of 1024 bytes"),
+    (0, 4096, 1024, "the arena is set already"),
+])
+def test_bad_arenas_are_refused(off, nb, slot, why):
+    groups = make_groups(2)
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    base = (buf.data_ptr() + 15) // 16 * 16
+    with pytest.raises(ValueError, match=why):
+        groups[0].c.fused_arena(0 if off is None else base + off, nb, slot)
+    for g in groups:
+        g.close()
