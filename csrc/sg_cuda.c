@@ -106,6 +106,7 @@ static const char kernel_src[] =
     "  for (int r = 0; r < n; r++) vec = vec && (a.src[r] & 15) == 0;\n"
     "  u64 nv = vec ? a.count / V : 0;\n"
     "  union U { V16 u; T t[V]; };\n"
+    "#pragma unroll 4\n"
     "  for (u64 j = tid; j < nv; j += stride) {\n"
     "    U x; x.u = ((const V16 *)a.src[0])[j];\n"
     "    A acc[V];\n"
@@ -145,18 +146,22 @@ static const char kernel_src[] =
  * device memory that the other blocks wait for (one poller over PCIe: 16
  * of them cost ~4x at 64 KiB); every block then computes from the slots
  * (this rank's input read in place) and the last block writes fin.  Its
- * blocks spin, so the launch is small (FUSED_BLOCKS): the peers' launches
- * must fit beside it on a GPU the ranks share (and they run at once only
+ * blocks spin, so the launch is small (at most FUSED_BLOCKS blocks of
+ * FUSED_THREADS, a block per 16 KiB): the peers' launches must fit beside
+ * it on a GPU the ranks share (8 ranks' at two blocks an SM of an H100;
+ * and they run at once only
  * under MPS: without it a spinning launch holds the GPU for its time
  * slice).  A failed group's words are released far ahead, which ends the
  * spin. */
-#define FUSED_BLOCKS 16
+#define FUSED_BLOCKS 32
+#define FUSED_THREADS 512
 static const char fused_src[] =
     "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 fin;\n"
     "  u32 k; int gather, op, n, me; };\n"
     "__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u64 len) {\n"
     "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
     "  u64 nv = ((dst | src) & 15) == 0 ? len / 16 : 0;\n"
+    "#pragma unroll 4\n"
     "  for (u64 j = tid; j < nv; j += stride) ((V16 *)dst)[j] = ((const V16 *)src)[j];\n"
     "  for (u64 i = nv * 16 + tid; i < len; i += stride) ((u8 *)dst)[i] = ((const u8 *)src)[i];\n"
     "}\n"
@@ -448,10 +453,11 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     fa.op = a->op;
     fa.n = a->nsrc;
     fa.me = a->me;
-    size_t blocks = (a->nbytes / 16 + THREADS - 1) / THREADS;
+    /* a block per 16 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS */
+    size_t blocks = (a->nbytes + 2 * 16 * FUSED_THREADS - 1) / (2 * 16 * FUSED_THREADS);
     blocks = blocks < 1 ? 1 : blocks > FUSED_BLOCKS ? FUSED_BLOCKS : blocks;
     void *params[] = {&fa};
-    return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, THREADS, stream, params);
+    return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, FUSED_THREADS, stream, params);
 }
 
 static uint64_t cuda_fused_id(void *dp)
