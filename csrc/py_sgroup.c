@@ -13,7 +13,6 @@
  * GIL; its host waits check for signals every ~50 ms (an interrupted round
  * fails the group). */
 #include "pyengine.h"
-
 #include <stdarg.h>
 #include <time.h>
 
@@ -516,13 +515,12 @@ static PyObject *SG_p2p_wait(PyObject *op, PyObject *args)
     return rc ? round_error(self, rc) : (Py_INCREF(Py_None), Py_None);
 }
 
-/* p2p_arena(peer, ptr, len): where sends to peer posted first are staged;
- * fused_arena(ptr, len, slot_bytes): where one-launch rounds stage inputs.
- * Set without the GIL: a round or post may hold the lock while it waits. */
+/* p2p_arena(peer, ptr, len): sends to peer posted first staged there; fused_arena(ptr,
+ * len, slot_bytes): one-launch rounds'.  Without the GIL: a round may hold the lock. */
 static PyObject *set_arena(PyObject *op, PyObject *args, int fused)
 {
     uccl__py_sgroup *self = open_group(op);
-    int peer = 0;
+    int peer = 0, rc;
     uint64_t ptr;
     size_t len, slot = 0;
     if (!self || !(fused ? PyArg_ParseTuple(args, "O&O&O&", uccl__py_to_u64, &ptr,
@@ -530,7 +528,6 @@ static PyObject *set_arena(PyObject *op, PyObject *args, int fused)
                          : PyArg_ParseTuple(args, "iO&O&", &peer, uccl__py_to_u64, &ptr,
                                             uccl__py_to_size, &len)))
         return NULL;
-    int rc;
     uccl_sg_t *sg = self->sg;
     self->inflight++;
     Py_BEGIN_ALLOW_THREADS
@@ -770,10 +767,8 @@ static PyMethodDef SG_methods[] = {
      "p2p(caller, [(peer, send, ptr, len, stream)]) -> [code]: messages posted in order"},
     {"p2p_wait", SG_p2p_wait, METH_VARARGS, "p2p_wait(code, stream): the stream waits for it"},
     {"p2p_passed", SG_p2p_passed, METH_VARARGS, "p2p_passed(code): the message is in place"},
-    {"p2p_arena", SG_p2p_arena, METH_VARARGS,
-     "p2p_arena(peer, ptr, len): stage the sends to peer posted first there"},
-    {"fused_arena", SG_fused_arena, METH_VARARGS,
-     "fused_arena(ptr, len, slot_bytes): stage one-launch rounds' inputs there (zeroed)"},
+    {"p2p_arena", SG_p2p_arena, METH_VARARGS, "p2p_arena(peer, ptr, len): sends staged there"},
+    {"fused_arena", SG_fused_arena, METH_VARARGS, "fused_arena(ptr, len, slot): one-launch arena"},
     {"passed", SG_passed, METH_VARARGS, "passed(k): this rank's stream is past round k"},
     {"error", SG_error, METH_NOARGS, "error() -> why the group failed, or None"},
     {"fail", SG_fail, METH_VARARGS, "fail(why): fail the group for every rank"},
@@ -781,12 +776,9 @@ static PyMethodDef SG_methods[] = {
     {"event_free", SG_event_free, METH_VARARGS, "event_free(ev)"},
     {"event_wait", SG_event_wait, METH_VARARGS, "event_wait(stream, ev): the stream waits"},
     {"event_query", SG_event_query, METH_VARARGS, "event_query(ev) -> done?"},
-    {"wait_last", SG_wait_last, METH_VARARGS,
-     "wait_last(stream): the stream waits for the last round queued so far"},
-    {"emu_counts", SG_emu_counts, METH_NOARGS,
-     "emu_counts() -> (registrations, deregistrations, live mappings) of the emulated device"},
-    {"kernel_ready", SG_kernel_ready, METH_VARARGS,
-     "kernel_ready(dtype): compile the reduction kernel for dtype (raises where it cannot)"},
+    {"wait_last", SG_wait_last, METH_VARARGS, "wait_last(stream): it waits for the last round"},
+    {"emu_counts", SG_emu_counts, METH_NOARGS, "emu_counts() -> (regs, deregs, live mappings)"},
+    {"kernel_ready", SG_kernel_ready, METH_VARARGS, "kernel_ready(dtype): compile it, or raise"},
     {"close", SG_close, METH_NOARGS, "close() -> whether the page may be unmapped"},
     {NULL, NULL, 0, NULL},
 };
