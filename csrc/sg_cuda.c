@@ -147,14 +147,14 @@ static const char kernel_src[] =
  * of them cost ~4x at 64 KiB); every block then computes from the slots
  * (this rank's input read in place) and the last block writes fin.  Its
  * blocks spin, so the launch is small (at most FUSED_BLOCKS blocks of
- * FUSED_THREADS, a block per 16 KiB): the peers' launches must fit beside
- * it on a GPU the ranks share (8 ranks' at two blocks an SM of an H100;
+ * FUSED_THREADS, a block per 8 KiB): the peers' launches must fit beside
+ * it on a GPU the ranks share (8 ranks' with room to spare on an H100;
  * and they run at once only
  * under MPS: without it a spinning launch holds the GPU for its time
  * slice).  A failed group's words are released far ahead, which ends the
  * spin. */
-#define FUSED_BLOCKS 32
-#define FUSED_THREADS 512
+#define FUSED_BLOCKS 16
+#define FUSED_THREADS 256
 static const char fused_src[] =
     "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 fin;\n"
     "  u32 k; int gather, op, n, me; };\n"
@@ -453,7 +453,9 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     fa.op = a->op;
     fa.n = a->nsrc;
     fa.me = a->me;
-    /* a block per 16 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS */
+    /* a block per 8 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS: more
+     * blocks cost more than they bring at 1 MiB (2 ranks: 16 x 256 threads
+     * 31 us a call, 32 x 512 48 us, 64 x 256 44 us; BENCHMARKS.md) */
     size_t blocks = (a->nbytes + 2 * 16 * FUSED_THREADS - 1) / (2 * 16 * FUSED_THREADS);
     blocks = blocks < 1 ? 1 : blocks > FUSED_BLOCKS ? FUSED_BLOCKS : blocks;
     void *params[] = {&fa};
