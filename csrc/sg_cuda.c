@@ -186,12 +186,12 @@ static const char fused_src[] =
     "      for (int r = 0; r < a.n; r++)\n"
     "        if (r != a.me)\n"
     "          while (before(a.ready[r], a.k)) __nanosleep(64);\n"
-    "      __threadfence();\n"
+    "      __threadfence_system();\n"
     "      *(volatile u32 *)seen = a.k;\n"
     "    } else {\n"
     "      while (before(seen, a.k)) __nanosleep(32);\n"
     "    }\n"
-    "    __threadfence();\n"
+    "    __threadfence_system();\n"
     "  }\n"
     "  __syncthreads();\n"
     "  if (a.gather) {\n"
@@ -254,10 +254,11 @@ static struct {
     pthread_mutex_t mu;
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
+    char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *copy[MAX_DEVS];
     int copy_failed[MAX_DEVS];
     int sms[MAX_DEVS];
-} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {{NULL}}, {NULL}, {0}, {0}};
+} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {{NULL}}, {{0}}, {NULL}, {0}, {0}};
 
 /* Under kernels.mu: the device's SM count (grid sizes), once. */
 static void read_sms(int dev)
@@ -317,11 +318,14 @@ int uccl_sg_kernel_ready(int dev, int dtype)
     return rc;
 }
 
+/* NULL where it cannot be built (no NVRTC, a GPU older than sm_70): the
+ * round then queues its steps one by one (sg_round.c), once tried. */
 static uccl_kernel_t *fused_kernel(int dev, int dtype)
 {
     pthread_mutex_lock(&kernels.mu);
-    if (!kernels.fused[dev][dtype])
-        compile_for(dev, dtype, fused_src, "uccl_sg_fused", &kernels.fused[dev][dtype]);
+    if (!kernels.fused[dev][dtype] && !kernels.fused_failed[dev][dtype] &&
+        compile_for(dev, dtype, fused_src, "uccl_sg_fused", &kernels.fused[dev][dtype]))
+        kernels.fused_failed[dev][dtype] = 1;
     uccl_kernel_t *k = kernels.fused[dev][dtype];
     pthread_mutex_unlock(&kernels.mu);
     return k;
@@ -435,7 +439,7 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
         return uccl__err(UCCL_ERR_INVALID, "one-launch round: %d ranks, type %d", a->nsrc, dt);
     uccl_kernel_t *k = fused_kernel(d->dev, dt);
     if (!k)
-        return UCCL_ERR_UNAVAIL; /* compile_for said why */
+        return UCCL_ERR_UNAVAIL; /* the steps instead */
     struct fused_args fa;
     memset(&fa, 0, sizeof(fa));
     fa.in = a->in;

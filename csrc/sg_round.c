@@ -322,16 +322,25 @@ static int fused_steps(uccl_sg_t *sg, uintptr_t X, const struct uccl__sg_fused_a
     return rc ? rc : dv->memops(sg->d, X, ops, nops);
 }
 
+/* The slots alternate per one-launch round (a bit of its own: round numbers
+ * skip 0 when they wrap, which would give two rounds in a row one slot).
+ * The launch where the device has one, else (no kernel for it, or an
+ * in-place all_reduce that is not 16-byte aligned: the launch's staging and
+ * reduction then split the bytes between its blocks differently, and one
+ * block could overwrite input another is still to stage) the steps. */
 static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k, uintptr_t X)
 {
     struct uccl__sg_fused_args a = {fz->gather, fz->dtype, fz->op, sg->size, sg->rank, k,
                                     fz->in, fz->out, sg->fz_arena + 2 * sg->fz_slot,
                                     fz->nbytes, fz->count, {0}, {NULL}, w32(sg, sg->rank, OFF_FIN)};
     for (int r = 0; r < sg->size; r++) {
-        a.slot[r] = (r == sg->rank ? sg->fz_arena : sg->fz_peer[r]) + (k & 1) * sg->fz_slot;
+        a.slot[r] = (r == sg->rank ? sg->fz_arena : sg->fz_peer[r]) + sg->fz_flip * sg->fz_slot;
         a.ready[r] = w32(sg, r, OFF_READY);
     }
-    return sg->ops->fused ? sg->ops->fused(sg->d, X, &a) : fused_steps(sg, X, &a);
+    sg->fz_flip ^= 1;
+    int launch = sg->ops->fused && (fz->gather || (fz->in & 15) == 0);
+    int rc = launch ? sg->ops->fused(sg->d, X, &a) : UCCL_ERR_UNAVAIL;
+    return rc == UCCL_ERR_UNAVAIL ? fused_steps(sg, X, &a) : rc;
 }
 
 /* The first one-launch round: map every peer's arena (published in it), for
@@ -343,12 +352,13 @@ static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
     struct pending p = {0, 0, 0, sg->fz_imp};
     uint64_t ids[UCCL_SG_FUSED_RANKS];
     int rc = UCCL_OK;
-    for (int r = 0; r < sg->size && !rc; r++) {
+    for (int r = 0; r < sg->size; r++) {
         const struct entry *e = r == sg->rank ? NULL : peer_entry(sg, r, FZ_INFO);
         ids[r] = r == sg->rank ? my_id : e ? e->addr : 0;
+    }
+    for (int r = 0; r < sg->size && !rc; r++)
         if (r != sg->rank)
             rc = map_range(sg, what, r, FZ_TAG, 0, sg->fz_len, 1, &p, &sg->fz_peer[r]);
-    }
     sg->fz_nimp = p.nimp;
     sg->fz_mapped = !rc;
     for (int r = 0; r < sg->size; r++)
@@ -488,6 +498,7 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         }
         if (!rc)
             rc = queue_fused(sg, c->fused, k, X);
+        sg->fz_last = k;
     } else if (!rc) {
         rc = queue_round(sg, c, what, k, X, &p, ops);
     }

@@ -567,6 +567,26 @@ void uccl__sg_reclaim(uccl_sg_t *sg)
     pthread_mutex_unlock(&sg->mu);
 }
 
+/* Under mu: whether every peer's fin word reached round k, or its process
+ * is gone, before `until` (the lock is let go while it waits). */
+static int peers_past(uccl_sg_t *sg, uint32_t k, uint64_t until)
+{
+    for (;;) {
+        int all = 1;
+        for (int p = 0; p < sg->size && all; p++)
+            all = p == sg->rank || ahead(ld32(w32(sg, p, OFF_FIN)), k) ||
+                  !alive(ld64(w64(sg, p, OFF_PID)));
+        if (all)
+            return 1;
+        if (failed_locked(sg) || uccl__now_ns() > until)
+            return 0;
+        pthread_mutex_unlock(&sg->mu);
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&sg->mu);
+    }
+}
+
 int uccl_sg_close(uccl_sg_t *sg)
 {
     if (!sg)
@@ -604,6 +624,10 @@ int uccl_sg_close(uccl_sg_t *sg)
         pthread_mutex_lock(&sg->mu);
     }
     int ok = !failed_locked(sg) || (sg->npend == 0 && sg->np2p == 0);
+    /* one-launch rounds: a peer's launch reads this rank's arena until it is
+     * past the round; the arena goes only once every peer is (or is gone) */
+    if (ok && sg->fz_last && (failed_locked(sg) || !peers_past(sg, sg->fz_last, until)))
+        ok = 0;
     pthread_mutex_unlock(&sg->mu);
     if (ok) {
         for (int i = 0; i < sg->npend; i++)

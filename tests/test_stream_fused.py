@@ -120,6 +120,8 @@ def test_one_launch_rounds_register_only_the_arena():
         assert regs == 1, "only the arena"
         assert all(torch.equal(x, torch.full((64,), 1 + 2 * i)) for i, x in enumerate(keep))
     close_all(groups, streams)
+    # every peer is past the last round: the arenas are let go
+    assert all(g._fused is None for g in groups)
 
 
 def test_a_disagreement_raises_at_the_next_call_on_every_rank():
@@ -146,7 +148,11 @@ def test_a_disagreement_raises_at_the_next_call_on_every_rank():
     for g in groups:
         with pytest.raises(UcclError, match="calls disagree"):
             g.check()
+    arenas = [g._fused for g in groups]
     close_all(groups, streams)
+    # a failed group's released launches may still read a peer's arena: kept
+    for a in arenas:
+        assert any(isinstance(e, tuple) and len(e) == 2 and e[1] is a for e in sgm._KEPT)
 
 
 def test_ranks_that_disagree_on_the_threshold_fail_at_once(monkeypatch):
