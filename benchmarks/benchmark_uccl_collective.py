@@ -177,6 +177,15 @@ def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return f"at {bad.numel()} elements (first {bad[:4].flatten().tolist()})"
 
 
+def p2p_step(group, send=None, recv=None) -> None:
+    """One dist.batch_isend_irecv of a send and a receive, each (tensor,
+    peer) or None, every Work waited for."""
+    ops = ([dist.P2POp(dist.isend, *send, group=group)] if send else []) + \
+          ([dist.P2POp(dist.irecv, *recv, group=group)] if recv else [])
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
 class IpcCopies:
     """The ipc-copy reference for one size: every rank maps the send buffer
     (x) of each peer its plan reads from, through CUDA IPC, and run() makes
@@ -329,18 +338,10 @@ class Runner(_Bench):
         """The ring step or the pair's send/recv as batch_isend_irecv."""
         a = self.args
         if a.op == "ring":
-            ops = [dist.P2POp(dist.isend, x, self.right, group=group),
-                   dist.P2POp(dist.irecv, y, self.left, group=group)]
+            p2p_step(group, (x, self.right), (y, self.left))
         elif self.partner < self.world:
-            ops = []
-            if a.dual or self.rank % 2 == 0:
-                ops.append(dist.P2POp(dist.isend, x, self.partner, group=group))
-            if a.dual or self.rank % 2 == 1:
-                ops.append(dist.P2POp(dist.irecv, y, self.partner, group=group))
-        else:
-            return
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+            p2p_step(group, (x, self.partner) if a.dual or self.rank % 2 == 0 else None,
+                     (y, self.partner) if a.dual or self.rank % 2 == 1 else None)
 
     def gloo(self) -> None:
         a = self.args
@@ -478,10 +479,7 @@ class GroupRunner(_Bench):
             dist.broadcast(x, 0, group=group)
         elif op == "ring":
             me, w = dist.get_rank(group), self.world
-            ops = [dist.P2POp(dist.isend, x, (me + 1) % w, group=group),
-                   dist.P2POp(dist.irecv, y, (me - 1) % w, group=group)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            p2p_step(group, (x, (me + 1) % w), (y, (me - 1) % w))
         else:
             dist.all_to_all_single(y, x, group=group)
 

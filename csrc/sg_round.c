@@ -55,7 +55,7 @@ static int check_call(uccl_sg_t *sg, const struct uccl_sg_call *c)
                              sg->rank, c->phases);
     }
     const struct uccl_sg_fused *f = c->fused;
-    if (f && (!sg->fz_arena || sg->size > UCCL_SG_FUSED_RANKS || f->nbytes > sg->fz_slot))
+    if (f && (!sg->fz_arena || f->nbytes > sg->fz_slot))
         return uccl__err(UCCL_ERR_INVALID, "%s: a one-launch round of %zu bytes in a group of "
                          "%d, arena slots of %zu bytes", what, f->nbytes, sg->size, sg->fz_slot);
     int rc = f && !f->gather ? check_op(what, f->dtype, f->op) : UCCL_OK;
@@ -115,6 +115,13 @@ static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint6
     return rc;
 }
 
+/* A slot header's operation name (16 bytes, not always terminated). */
+static void head_name(const struct slot_head *h, char out[17])
+{
+    memcpy(out, h->what, 16);
+    out[16] = '\0';
+}
+
 /* Rank r's call in round k (its slot's header h) against this rank's. */
 static int compare(uccl_sg_t *sg, int r, uint32_t k, const struct slot_head *h, uint32_t kind,
                    uint64_t arg, int phases, const char *what)
@@ -122,8 +129,7 @@ static int compare(uccl_sg_t *sg, int r, uint32_t k, const struct slot_head *h, 
     if (h->kind == kind && h->arg == arg && (int)h->phases == phases)
         return UCCL_OK;
     char theirs[17];
-    memcpy(theirs, h->what, 16);
-    theirs[16] = '\0';
+    head_name(h, theirs);
     return uccl__err(UCCL_ERR_MISMATCH, "%s: the ranks' calls disagree in round %u: rank %d is "
                      "in %s (kind %#x, argument %llu), rank %d in %s (kind %#x, argument %llu)%s",
                      what, k, r, theirs, h->kind, (unsigned long long)h->arg, sg->rank, what,
@@ -143,8 +149,7 @@ static int check_unchecked(uccl_sg_t *sg, const char *what, uint64_t deadline,
         return UCCL_OK;
     const struct slot_head *mine = (const struct slot_head *)slot(sg, sg->rank, u);
     char mine_what[17];
-    memcpy(mine_what, mine->what, 16);
-    mine_what[16] = '\0';
+    head_name(mine, mine_what);
     for (int r = 0; r < sg->size; r++) {
         if (r == sg->rank)
             continue;
@@ -361,18 +366,21 @@ static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
             rc = map_range(sg, what, r, FZ_TAG, 0, sg->fz_len, 1, &p, &sg->fz_peer[r]);
     sg->fz_nimp = p.nimp;
     sg->fz_mapped = !rc;
+    int off = 0;
     for (int r = 0; r < sg->size; r++)
         for (int q = r + 1; q < sg->size; q++)
-            sg->fz_off |= ids[r] && ids[r] == ids[q];
+            off |= ids[r] && ids[r] == ids[q];
+    __atomic_store_n(&sg->fz_off, off, __ATOMIC_RELAXED);
     return rc;
 }
 
+/* Read on every all_reduce and allgather, without the call lock: fz_slot is
+ * set once before any round (0 until then; no arena is taken for more than
+ * UCCL_SG_FUSED_RANKS ranks), fz_off at most once, in the first round. */
 size_t uccl_sg_fused_bytes(uccl_sg_t *sg)
 {
-    pthread_mutex_lock(&sg->call_mu);
-    size_t n = sg->fz_arena && !sg->fz_off && sg->size <= UCCL_SG_FUSED_RANKS ? sg->fz_slot : 0;
-    pthread_mutex_unlock(&sg->call_mu);
-    return n;
+    return __atomic_load_n(&sg->fz_off, __ATOMIC_RELAXED)
+               ? 0 : __atomic_load_n(&sg->fz_slot, __ATOMIC_RELAXED);
 }
 
 int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_bytes)
@@ -391,9 +399,9 @@ int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_by
         rc = uccl__err(UCCL_ERR_INVALID, "one-launch rounds: the arena is set already");
     else if (!(rc = uccl__sg_reg_key(sg, ptr, need, sg->round, &key, &reg))) {
         sg->fz_arena = ptr; /* pinned: every peer maps it until close */
-        sg->fz_slot = slot_bytes;
         sg->fz_len = need;
         sg->fz_key = key;
+        __atomic_store_n(&sg->fz_slot, slot_bytes, __ATOMIC_RELAXED); /* last: fused_bytes */
     }
     pthread_mutex_unlock(&sg->call_mu);
     return rc;
@@ -464,10 +472,15 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     if (rc)
         return uccl__sg_fail_rc(sg, rc);
     __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED); /* posts read it (sg_p2p.c) */
-    struct pending p = {k, uccl__now_ns(), 0, calloc((size_t)c->npull + (size_t)sg->size + 1,
-                                                     sizeof(void *))};
-    struct uccl__sg_memop *ops = calloc(2 * (size_t)sg->size + 2, sizeof(*ops));
-    if (!p.imp || !ops) {
+    /* what a two-sided round maps, and its word operations (a one-launch
+     * round has neither) */
+    struct pending p = {k, uccl__now_ns(), 0, NULL};
+    struct uccl__sg_memop *ops = NULL;
+    if (!fused) {
+        p.imp = calloc((size_t)c->npull + (size_t)sg->size + 1, sizeof(void *));
+        ops = calloc(2 * (size_t)sg->size + 2, sizeof(*ops));
+    }
+    if (!fused && (!p.imp || !ops)) {
         free(p.imp);
         free(ops);
         uccl__err(UCCL_ERR_NOMEM, "out of memory");
