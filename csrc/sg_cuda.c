@@ -106,21 +106,42 @@ static const char kernel_src[] =
     "  for (int r = 0; r < n; r++) vec = vec && (a.src[r] & 15) == 0;\n"
     "  u64 nv = vec ? a.count / V : 0;\n"
     "  union U { V16 u; T t[V]; };\n"
-    "#pragma unroll 4\n"
-    "  for (u64 j = tid; j < nv; j += stride) {\n"
-    "    U x; x.u = ((const V16 *)a.src[0])[j];\n"
-    "    A acc[V];\n"
+    /* Two vectors a thread (j, j + stride: the same vectors a thread of
+     * copy_bytes moves), up to four sources' loads issued before any is
+     * used: the loads, not the arithmetic, bound this loop, and one load in
+     * flight a thread leaves most of the memory's bandwidth unused.  The
+     * sources are still applied in rank order. */
+    "  for (u64 j = tid; j < nv; j += 2 * stride) {\n"
+    "    bool two = j + stride < nv;\n"
+    "    A acc[2][V];\n"
+    "    for (int r0 = 0; r0 < n; r0 += 4) {\n"
+    "      U x[2][4];\n"
     "#pragma unroll\n"
-    "    for (int v = 0; v < V; v++) acc[v] = D::ld(x.t[v]);\n"
-    "    for (int r = 1; r < n; r++) {\n"
-    "      x.u = ((const V16 *)a.src[r])[j];\n"
+    "      for (int q = 0; q < 4; q++)\n"
+    "        if (r0 + q < n) {\n"
+    "          x[0][q].u = ((const V16 *)a.src[r0 + q])[j];\n"
+    "          if (two) x[1][q].u = ((const V16 *)a.src[r0 + q])[j + stride];\n"
+    "        }\n"
     "#pragma unroll\n"
-    "      for (int v = 0; v < V; v++) acc[v] = apply<D, OP>(acc[v], D::ld(x.t[v]));\n"
+    "      for (int q = 0; q < 4; q++)\n"
+    "        if (r0 + q < n) {\n"
+    "#pragma unroll\n"
+    "          for (int m = 0; m < 2; m++)\n"
+    "#pragma unroll\n"
+    "            for (int v = 0; v < V; v++) {\n"
+    "              A y = D::ld(x[m][q].t[v]);\n"
+    "              acc[m][v] = r0 + q == 0 ? y : apply<D, OP>(acc[m][v], y);\n"
+    "            }\n"
+    "        }\n"
     "    }\n"
-    "    U y;\n"
     "#pragma unroll\n"
-    "    for (int v = 0; v < V; v++) y.t[v] = fin<D, OP>(acc[v], n);\n"
-    "    ((V16 *)a.out)[j] = y.u;\n"
+    "    for (int m = 0; m < 2; m++) {\n"
+    "      if (m && !two) break;\n"
+    "      U y;\n"
+    "#pragma unroll\n"
+    "      for (int v = 0; v < V; v++) y.t[v] = fin<D, OP>(acc[m][v], n);\n"
+    "      ((V16 *)a.out)[j + m * stride] = y.u;\n"
+    "    }\n"
     "  }\n"
     "  for (u64 i = nv * V + tid; i < a.count; i += stride) {\n"
     "    A acc = D::ld(((const T *)a.src[0])[i]);\n"
@@ -142,27 +163,32 @@ static const char kernel_src[] =
  * kernel_src: every block stages its share of the input into this rank's
  * slot; the last block to finish writes this rank's ready word (fenced, so
  * a peer that sees it sees the bytes); block 0 waits until each peer's
- * ready word (host memory) reaches the round and then raises a flag in
- * device memory that the other blocks wait for (one poller over PCIe: 16
- * of them cost ~4x at 64 KiB); every block then computes from the slots
- * (this rank's input read in place) and the last block writes fin.  Its
- * blocks spin, so the launch is small (at most FUSED_BLOCKS blocks of
- * FUSED_THREADS, a block per 8 KiB): the peers' launches must fit beside
- * it on a GPU the ranks share (8 ranks' with room to spare on an H100;
- * and they run at once only
- * under MPS: without it a spinning launch holds the GPU for its time
- * slice).  A failed group's words are released far ahead, which ends the
- * spin. */
-#define FUSED_BLOCKS 16
+ * ready word (host memory) reaches the round, thread r polling rank r's
+ * (all peers at once: one after the other cost 1.5-3 us more a call at 4
+ * ranks), then raises a flag in device memory that the other blocks wait
+ * for (every block polling the host page cost ~4x at 64 KiB); every block
+ * then computes from the slots (this rank's input read in place) and the
+ * last block writes fin.  Its blocks spin, so its grid is small
+ * (cuda_fused): on a GPU the ranks share, the peers' launches must be
+ * resident beside it, and they run at once only under MPS (without it a
+ * spinning launch holds the GPU for its time slice).  A failed group's
+ * words are released far ahead, which ends the spin. */
+#define FUSED_BLOCKS 32
 #define FUSED_THREADS 256
 static const char fused_src[] =
     "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 fin;\n"
     "  u32 k; int gather, op, n, me; };\n"
     "__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u64 len) {\n"
     "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
-    "  u64 nv = ((dst | src) & 15) == 0 ? len / 16 : 0;\n"
-    "#pragma unroll 4\n"
-    "  for (u64 j = tid; j < nv; j += stride) ((V16 *)dst)[j] = ((const V16 *)src)[j];\n"
+    "  u64 nv = ((dst | src) & 15) == 0 ? len / 16 : 0, j = tid;\n"
+    "  const V16 *s = (const V16 *)src; V16 *d = (V16 *)dst;\n"
+    /* four loads in flight before the stores (the compiler cannot hoist a
+     * load above a store that may alias it) */
+    "  for (; j + 3 * stride < nv; j += 4 * stride) {\n"
+    "    V16 t0 = s[j], t1 = s[j + stride], t2 = s[j + 2 * stride], t3 = s[j + 3 * stride];\n"
+    "    d[j] = t0; d[j + stride] = t1; d[j + 2 * stride] = t2; d[j + 3 * stride] = t3;\n"
+    "  }\n"
+    "  for (; j < nv; j += stride) d[j] = s[j];\n"
     "  for (u64 i = nv * 16 + tid; i < len; i += stride) ((u8 *)dst)[i] = ((const u8 *)src)[i];\n"
     "}\n"
     "__device__ __forceinline__ void arrive(u32 *ctr, u64 word, u32 k) {\n"
@@ -181,16 +207,16 @@ static const char fused_src[] =
     "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
     "  arrive((u32 *)a.ctr, a.ready[a.me], a.k);\n"
     "  u64 seen = a.ctr + 8;\n"
-    "  if (threadIdx.x == 0) {\n"
-    "    if (blockIdx.x == 0) {\n"
-    "      for (int r = 0; r < a.n; r++)\n"
-    "        if (r != a.me)\n"
-    "          while (before(a.ready[r], a.k)) __nanosleep(64);\n"
+    "  if (blockIdx.x == 0) {\n"
+    "    int r = threadIdx.x;\n"
+    "    if (r < a.n && r != a.me) {\n"
+    "      while (before(a.ready[r], a.k)) __nanosleep(64);\n"
     "      __threadfence_system();\n"
-    "      *(volatile u32 *)seen = a.k;\n"
-    "    } else {\n"
-    "      while (before(seen, a.k)) __nanosleep(32);\n"
     "    }\n"
+    "    __syncthreads();\n"
+    "    if (threadIdx.x == 0) *(volatile u32 *)seen = a.k;\n"
+    "  } else if (threadIdx.x == 0) {\n"
+    "    while (before(seen, a.k)) __nanosleep(32);\n"
     "    __threadfence_system();\n"
     "  }\n"
     "  __syncthreads();\n"
@@ -457,11 +483,17 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     fa.op = a->op;
     fa.n = a->nsrc;
     fa.me = a->me;
-    /* a block per 8 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS: more
-     * blocks cost more than they bring at 1 MiB (2 ranks: 16 x 256 threads
-     * 31 us a call, 32 x 512 48 us, 64 x 256 44 us; BENCHMARKS.md) */
+    /* a block per 8 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS, and
+     * for the group's launches together one block per SM: they spin, so on a
+     * GPU the ranks share they must all be resident at once, and a block of
+     * FUSED_THREADS fits an SM whatever its registers.  1 MiB all_reduce,
+     * the launches' own time per call on an H200 under MPS (fused_probe.py,
+     * BENCHMARKS.md): 2 ranks 14.6 us with 16 blocks, 12.6 with 32, 11.3
+     * with 64; 4 ranks 28.3 with 16, 25.4 with 32 */
+    size_t cap = (size_t)kernels.sms[d->dev] / (size_t)a->nsrc; /* set by fused_kernel */
+    cap = cap < 1 ? 1 : cap > FUSED_BLOCKS ? FUSED_BLOCKS : cap;
     size_t blocks = (a->nbytes + 2 * 16 * FUSED_THREADS - 1) / (2 * 16 * FUSED_THREADS);
-    blocks = blocks < 1 ? 1 : blocks > FUSED_BLOCKS ? FUSED_BLOCKS : blocks;
+    blocks = blocks < 1 ? 1 : blocks > cap ? cap : blocks;
     void *params[] = {&fa};
     return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, FUSED_THREADS, stream, params);
 }

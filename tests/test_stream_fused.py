@@ -7,6 +7,7 @@ the words, the reduction or copies, fin); the single CUDA launch that does
 the same runs in tests/test_gpu_collective.py on the GPU machine."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -227,3 +228,21 @@ def test_bad_arenas_are_refused(off, nb, slot, why):
         groups[0].c.fused_arena(0 if off is None else base + off, nb, slot)
     for g in groups:
         g.close()
+
+
+@pytest.mark.parametrize("value,nbytes", [("", 1 << 20), ("0", 0), ("4096", 4096),
+                                          ("64K", 64 << 10), ("1m", 1 << 20), (" 2M ", 2 << 20)])
+def test_the_threshold_is_read_in_bytes_kib_or_mib(monkeypatch, value, nbytes):
+    monkeypatch.setenv("UCCL_SG_FUSED_BYTES", value)
+    assert sgm.fused_bytes() == nbytes
+
+
+@pytest.mark.parametrize("value,why", [("1.5M", "='1.5M' is not a number of bytes"),
+                                       ("M", "='M' is not a number of bytes"),
+                                       ("1G", "='1G' is not a number of bytes"),
+                                       ("65M", f"={65 << 20} is not in 0..{64 << 20}"),
+                                       ("-1", "=-1 is not in 0..")])
+def test_a_bad_threshold_is_refused_naming_it(monkeypatch, value, why):
+    monkeypatch.setenv("UCCL_SG_FUSED_BYTES", value)
+    with pytest.raises(ValueError, match="UCCL_SG_FUSED_BYTES" + re.escape(why)):
+        sgm.fused_bytes()

@@ -75,12 +75,19 @@ def tag_to(dst: int, k: int) -> int:
 P2P_SLOTS = _engine.SG_P2P_SLOTS
 
 
+_UNITS = {"K": 1 << 10, "M": 1 << 20}
+
+
 def _env_bytes(name: str, default: int) -> int:
-    v = os.environ.get(name, "")
+    """A size in bytes from the environment: digits, optionally with K or M
+    (KiB, MiB) as the benchmarks' --sizes take them."""
+    v = os.environ.get(name, "").strip()
+    mult = _UNITS.get(v[-1:].upper(), 1)
     try:
-        n = int(v) if v else default
+        n = int(v[:-1] if mult > 1 else v) * mult if v else default
     except ValueError:
-        raise ValueError(f"{name}={v!r} is not a number of bytes") from None
+        raise ValueError(f"{name}={v!r} is not a number of bytes (digits, "
+                         f"optionally with K or M)") from None
     if not 0 <= n <= 64 << 20:
         raise ValueError(f"{name}={n} is not in 0..{64 << 20}")
     return n
@@ -104,11 +111,14 @@ def enabled() -> bool:
     return os.environ.get("UCCL_STREAM_ORDERED", "1") != "0"
 
 
+capturing = torch.cuda.is_current_stream_capturing
+
+
 def refuse_capture(dev: int, what: str) -> None:
     """A stream-ordered operation cannot be captured in a CUDA graph: its
     counters' values are numbered per call, and a replay would write old
     ones.  Raised before anything is queued or published."""
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise UcclError(f"{what}: the current stream of cuda:{dev} is capturing a CUDA graph; "
                         "uccl's stream-ordered operations number each call and cannot be "
                         "replayed (run them outside the capture)")

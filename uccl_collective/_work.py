@@ -158,9 +158,9 @@ class Runner:
                 return
         self.drive(task, deadline, give_up=True)
 
-    def inline(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
-        """fn() on this thread holding the token, as a task at the head of
-        the queue would run: (True, its result); or (False, None) without
+    def inline(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        """fn(*args) on this thread holding the token, as a task at the head
+        of the queue would run: (True, its result); or (False, None) without
         running it when a task is queued or running, or the group is closed
         or poisoned (the caller then takes the general path, which queues or
         raises).  For calls that go straight to the engine: nothing else of
@@ -170,11 +170,12 @@ class Runner:
                 return False, None
             self._busy = True
         try:
-            return True, fn()
+            return True, fn(*args)
         finally:
             with self._cv:
                 self._busy = False
-                self._cv.notify_all()
+                if self._q:   # only a queued task waits for the token (drive, _loop)
+                    self._cv.notify_all()
 
     def poison(self, why: str) -> None:
         """Refuse new tasks from now on (the ranks' orders no longer agree)."""

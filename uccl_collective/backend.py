@@ -30,6 +30,8 @@ from .p2p import UcclError, UcclTimeoutError
 
 BACKEND_NAME = "uccl"
 _SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
+_STRIDED = torch.strided
+_profiler_enabled = torch.autograd._profiler_enabled
 
 
 def _timeout_s(timeout: Any) -> float:
@@ -95,13 +97,17 @@ def _cuda_device(*groups: Any) -> int | None:
 
 
 def _dense_cuda(*ts: Any) -> int | None:
-    """The device of contiguous dense CUDA tensors all on one device, else None."""
+    """The device of contiguous dense CUDA tensors all on one device, else
+    None.  On every blocking call's fast path: one call per check
+    (get_device() is -1 on the CPU)."""
     dev = None
     for t in ts:
-        if not (isinstance(t, torch.Tensor) and t.is_cuda and t.layout == torch.strided and
-                t.is_contiguous()) or (dev is not None and t.device.index != dev):
+        if not isinstance(t, torch.Tensor) or t.layout != _STRIDED or not t.is_contiguous():
             return None
-        dev = t.device.index
+        d = t.get_device()
+        if d < 0 or (dev is not None and d != dev):
+            return None
+        dev = d
     return dev
 
 
@@ -288,14 +294,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         """The stream-ordered group for a blocking call on contiguous CUDA
         tensors of one device that may go straight to the engine (one C
         call on this thread, under the runner's token: _streamed), or None:
-        the general path (another kind of call, a profiler running)."""
-        if opts is None or getattr(opts, "asyncOp", True) is not False or self._closed:
+        the general path (another kind of call, a profiler running).  Every
+        blocking collective on CUDA tensors comes through here, so it makes
+        as few Python calls as it can (benchmarks/fused_probe.py --pieces)."""
+        if opts is None or getattr(opts, "asyncOp", True) is not False or self._closed or \
+                _profiler_enabled():
             return None
         dev = _dense_cuda(*ts)
-        if dev is None or torch.autograd._profiler_enabled():
+        if dev is None:
             return None
-        sg = self._stream_group(dev)
-        if sg is not None:
+        sg = self._sg
+        if sg is None or sg.dev != dev:
+            sg = self._stream_group(dev)
+        if sg is not None and _stream_group.capturing():
             _stream_group.refuse_capture(dev, "uccl")
         return sg
 
@@ -307,19 +318,22 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sg = self._fast(opts, t, *more)
         if sg is None:
             return None
-        key = (_reduce.op_type(opts.reduceOp), t.dtype)
+        rop = opts.reduceOp.op
+        key = (rop.value, t.dtype)
         codes = self._red_codes.get(key)
         if codes is None:
-            _reduce.check_op(key[0], t.dtype, what)
-            codes = self._red_codes[key] = sg.reduce_codes(t.dtype, key[0]) or ()
+            _reduce.check_op(rop, t.dtype, what)
+            codes = self._red_codes[key] = sg.reduce_codes(t.dtype, rop) or ()
         return (sg, *codes) if codes else None
 
-    def _streamed(self, sg: Any, call: Callable[[int], int], result: list) -> StreamWork | None:
-        """call(caller's stream) -> round, run here under the runner's token
-        (nothing of the group's queued or running: else None, and the
-        caller takes the general path, which keeps the order)."""
+    def _streamed(self, sg: Any, result: list, call: Callable[..., int],
+                  *args: Any) -> StreamWork | None:
+        """call(caller's stream, True, 0, *args) -> round (an engine call that
+        queues the operation on the caller's stream), run here under the
+        runner's token (nothing of the group's queued or running: else
+        None, and the caller takes the general path, which keeps the order)."""
         caller = _stream_group._raw_stream(sg.dev)
-        ran, k = self._runner.inline(lambda: call(caller))
+        ran, k = self._runner.inline(call, caller, True, 0, *args)
         return StreamWork(sg, k, result, caller) if ran else None
 
     def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
@@ -440,8 +454,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 output_tensor.numel() == self.size() * input_tensor.numel():
             src, dst = input_tensor.data_ptr(), output_tensor.data_ptr()
             nb = input_tensor.numel() * input_tensor.element_size()
-            w = self._streamed(sg, lambda s: sg.c.allgather(s, True, 0, src, nb, dst),
-                               [output_tensor])
+            w = self._streamed(sg, [output_tensor], sg.c.allgather, src, nb, dst)
             if w is not None:
                 return w
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
@@ -557,17 +570,17 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         what = "all_reduce"
+        fast = self._fast_red(opts, what, tensors[0]) if len(tensors) == 1 else None
+        if fast is not None:   # (never a sparse tensor: _fast takes strided ones only)
+            t = tensors[0]
+            w = self._streamed(fast[0], [t], fast[0].c.allreduce, t.data_ptr(), t.numel(),
+                               *fast[1:])
+            if w is not None:
+                return w
         if _sparse.is_sparse(tensors):   # as Gloo (_sparse.py)
             sp = _sparse.check(tensors, opts)
             return self._submit(lambda: _sparse.allreduce(self._ctx, sp, self.rank(), self.size()),
                                 list(tensors), opts, prof=("sparse_all_reduce", tensors))
-        fast = self._fast_red(opts, what, tensors[0]) if len(tensors) == 1 else None
-        if fast is not None:
-            sg, ptr, n = fast[0], tensors[0].data_ptr(), tensors[0].numel()
-            w = self._streamed(sg, lambda s: sg.c.allreduce(s, True, 0, ptr, n, *fast[1:]),
-                               list(tensors))
-            if w is not None:
-                return w
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
 
@@ -601,9 +614,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         root = self._root(opts, what)
         fast = self._fast_red(opts, what, tensors[0])
         if fast is not None:
-            sg, ptr, n = fast[0], t.data_ptr(), t.numel()
-            w = self._streamed(sg, lambda s: sg.c.reduce(s, True, 0, ptr, n, *fast[1:], root),
-                               list(tensors))
+            w = self._streamed(fast[0], [t], fast[0].c.reduce, t.data_ptr(), t.numel(),
+                               *fast[1:], root)
             if w is not None:
                 return w
 
@@ -668,11 +680,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         fast = self._fast_red(opts, what, output_tensor, input_tensor)
         if fast is not None and output_tensor.dtype == input_tensor.dtype and \
                 input_tensor.numel() == self.size() * output_tensor.numel():
-            sg, dst, src, n = fast[0], output_tensor.data_ptr(), input_tensor.data_ptr(), \
-                output_tensor.numel()
-            w = self._streamed(
-                sg, lambda s: sg.c.reduce_scatter(s, True, 0, dst, src, n, *fast[1:]),
-                [output_tensor])
+            w = self._streamed(fast[0], [output_tensor], fast[0].c.reduce_scatter,
+                               output_tensor.data_ptr(), input_tensor.data_ptr(),
+                               output_tensor.numel(), *fast[1:])
             if w is not None:
                 return w
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
@@ -728,9 +738,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         me, n = self.rank(), self.size()
         sg = self._fast(opts, tensors[0])
         if sg is not None:
-            ptr, nb = t.data_ptr(), t.numel() * t.element_size()
-            w = self._streamed(sg, lambda s: sg.c.broadcast(s, True, 0, ptr, nb, root),
-                               list(tensors))
+            w = self._streamed(sg, [t], sg.c.broadcast, t.data_ptr(),
+                               t.numel() * t.element_size(), root)
             if w is not None:
                 return w
 

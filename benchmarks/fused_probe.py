@@ -1,0 +1,175 @@
+"""Where a small stream-ordered collective's time goes, on one GPU shared by
+the ranks: for all_reduce and all_gather_into_tensor through the "uccl"
+group, per call, after --warmup calls:
+
+    torchrun --nproc_per_node 2 benchmarks/fused_probe.py [--sizes 4,1M] [--iters 1000]
+
+  dist issue     host time of dist.* calls queued back to back (no synchronize)
+  dist total     the same loop, up to the end of its last round on the GPU
+  engine issue   the engine's C call alone (what the backend's fast path calls)
+  engine total   ... up to the end of its last round on the GPU
+  gpu span       one call between two CUDA events, host-synchronised each
+                 call (the launch's own time on the GPU, peers waited for)
+  torch launch   a torch kernel of the same size (t.add_(1)) queued back to
+                 back: what one launch costs the host here
+
+Whether a round is one launch or two-sided follows UCCL_SG_FUSED_BYTES, as in
+the backend.  Every figure is the slowest rank's.  Not a benchmark against a
+reference: it says which part to cut (BENCHMARKS.md keeps what it showed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from uccl_collective import _reduce
+
+
+def parse_size(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
+
+
+def loop_us(fn, iters: int, sync) -> tuple[float, float]:
+    """(issue, total) us per call of iters calls of fn, back to back."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / iters, (t2 - t0) * 1e6 / iters
+
+
+def span_us(fn, iters: int) -> float:
+    """Median GPU time of one call between two events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    spans = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        spans.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(spans)
+
+
+def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
+    """Host time of each piece of ProcessGroupUCCL.allreduce's fast path, each
+    in a loop of its own (the ones that communicate run on every rank)."""
+    from uccl_collective import _stream_group, _work
+    t = torch.ones(1, device=dev)
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False   # as torch sets it for a blocking call: the fast path
+    idx = dev.index
+    raw = _stream_group._raw_stream
+    fast = be._fast_red(opts, "all_reduce", t)
+    if fast is None:
+        raise SystemExit("the backend's fast path does not apply here")
+    w = _work.StreamWork(sg, 1, [t], raw(idx))
+
+    def host(fn) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        us = (time.perf_counter() - t0) * 1e6 / iters
+        torch.cuda.synchronize()
+        return us
+
+    return [
+        ("python: an empty call", host(lambda: None)),
+        ("torch.cuda.current_stream()", host(lambda: torch.cuda.current_stream(idx))),
+        ("_raw_stream(dev)", host(lambda: raw(idx))),
+        ("be._fast_red(opts, ...)", host(lambda: be._fast_red(opts, "all_reduce", t))),
+        ("be._runner.inline(no-op)", host(lambda: be._runner.inline(lambda: 0))),
+        ("StreamWork(...) made", host(lambda: _work.StreamWork(sg, 1, [t], raw(idx)))),
+        ("StreamWork.wait()", host(w.wait)),
+        ("engine allreduce (C)", host(lambda: sg.c.allreduce(raw(idx), True, 0, t.data_ptr(), 1,
+                                                              *fast[1:]))),
+        ("be.allreduce([t], opts) + wait()", host(lambda: be.allreduce([t], opts).wait())),
+        ("dist.all_reduce(t)", host(lambda: dist.all_reduce(t, group=upg))),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="4,1M")
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--pieces", action="store_true", help="also time the backend's fast path "
+                   "piece by piece")
+    args = p.parse_args()
+    os.environ.setdefault("UCCL_SOCKET_IFNAME", "lo")
+
+    idx = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(idx)
+    dev = torch.device("cuda", idx)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    upg = dist.new_group(backend="uccl", timeout=timedelta(seconds=60))
+    be = upg._get_backend(dev)
+    sg = be._stream_group(idx)
+    sync = torch.cuda.synchronize
+    raw = torch._C._cuda_getCurrentRawStream
+    rows = []
+    for size in [parse_size(s) for s in args.sizes.split(",")]:
+        n = max(size // 4, 1)
+        t = torch.randn(n, device=dev)
+        out = torch.empty(world * n, device=dev)
+        codes = sg.reduce_codes(t.dtype, _reduce.op_type(dist.ReduceOp.SUM))
+        ptr, optr = t.data_ptr(), out.data_ptr()
+        paths = {
+            "all_reduce": (lambda: dist.all_reduce(t, group=upg),
+                           lambda: sg.c.allreduce(raw(idx), True, 0, ptr, n, *codes)),
+            "all_gather": (lambda: dist.all_gather_into_tensor(out, t, group=upg),
+                           lambda: sg.c.allgather(raw(idx), True, 0, ptr, n * 4, optr)),
+        }
+        for op, (dfn, efn) in paths.items():
+            res = {}
+            for name, fn in (("dist", dfn), ("engine", efn)):
+                for _ in range(args.warmup):
+                    fn()
+                sync()
+                dist.barrier()
+                res[name] = loop_us(fn, args.iters, sync)
+            dist.barrier()
+            res["span"] = span_us(dfn, min(args.iters, 300))
+            rows.append((op, size, res["dist"][0], res["dist"][1], res["engine"][0],
+                         res["engine"][1], res["span"]))
+        dist.barrier()
+        rows.append(("torch add_", size, *loop_us(lambda: t.add_(1), args.iters, sync),
+                     float("nan"), float("nan"), span_us(lambda: t.add_(1), 100)))
+    pieces = backend_pieces(be, sg, upg, dev, args.iters) if args.pieces else []
+    mine = torch.tensor([r[2:] for r in rows], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    worst = torch.stack(every).amax(dim=0)
+    if rank == 0:
+        print(f"[Rank 0] {world} ranks, {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+              f"UCCL_SG_FUSED_BYTES={os.environ.get('UCCL_SG_FUSED_BYTES', 'default')}, "
+              f"{args.iters} calls, us per call (slowest rank)")
+        print(f"{'op':<12} {'bytes':>8} {'dist issue':>11} {'dist total':>11} {'eng issue':>10} "
+              f"{'eng total':>10} {'gpu span':>9}")
+        for r, w in zip(rows, worst.tolist()):
+            print(f"{r[0]:<12} {r[1]:>8} " + " ".join(f"{v:>10.1f}" for v in w))
+        if pieces:
+            print("the backend's fast path for a 4-byte all_reduce, piece by piece (rank 0, "
+                  "host us per call):")
+        for name, us in pieces:
+            print(f"  {name:<44} {us:8.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
