@@ -98,14 +98,15 @@ def _cuda_device(*groups: Any) -> int | None:
 
 def _dense_cuda(*ts: Any) -> int | None:
     """The device of contiguous dense CUDA tensors all on one device, else
-    None.  On every blocking call's fast path: one call per check
-    (get_device() is -1 on the CPU)."""
+    None.  On every blocking call's fast path: one call per check (the
+    index through get_device(), which makes no torch.device)."""
     dev = None
     for t in ts:
-        if not isinstance(t, torch.Tensor) or t.layout != _STRIDED or not t.is_contiguous():
+        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout != _STRIDED or \
+                not t.is_contiguous():
             return None
         d = t.get_device()
-        if d < 0 or (dev is not None and d != dev):
+        if dev is not None and d != dev:
             return None
         dev = d
     return dev
@@ -614,8 +615,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         root = self._root(opts, what)
         fast = self._fast_red(opts, what, tensors[0])
         if fast is not None:
-            w = self._streamed(fast[0], [t], fast[0].c.reduce, t.data_ptr(), t.numel(),
-                               *fast[1:], root)
+            w = self._streamed(fast[0], list(tensors), fast[0].c.reduce, t.data_ptr(),
+                               t.numel(), *fast[1:], root)
             if w is not None:
                 return w
 
@@ -738,7 +739,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         me, n = self.rank(), self.size()
         sg = self._fast(opts, tensors[0])
         if sg is not None:
-            w = self._streamed(sg, [t], sg.c.broadcast, t.data_ptr(),
+            w = self._streamed(sg, list(tensors), sg.c.broadcast, t.data_ptr(),
                                t.numel() * t.element_size(), root)
             if w is not None:
                 return w
