@@ -228,6 +228,7 @@ class _Bench:
         self.obj_group, self.nccl_group = obj_group, nccl_group
         self.ipc: IpcCopies | None = None
         self.scratch = None
+        self.right, self.left = (rank + 1) % world, (rank - 1) % world   # ring neighbours
 
     def ref_label(self) -> str:
         c = self.args.compare
@@ -266,7 +267,6 @@ class Runner(_Bench):
     def __init__(self, args, ctx, rank: int, world: int, dev, obj_group=None, nccl_group=None):
         super().__init__(args, rank, world, dev, obj_group, nccl_group)
         self.ctx = ctx
-        self.right, self.left = (rank + 1) % world, (rank - 1) % world
         self.partner = rank ^ 1
 
     def gloo_cuda_form(self) -> str:
@@ -478,8 +478,7 @@ class GroupRunner(_Bench):
         elif op == "broadcast":
             dist.broadcast(x, 0, group=group)
         elif op == "ring":
-            me, w = dist.get_rank(group), self.world
-            p2p_step(group, (x, (me + 1) % w), (y, (me - 1) % w))
+            p2p_step(group, (x, self.right), (y, self.left))   # groups of every rank
         else:
             dist.all_to_all_single(y, x, group=group)
 

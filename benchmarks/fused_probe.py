@@ -28,12 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from uccl_collective import _reduce
-
-
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
+from bench_common import parse_sizes  # noqa: E402 (this folder is on sys.path)
+from uccl_collective import _reduce, _stream_group
 
 
 def loop_us(fn, iters: int, sync) -> tuple[float, float]:
@@ -64,7 +60,7 @@ def span_us(fn, iters: int) -> float:
 def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
     """Host time of each piece of ProcessGroupUCCL.allreduce's fast path, each
     in a loop of its own (the ones that communicate run on every rank)."""
-    from uccl_collective import _stream_group, _work
+    from uccl_collective import _work
     t = torch.ones(1, device=dev)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False   # as torch sets it for a blocking call: the fast path
@@ -121,9 +117,9 @@ def main() -> None:
     be = upg._get_backend(dev)
     sg = be._stream_group(idx)
     sync = torch.cuda.synchronize
-    raw = torch._C._cuda_getCurrentRawStream
+    raw = _stream_group._raw_stream
     rows = []
-    for size in [parse_size(s) for s in args.sizes.split(",")]:
+    for size in parse_sizes(args.sizes):
         n = max(size // 4, 1)
         t = torch.randn(n, device=dev)
         out = torch.empty(world * n, device=dev)

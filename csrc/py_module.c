@@ -280,6 +280,7 @@ static int module_exec(PyObject *m)
         {"RED_MIN", UCCL_RED_MIN}, {"RED_MAX", UCCL_RED_MAX}, {"RED_BAND", UCCL_RED_BAND},
         {"RED_BOR", UCCL_RED_BOR}, {"RED_BXOR", UCCL_RED_BXOR}, {"RED_AVG", UCCL_RED_AVG},
         {"SG_MAX_RANKS", UCCL_SG_MAX_RANKS}, {"SG_P2P_SLOTS", UCCL_SG_P2P_SLOTS}, {"SG_FUSED_RANKS", UCCL_SG_FUSED_RANKS},
+        {"SG_FUSED_TAIL", UCCL_SG_FUSED_TAIL},
     };
     for (size_t i = 0; i < sizeof(sg_consts) / sizeof(sg_consts[0]); i++)
         if (PyModule_AddIntConstant(m, sg_consts[i].name, sg_consts[i].value) < 0)

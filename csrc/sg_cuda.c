@@ -232,7 +232,8 @@ static const char fused_src[] =
     "  }\n"
     "  arrive((u32 *)a.ctr + 1, a.fin, a.k);\n"
     "}\n";
-/* Its argument, laid out as struct FArgs. */
+/* Its argument, laid out as struct FArgs (whose arrays hold UCCL_SG_FUSED_RANKS). */
+_Static_assert(UCCL_SG_FUSED_RANKS == 8, "struct FArgs holds 8 ranks' slots and words");
 struct fused_args {
     uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], fin;
     uint32_t k;
@@ -434,12 +435,7 @@ static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_arg
     int rc = uccl_sg_kernel_ready(d->dev, a->dtype);
     if (rc)
         return rc;
-    struct kernel_args ka;
-    memset(&ka, 0, sizeof(ka));
-    ka.out = a->out;
-    ka.count = a->count;
-    ka.nsrc = a->nsrc;
-    ka.op = a->op;
+    struct kernel_args ka = {.out = a->out, .count = a->count, .nsrc = a->nsrc, .op = a->op};
     int aligned = (a->out & 15) == 0;
     for (int r = 0; r < a->nsrc; r++) {
         ka.src[r] = a->src[r];
@@ -461,28 +457,25 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     int dt = a->gather ? UCCL_DT_U8 : a->dtype, rc = uccl__cuda_use(d->dev);
     if (rc)
         return rc;
-    if (a->nsrc > 8 || !uccl_dtype_size(dt))
+    if (a->nsrc > UCCL_SG_FUSED_RANKS || !uccl_dtype_size(dt))
         return uccl__err(UCCL_ERR_INVALID, "one-launch round: %d ranks, type %d", a->nsrc, dt);
+    /* The steps instead (UCCL_ERR_UNAVAIL) where the kernel cannot be built,
+     * or for an in-place all_reduce that is not 16-byte aligned: the
+     * launch's staging and its reduction then split the bytes between its
+     * blocks differently, and one block could overwrite input another is
+     * still to stage. */
+    if (!a->gather && a->in == a->out && (a->in & 15))
+        return UCCL_ERR_UNAVAIL;
     uccl_kernel_t *k = fused_kernel(d->dev, dt);
     if (!k)
-        return UCCL_ERR_UNAVAIL; /* the steps instead */
-    struct fused_args fa;
-    memset(&fa, 0, sizeof(fa));
-    fa.in = a->in;
-    fa.out = a->out;
-    fa.ctr = a->ctr;
-    fa.nbytes = a->nbytes;
-    fa.count = a->count;
+        return UCCL_ERR_UNAVAIL;
+    struct fused_args fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
+                            .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin, .k = a->k,
+                            .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me};
     for (int r = 0; r < a->nsrc; r++) {
         fa.slot[r] = a->slot[r];
         fa.ready[r] = (uint64_t)(uintptr_t)a->ready[r];
     }
-    fa.fin = (uint64_t)(uintptr_t)a->fin;
-    fa.k = a->k;
-    fa.gather = a->gather;
-    fa.op = a->op;
-    fa.n = a->nsrc;
-    fa.me = a->me;
     /* a block per 8 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS, and
      * for the group's launches together one block per SM: they spin, so on a
      * GPU the ranks share they must all be resident at once, and a block of
@@ -503,16 +496,17 @@ static uint64_t cuda_fused_id(void *dp)
     struct cuda_dev *d = dp;
     const struct uccl__cuda *cu = uccl__cuda();
     cu_device dv;
-    int mps = 0, bus = 0, slot = 0, dom = 0;
+    int mps = 0;
+    unsigned dom = 0, bus = 0, slot = 0;
+    char bdf[32];
     if (cu->DeviceGet(&dv, d->dev) != CU_OK)
         return (uint64_t)d->dev + 1;
     if (cu->DeviceGetAttribute(&mps, CU_DEV_ATTR_MPS_ENABLED, dv) == CU_OK && mps)
         return 0;
-    /* unknown to an older driver: taken as off (the two-sided rounds are the safe side) */
-    cu->DeviceGetAttribute(&bus, CU_DEV_ATTR_PCI_BUS, dv);
-    cu->DeviceGetAttribute(&slot, CU_DEV_ATTR_PCI_DEVICE, dv);
-    cu->DeviceGetAttribute(&dom, CU_DEV_ATTR_PCI_DOMAIN, dv);
-    return 1 + ((uint64_t)(uint32_t)dom << 32 | (uint64_t)(uint32_t)bus << 8 | (uint32_t)slot);
+    /* MPS unknown to an older driver: taken as off (two-sided rounds are the safe side) */
+    if (uccl_gpu_bus_id(d->dev, bdf) != UCCL_OK || sscanf(bdf, "%x:%x:%x", &dom, &bus, &slot) != 3)
+        return (uint64_t)d->dev + 1;
+    return 1 + ((uint64_t)dom << 32 | (uint64_t)bus << 8 | slot);
 }
 
 static int cuda_event_new(void *dp, void **ev_p)

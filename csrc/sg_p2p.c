@@ -203,12 +203,11 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     struct p2p_chan *ch = chan_at(sg, c);
     struct p2p_slot *sl = &ch->slot[k % P2P_SLOTS];
     const char *what = o->send ? "send" : "recv";
-    char waiting[96];
-    snprintf(waiting, sizeof(waiting), "rank %d taking message %u of the %d -> %d channel "
-             "(%d messages ahead)", o->peer, k - P2P_SLOTS, o->send ? sg->rank : o->peer,
-             o->send ? o->peer : sg->rank, P2P_SLOTS);
-    int rc = uccl__sg_host_wait(sg, slot_free, k, (int)c, what, waiting,
-                                uccl__now_ns() + sg->timeout_ns, intr, intr_arg);
+    int rc = uccl__sg_host_wait(sg, slot_free, k, (int)c, what, uccl__now_ns() + sg->timeout_ns,
+                                intr, intr_arg, "rank %d taking message %u of the %d -> %d "
+                                "channel (%d messages ahead)", o->peer, k - P2P_SLOTS,
+                                o->send ? sg->rank : o->peer, o->send ? o->peer : sg->rank,
+                                P2P_SLOTS);
     if (rc)
         return rc;
     struct p2p_pending p = {c, k, 1 - side, uccl__now_ns(), 0, NULL, 0};

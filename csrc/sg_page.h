@@ -127,7 +127,7 @@ struct uccl_sg {
     int np2p, cap_p2p;
     /* one-launch rounds (sg_round.c; under call_mu) */
     uintptr_t fz_arena;             /* this rank's arena (uccl_sg_fused_arena), or 0 */
-    size_t fz_slot, fz_len;
+    size_t fz_slot;                 /* the arena: 2 x fz_slot + UCCL_SG_FUSED_TAIL bytes */
     uint64_t fz_key;
     uintptr_t fz_peer[UCCL_SG_FUSED_RANKS]; /* every rank's arena as mapped here */
     void *fz_imp[UCCL_SG_FUSED_RANKS];
@@ -169,8 +169,9 @@ int uccl__sg_arrived(uccl_sg_t *sg, uint32_t k, int r);
 /* Spin, then yield, then sleep, until ready(); past the deadline, with a
  * peer process gone, or on an interrupt: fail the group. */
 int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r,
-                       const char *what, const char *waiting, uint64_t deadline,
-                       uccl_sg_interrupt_fn intr, void *intr_arg);
+                       const char *what, uint64_t deadline, uccl_sg_interrupt_fn intr,
+                       void *intr_arg, const char *wfmt, ...)
+    __attribute__((format(printf, 9, 10)));
 /* Fail the group with the message recorded on this thread; the status as it was. */
 int uccl__sg_fail_rc(uccl_sg_t *sg, int rc);
 /* The error of a call made once the group had failed. */

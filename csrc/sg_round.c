@@ -21,7 +21,6 @@
 
 #define FZ_TAG (2ull << 40)  /* the arena's entry, published in the first one-launch round */
 #define FZ_INFO (3ull << 40) /* ... and the rank's GPU identity (addr: uccl__sg_dev.fused_id) */
-#define FZ_KIND UCCL_SG_FUSED_KIND
 
 /* ---- checks -------------------------------------------------------------------------- */
 static int check_op(const char *what, int dt, int op)
@@ -115,6 +114,11 @@ static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint6
     return rc;
 }
 
+static size_t arena_len(const uccl_sg_t *sg) { return 2 * sg->fz_slot + UCCL_SG_FUSED_TAIL; }
+
+/* This rank is done with the peers' slots of round k (and what they published there). */
+static void consumed(uccl_sg_t *sg, uint32_t k) { st64(w64(sg, sg->rank, OFF_CONSUMED), k); }
+
 /* A slot header's operation name (16 bytes, not always terminated). */
 static void head_name(const struct slot_head *h, char out[17])
 {
@@ -134,8 +138,26 @@ static int compare(uccl_sg_t *sg, int r, uint32_t k, const struct slot_head *h, 
                      "in %s (kind %#x, argument %llu), rank %d in %s (kind %#x, argument %llu)%s",
                      what, k, r, theirs, h->kind, (unsigned long long)h->arg, sg->rank, what,
                      kind, (unsigned long long)arg,
-                     (h->kind ^ kind) == FZ_KIND ? "; one of them a one-launch round: "
+                     (h->kind ^ kind) == UCCL_SG_FUSED_KIND ? "; one of them a one-launch round: "
                      "UCCL_SG_FUSED_BYTES must be the same on every rank" : "");
+}
+
+/* Rank r's slot of round k once it arrived there (waited for, in the
+ * course of `what`), its call compared with this rank's (named call: kind,
+ * arg, phases); NULL with *rc_p set on a failure. */
+static const struct slot_head *arrived_same(uccl_sg_t *sg, int r, uint32_t k, uint32_t kind,
+                                            uint64_t arg, int phases, const char *call,
+                                            const char *what, uint64_t deadline,
+                                            uccl_sg_interrupt_fn intr, void *intr_arg,
+                                            int *rc_p)
+{
+    int rc = uccl__sg_host_wait(sg, uccl__sg_arrived, k, r, what, deadline, intr, intr_arg,
+                                "rank %d arriving at round %u", r, k);
+    const struct slot_head *h = (const struct slot_head *)slot(sg, r, k);
+    if (!rc)
+        rc = compare(sg, r, k, h, kind, arg, phases, call);
+    *rc_p = rc;
+    return rc ? NULL : h;
 }
 
 /* The last round's call, if it was a one-launch round, against the peers'
@@ -150,20 +172,14 @@ static int check_unchecked(uccl_sg_t *sg, const char *what, uint64_t deadline,
     const struct slot_head *mine = (const struct slot_head *)slot(sg, sg->rank, u);
     char mine_what[17];
     head_name(mine, mine_what);
-    for (int r = 0; r < sg->size; r++) {
-        if (r == sg->rank)
-            continue;
-        char waiting[64];
-        snprintf(waiting, sizeof(waiting), "rank %d arriving at round %u", r, u);
-        int rc = uccl__sg_host_wait(sg, uccl__sg_arrived, u, r, what, waiting, deadline, intr,
-                                    intr_arg);
-        if (!rc)
-            rc = compare(sg, r, u, (const struct slot_head *)slot(sg, r, u), mine->kind,
-                         mine->arg, (int)mine->phases, mine_what);
-        if (rc)
-            return rc;
-    }
-    st64(w64(sg, sg->rank, OFF_CONSUMED), u);
+    int rc = UCCL_OK;
+    for (int r = 0; r < sg->size && !rc; r++)
+        if (r != sg->rank)
+            arrived_same(sg, r, u, mine->kind, mine->arg, (int)mine->phases, mine_what, what,
+                         deadline, intr, intr_arg, &rc);
+    if (rc)
+        return rc;
+    consumed(sg, u);
     sg->fz_unchecked = 0;
     return UCCL_OK;
 }
@@ -176,13 +192,10 @@ static int read_peers(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *w
     for (int r = 0; r < sg->size; r++) {
         if (r == sg->rank)
             continue;
-        char waiting[64];
-        snprintf(waiting, sizeof(waiting), "rank %d arriving at round %u", r, k);
-        int rc = uccl__sg_host_wait(sg, uccl__sg_arrived, k, r, what, waiting, deadline, intr, intr_arg);
+        int rc;
+        const struct slot_head *h = arrived_same(sg, r, k, c->kind, c->arg, c->phases, what,
+                                                 what, deadline, intr, intr_arg, &rc);
         if (rc)
-            return rc;
-        const struct slot_head *h = (const struct slot_head *)slot(sg, r, k);
-        if ((rc = compare(sg, r, k, h, c->kind, c->arg, c->phases, what)))
             return rc;
         if (h->count > (uint32_t)MAX_ENTRIES)
             return uccl__err(UCCL_ERR_PROTO, "%s: rank %d published %u buffers (at most %d)",
@@ -260,7 +273,7 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     /* every peer's buffers this round are read and mapped: their slots may
      * be reused, and their registrations dropped (not before: a peer's
      * eviction follows this word) */
-    st64(w64(sg, me, OFF_CONSUMED), k);
+    consumed(sg, k);
     memop(ops, &nops, w32(sg, me, OFF_READY), k, 0);
     for (int r = 0; r < n; r++)
         if (reads[r])
@@ -329,22 +342,18 @@ static int fused_steps(uccl_sg_t *sg, uintptr_t X, const struct uccl__sg_fused_a
 
 /* The slots alternate per one-launch round (a bit of its own: round numbers
  * skip 0 when they wrap, which would give two rounds in a row one slot).
- * The launch where the device has one, else (no kernel for it, or an
- * in-place all_reduce that is not 16-byte aligned: the launch's staging and
- * reduction then split the bytes between its blocks differently, and one
- * block could overwrite input another is still to stage) the steps. */
+ * The launch where the device makes one for this round, else the steps. */
 static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k, uintptr_t X)
 {
     struct uccl__sg_fused_args a = {fz->gather, fz->dtype, fz->op, sg->size, sg->rank, k,
                                     fz->in, fz->out, sg->fz_arena + 2 * sg->fz_slot,
                                     fz->nbytes, fz->count, {0}, {NULL}, w32(sg, sg->rank, OFF_FIN)};
     for (int r = 0; r < sg->size; r++) {
-        a.slot[r] = (r == sg->rank ? sg->fz_arena : sg->fz_peer[r]) + sg->fz_flip * sg->fz_slot;
+        a.slot[r] = sg->fz_peer[r] + sg->fz_flip * sg->fz_slot;
         a.ready[r] = w32(sg, r, OFF_READY);
     }
     sg->fz_flip ^= 1;
-    int launch = sg->ops->fused && (fz->gather || (fz->in & 15) == 0);
-    int rc = launch ? sg->ops->fused(sg->d, X, &a) : UCCL_ERR_UNAVAIL;
+    int rc = sg->ops->fused ? sg->ops->fused(sg->d, X, &a) : UCCL_ERR_UNAVAIL;
     return rc == UCCL_ERR_UNAVAIL ? fused_steps(sg, X, &a) : rc;
 }
 
@@ -363,7 +372,7 @@ static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
     }
     for (int r = 0; r < sg->size && !rc; r++)
         if (r != sg->rank)
-            rc = map_range(sg, what, r, FZ_TAG, 0, sg->fz_len, 1, &p, &sg->fz_peer[r]);
+            rc = map_range(sg, what, r, FZ_TAG, 0, arena_len(sg), 1, &p, &sg->fz_peer[r]);
     sg->fz_nimp = p.nimp;
     sg->fz_mapped = !rc;
     int off = 0;
@@ -385,9 +394,10 @@ size_t uccl_sg_fused_bytes(uccl_sg_t *sg)
 
 int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_bytes)
 {
-    size_t need = 2 * slot_bytes + 16;
-    if (!ptr || (ptr & 15) || !slot_bytes || slot_bytes % 16 || slot_bytes > (SIZE_MAX - 16) / 2 ||
-        len < need || sg->size > UCCL_SG_FUSED_RANKS)
+    size_t need = 2 * slot_bytes + UCCL_SG_FUSED_TAIL;
+    if (!ptr || (ptr & 15) || !slot_bytes || slot_bytes % 16 ||
+        slot_bytes > (SIZE_MAX - UCCL_SG_FUSED_TAIL) / 2 || len < need ||
+        sg->size > UCCL_SG_FUSED_RANKS)
         return uccl__err(UCCL_ERR_INVALID, "one-launch rounds: arena %#lx of %zu bytes, slots "
                          "of %zu bytes (multiples of 16; two slots and 16 bytes needed), %d "
                          "ranks (at most %d)", (unsigned long)ptr, len, slot_bytes, sg->size,
@@ -398,8 +408,7 @@ int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_by
     if (sg->fz_arena)
         rc = uccl__err(UCCL_ERR_INVALID, "one-launch rounds: the arena is set already");
     else if (!(rc = uccl__sg_reg_key(sg, ptr, need, sg->round, &key, &reg))) {
-        sg->fz_arena = ptr; /* pinned: every peer maps it until close */
-        sg->fz_len = need;
+        sg->fz_arena = sg->fz_peer[sg->rank] = ptr; /* pinned: every peer maps it until close */
         sg->fz_key = key;
         __atomic_store_n(&sg->fz_slot, slot_bytes, __ATOMIC_RELAXED); /* last: fused_bytes */
     }
@@ -449,10 +458,9 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     uint64_t deadline = uccl__now_ns() + sg->timeout_ns;
     if ((rc = check_unchecked(sg, what, deadline, intr, intr_arg)))
         return uccl__sg_fail_rc(sg, rc);
-    char waiting[64];
-    snprintf(waiting, sizeof(waiting), "peers reading round %u", k - NSLOT);
     /* the slot of round k was last used by round k - NSLOT: every peer has read it */
-    if ((rc = uccl__sg_host_wait(sg, uccl__sg_consumed_ready, k, -1, what, waiting, deadline, intr, intr_arg)))
+    if ((rc = uccl__sg_host_wait(sg, uccl__sg_consumed_ready, k, -1, what, deadline, intr,
+                                 intr_arg, "peers reading round %u", k - NSLOT)))
         return rc;
     struct entry ent[MAX_ENTRIES];
     int nent = 0;
@@ -464,9 +472,10 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         nent++;
     }
     int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped;
-    if (fused && !sg->fz_mapped) {
-        uint64_t id = sg->ops->fused_id ? sg->ops->fused_id(sg->d) : 0;
-        ent[nent++] = (struct entry){FZ_TAG, sg->fz_key, sg->fz_arena, sg->fz_len};
+    uint64_t id = 0; /* this rank's GPU identity, in the first one-launch round */
+    if (fused && exchange) {
+        id = sg->ops->fused_id ? sg->ops->fused_id(sg->d) : 0;
+        ent[nent++] = (struct entry){FZ_TAG, sg->fz_key, sg->fz_arena, arena_len(sg)};
         ent[nent++] = (struct entry){FZ_INFO, 0, id, 0};
     }
     if (rc)
@@ -504,8 +513,8 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     }
     if (!rc && fused) {
         if (exchange) {
-            rc = map_arenas(sg, what, ent[nent - 1].addr);
-            st64(w64(sg, sg->rank, OFF_CONSUMED), k);
+            rc = map_arenas(sg, what, id);
+            consumed(sg, k);
         } else {
             sg->fz_unchecked = k;
         }

@@ -9,6 +9,7 @@
 #include "sg_page.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -161,12 +162,21 @@ int uccl__sg_arrived(uccl_sg_t *sg, uint32_t k, int r)
 }
 
 /* Spin, then yield, then sleep, until ready(); past the deadline, with a
- * peer process gone, or on an interrupt: fail the group. */
+ * peer process gone, or on an interrupt: fail the group.  What is awaited
+ * (wfmt, for the messages) is formatted only once the first look finds it
+ * not ready: the waits run on every round and message, and most end there. */
 int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r, const char *what,
-                     const char *waiting, uint64_t deadline, uccl_sg_interrupt_fn intr,
-                     void *intr_arg)
+                       uint64_t deadline, uccl_sg_interrupt_fn intr, void *intr_arg,
+                       const char *wfmt, ...)
 {
+    if (ready(sg, k, r))
+        return UCCL_OK;
     uint64_t slow = 0;
+    char waiting[128];
+    va_list ap;
+    va_start(ap, wfmt);
+    vsnprintf(waiting, sizeof(waiting), wfmt, ap);
+    va_end(ap);
     for (unsigned long spins = 0;; spins++) {
         if (ready(sg, k, r))
             return UCCL_OK;

@@ -47,6 +47,7 @@
 #define UCCL_SG_MAX_RANKS 64   /* the reduction kernel reads one source per rank */
 #define UCCL_SG_P2P_SLOTS 16   /* messages of a pair posted ahead before a post waits */
 #define UCCL_SG_FUSED_RANKS 8  /* one-launch rounds: every rank's staging slot is an argument */
+#define UCCL_SG_FUSED_TAIL 16  /* ... and their arena: two slots, then this many bytes of counters */
 #define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
 /* element types and reduction operators of uccl_sg_call.red */
@@ -167,7 +168,8 @@ struct uccl__sg_dev {
     void (*unmap)(void *d, void *imp);
     void (*destroy)(void *d);
     /* a one-launch round, or NULL: the round then queues its steps one by
-     * one (the copy in, the words, the reduction or copies, fin) */
+     * one (the copy in, the words, the reduction or copies, fin), as it does
+     * where this returns UCCL_ERR_UNAVAIL (no launch for this round) */
     int (*fused)(void *d, uintptr_t stream, const struct uccl__sg_fused_args *a);
     /* 0 where this rank's launches run beside other processes' (MPS, or the
      * emulated device; or NULL), else its GPU's identity: one-launch rounds

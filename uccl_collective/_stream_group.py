@@ -209,7 +209,7 @@ class StreamGroup:
         if not nb or self.size > _engine.SG_FUSED_RANKS:
             return None
         slot = (nb + 15) // 16 * 16
-        arena = torch.zeros(2 * slot + 16, dtype=torch.uint8,
+        arena = torch.zeros(2 * slot + _engine.SG_FUSED_TAIL, dtype=torch.uint8,
                             device="cpu" if self.emulated else torch.device("cuda", self.dev))
         if not self.emulated:
             torch.cuda.synchronize(self.dev)   # zeroed before any round's launch reads it

@@ -282,6 +282,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         """The group's stream-ordered exchanges: its context's (made on first
         use, at the same operation on every rank; ValueError for a second
         device), or None where they do not apply (CollectiveContext.stream_group)."""
+        sg = self._sg
+        if sg is not None and sg.dev == dev:   # every blocking CUDA call asks: the common case
+            return sg
         if self._sg_off:
             return None
         sg = self._ctx.stream_group(dev, self._timeout)
@@ -304,9 +307,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         dev = _dense_cuda(*ts)
         if dev is None:
             return None
-        sg = self._sg
-        if sg is None or sg.dev != dev:
-            sg = self._stream_group(dev)
+        sg = self._stream_group(dev)
         if sg is not None and _stream_group.capturing():
             _stream_group.refuse_capture(dev, "uccl")
         return sg
