@@ -41,6 +41,7 @@ struct cuda_dev {
     int batch_off;            /* the driver refused a batch: one call per operation */
     uccl_kernel_t *copy_k;    /* copies of one phase in one launch, or NULL */
     size_t kernel_copy_bytes; /* ... when they move at most this (UCCL_SG_KERNEL_COPY_BYTES) */
+    int fz_scope;             /* one-launch rounds' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
 };
 
 /* The reduction kernel: out[i] <- op over the sources (rank order) of
@@ -162,22 +163,30 @@ static const char kernel_src[] =
 /* A one-launch round (sgroup.h, struct uccl__sg_fused_args), appended to
  * kernel_src: every block stages its share of the input into this rank's
  * slot; the last block to finish writes this rank's ready word (fenced, so
- * a peer that sees it sees the bytes); block 0 waits until each peer's
- * ready word (host memory) reaches the round, thread r polling rank r's
- * (all peers at once: one after the other cost 1.5-3 us more a call at 4
- * ranks), then raises a flag in device memory that the other blocks wait
- * for (every block polling the host page cost ~4x at 64 KiB); every block
- * then computes from the slots (this rank's input read in place) and the
- * last block writes fin.  Its blocks spin, so its grid is small
- * (cuda_fused): on a GPU the ranks share, the peers' launches must be
- * resident beside it, and they run at once only under MPS (without it a
- * spinning launch holds the GPU for its time slice).  A failed group's
- * words are released far ahead, which ends the spin. */
+ * a peer that sees it sees the bytes), in its arena and in the page (what
+ * the host reads); block 0 waits until each peer's arena word reaches the
+ * round, thread r polling rank r's (all peers at once: one after the
+ * other cost 1.5-3 us more a call at 4 ranks; device memory, where the
+ * page's word over PCIe cost 1.5 us a call at 2 ranks and 3 at 4), then
+ * raises a flag in device memory that the other blocks wait for (every
+ * block polling the host page cost ~4x at 64 KiB); every block then
+ * computes from the slots (this rank's input read in place) and the last
+ * block writes fin.  Its blocks spin, so its grid is small (cuda_fused):
+ * on a GPU the ranks share, the peers' launches must be resident beside
+ * it, and they run at once only under MPS (without it a spinning launch
+ * holds the GPU for its time slice).  A failed group's flag, read every
+ * 64th poll, ends the spin. */
 #define FUSED_BLOCKS 32
+enum { FENCE_GPU = 1, FENCE_SYS = 2 };
 #define FUSED_THREADS 256
 static const char fused_src[] =
-    "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 fin;\n"
-    "  u32 k; int gather, op, n, me; };\n"
+    "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 dready[8];\n"
+    "  u64 fin, failed;\n"
+    "  u32 k; int gather, op, n, me, sys; };\n"
+    /* the fences that publish this rank's bytes and words: the GPU's scope
+     * where every peer is a process on this GPU (at 4 ranks, 1 MiB: 21.7 ->
+     * 16.9 us a call), the system's where a peer reads over NVLink/PCIe */
+    "__device__ __forceinline__ void fence(bool sys) { if (sys) __threadfence_system(); else __threadfence(); }\n"
     "__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u64 len) {\n"
     "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
     "  u64 nv = ((dst | src) & 15) == 0 ? len / 16 : 0, j = tid;\n"
@@ -191,13 +200,14 @@ static const char fused_src[] =
     "  for (; j < nv; j += stride) d[j] = s[j];\n"
     "  for (u64 i = nv * 16 + tid; i < len; i += stride) ((u8 *)dst)[i] = ((const u8 *)src)[i];\n"
     "}\n"
-    "__device__ __forceinline__ void arrive(u32 *ctr, u64 word, u32 k) {\n"
+    "__device__ __forceinline__ void arrive(u32 *ctr, u64 dword, u64 word, u32 k, bool sys) {\n"
     "  __syncthreads();\n"
     "  if (threadIdx.x == 0) {\n"
     "    __threadfence();\n"
     "    if (atomicAdd(ctr, 1u) == gridDim.x - 1) {\n"
     "      *(volatile u32 *)ctr = 0;\n"
-    "      __threadfence_system();\n"
+    "      fence(sys);\n"
+    "      if (dword) *(volatile u32 *)dword = k;\n"
     "      *(volatile u32 *)word = k;\n"
     "    }\n"
     "  }\n"
@@ -205,19 +215,22 @@ static const char fused_src[] =
     "__device__ __forceinline__ bool before(u64 word, u32 k) { return (int)(*(volatile u32 *)word - k) < 0; }\n"
     "extern \"C\" __global__ void uccl_sg_fused(FArgs a) {\n"
     "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
-    "  arrive((u32 *)a.ctr, a.ready[a.me], a.k);\n"
+    "  arrive((u32 *)a.ctr, a.dready[a.me], a.ready[a.me], a.k, a.sys);\n"
     "  u64 seen = a.ctr + 8;\n"
     "  if (blockIdx.x == 0) {\n"
     "    int r = threadIdx.x;\n"
     "    if (r < a.n && r != a.me) {\n"
-    "      while (before(a.ready[r], a.k)) __nanosleep(64);\n"
-    "      __threadfence_system();\n"
+    "      for (u32 i = 1; before(a.dready[r], a.k); i++) {\n"
+    "        if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
+    "        __nanosleep(32);\n"
+    "      }\n"
+    "      fence(a.sys);\n"
     "    }\n"
     "    __syncthreads();\n"
     "    if (threadIdx.x == 0) *(volatile u32 *)seen = a.k;\n"
     "  } else if (threadIdx.x == 0) {\n"
     "    while (before(seen, a.k)) __nanosleep(32);\n"
-    "    __threadfence_system();\n"
+    "    fence(a.sys);\n"
     "  }\n"
     "  __syncthreads();\n"
     "  if (a.gather) {\n"
@@ -230,14 +243,14 @@ static const char fused_src[] =
     "    for (int r = 0; r < a.n; r++) b.src[r] = r == a.me ? a.in : a.slot[r];\n"
     "    reduce_all(b);\n"
     "  }\n"
-    "  arrive((u32 *)a.ctr + 1, a.fin, a.k);\n"
+    "  arrive((u32 *)a.ctr + 1, 0, a.fin, a.k, a.sys);\n"
     "}\n";
 /* Its argument, laid out as struct FArgs (whose arrays hold UCCL_SG_FUSED_RANKS). */
 _Static_assert(UCCL_SG_FUSED_RANKS == 8, "struct FArgs holds 8 ranks' slots and words");
 struct fused_args {
-    uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], fin;
+    uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], dready[8], fin, failed;
     uint32_t k;
-    int32_t gather, op, n, me;
+    int32_t gather, op, n, me, sys;
 };
 
 /* Several copies in one launch (block row y copies segment y), 16 bytes
@@ -451,6 +464,21 @@ static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_arg
                                       1, THREADS, stream, params);
 }
 
+/* Is every peer's arena memory of this rank's GPU (ranks that are
+ * processes sharing it)?  Then the one-launch round's fences need only the
+ * GPU's scope. */
+static int peers_on_gpu(const struct cuda_dev *d, const struct uccl__sg_fused_args *a)
+{
+    for (int r = 0; r < a->nsrc; r++) {
+        int ord = -1;
+        if (r != a->me && (uccl__cuda()->PointerGetAttribute(&ord, CU_PA_DEVICE_ORDINAL,
+                                                             (cu_ptr)a->dready[r]) != CU_OK ||
+                           ord != d->dev))
+            return 0;
+    }
+    return 1;
+}
+
 static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_args *a)
 {
     struct cuda_dev *d = dp;
@@ -469,12 +497,17 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     uccl_kernel_t *k = fused_kernel(d->dev, dt);
     if (!k)
         return UCCL_ERR_UNAVAIL;
+    if (!d->fz_scope) /* the peers' arenas, mapped for the group's life: where do they live? */
+        d->fz_scope = peers_on_gpu(d, a) ? FENCE_GPU : FENCE_SYS;
     struct fused_args fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
-                            .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin, .k = a->k,
-                            .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me};
+                            .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin,
+                            .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
+                            .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me,
+                            .sys = d->fz_scope == FENCE_SYS};
     for (int r = 0; r < a->nsrc; r++) {
         fa.slot[r] = a->slot[r];
         fa.ready[r] = (uint64_t)(uintptr_t)a->ready[r];
+        fa.dready[r] = a->dready[r];
     }
     /* a block per 8 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS, and
      * for the group's launches together one block per SM: they spin, so on a
@@ -641,7 +674,7 @@ int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, i
         free(c);
         return UCCL_ERR_INVALID;
     }
-    *d = (struct cuda_dev){ep, dev, rank, size, c, 0, kb ? copy_kernel(dev) : NULL, (size_t)kb};
+    *d = (struct cuda_dev){ep, dev, rank, size, c, 0, kb ? copy_kernel(dev) : NULL, (size_t)kb, 0};
     *ops_p = &cuda_ops;
     *d_p = d;
     return UCCL_OK;

@@ -347,10 +347,12 @@ static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k
 {
     struct uccl__sg_fused_args a = {fz->gather, fz->dtype, fz->op, sg->size, sg->rank, k,
                                     fz->in, fz->out, sg->fz_arena + 2 * sg->fz_slot,
-                                    fz->nbytes, fz->count, {0}, {NULL}, w32(sg, sg->rank, OFF_FIN)};
+                                    fz->nbytes, fz->count, {0}, {NULL}, {0},
+                                    w32(sg, sg->rank, OFF_FIN), (uint32_t *)sg->page};
     for (int r = 0; r < sg->size; r++) {
         a.slot[r] = sg->fz_peer[r] + sg->fz_flip * sg->fz_slot;
         a.ready[r] = w32(sg, r, OFF_READY);
+        a.dready[r] = sg->fz_peer[r] + 2 * sg->fz_slot + UCCL_SG_FUSED_READY;
     }
     sg->fz_flip ^= 1;
     int rc = sg->ops->fused ? sg->ops->fused(sg->d, X, &a) : UCCL_ERR_UNAVAIL;

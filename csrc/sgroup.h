@@ -47,7 +47,11 @@
 #define UCCL_SG_MAX_RANKS 64   /* the reduction kernel reads one source per rank */
 #define UCCL_SG_P2P_SLOTS 16   /* messages of a pair posted ahead before a post waits */
 #define UCCL_SG_FUSED_RANKS 8  /* one-launch rounds: every rank's staging slot is an argument */
-#define UCCL_SG_FUSED_TAIL 16  /* ... and their arena: two slots, then this many bytes of counters */
+#define UCCL_SG_FUSED_TAIL 128 /* ... and their arena: two slots, then this many bytes: two
+                                  * counters and a flag (device memory, zero between launches),
+                                  * and at UCCL_SG_FUSED_READY this rank's ready word, which the
+                                  * peers' launches poll (in device memory, not over PCIe) */
+#define UCCL_SG_FUSED_READY 64
 #define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
 /* element types and reduction operators of uccl_sg_call.red */
@@ -136,8 +140,9 @@ struct uccl__sg_red_args {
     size_t count;
 };
 /* A one-launch round as the device runs it: slot[r] is rank r's staging
- * slot of this round (mine: where in is staged), ready[r] its ready word;
- * ctr two counters of device memory, zero between launches. */
+ * slot of this round (mine: where in is staged), ready[r] its ready word in
+ * the page and dready[r] the same word in its arena (what launches poll);
+ * ctr the arena's counters; failed the page's flag (a spin ends there). */
 struct uccl__sg_fused_args {
     int gather, dtype, op, nsrc, me;
     uint32_t k;
@@ -145,7 +150,8 @@ struct uccl__sg_fused_args {
     size_t nbytes, count;
     uintptr_t slot[UCCL_SG_FUSED_RANKS];
     uint32_t *ready[UCCL_SG_FUSED_RANKS];
-    uint32_t *fin;
+    uintptr_t dready[UCCL_SG_FUSED_RANKS];
+    uint32_t *fin, *failed;
 };
 struct uccl__sg_dev {
     int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
