@@ -307,15 +307,19 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
 }
 
 /* A one-launch round's steps one by one, for a device without the launch
- * (the emulated one): the same words, copies and reduction. */
+ * (the emulated one) or a round the launch does not take: the same words,
+ * copies and reduction.  Its ready word goes to the arena too, where a
+ * peer's launch for the same round polls it (a peer's in-place all_reduce
+ * may be aligned where this rank's is not). */
 static int fused_steps(uccl_sg_t *sg, uintptr_t X, const struct uccl__sg_fused_args *a)
 {
     const struct uccl__sg_dev *dv = sg->ops;
-    struct uccl__sg_memop ops[UCCL_SG_FUSED_RANKS + 1];
+    struct uccl__sg_memop ops[UCCL_SG_FUSED_RANKS + 2];
     struct uccl_sg_copy cs[UCCL_SG_FUSED_RANKS];
     int nops = 0, ncs = 0, me = a->me;
     cs[0] = (struct uccl_sg_copy){a->slot[me], a->in, a->nbytes};
     int rc = copies(sg, X, cs, a->nbytes ? 1 : 0);
+    memop(ops, &nops, (uint32_t *)a->dready[me], a->k, 0);
     memop(ops, &nops, a->ready[me], a->k, 0);
     for (int r = 0; r < a->nsrc; r++)
         if (r != me)

@@ -209,6 +209,10 @@ def backend_plan(ws: int, big) -> list:
             n=_big_n(nb, dt, odd))
     add(f"reduce-SUM-int64-{_big_name(b1, 3)}", "reduce", op="SUM", dt="int64", kind="bytes",
         n=_big_n(b1, "int64", 3))
+    # in place and not 16-byte aligned on rank 0 only: that rank's one-launch
+    # round takes the steps, its peers' the launch (the words must agree)
+    add("ar-SUM-float32-int-1000-unaligned-on-rank-0", "ar", op="SUM", dt="float32", kind="int",
+        n=1000, skew=True)
     add(f"rs-tensor-SUM-float32-in-{_big_name(b2, 0)}", "rs", form="tensor", op="SUM",
         dt="float32", kind="int", n=_big_n(b2, "float32", 0) // ws + 1)
     add(f"agit-uint8-{_big_name(b2, 1)}", "agit", dt="uint8", n=b2 + 1)
@@ -811,10 +815,17 @@ def _case_pg_setup(x: X, i, p):
         x.R.info["device"] = x.torch.cuda.get_device_name(0)
 
 
+SKEW_BOUND_S = 5.0   # far below the group's timeout (a stuck round ends only there)
+
+
 def _case_ar(x: X, i, p):
     dist, op, dt, kind, n = x.dist, p["op"], p["dt"], p["kind"], p["n"]
     inp = vals(x, sd(x, i, x.me), n, dt, kind)
     a = inp.clone()
+    if p.get("skew") and x.me == 0:   # one element into a buffer: not 16-byte aligned
+        a = x.torch.empty(n + 1, dtype=inp.dtype, device=inp.device)[1:]
+        a.copy_(inp)
+        assert a.data_ptr() % 16, "the skewed tensor is aligned after all"
     x.sync()
     err = attempt(lambda: dist.all_reduce(a, op=rop(op)))
     b = cpu(inp)
@@ -826,6 +837,14 @@ def _case_ar(x: X, i, p):
     check(a, b, exact(dt, kind, op, x.ws), rtol(dt, x.ws),
           "uccl vs Gloo" + (" SUM / world size" if op == "AVG" else ""))
     assert len(set(d)) == 1, f"the ranks hold different results: {d}"
+    if p.get("skew"):   # and the round ended on every rank on its own: the group still works
+        t0 = time.monotonic()
+        c = x.torch.ones(4, device=a.device)
+        dist.all_reduce(c)
+        x.sync()
+        took = time.monotonic() - t0
+        assert took < SKEW_BOUND_S and c.eq(x.ws).all(), \
+            f"the next all_reduce took {took:.1f} s (bound {SKEW_BOUND_S} s) and gave {c.tolist()}"
 
 
 def _case_reduce(x: X, i, p):
