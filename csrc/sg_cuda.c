@@ -277,6 +277,40 @@ struct copy_args {
     int32_t n;
 };
 
+/* A two-sided round's handshake (struct uccl__sg_sync_args) as one launch
+ * of one warp: thread 0 sets this rank's words, thread r waits for rank
+ * r's arena word, then thread 0 writes fin.  It spins, as the one-launch
+ * round does, so it runs only where those do (one block: beside any
+ * launch); the page's failed flag, read every 64th poll, ends it. */
+static const char sync_src[] =
+    "typedef unsigned long long u64; typedef unsigned int u32;\n"
+    "struct SArgs { u64 mine, page, fin, failed; u64 peer[8]; u32 k, mask; int me, n, sys; };\n"
+    "__device__ __forceinline__ void fence(bool sys) { if (sys) __threadfence_system(); else __threadfence(); }\n"
+    "extern \"C\" __global__ void uccl_sg_sync(SArgs a) {\n"
+    "  int r = threadIdx.x;\n"
+    "  if (r == 0) {\n"
+    "    fence(a.sys);\n"
+    "    *(volatile u32 *)a.mine = a.k;\n"
+    "    *(volatile u32 *)a.page = a.k;\n"
+    "  }\n"
+    "  if (r < a.n && ((a.mask >> r) & 1)) {\n"
+    "    for (u32 i = 1; (int)(*(volatile u32 *)a.peer[r] - a.k) < 0; i++) {\n"
+    "      if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
+    "      __nanosleep(32);\n"
+    "    }\n"
+    "  }\n"
+    "  __syncthreads();\n"
+    "  if (r == 0) {\n"
+    "    fence(a.sys);\n"
+    "    if (a.fin) *(volatile u32 *)a.fin = a.k;\n"
+    "  }\n"
+    "}\n";
+struct sync_args {
+    uint64_t mine, page, fin, failed, peer[8];
+    uint32_t k, mask;
+    int32_t me, n, sys;
+};
+
 /* The kernel's argument, laid out as its struct Args. */
 struct kernel_args {
     uint64_t out, src[UCCL_SG_MAX_RANKS], count;
@@ -295,10 +329,10 @@ static struct {
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
     char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
-    uccl_kernel_t *copy[MAX_DEVS];
-    int copy_failed[MAX_DEVS];
+    uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS];
+    char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS];
     int sms[MAX_DEVS];
-} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {{NULL}}, {{0}}, {NULL}, {0}, {0}};
+} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {{NULL}}, {{0}}, {NULL}, {NULL}, {0}, {0}, {0}};
 
 /* Under kernels.mu: the device's SM count (grid sizes), once. */
 static void read_sms(int dev)
@@ -313,21 +347,28 @@ static void read_sms(int dev)
         kernels.sms[dev] = 32;
 }
 
-/* The copy kernel of device dev, compiled at the first group; NULL where it
- * cannot be (no NVRTC): copies then go one by one on the copy engine. */
-static uccl_kernel_t *copy_kernel(int dev)
+/* A kernel of no element type for device dev, compiled once (*slot), or
+ * NULL where it cannot be (no NVRTC: *failed, not tried again). */
+static uccl_kernel_t *once_kernel(int dev, const char *src, const char *name,
+                                  uccl_kernel_t **slot, char *failed)
 {
     pthread_mutex_lock(&kernels.mu);
-    if (!kernels.copy[dev] && !kernels.copy_failed[dev]) {
-        if (uccl_gpu_compile(dev, copy_src, "uccl_sg_copy", 0, NULL, NULL, 0, NULL, NULL, 0,
-                             &kernels.copy[dev]) != UCCL_OK)
-            kernels.copy_failed[dev] = 1;
+    if (!*slot && !*failed) {
+        if (uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, slot) != UCCL_OK)
+            *failed = 1;
         else
             read_sms(dev);
     }
-    uccl_kernel_t *k = kernels.copy[dev];
+    uccl_kernel_t *k = *slot;
     pthread_mutex_unlock(&kernels.mu);
     return k;
+}
+
+/* The copy kernel, compiled at the first group; without it copies go one
+ * by one on the copy engine. */
+static uccl_kernel_t *copy_kernel(int dev)
+{
+    return once_kernel(dev, copy_src, "uccl_sg_copy", &kernels.copy[dev], &kernels.copy_failed[dev]);
 }
 
 /* Under kernels.mu: compile kernel_src (and `more`) for dtype, taking `name`. */
@@ -464,19 +505,28 @@ static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_arg
                                       1, THREADS, stream, params);
 }
 
-/* Is every peer's arena memory of this rank's GPU (ranks that are
- * processes sharing it)?  Then the one-launch round's fences need only the
- * GPU's scope. */
-static int peers_on_gpu(const struct cuda_dev *d, const struct uccl__sg_fused_args *a)
+/* Is a peer's arena memory of this rank's GPU (ranks that are processes
+ * sharing it)?  Where every peer's is, the launches that spin on the arenas'
+ * words fence at the GPU's scope only. */
+static int on_gpu(const struct cuda_dev *d, uintptr_t p)
 {
-    for (int r = 0; r < a->nsrc; r++) {
-        int ord = -1;
-        if (r != a->me && (uccl__cuda()->PointerGetAttribute(&ord, CU_PA_DEVICE_ORDINAL,
-                                                             (cu_ptr)a->dready[r]) != CU_OK ||
-                           ord != d->dev))
-            return 0;
+    int ord = -1;
+    return uccl__cuda()->PointerGetAttribute(&ord, CU_PA_DEVICE_ORDINAL, (cu_ptr)p) == CU_OK &&
+           ord == d->dev;
+}
+
+/* Whether the group's spinning launches fence at the system's scope, decided
+ * at the first from the peers' arena words (peer[me] is not looked at):
+ * the arenas stay mapped for the group's life. */
+static int fence_sys(struct cuda_dev *d, const uintptr_t *peer, int n, int me)
+{
+    if (!d->fz_scope) {
+        int gpu = 1;
+        for (int r = 0; r < n; r++)
+            gpu = gpu && (r == me || on_gpu(d, peer[r]));
+        d->fz_scope = gpu ? FENCE_GPU : FENCE_SYS;
     }
-    return 1;
+    return d->fz_scope == FENCE_SYS;
 }
 
 static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_args *a)
@@ -497,13 +547,11 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     uccl_kernel_t *k = fused_kernel(d->dev, dt);
     if (!k)
         return UCCL_ERR_UNAVAIL;
-    if (!d->fz_scope) /* the peers' arenas, mapped for the group's life: where do they live? */
-        d->fz_scope = peers_on_gpu(d, a) ? FENCE_GPU : FENCE_SYS;
     struct fused_args fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
                             .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin,
                             .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
                             .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me,
-                            .sys = d->fz_scope == FENCE_SYS};
+                            .sys = fence_sys(d, a->dready, a->nsrc, a->me)};
     for (int r = 0; r < a->nsrc; r++) {
         fa.slot[r] = a->slot[r];
         fa.ready[r] = (uint64_t)(uintptr_t)a->ready[r];
@@ -522,6 +570,26 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     blocks = blocks < 1 ? 1 : blocks > cap ? cap : blocks;
     void *params[] = {&fa};
     return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, FUSED_THREADS, stream, params);
+}
+
+static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args *a)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    uccl_kernel_t *k = once_kernel(d->dev, sync_src, "uccl_sg_sync", &kernels.sync[d->dev],
+                                   &kernels.sync_failed[d->dev]);
+    if (!k || a->n > UCCL_SG_FUSED_RANKS)
+        return UCCL_ERR_UNAVAIL;
+    struct sync_args sa = {.mine = a->mine, .page = (uint64_t)(uintptr_t)a->page,
+                           .fin = (uint64_t)(uintptr_t)a->fin,
+                           .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
+                           .mask = a->mask, .me = a->me, .n = a->n,
+                           .sys = fence_sys(d, a->peer, a->n, a->me)};
+    memcpy(sa.peer, a->peer, sizeof(sa.peer));
+    void *params[] = {&sa};
+    return uccl__gpu_launch_unchecked(k, 1, 1, 32, stream, params);
 }
 
 static uint64_t cuda_fused_id(void *dp)
@@ -647,7 +715,7 @@ static const struct uccl__sg_dev cuda_ops = {
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
-    .fused = cuda_fused, .fused_id = cuda_fused_id,
+    .fused = cuda_fused, .fused_id = cuda_fused_id, .sync = cuda_sync,
 };
 
 int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,

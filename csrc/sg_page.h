@@ -132,6 +132,7 @@ struct uccl_sg {
     uintptr_t fz_peer[UCCL_SG_FUSED_RANKS]; /* every rank's arena as mapped here */
     void *fz_imp[UCCL_SG_FUSED_RANKS];
     int fz_nimp, fz_mapped, fz_off;    /* fz_off: ranks share a GPU without MPS */
+    int fz_tried;                   /* a two-sided round met a peer without an arena like ours */
     int fz_flip;                    /* the slot of the next one-launch round */
     uint32_t fz_last;               /* the last one-launch round (close waits for the peers) */
     uint32_t fz_unchecked;          /* a one-launch round whose peers' calls are not yet

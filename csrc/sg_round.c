@@ -4,7 +4,7 @@
  *
  * A one-launch round (struct uccl_sg_fused) publishes only its call: its
  * input goes through this rank's arena, which every peer mapped at the
- * first such round, so the host waits for no peer.  Its call is compared
+ * group's first round (of either kind), so the host waits for no peer.  Its call is compared
  * with the peers' at the next round (or at the first one, where the arenas
  * are exchanged).  Arena slots alternate between rounds: a round starts on
  * the GPU only once every peer's stream is past the round before the last
@@ -212,6 +212,54 @@ static void memop(struct uccl__sg_memop *ops, int *n, uint32_t *addr, uint32_t v
     ops[(*n)++] = (struct uccl__sg_memop){addr, v, wait};
 }
 
+/* Rank r's word (a page offset: OFF_READY, OFF_DONE, OFF_DONE2) in its
+ * arena as mapped here (the arenas are mapped: fz_mapped). */
+static uintptr_t arena_word(const uccl_sg_t *sg, int r, int off)
+{
+    int a = off == OFF_READY ? UCCL_SG_FUSED_READY
+            : off == OFF_DONE ? UCCL_SG_FUSED_DONE : UCCL_SG_FUSED_DONE2;
+    return sg->fz_peer[r] + 2 * sg->fz_slot + (size_t)a;
+}
+
+/* On stream X: this rank's word at off set to k, then a wait until every
+ * peer in reads (a flag a rank) has set its own; then, if fin, this rank's
+ * fin word.  One launch that polls the arenas where the group's launches
+ * may spin (the arenas mapped, uccl_sg_fused_bytes), else stream memory
+ * operations on the page's words (ops: room for size + 3).  The word goes
+ * to the page and, once the arenas are mapped, to the arena either way:
+ * ranks that take different ways still see each other's.  At 4 ranks on
+ * one H200 under MPS, a handshake of memory operations took 13-19 us on
+ * the GPU (benchmarks/stream_sync_floor.py). */
+static int handshake(uccl_sg_t *sg, uintptr_t X, uint32_t k, int off,
+                     const unsigned char *reads, int fin, struct uccl__sg_memop *ops)
+{
+    const struct uccl__sg_dev *dv = sg->ops;
+    int n = sg->size, me = sg->rank, nops = 0, rc = UCCL_ERR_UNAVAIL;
+    if (dv->sync && sg->fz_mapped && n <= UCCL_SG_FUSED_RANKS &&
+        !__atomic_load_n(&sg->fz_off, __ATOMIC_RELAXED)) {
+        struct uccl__sg_sync_args a = {.k = k, .me = me, .n = n, .mine = arena_word(sg, me, off),
+                                       .page = w32(sg, me, off),
+                                       .fin = fin ? w32(sg, me, OFF_FIN) : NULL,
+                                       .failed = (uint32_t *)sg->page};
+        for (int r = 0; r < n; r++) {
+            a.peer[r] = arena_word(sg, r, off);
+            a.mask |= reads[r] && r != me ? 1u << r : 0;
+        }
+        rc = dv->sync(sg->d, X, &a);
+    }
+    if (rc != UCCL_ERR_UNAVAIL)
+        return rc;
+    memop(ops, &nops, w32(sg, me, off), k, 0);
+    if (sg->fz_mapped)
+        memop(ops, &nops, (uint32_t *)arena_word(sg, me, off), k, 0);
+    for (int r = 0; r < n; r++)
+        if (reads[r] && r != me)
+            memop(ops, &nops, w32(sg, r, off), k, 1);
+    if (fin)
+        memop(ops, &nops, w32(sg, me, OFF_FIN), k, 0);
+    return dv->memops(sg->d, X, ops, nops);
+}
+
 /* Copies of one phase in one call: cs (n of them) on `stream`. */
 static int copies(uccl_sg_t *sg, uintptr_t stream, struct uccl_sg_copy *cs, int n)
 {
@@ -224,7 +272,7 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
                        uintptr_t X, struct pending *p, struct uccl__sg_memop *ops)
 {
     const struct uccl__sg_dev *dv = sg->ops;
-    int n = sg->size, me = sg->rank, nops = 0, rc = UCCL_OK, n1 = 0, n2 = 0;
+    int n = sg->size, me = sg->rank, rc = UCCL_OK, n1 = 0, n2 = 0;
     struct uccl_sg_copy *cp = calloc((size_t)c->npull + (size_t)c->ncopy + 1, sizeof(*cp));
     struct uccl__sg_red_args ra;
     memset(&ra, 0, sizeof(ra));
@@ -274,34 +322,20 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
      * be reused, and their registrations dropped (not before: a peer's
      * eviction follows this word) */
     consumed(sg, k);
-    memop(ops, &nops, w32(sg, me, OFF_READY), k, 0);
-    for (int r = 0; r < n; r++)
-        if (reads[r])
-            memop(ops, &nops, w32(sg, r, OFF_READY), k, 1);
-    rc = dv->memops(sg->d, X, ops, nops);
+    unsigned char all[UCCL_SG_MAX_RANKS];
+    memset(all, 1, sizeof(all));
+    int two = c->phases == 2;
+    rc = handshake(sg, X, k, OFF_READY, reads, 0, ops);
     if (!rc)
         rc = copies(sg, X, cp, n1);
     if (!rc && red && red->count)
         rc = dv->reduce(sg->d, X, &ra);
-    nops = 0;
-    memop(ops, &nops, w32(sg, me, OFF_DONE), k, 0);
-    for (int r = 0; r < n; r++)
-        if (r != me)
-            memop(ops, &nops, w32(sg, r, OFF_DONE), k, 1);
-    if (c->phases == 2) {
-        if (!rc)
-            rc = dv->memops(sg->d, X, ops, nops);
-        if (!rc)
-            rc = copies(sg, X, cp2 - n2, n2);
-        nops = 0;
-        memop(ops, &nops, w32(sg, me, OFF_DONE2), k, 0);
-        for (int r = 0; r < n; r++)
-            if (r != me)
-                memop(ops, &nops, w32(sg, r, OFF_DONE2), k, 1);
-    }
-    memop(ops, &nops, w32(sg, me, OFF_FIN), k, 0);
     if (!rc)
-        rc = dv->memops(sg->d, X, ops, nops);
+        rc = handshake(sg, X, k, OFF_DONE, all, !two, ops);
+    if (!rc && two)
+        rc = copies(sg, X, cp2 - n2, n2);
+    if (!rc && two)
+        rc = handshake(sg, X, k, OFF_DONE2, all, 1, ops);
     free(cp);
     return rc;
 }
@@ -363,10 +397,10 @@ static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k
     return rc == UCCL_ERR_UNAVAIL ? fused_steps(sg, X, &a) : rc;
 }
 
-/* The first one-launch round: map every peer's arena (published in it), for
- * the group's life; and whether to go on with one-launch rounds (every rank
- * decides the same from the same entries: not where two ranks' GPU
- * identities are the same, uccl__sg_dev.fused_id says why). */
+/* The first round that carried the arenas: map every peer's, for the
+ * group's life; and whether to go on with one-launch rounds and handshake
+ * launches (every rank decides the same from the same entries: not where
+ * two ranks' GPU identities are the same, uccl__sg_dev.fused_id says why). */
 static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
 {
     struct pending p = {0, 0, 0, sg->fz_imp};
@@ -389,9 +423,25 @@ static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
     return rc;
 }
 
+/* A two-sided round that carried this rank's arena: map the peers' where
+ * every one offered its own, as long as this rank's (else stop offering:
+ * a rank with UCCL_SG_FUSED_BYTES=0, or another size, runs no one-launch
+ * round, and its handshakes stay on the page). */
+static int take_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
+{
+    for (int r = 0; r < sg->size; r++) {
+        const struct entry *e = r == sg->rank ? NULL : peer_entry(sg, r, FZ_TAG);
+        if (r != sg->rank && (!e || e->len != arena_len(sg))) {
+            sg->fz_tried = 1;
+            return UCCL_OK;
+        }
+    }
+    return map_arenas(sg, what, my_id);
+}
+
 /* Read on every all_reduce and allgather, without the call lock: fz_slot is
  * set once before any round (0 until then; no arena is taken for more than
- * UCCL_SG_FUSED_RANKS ranks), fz_off at most once, in the first round. */
+ * UCCL_SG_FUSED_RANKS ranks), fz_off at most once, where the arenas are mapped. */
 size_t uccl_sg_fused_bytes(uccl_sg_t *sg)
 {
     return __atomic_load_n(&sg->fz_off, __ATOMIC_RELAXED)
@@ -478,8 +528,12 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         nent++;
     }
     int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped;
-    uint64_t id = 0; /* this rank's GPU identity, in the first one-launch round */
-    if (fused && exchange) {
+    /* the arenas go with the first round that reads the peers' slots,
+     * whatever its kind: a two-sided round's handshakes poll them too */
+    int arenas = exchange && sg->fz_arena && !sg->fz_mapped &&
+                 (fused || (!sg->fz_tried && nent + 2 <= MAX_ENTRIES));
+    uint64_t id = 0; /* this rank's GPU identity, where the arenas go */
+    if (arenas) {
         id = sg->ops->fused_id ? sg->ops->fused_id(sg->d) : 0;
         ent[nent++] = (struct entry){FZ_TAG, sg->fz_key, sg->fz_arena, arena_len(sg)};
         ent[nent++] = (struct entry){FZ_INFO, 0, id, 0};
@@ -528,7 +582,10 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
             rc = queue_fused(sg, c->fused, k, X);
         sg->fz_last = k;
     } else if (!rc) {
-        rc = queue_round(sg, c, what, k, X, &p, ops);
+        if (arenas)
+            rc = take_arenas(sg, what, id);
+        if (!rc)
+            rc = queue_round(sg, c, what, k, X, &p, ops);
     }
     if (!rc && c->end_event)
         rc = sg->ops->record(sg->d, c->end_event, X);

@@ -51,7 +51,9 @@
                                   * counters and a flag (device memory, zero between launches),
                                   * and at UCCL_SG_FUSED_READY this rank's ready word, which the
                                   * peers' launches poll (in device memory, not over PCIe) */
-#define UCCL_SG_FUSED_READY 64
+#define UCCL_SG_FUSED_READY 64 /* the arena's words: ready (one-launch and two-sided rounds) */
+#define UCCL_SG_FUSED_DONE 80  /* ... and a two-sided round's done and done2 (uccl__sg_sync_args) */
+#define UCCL_SG_FUSED_DONE2 96
 #define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
 /* element types and reduction operators of uccl_sg_call.red */
@@ -153,6 +155,17 @@ struct uccl__sg_fused_args {
     uintptr_t dready[UCCL_SG_FUSED_RANKS];
     uint32_t *fin, *failed;
 };
+/* A handshake of a two-sided round as one launch: this rank's word set to
+ * k (mine: in its arena; page: the same word in the page, what the host and
+ * peers without the launch read), then a wait until every peer r in mask
+ * has set its own (peer[r], in its arena) to k or past, then fin (if not
+ * NULL) set to k.  failed: the page's flag, which ends the wait. */
+struct uccl__sg_sync_args {
+    uint32_t k, mask;
+    int me, n;
+    uintptr_t mine, peer[UCCL_SG_FUSED_RANKS];
+    uint32_t *page, *fin, *failed;
+};
 struct uccl__sg_dev {
     int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
     /* n copies (any mix of sizes), queued in one go where the device can */
@@ -183,6 +196,9 @@ struct uccl__sg_dev {
      * slice (~2 ms a round), so a group where two ranks show the same
      * identity runs two-sided rounds instead */
     uint64_t (*fused_id)(void *d);
+    /* a handshake as one launch (where one-launch rounds may run), or NULL
+     * or UCCL_ERR_UNAVAIL: stream memory operations on the words instead */
+    int (*sync)(void *d, uintptr_t stream, const struct uccl__sg_sync_args *a);
 };
 
 /* The CUDA device: queues on device dev through the driver, shares memory

@@ -183,6 +183,75 @@ def test_ranks_that_disagree_on_the_threshold_fail_at_once(monkeypatch):
     close_all(groups, streams)
 
 
+def test_the_arenas_go_with_the_first_round_of_either_kind():
+    """A group whose first round is two-sided maps the peers' arenas there
+    (its handshakes poll them on a GPU); the one-launch rounds after it are
+    right, and no further arena is mapped."""
+    n = 3
+    groups = make_groups(n)
+    big = SLOT // 8 + 2   # int64s: above the arena's slot, a two-sided round
+
+    def rank(r):
+        g, got = groups[r], []
+        for i, count in enumerate((big, 4, big, 4, 4)):
+            x = torch.full((count,), 10 * r + i, dtype=torch.int64)
+            out = torch.zeros(n * count, dtype=torch.int64)
+            allgather(g, x, out)
+            got.append((x, out))
+            if i == 0:
+                maps_after_first = g.c.emu_counts()[2]
+        return got, maps_after_first, g.c.emu_counts()[2]
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        got, first, last = res[r]
+        # the peers' buffers of the round, and their arenas
+        assert first == 2 * (n - 1), f"rank {r}: {first} mappings after the first round"
+        for i, (_x, out) in enumerate(got):
+            want = torch.cat([torch.full((out.numel() // n,), 10 * q + i, dtype=torch.int64)
+                              for q in range(n)])
+            assert torch.equal(out, want), (r, i)
+    close_all(groups, streams)
+
+
+def test_a_rank_without_an_arena_leaves_two_sided_rounds_as_they_were(monkeypatch):
+    """Rank 1 without an arena (UCCL_SG_FUSED_BYTES=0 there): rank 0 offers
+    its own in the first two-sided round, finds none, and stops offering;
+    two-sided rounds go on right."""
+    per_rank = threading.local()
+    monkeypatch.setattr(sgm, "fused_bytes", lambda: per_rank.nb)
+    store, groups = Store(), [None, None]
+
+    def mk(r):
+        per_rank.nb = SLOT if r == 0 else 0
+        groups[r] = sgm.StreamGroup(Ctx(store, r, 2, 5.0), 0, 5.0, emulated=True)
+    ts = [threading.Thread(target=mk, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    assert all(groups)
+    count = SLOT // 8 + 2
+
+    def rank(r):
+        outs = []
+        for i in range(3):
+            x = torch.full((count,), 10 * r + i, dtype=torch.int64)
+            out = torch.zeros(2 * count, dtype=torch.int64)
+            allgather(groups[r], x, out)
+            outs.append((x, out))   # x too: the stream reads it after the call
+        return [o for _x, o in outs], outs
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    drain(groups, streams)
+    for r in range(2):
+        for i, out in enumerate(res[r][0]):
+            assert torch.equal(out, torch.cat([torch.full((count,), i, dtype=torch.int64),
+                                               torch.full((count,), 10 + i, dtype=torch.int64)]))
+    close_all(groups, streams)
+
+
 def test_a_peer_that_stops_coming_fails_the_group_within_the_timeout():
     """After a round together, rank 1 stops: rank 0's next one-launch round
     returns at once (its stream waits for rank 1), the watchdog fails the
