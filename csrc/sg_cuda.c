@@ -41,7 +41,7 @@ struct cuda_dev {
     int batch_off;            /* the driver refused a batch: one call per operation */
     uccl_kernel_t *copy_k;    /* copies of one phase in one launch, or NULL */
     size_t kernel_copy_bytes; /* ... when they move at most this (UCCL_SG_KERNEL_COPY_BYTES) */
-    int fz_scope;             /* one-launch rounds' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
+    int fz_scope;             /* spinning launches' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
 };
 
 /* The reduction kernel: out[i] <- op over the sources (rank order) of
@@ -177,8 +177,8 @@ static const char kernel_src[] =
  * holds the GPU for its time slice).  A failed group's flag, read every
  * 64th poll, ends the spin. */
 #define FUSED_BLOCKS 32
-enum { FENCE_GPU = 1, FENCE_SYS = 2 };
 #define FUSED_THREADS 256
+enum { FENCE_GPU = 1, FENCE_SYS = 2 }; /* cuda_dev.fz_scope */
 static const char fused_src[] =
     "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 dready[8];\n"
     "  u64 fin, failed;\n"
@@ -368,7 +368,8 @@ static uccl_kernel_t *once_kernel(int dev, const char *src, const char *name,
  * by one on the copy engine. */
 static uccl_kernel_t *copy_kernel(int dev)
 {
-    return once_kernel(dev, copy_src, "uccl_sg_copy", &kernels.copy[dev], &kernels.copy_failed[dev]);
+    return once_kernel(dev, copy_src, "uccl_sg_copy", &kernels.copy[dev],
+                       &kernels.copy_failed[dev]);
 }
 
 /* Under kernels.mu: compile kernel_src (and `more`) for dtype, taking `name`. */

@@ -4,12 +4,15 @@
  *
  * A one-launch round (struct uccl_sg_fused) publishes only its call: its
  * input goes through this rank's arena, which every peer mapped at the
- * group's first round (of either kind), so the host waits for no peer.  Its call is compared
- * with the peers' at the next round (or at the first one, where the arenas
- * are exchanged).  Arena slots alternate between rounds: a round starts on
- * the GPU only once every peer's stream is past the round before the last
- * one (each round waits for a word every peer writes after it), so the
- * slot it fills was read by all. */
+ * group's first round (of either kind), so the host waits for no peer.
+ * Its call is compared with the peers' at the next round (or at once where
+ * it is the round that exchanges the arenas).  Arena slots alternate
+ * between rounds: a round starts on the GPU only once every peer's stream
+ * is past the round before the last one (each round waits for a ready word
+ * every peer writes when it reaches a round, of either kind), so the slot
+ * it fills was read by all.  A two-sided round's handshakes write their
+ * words to the page and the arena; where the launches may spin they poll
+ * the arenas (one launch), elsewhere the page (stream memory operations). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -390,7 +393,7 @@ static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k
     for (int r = 0; r < sg->size; r++) {
         a.slot[r] = sg->fz_peer[r] + sg->fz_flip * sg->fz_slot;
         a.ready[r] = w32(sg, r, OFF_READY);
-        a.dready[r] = sg->fz_peer[r] + 2 * sg->fz_slot + UCCL_SG_FUSED_READY;
+        a.dready[r] = arena_word(sg, r, OFF_READY);
     }
     sg->fz_flip ^= 1;
     int rc = sg->ops->fused ? sg->ops->fused(sg->d, X, &a) : UCCL_ERR_UNAVAIL;
@@ -441,7 +444,8 @@ static int take_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
 
 /* Read on every all_reduce and allgather, without the call lock: fz_slot is
  * set once before any round (0 until then; no arena is taken for more than
- * UCCL_SG_FUSED_RANKS ranks), fz_off at most once, where the arenas are mapped. */
+ * UCCL_SG_FUSED_RANKS ranks), fz_off at most once, where the arenas are
+ * mapped. */
 size_t uccl_sg_fused_bytes(uccl_sg_t *sg)
 {
     return __atomic_load_n(&sg->fz_off, __ATOMIC_RELAXED)

@@ -156,9 +156,8 @@ def test_a_disagreement_raises_at_the_next_call_on_every_rank():
         assert any(isinstance(e, tuple) and len(e) == 2 and e[1] is a for e in sgm._KEPT)
 
 
-def test_ranks_that_disagree_on_the_threshold_fail_at_once(monkeypatch):
-    """Rank 0 takes a one-launch round, rank 1 (as with UCCL_SG_FUSED_BYTES=0)
-    a two-sided one: both raise in the call, naming the variable."""
+def arena_on_rank_0_only(monkeypatch) -> list:
+    """Two ranks' groups, rank 1 made as with UCCL_SG_FUSED_BYTES=0 (no arena)."""
     per_rank = threading.local()
     monkeypatch.setattr(sgm, "fused_bytes", lambda: per_rank.nb)
     store, groups = Store(), [None, None]
@@ -172,6 +171,13 @@ def test_ranks_that_disagree_on_the_threshold_fail_at_once(monkeypatch):
     for t in ts:
         t.join(15)
     assert all(groups)
+    return groups
+
+
+def test_ranks_that_disagree_on_the_threshold_fail_at_once(monkeypatch):
+    """Rank 0 takes a one-launch round, rank 1 (as with UCCL_SG_FUSED_BYTES=0)
+    a two-sided one: both raise in the call, naming the variable."""
+    groups = arena_on_rank_0_only(monkeypatch)
 
     def rank(r):
         x = torch.ones(8, dtype=torch.int64)
@@ -219,19 +225,7 @@ def test_a_rank_without_an_arena_leaves_two_sided_rounds_as_they_were(monkeypatc
     """Rank 1 without an arena (UCCL_SG_FUSED_BYTES=0 there): rank 0 offers
     its own in the first two-sided round, finds none, and stops offering;
     two-sided rounds go on right."""
-    per_rank = threading.local()
-    monkeypatch.setattr(sgm, "fused_bytes", lambda: per_rank.nb)
-    store, groups = Store(), [None, None]
-
-    def mk(r):
-        per_rank.nb = SLOT if r == 0 else 0
-        groups[r] = sgm.StreamGroup(Ctx(store, r, 2, 5.0), 0, 5.0, emulated=True)
-    ts = [threading.Thread(target=mk, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(15)
-    assert all(groups)
+    groups = arena_on_rank_0_only(monkeypatch)
     count = SLOT // 8 + 2
 
     def rank(r):
