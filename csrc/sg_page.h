@@ -134,7 +134,8 @@ struct uccl_sg {
     int fz_nimp, fz_mapped, fz_off;    /* fz_off: ranks share a GPU without MPS */
     int fz_tried;                   /* a two-sided round met a peer without an arena like ours */
     int fz_flip;                    /* the slot of the next one-launch round */
-    uint32_t fz_last;               /* the last one-launch round (close waits for the peers) */
+    uint32_t fz_last;               /* the last round whose launches may read this rank's
+                                     * arena (close waits for the peers to be past it) */
     uint32_t fz_unchecked;          /* a one-launch round whose peers' calls are not yet
                                        compared with this rank's, or 0 */
     char error[REASON];

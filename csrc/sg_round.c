@@ -22,7 +22,7 @@
 #include "sock.h"
 #include "status.h"
 
-#define FZ_TAG (2ull << 40)  /* the arena's entry, published in the first one-launch round */
+#define FZ_TAG (2ull << 40)  /* the arena's entry, published in the first round that can carry it */
 #define FZ_INFO (3ull << 40) /* ... and the rank's GPU identity (addr: uccl__sg_dev.fused_id) */
 
 /* ---- checks -------------------------------------------------------------------------- */
@@ -459,9 +459,9 @@ int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_by
         slot_bytes > (SIZE_MAX - UCCL_SG_FUSED_TAIL) / 2 || len < need ||
         sg->size > UCCL_SG_FUSED_RANKS)
         return uccl__err(UCCL_ERR_INVALID, "one-launch rounds: arena %#lx of %zu bytes, slots "
-                         "of %zu bytes (multiples of 16; two slots and 16 bytes needed), %d "
-                         "ranks (at most %d)", (unsigned long)ptr, len, slot_bytes, sg->size,
-                         UCCL_SG_FUSED_RANKS);
+                         "of %zu bytes (multiples of 16; two slots and %d bytes needed), %d "
+                         "ranks (at most %d)", (unsigned long)ptr, len, slot_bytes,
+                         UCCL_SG_FUSED_TAIL, sg->size, UCCL_SG_FUSED_RANKS);
     pthread_mutex_lock(&sg->call_mu);
     int rc = UCCL_OK;
     uint64_t key = 0, reg = 0;
@@ -590,6 +590,8 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
             rc = take_arenas(sg, what, id);
         if (!rc)
             rc = queue_round(sg, c, what, k, X, &p, ops);
+        if (sg->fz_mapped) /* its handshakes may be launches polling this rank's arena */
+            sg->fz_last = k;
     }
     if (!rc && c->end_event)
         rc = sg->ops->record(sg->d, c->end_event, X);

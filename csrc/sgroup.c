@@ -634,8 +634,9 @@ int uccl_sg_close(uccl_sg_t *sg)
         pthread_mutex_lock(&sg->mu);
     }
     int ok = !failed_locked(sg) || (sg->npend == 0 && sg->np2p == 0);
-    /* one-launch rounds: a peer's launch reads this rank's arena until it is
-     * past the round; the arena goes only once every peer is (or is gone) */
+    /* a peer's launches (one-launch rounds, handshakes) read this rank's
+     * arena until it is past the round; the arena goes only once every peer
+     * is (or is gone) */
     if (ok && sg->fz_last && (failed_locked(sg) || !peers_past(sg, sg->fz_last, until)))
         ok = 0;
     pthread_mutex_unlock(&sg->mu);
