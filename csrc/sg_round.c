@@ -119,6 +119,10 @@ static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint6
 
 static size_t arena_len(const uccl_sg_t *sg) { return 2 * sg->fz_slot + UCCL_SG_FUSED_TAIL; }
 
+/* Rank r's arena tail (counters, then words) as mapped here; this rank's
+ * own too (fz_peer[rank] is the arena). */
+static uintptr_t arena_tail(const uccl_sg_t *sg, int r) { return sg->fz_peer[r] + 2 * sg->fz_slot; }
+
 /* This rank is done with the peers' slots of round k (and what they published there). */
 static void consumed(uccl_sg_t *sg, uint32_t k) { st64(w64(sg, sg->rank, OFF_CONSUMED), k); }
 
@@ -221,7 +225,7 @@ static uintptr_t arena_word(const uccl_sg_t *sg, int r, int off)
 {
     int a = off == OFF_READY ? UCCL_SG_FUSED_READY
             : off == OFF_DONE ? UCCL_SG_FUSED_DONE : UCCL_SG_FUSED_DONE2;
-    return sg->fz_peer[r] + 2 * sg->fz_slot + (size_t)a;
+    return arena_tail(sg, r) + (size_t)a;
 }
 
 /* On stream X: this rank's word at off set to k, then a wait until every
@@ -387,7 +391,7 @@ static int fused_steps(uccl_sg_t *sg, uintptr_t X, const struct uccl__sg_fused_a
 static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k, uintptr_t X)
 {
     struct uccl__sg_fused_args a = {fz->gather, fz->dtype, fz->op, sg->size, sg->rank, k,
-                                    fz->in, fz->out, sg->fz_arena + 2 * sg->fz_slot,
+                                    fz->in, fz->out, arena_tail(sg, sg->rank),
                                     fz->nbytes, fz->count, {0}, {NULL}, {0},
                                     w32(sg, sg->rank, OFF_FIN), (uint32_t *)sg->page};
     for (int r = 0; r < sg->size; r++) {
