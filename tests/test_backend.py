@@ -991,20 +991,20 @@ def _case_async_basic(R, i, p):
 
 
 def _case_async_early(R, i, p):
-    """The last rank arrives 0.8 s late: the others' async calls must all
+    """The last rank arrives 2 s late: the others' async calls must all
     return at once (before completion is possible), the all_reduce must not
     be complete yet; futures taken before completion get the outputs."""
     late = R.ws - 1
     _gloo_align(R)
     if R.me == late:
-        time.sleep(0.8)
+        time.sleep(2.0)
     t0 = time.monotonic()
     works, exp = _async_ops(R, i, None)
     issue = time.monotonic() - t0
     early_done = works["all_reduce-small"][0].is_completed()
     _check_async(works, exp, futures_first=True)
     if R.me != late:
-        assert issue < 0.4, f"issuing the async ops took {issue:.2f} s (the late rank sleeps 0.8 s)"
+        assert issue < 1.0, f"issuing the async ops took {issue:.2f} s (the late rank sleeps 2 s)"
         assert not early_done, "all_reduce reported complete before the late rank joined"
 
 
@@ -1117,7 +1117,7 @@ def _case_barrier(R, i, p):
     else:
         _gloo_align(R)
     if R.me == late:
-        time.sleep(0.5)
+        time.sleep(1.0)
     t0 = time.monotonic()
     if where == "monitored":
         # torch's dist.monitored_barrier accepts Gloo groups only ("only
@@ -1130,7 +1130,8 @@ def _case_barrier(R, i, p):
         _gloo_align(R)
         dist.destroy_process_group(grp)
     if R.me != late:
-        assert took >= 0.35, f"barrier returned after {took:.3f} s; rank {late} arrived 0.5 s late"
+        # (the ranks leave the alignment apart by up to a scheduler's delay)
+        assert took >= 0.6, f"barrier returned after {took:.3f} s; rank {late} arrived 1 s late"
 
 
 # ----------------------------------------------------------------------------
@@ -1568,7 +1569,8 @@ def _failures(rank, ws, port):
             t0 = time.monotonic()
             w = dist.all_reduce(torch.ones(4097), async_op=True, group=groups["3s"])
             assert time.monotonic() - t0 < 1, "an async all_reduce blocked"
-            e, took = _raised_within(w.wait, 10, "wait() on an all_reduce the peer never calls")
+            e, _ = _raised_within(w.wait, 10, "wait() on an all_reduce the peer never calls")
+            took = time.monotonic() - t0   # the operation's clock starts within the issue
             assert took >= INIT_TIMEOUT_S - 0.5, \
                 f"raised after {took:.2f} s, before the {INIT_TIMEOUT_S} s timeout: {e!r}"
         except BaseException:

@@ -376,10 +376,12 @@ def test_a_rank_that_never_arrives_times_the_others_out():
         # the first to time out fails the group; the other may learn it from the page
         with pytest.raises(UcclError, match="rank 2 arriving at round 1") as e:
             ctx.allgather(torch.ones(4, dtype=torch.uint8), torch.zeros(12, dtype=torch.uint8))
-        return time.monotonic() - t0, isinstance(e.value, UcclTimeoutError)
+        return (t0, time.monotonic()), isinstance(e.value, UcclTimeoutError)
     res, err, streams = on_ranks(n, rank)
     assert err == [None] * n, err
-    assert all(0.9 < res[r][0] < 5.0 for r in (0, 1)), res
+    # from the first call (the threads start apart): not before the timeout, and not long after
+    first = min(res[r][0][0] for r in (0, 1))
+    assert all(0.9 < res[r][0][1] - first < 5.0 for r in (0, 1)), res
     assert res[0][1] or res[1][1], "one of them timed out"
     for r in range(n):
         with pytest.raises(UcclError, match="rank 2 arriving at round 1"):
@@ -583,7 +585,13 @@ def test_closing_a_group_with_a_round_in_flight_fails_it_and_waits():
             got.append(e)
     t = threading.Thread(target=r0)
     t.start()
-    time.sleep(0.3)   # rank 0 waits for rank 1, which never calls
+    # rank 0 has published round 1 (it waits for rank 1, which never calls)
+    mine = PAGE + OFF_SLOTS + (1 % NSLOT) * SLOT_BYTES + 8
+    until = time.monotonic() + 10.0
+    while struct.unpack_from("<Q", groups[0]._mm, mine)[0] != 1 and time.monotonic() < until:
+        time.sleep(0.001)
+    assert struct.unpack_from("<Q", groups[0]._mm, mine)[0] == 1, "rank 0 never published round 1"
+    time.sleep(0.05)   # and is past publishing, in its wait
     t0 = time.monotonic()
     groups[0].close()
     t.join(10)

@@ -128,13 +128,16 @@ def test_a_post_returns_before_the_peer_posts_and_the_stream_waits():
 
 def test_sizes_that_differ_fail_both_sides_and_release_the_streams():
     groups = make_groups(2)
+    posted = threading.Event()
 
     def rank(r):
         if r == 0:
             a = torch.ones(8, dtype=torch.uint8)
-            wait_all(groups[0], post(groups[0], [(1, True, a)]))
+            codes = post(groups[0], [(1, True, a)])
+            posted.set()
+            wait_all(groups[0], codes)
             return a
-        time.sleep(0.1)   # rank 1 posts second: it finds the mismatch
+        assert posted.wait(10)   # rank 1 posts second: it finds the mismatch
         b = torch.zeros(12, dtype=torch.uint8)
         post(groups[1], [(0, False, b)])
         return b
@@ -183,12 +186,18 @@ def test_a_sender_more_than_the_slots_ahead_waits_for_the_receiver():
     xs = [torch.from_numpy(np.random.default_rng(i).integers(0, 256, 999 + i, dtype=np.uint8))
           for i in range(count)]
 
+    full = threading.Event()
+
     def rank(r):
-        t0 = time.monotonic()
         if r == 0:
-            codes = [post(groups[0], [(1, True, x)])[0] for x in xs]
+            codes = [post(groups[0], [(1, True, x)])[0] for x in xs[:P2P_SLOTS]]
+            full.set()
+            t0 = time.monotonic()   # the next post waits for a free slot
+            codes += [post(groups[0], [(1, True, x)])[0] for x in xs[P2P_SLOTS:]]
+            took = time.monotonic() - t0
             wait_all(groups[0], codes)
-            return time.monotonic() - t0
+            return took
+        assert full.wait(10)
         time.sleep(0.5)
         ys = [torch.full_like(x, 0xA5) for x in xs]
         wait_all(groups[1], [post(groups[1], [(0, False, y)])[0] for y in ys])
