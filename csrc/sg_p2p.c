@@ -45,14 +45,22 @@ static uint32_t chan_of(uccl_sg_t *sg, int src, int dst)
     return (uint32_t)src * (uint32_t)sg->size + (uint32_t)dst;
 }
 
-/* May message k take its slot of channel c?  The message P2P_SLOTS
- * before it is over (both arrived, the second read), or the peer already
- * took the slot for k. */
+/* The message before k in k's slot: P2P_SLOTS before it, but for the
+ * numbers' wrap, where 0 is skipped (slot 0 then waits a turn). */
+static uint32_t before_in_slot(uint32_t k)
+{
+    uint32_t b = k - P2P_SLOTS;
+    return b ? b : b - P2P_SLOTS;
+}
+
+/* May message k take its slot of channel c?  The message before it there
+ * is over (both arrived, the second read), or the peer already took the
+ * slot for k. */
 static int slot_free(uccl_sg_t *sg, uint32_t k, int c)
 {
     uint64_t s = ld64(&chan_at(sg, (uint32_t)c)->slot[k % P2P_SLOTS].state);
     return s == 0 || state_k(s) == k ||
-           (state_k(s) == k - P2P_SLOTS && (s & 7u) == 7u);
+           (state_k(s) == before_in_slot(k) && (s & 7u) == 7u);
 }
 
 /* The copier's done word of a message and its number, from a code. */
@@ -205,7 +213,7 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     const char *what = o->send ? "send" : "recv";
     int rc = uccl__sg_host_wait(sg, slot_free, k, (int)c, what, uccl__now_ns() + sg->timeout_ns,
                                 intr, intr_arg, "rank %d taking message %u of the %d -> %d "
-                                "channel (%d messages ahead)", o->peer, k - P2P_SLOTS,
+                                "channel (%d messages ahead)", o->peer, before_in_slot(k),
                                 o->send ? sg->rank : o->peer, o->send ? o->peer : sg->rank,
                                 P2P_SLOTS);
     if (rc)
@@ -320,6 +328,33 @@ int uccl_sg_p2p(uccl_sg_t *sg, const struct uccl_sg_p2p_op *ops, int n, uintptr_
     if (rc && !uccl_sg_error(sg))
         rc = uccl__sg_fail_rc(sg, rc); /* peers may wait on what was posted */
 out:
+    pthread_mutex_unlock(&sg->p2p_mu);
+    return rc;
+}
+
+int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k)
+{
+    pthread_mutex_lock(&sg->p2p_mu);
+    int rc = UCCL_OK;
+    for (int p = 0; p < sg->size && !rc; p++)
+        if (sg->p2p_sent[p] || sg->p2p_recvd[p])
+            rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered group (rank %d): messages to or "
+                           "from rank %d were posted already: too late to renumber them",
+                           sg->rank, p);
+    for (int p = 0; p < sg->size && !rc; p++) {
+        if (p == sg->rank)
+            continue;
+        sg->p2p_sent[p] = sg->p2p_recvd[p] = k;
+        for (int way = 0; way < 2; way++) { /* this rank's words and the peer's, alike */
+            struct p2p_chan *ch = chan_at(sg, way ? chan_of(sg, p, sg->rank)
+                                                  : chan_of(sg, sg->rank, p));
+            for (int side = 0; side < 2; side++) {
+                st32(&ch->ready[side][0], k);
+                st32(&ch->done[side][0], k);
+            }
+            st64(&ch->high, k);
+        }
+    }
     pthread_mutex_unlock(&sg->p2p_mu);
     return rc;
 }

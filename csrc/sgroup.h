@@ -321,6 +321,11 @@ size_t uccl_sg_fused_bytes(uccl_sg_t *sg);
 int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream);
 /* Is message `code` in place (or staged)? (1 yes, 0 not yet, < 0 not a code of this group) */
 int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code);
+/* Tests: number this rank's messages on every channel as if k had gone
+ * through each already (the next is k + 1, or 1 past 0xffffffff), so that
+ * the numbers' wrap at 2^32 is reached in a test.  Every rank of the group
+ * calls it with the same k before any message is posted. */
+int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k);
 
 /* Has this rank's stream finished round k? (its fin word) */
 int uccl_sg_passed(uccl_sg_t *sg, uint32_t k);

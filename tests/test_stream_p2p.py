@@ -51,11 +51,17 @@ def _plan(n: int, per_pair: int, seed: int):
     return data
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_messages_arrive_whatever_order_the_ranks_post_in(n):
-    per_pair = 6
-    data = _plan(n, per_pair, seed=n)
+@pytest.mark.parametrize("n, per_pair, before", [(2, 6, None), (3, 6, None), (4, 6, None),
+                                                  (2, 3 * P2P_SLOTS + 9, 17),
+                                                  (3, 2 * P2P_SLOTS + 5, 3)])
+def test_messages_arrive_whatever_order_the_ranks_post_in(n, per_pair, before):
+    """before: the channels' message numbers wrap past 2^32 after that many
+    messages (every slot then reused across the wrap)."""
+    data = _plan(n, per_pair, seed=n + per_pair)
     groups = make_groups(n)
+    if before is not None:
+        for g in groups:
+            g.c.emu_p2p_renumber(2**32 - 1 - before)
 
     def rank(r):
         rng = np.random.default_rng(100 + r)
@@ -84,6 +90,9 @@ def test_messages_arrive_whatever_order_the_ranks_post_in(n):
     for r in range(n):
         got, _sends, codes = res[r]
         assert len(codes) == 2 * (n - 1) * per_pair
+        if before is not None:   # the numbers wrapped, skipping 0
+            numbers = set(range(2**32 - before, 2**32)) | set(range(1, per_pair - before + 1))
+            assert {c & 0xFFFFFFFF for c in codes} == numbers, codes
         assert all(groups[r].c.p2p_passed(c) for c in codes)
         for (j, i), t in got.items():
             assert torch.equal(t, data[j, r][i]), f"rank {r}: message {i} from rank {j}"
