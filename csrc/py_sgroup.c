@@ -687,16 +687,19 @@ static PyObject *SG_emu_counts(PyObject *op, PyObject *unused)
     return Py_BuildValue("(lll)", c[0], c[1], c[2]);
 }
 
-/* emu_p2p_renumber(k): tests of the message numbers' wrap (uccl_sg_p2p_renumber) */
-static PyObject *SG_emu_p2p_renumber(PyObject *op, PyObject *args)
+/* emu_renumber(rounds, messages): tests of the numbers' wrap
+ * (uccl_sg_round_renumber, uccl_sg_p2p_renumber) */
+static PyObject *SG_emu_renumber(PyObject *op, PyObject *args)
 {
     uccl__py_sgroup *self = open_group(op);
-    unsigned int k;
-    if (!self || !PyArg_ParseTuple(args, "I", &k))
+    unsigned int rounds, messages;
+    if (!self || !PyArg_ParseTuple(args, "II", &rounds, &messages))
         return NULL;
     if (!self->emu)
-        return PyErr_Format(PyExc_ValueError, "emu_p2p_renumber: not an emulated group");
-    int rc = uccl_sg_p2p_renumber(self->sg, (uint32_t)k);
+        return PyErr_Format(PyExc_ValueError, "emu_renumber: not an emulated group");
+    int rc = uccl_sg_round_renumber(self->sg, (uint32_t)rounds);
+    if (!rc)
+        rc = uccl_sg_p2p_renumber(self->sg, (uint32_t)messages);
     if (rc)
         return uccl__py_raise(self->module, rc, uccl_last_error());
     Py_RETURN_NONE;
@@ -793,7 +796,7 @@ static PyMethodDef SG_methods[] = {
     {"event_query", SG_event_query, METH_VARARGS, "event_query(ev) -> done?"},
     {"wait_last", SG_wait_last, METH_VARARGS, "wait_last(stream): it waits for the last round"},
     {"emu_counts", SG_emu_counts, METH_NOARGS, "emu_counts() -> (regs, deregs, live mappings)"},
-    {"emu_p2p_renumber", SG_emu_p2p_renumber, METH_VARARGS, "emu_p2p_renumber(k): tests"},
+    {"emu_renumber", SG_emu_renumber, METH_VARARGS, "emu_renumber(rounds, messages): tests"},
     {"kernel_ready", SG_kernel_ready, METH_VARARGS, "kernel_ready(dtype): compile it, or raise"},
     {"close", SG_close, METH_NOARGS, "close() -> whether the page may be unmapped"},
     {NULL, NULL, 0, NULL},

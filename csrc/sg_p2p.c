@@ -341,7 +341,7 @@ int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k)
             rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered group (rank %d): messages to or "
                            "from rank %d were posted already: too late to renumber them",
                            sg->rank, p);
-    for (int p = 0; p < sg->size && !rc; p++) {
+    for (int p = 0; p < sg->size && !rc && k; p++) {
         if (p == sg->rank)
             continue;
         sg->p2p_sent[p] = sg->p2p_recvd[p] = k;

@@ -471,10 +471,35 @@ int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_by
     uint64_t key = 0, reg = 0;
     if (sg->fz_arena)
         rc = uccl__err(UCCL_ERR_INVALID, "one-launch rounds: the arena is set already");
+    else if (sg->round) /* its words start at 0: a round number to come */
+        rc = uccl__err(UCCL_ERR_INVALID, "one-launch rounds: the arena comes before the group's "
+                       "first round (this rank is at round %u)", sg->round);
     else if (!(rc = uccl__sg_reg_key(sg, ptr, need, sg->round, &key, &reg))) {
         sg->fz_arena = sg->fz_peer[sg->rank] = ptr; /* pinned: every peer maps it until close */
         sg->fz_key = key;
         __atomic_store_n(&sg->fz_slot, slot_bytes, __ATOMIC_RELAXED); /* last: fused_bytes */
+    }
+    pthread_mutex_unlock(&sg->call_mu);
+    return rc;
+}
+
+int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k)
+{
+    pthread_mutex_lock(&sg->call_mu);
+    int rc = UCCL_OK;
+    if (sg->round) {
+        rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered group (rank %d): round %u was run "
+                       "already: too late to renumber the rounds", sg->rank, sg->round);
+    } else if (k) {
+        __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED);
+        static const int offs[] = {OFF_READY, OFF_DONE, OFF_DONE2};
+        for (int i = 0; i < 3; i++) {
+            st32(w32(sg, sg->rank, offs[i]), k);
+            if (sg->fz_arena) /* the emulated device's memory: the host's */
+                st32((uint32_t *)arena_word(sg, sg->rank, offs[i]), k);
+        }
+        st32(w32(sg, sg->rank, OFF_FIN), k);
+        consumed(sg, k);
     }
     pthread_mutex_unlock(&sg->call_mu);
     return rc;

@@ -324,8 +324,12 @@ int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code);
 /* Tests: number this rank's messages on every channel as if k had gone
  * through each already (the next is k + 1, or 1 past 0xffffffff), so that
  * the numbers' wrap at 2^32 is reached in a test.  Every rank of the group
- * calls it with the same k before any message is posted. */
+ * calls it with the same k before any message is posted (k 0: no change). */
 int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k);
+/* Tests, on the emulated device: the same for the rounds (the next is
+ * round k + 1), before the group's first round, on every rank (k 0: no
+ * change). */
+int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k);
 
 /* Has this rank's stream finished round k? (its fin word) */
 int uccl_sg_passed(uccl_sg_t *sg, uint32_t k);

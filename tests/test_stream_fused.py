@@ -45,12 +45,16 @@ OPS = [(torch.int64, _engine.RED_SUM, lambda a: a.sum(0)),
        (torch.int32, _engine.RED_MIN, lambda a: a.min(0))]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_one_launch_rounds_move_and_reduce_the_right_bytes(n):
+@pytest.mark.parametrize("n, before", [(2, None), (3, None), (4, None), (2, 5), (3, 22)])
+def test_one_launch_rounds_move_and_reduce_the_right_bytes(n, before):
     """Sizes 0, 1, odd and up to the slot, many rounds (both arena slots
     reused many times), mixed with two-sided rounds above the slot, ranks
-    running ahead of each other: every result against numpy's."""
+    running ahead of each other: every result against numpy's.  before:
+    the round numbers wrap past 2^32 after that many rounds."""
     groups = make_groups(n)
+    if before is not None:
+        for g in groups:
+            g.c.emu_renumber(2**32 - 1 - before, 0)
     rng = np.random.default_rng(n)
     plan = []   # (kind, dtype/op index, elements)
     for i in range(40):
@@ -69,25 +73,29 @@ def test_one_launch_rounds_move_and_reduce_the_right_bytes(n):
         return raw.view(dt)[:count].clone()
 
     def rank(r):
-        g, keep, inputs_alive = groups[r], [], []
+        g, keep, inputs_alive, rounds = groups[r], [], [], []
         jitter = np.random.default_rng(100 + r)
         for i, (kind, o, count) in enumerate(plan):
             if jitter.random() < 0.3:
                 time.sleep(jitter.random() * 0.003)   # ranks ahead of each other
             x = inputs(i, r)
             if kind == "allreduce":
-                allreduce(g, x, OPS[o][1])
+                k = allreduce(g, x, OPS[o][1])
                 keep.append(x)
             else:
                 out = torch.full((n * count,), 0xA5, dtype=torch.uint8)   # poisoned
-                allgather(g, x, out)
+                k = allgather(g, x, out)
                 keep.append(out)
                 inputs_alive.append(x)   # the stream copies it in after the call returns
-        return keep, inputs_alive
+            rounds.append(k)
+        return keep, inputs_alive, rounds
     res, err, streams = on_ranks(n, rank)
     assert err == [None] * n, err
     drain(groups, streams)
-    res = [keep for keep, _alive in res]
+    if before is not None:   # the numbers wrapped, skipping 0
+        wrapped = list(range(2**32 - before, 2**32)) + list(range(1, len(plan) - before + 1))
+        assert all(rounds == wrapped for _k, _a, rounds in res), res[0][2]
+    res = [keep for keep, _alive, _rounds in res]
     for i, (kind, o, count) in enumerate(plan):
         ins = [inputs(i, r) for r in range(n)]
         if kind == "allreduce":
@@ -296,6 +304,30 @@ def test_bad_arenas_are_refused(off, nb, slot, why):
         groups[0].c.fused_arena(0 if off is None else base + off, nb, slot)
     for g in groups:
         g.close()
+
+
+def test_an_arena_or_renumbering_after_the_first_round_is_refused(monkeypatch):
+    """The arena's words start at 0, a round number to come: it is set
+    before the group's first round, as the renumbering of tests is."""
+    monkeypatch.setenv("UCCL_SG_FUSED_BYTES", "0")   # no arena at the group's making
+    groups = make_groups(2)
+
+    def rank(r):
+        x = torch.arange(8, dtype=torch.int64)
+        allreduce(groups[r], x, _engine.RED_SUM)
+        return x
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    drain(groups, streams)
+    assert torch.equal(res[0], 2 * torch.arange(8, dtype=torch.int64))
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    base = (buf.data_ptr() + 15) // 16 * 16
+    with pytest.raises(ValueError, match=r"the arena comes before the group's first round "
+                                         r"\(this rank is at round 1\)"):
+        groups[0].c.fused_arena(base, 4096, 1024)
+    with pytest.raises(ValueError, match="round 1 was run already: too late to renumber"):
+        groups[1].c.emu_renumber(7, 0)
+    close_all(groups, streams)
 
 
 @pytest.mark.parametrize("value,nbytes", [("", 1 << 20), ("0", 0), ("4096", 4096),

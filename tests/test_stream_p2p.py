@@ -61,7 +61,7 @@ def test_messages_arrive_whatever_order_the_ranks_post_in(n, per_pair, before):
     groups = make_groups(n)
     if before is not None:
         for g in groups:
-            g.c.emu_p2p_renumber(2**32 - 1 - before)
+            g.c.emu_renumber(0, 2**32 - 1 - before)
 
     def rank(r):
         rng = np.random.default_rng(100 + r)
@@ -102,6 +102,29 @@ def test_messages_arrive_whatever_order_the_ranks_post_in(n, per_pair, before):
     assert sum(c[0] for c in counts) > 0, counts
     for regs, deregs, maps in counts:
         assert regs == deregs and maps == 0, counts
+
+
+def test_renumbering_after_a_message_is_refused():
+    groups = make_groups(2)
+    x = torch.from_numpy(np.random.default_rng(5).integers(0, 256, 16, dtype=np.uint8))
+
+    def rank(r):
+        if r == 0:
+            codes = post(groups[0], [(1, True, x)])
+            with pytest.raises(ValueError, match="messages to or from rank 1 were posted "
+                                                 "already: too late to renumber them"):
+                groups[0].c.emu_renumber(0, 7)
+            wait_all(groups[0], codes)
+            return None
+        groups[1].c.emu_renumber(0, 0)   # nothing posted here yet: allowed (0: unchanged)
+        y = torch.full((16,), 0xA5, dtype=torch.uint8)
+        wait_all(groups[1], post(groups[1], [(0, False, y)]))
+        return y
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    drain(groups, streams)
+    assert torch.equal(res[1], x)
+    close_all(groups, streams)
 
 
 def test_a_post_returns_before_the_peer_posts_and_the_stream_waits():
