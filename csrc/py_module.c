@@ -195,6 +195,8 @@ static PyMethodDef module_methods[] = {
      "_sg_emu_stream() -> an emulated stream (tests of StreamGroup without a GPU)"},
     {"_sg_emu_stream_free", uccl__py_sg_emu_stream_free, METH_VARARGS,
      "_sg_emu_stream_free(stream) -> how many of its waits were stuck"},
+    {"_sg_emu_stale_passes", uccl__py_sg_emu_stale_passes, METH_NOARGS,
+     "_sg_emu_stale_passes() -> waits of emulated streams that a stale word let pass"},
     {"_sg_emu_stream_idle", uccl__py_sg_emu_stream_idle, METH_VARARGS,
      "_sg_emu_stream_idle(stream, timeout_s) -> True once what it queued has run"},
     {"get_oob_ip", mod_get_oob_ip, METH_NOARGS,

@@ -18,20 +18,7 @@
 
 #include "sgroup.h"
 
-typedef struct {
-    PyObject_HEAD
-    uccl_sg_t *sg;
-    void *cuda;                  /* the CUDA device (owned by sg), or NULL: emulated */
-    void *emu;                   /* the emulated device: kept after close (its counts) */
-    PyObject *module;            /* strong ref: the exceptions */
-    uccl__py_endpoint *endpoint; /* strong ref, or NULL (emulated) */
-    PyObject *owner;             /* strong ref: what keeps the page mapped (its mmap) */
-    int inflight;                /* rounds running without the GIL (under the GIL) */
-    int close_pending;           /* close() came from inside a round (a signal handler) */
-    int dev;
-} uccl__py_sgroup;
-
-static uccl__py_sgroup *open_group(PyObject *op)
+uccl__py_sgroup *uccl__py_sg_open(PyObject *op)
 {
     uccl__py_sgroup *self = (uccl__py_sgroup *)op;
     if (!self->sg) {
@@ -252,7 +239,7 @@ static int do_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, ui
 static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct coll_args *r,
                             const char *fmt, ...)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     struct uccl_sg_opts o;
     Py_ssize_t at;
     if (!self || opts_arg(args, &at, &o))
@@ -385,7 +372,7 @@ static int fill_copy(void *out, Py_ssize_t i, PyObject *it)
  * copy [(dst, src, len)], red None or (dtype, op, tag, off, out, count). */
 static PyObject *SG_round(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     struct uccl_sg_opts o;
     Py_ssize_t at, npub = 0, npull = 0, ncopy = 0;
     if (!self || opts_arg(args, &at, &o))
@@ -465,7 +452,7 @@ static int fill_p2p(void *out, Py_ssize_t i, PyObject *it)
 /* p2p(caller, [(peer, send, ptr, len, stream)]) -> [code]: post the messages in order */
 static PyObject *SG_p2p(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     uint64_t caller;
     PyObject *items, *res = NULL;
     Py_ssize_t n = 0;
@@ -507,7 +494,7 @@ out:
 /* p2p_wait(code, stream): the stream waits for the message (no host wait) */
 static PyObject *SG_p2p_wait(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     uint64_t code, stream;
     if (!self || !PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &code, uccl__py_to_u64, &stream))
         return NULL;
@@ -519,7 +506,7 @@ static PyObject *SG_p2p_wait(PyObject *op, PyObject *args)
  * len, slot_bytes): one-launch rounds'.  Without the GIL: a round may hold the lock. */
 static PyObject *set_arena(PyObject *op, PyObject *args, int fused)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     int peer = 0, rc;
     uint64_t ptr;
     size_t len, slot = 0;
@@ -591,7 +578,7 @@ static PyObject *SG_fail(PyObject *op, PyObject *args)
 static PyObject *SG_event_new(PyObject *op, PyObject *unused)
 {
     (void)unused;
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     void *ev = NULL;
     if (!self)
         return NULL;
@@ -615,7 +602,7 @@ static PyObject *SG_event_free(PyObject *op, PyObject *args)
 /* event_wait(stream, ev): the stream waits for the event (no host wait) */
 static PyObject *SG_event_wait(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     uint64_t stream, ev;
     if (!self || !PyArg_ParseTuple(args, "O&O&", uccl__py_to_u64, &stream, uccl__py_to_u64, &ev))
         return NULL;
@@ -628,7 +615,7 @@ static PyObject *SG_event_wait(PyObject *op, PyObject *args)
 /* wait_last(stream): the stream waits for the last round queued so far */
 static PyObject *SG_wait_last(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     uint64_t stream;
     if (!self || !PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &stream))
         return NULL;
@@ -646,7 +633,7 @@ static PyObject *SG_wait_last(PyObject *op, PyObject *args)
 
 static PyObject *SG_event_query(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     uint64_t ev;
     if (!self || !PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &ev))
         return NULL;
@@ -659,7 +646,7 @@ static PyObject *SG_event_query(PyObject *op, PyObject *args)
 /* kernel_ready(dtype): compile the reduction kernel for dtype now (CUDA) */
 static PyObject *SG_kernel_ready(PyObject *op, PyObject *args)
 {
-    uccl__py_sgroup *self = open_group(op);
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
     int dtype;
     if (!self || !PyArg_ParseTuple(args, "i", &dtype))
         return NULL;
@@ -669,37 +656,6 @@ static PyObject *SG_kernel_ready(PyObject *op, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     rc = uccl_sg_kernel_ready(self->dev, dtype);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return uccl__py_raise(self->module, rc, uccl_last_error());
-    Py_RETURN_NONE;
-}
-
-static PyObject *SG_emu_counts(PyObject *op, PyObject *unused)
-{
-    (void)unused;
-    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
-    long c[3] = {0, 0, 0};
-    if (!self->emu) {
-        PyErr_SetString(PyExc_ValueError, "emu_counts: not an emulated group");
-        return NULL;
-    }
-    uccl_sg_emu_counts(self->emu, c);
-    return Py_BuildValue("(lll)", c[0], c[1], c[2]);
-}
-
-/* emu_renumber(rounds, messages): tests of the numbers' wrap
- * (uccl_sg_round_renumber, uccl_sg_p2p_renumber) */
-static PyObject *SG_emu_renumber(PyObject *op, PyObject *args)
-{
-    uccl__py_sgroup *self = open_group(op);
-    unsigned int rounds, messages;
-    if (!self || !PyArg_ParseTuple(args, "II", &rounds, &messages))
-        return NULL;
-    if (!self->emu)
-        return PyErr_Format(PyExc_ValueError, "emu_renumber: not an emulated group");
-    int rc = uccl_sg_round_renumber(self->sg, (uint32_t)rounds);
-    if (!rc)
-        rc = uccl_sg_p2p_renumber(self->sg, (uint32_t)messages);
     if (rc)
         return uccl__py_raise(self->module, rc, uccl_last_error());
     Py_RETURN_NONE;
@@ -795,8 +751,8 @@ static PyMethodDef SG_methods[] = {
     {"event_wait", SG_event_wait, METH_VARARGS, "event_wait(stream, ev): the stream waits"},
     {"event_query", SG_event_query, METH_VARARGS, "event_query(ev) -> done?"},
     {"wait_last", SG_wait_last, METH_VARARGS, "wait_last(stream): it waits for the last round"},
-    {"emu_counts", SG_emu_counts, METH_NOARGS, "emu_counts() -> (regs, deregs, live mappings)"},
-    {"emu_renumber", SG_emu_renumber, METH_VARARGS, "emu_renumber(rounds, messages): tests"},
+    {"emu_counts", uccl__py_sg_emu_counts, METH_NOARGS, "emu_counts() -> (regs, deregs, live mappings)"},
+    {"emu_renumber", uccl__py_sg_emu_renumber, METH_VARARGS, "emu_renumber(rounds, messages[, lag]): tests"},
     {"kernel_ready", SG_kernel_ready, METH_VARARGS, "kernel_ready(dtype): compile it, or raise"},
     {"close", SG_close, METH_NOARGS, "close() -> whether the page may be unmapped"},
     {NULL, NULL, 0, NULL},

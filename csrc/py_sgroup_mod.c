@@ -1,6 +1,7 @@
 /* The module's functions for stream-ordered groups (sgroup.h): the shared
  * page's size, and the emulated streams the CPU tests queue on
- * (tests/test_stream_group.py, test_stream_p2p.py). */
+ * (tests/test_stream_group.py, test_stream_p2p.py); and StreamGroup's
+ * methods for those tests (emu_counts, emu_renumber). */
 #include "pyengine.h"
 
 #include "sgroup.h"
@@ -41,6 +42,14 @@ PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args)
     return PyLong_FromLong(stuck);
 }
 
+/* _sg_emu_stale_passes() -> waits a stale word let pass, in this process so far */
+PyObject *uccl__py_sg_emu_stale_passes(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong(uccl_sg_emu_stale_passes());
+}
+
 /* _sg_emu_stream_idle(stream, timeout_s) -> True once all it queued has run */
 PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args)
 {
@@ -54,4 +63,36 @@ PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args)
     rc = uccl_sg_emu_stream_idle((uintptr_t)s, (uint64_t)(timeout_s * 1e9));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(rc == UCCL_OK);
+}
+
+/* emu_counts() -> (registrations made, released, mappings live) */
+PyObject *uccl__py_sg_emu_counts(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl__py_sgroup *self = (uccl__py_sgroup *)op;
+    long c[3] = {0, 0, 0};
+    if (!self->emu) {
+        PyErr_SetString(PyExc_ValueError, "emu_counts: not an emulated group");
+        return NULL;
+    }
+    uccl_sg_emu_counts(self->emu, c);
+    return Py_BuildValue("(lll)", c[0], c[1], c[2]);
+}
+
+/* emu_renumber(rounds, messages[, lag]): tests of the numbers' wrap
+ * (uccl_sg_round_renumber, uccl_sg_p2p_renumber) */
+PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args)
+{
+    uccl__py_sgroup *self = uccl__py_sg_open(op);
+    unsigned int rounds, messages, lag = 0;
+    if (!self || !PyArg_ParseTuple(args, "II|I", &rounds, &messages, &lag))
+        return NULL;
+    if (!self->emu)
+        return PyErr_Format(PyExc_ValueError, "emu_renumber: not an emulated group");
+    int rc = uccl_sg_round_renumber(self->sg, (uint32_t)rounds, (uint32_t)lag);
+    if (!rc)
+        rc = uccl_sg_p2p_renumber(self->sg, (uint32_t)messages, (uint32_t)lag);
+    if (rc)
+        return uccl__py_raise(self->module, rc, uccl_last_error());
+    Py_RETURN_NONE;
 }

@@ -8,6 +8,8 @@
  *   py_ring.c      the GpuRing type and the kernel functions (ring.h)
  *   py_stream.c    host memory registered for the GPU (private functions)
  *   py_sgroup.c    the StreamGroup type, over a stream-ordered group (sgroup.h)
+ *   py_sgroup_mod.c  the module's functions for stream-ordered groups, and
+ *                  StreamGroup's methods for the emulated device's tests
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
  * released around everything that can block, waits cut into slices with
@@ -98,10 +100,29 @@ PyObject *uccl__py_gpu_host_register(PyObject *module, PyObject *args);
 PyObject *uccl__py_gpu_host_unregister(PyObject *module, PyObject *args);
 
 /* ---- py_sgroup.c ---- */
+typedef struct {
+    PyObject_HEAD
+    struct uccl_sg *sg;
+    void *cuda;                  /* the CUDA device (owned by sg), or NULL: emulated */
+    void *emu;                   /* the emulated device: kept after close (its counts) */
+    PyObject *module;            /* strong ref: the exceptions */
+    uccl__py_endpoint *endpoint; /* strong ref, or NULL (emulated) */
+    PyObject *owner;             /* strong ref: what keeps the page mapped (its mmap) */
+    int inflight;                /* rounds running without the GIL (under the GIL) */
+    int close_pending;           /* close() came from inside a round (a signal handler) */
+    int dev;
+} uccl__py_sgroup;
+
 extern PyType_Spec uccl__py_sgroup_spec;
+/* The group, open and over an open endpoint; else NULL with an exception. */
+uccl__py_sgroup *uccl__py_sg_open(PyObject *op);
 PyObject *uccl__py_sg_page_bytes(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused);
 PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args);
+PyObject *uccl__py_sg_emu_stale_passes(PyObject *module, PyObject *unused);
+/* py_sgroup_mod.c: StreamGroup's methods for the emulated device's tests */
+PyObject *uccl__py_sg_emu_counts(PyObject *op, PyObject *unused);
+PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args);
 
 #endif

@@ -195,6 +195,14 @@ static void reduce_cpu(const struct uccl__sg_red_args *a)
 /* ---- streams ----------------------------------------------------------------------- */
 static int ahead(uint32_t a, uint32_t b) { return (uint32_t)(a - b) < 0x80000000u; }
 
+/* A wait that a word this far ahead let pass read a stale word (one left
+ * over 2^31 behind reads as ahead); a failed group's released words are
+ * RELEASE_AHEAD (2^30) ahead, nearer.  Counted for the tests. */
+#define STALE_AHEAD (3u << 29)
+static int stale_passes;
+
+int uccl_sg_emu_stale_passes(void) { return __atomic_load_n(&stale_passes, __ATOMIC_ACQUIRE); }
+
 static void run_op(struct emu_stream *s, struct emu_op *op)
 {
     switch (op->kind) {
@@ -205,9 +213,11 @@ static void run_op(struct emu_stream *s, struct emu_op *op)
     case E_WAITEV: {
         uint64_t until = uccl__now_ns() + STUCK_NS;
         for (;;) {
-            int ok = op->kind == E_WAIT
-                         ? ahead(__atomic_load_n(op->addr, __ATOMIC_ACQUIRE), op->value)
-                         : __atomic_load_n(&op->ev->done, __ATOMIC_ACQUIRE) >= op->gen;
+            uint32_t w = op->kind == E_WAIT ? __atomic_load_n(op->addr, __ATOMIC_ACQUIRE) : 0;
+            int ok = op->kind == E_WAIT ? ahead(w, op->value)
+                                        : __atomic_load_n(&op->ev->done, __ATOMIC_ACQUIRE) >= op->gen;
+            if (ok && op->kind == E_WAIT && (uint32_t)(w - op->value) >= STALE_AHEAD)
+                __atomic_add_fetch(&stale_passes, 1, __ATOMIC_ACQ_REL);
             if (ok || __atomic_load_n(&s->stop, __ATOMIC_ACQUIRE))
                 break;
             if (uccl__now_ns() > until) {

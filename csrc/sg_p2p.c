@@ -198,6 +198,24 @@ static int copy_second(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p
                                      &ch->done[side][0], k);
 }
 
+/* A refresh (REFRESH_EVERY), on the pair's stream X before message k:
+ * this side's words of the channel (a side that is always first leaves
+ * its done word, one always second its ready word) set to k - 1, and the
+ * staging slots whose last message the receiver has copied out forgotten
+ * (a slot unused for 2^31 messages would otherwise wait for it forever). */
+static int refresh_chan(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p_chan *ch,
+                        int side, uintptr_t X, uint32_t k)
+{
+    struct p2p_arena *ar = o->send ? &sg->arena[o->peer] : NULL;
+    if (ar && ar->ptr)
+        for (int s = 0; s < P2P_SLOTS; s++)
+            if (ar->staged[s] && ahead(ld32(&ch->done[P2P_DST][0]), ar->staged[s]))
+                ar->staged[s] = 0;
+    struct uccl__sg_memop ops[2] = {{&ch->ready[side][0], k - 1, 0},
+                                    {&ch->done[side][0], k - 1, 0}};
+    return sg->ops->memops(sg->d, X, ops, 2);
+}
+
 /* Post one message (under p2p_mu, after the stream's ordering). */
 static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
                     uccl_sg_interrupt_fn intr, void *intr_arg, uint64_t *code_p)
@@ -217,6 +235,8 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
                                 o->send ? sg->rank : o->peer, o->send ? o->peer : sg->rank,
                                 P2P_SLOTS);
     if (rc)
+        return rc;
+    if ((k & (REFRESH_EVERY - 1)) == 0 && (rc = refresh_chan(sg, o, ch, side, X, k)))
         return rc;
     struct p2p_pending p = {c, k, 1 - side, uccl__now_ns(), 0, NULL, 0};
     /* the peer's bit already there: this side is second, and no peer reads its descriptor */
@@ -332,7 +352,7 @@ out:
     return rc;
 }
 
-int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k)
+int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag)
 {
     pthread_mutex_lock(&sg->p2p_mu);
     int rc = UCCL_OK;
@@ -349,8 +369,8 @@ int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k)
             struct p2p_chan *ch = chan_at(sg, way ? chan_of(sg, p, sg->rank)
                                                   : chan_of(sg, sg->rank, p));
             for (int side = 0; side < 2; side++) {
-                st32(&ch->ready[side][0], k);
-                st32(&ch->done[side][0], k);
+                st32(&ch->ready[side][0], side == P2P_SRC ? k - lag : k);
+                st32(&ch->done[side][0], side == P2P_DST ? k - lag : k);
             }
             st64(&ch->high, k);
         }

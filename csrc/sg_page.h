@@ -24,6 +24,13 @@
 #define ENTRY_BYTES 32
 #define MAX_ENTRIES ((SLOT_BYTES - (int)sizeof(struct slot_head)) / ENTRY_BYTES)
 #define RELEASE_AHEAD (1u << 30)    /* words set this far past the last round let every wait pass */
+/* Every comparison of numbers is cyclic, so a word that only some rounds
+ * (or one role of a message) write would read as ahead once a long enough
+ * run of the others left it 2^31 behind.  At every round and every
+ * channel's message numbered a multiple of this, the stream writes all of
+ * this rank's words again, with the number before (true: the stream did
+ * all that came before). */
+#define REFRESH_EVERY (1u << 29)
 #define REG_CACHE 64
 #define WATCH_NS 20000000ull        /* the watchdog's period */
 #define SLOW_CHECK_NS 50000000ull   /* host waits: dead peers and interrupts this often */
@@ -184,6 +191,9 @@ int uccl__sg_failed_err(uccl_sg_t *sg, const char *what);
 int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p,
                      uint64_t *pin_p);
 void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg);
+/* At a refresh (REFRESH_EVERY): the registrations' rounds kept within 2^30
+ * of round k, so that their cyclic ages stay right. */
+void uccl__sg_reg_age(uccl_sg_t *sg, uint32_t k);
 /* A round queued (its mappings, released once the stream is past it). */
 int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p);
 void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p);

@@ -228,6 +228,26 @@ static uintptr_t arena_word(const uccl_sg_t *sg, int r, int off)
     return arena_tail(sg, r) + (size_t)a;
 }
 
+/* A refresh (REFRESH_EVERY), on stream X before round k: every word of
+ * this rank's that a round may leave unwritten (two-sided rounds' done
+ * words in a run of one-launch rounds, the kernel's seen word in a run of
+ * two-sided ones) set to k - 1, in the page and the arena. */
+static int refresh_words(uccl_sg_t *sg, uintptr_t X, uint32_t k)
+{
+    static const int offs[] = {OFF_READY, OFF_DONE, OFF_DONE2, OFF_FIN};
+    struct uccl__sg_memop ops[8];
+    int n = 0;
+    for (int i = 0; i < 4; i++) {
+        memop(ops, &n, w32(sg, sg->rank, offs[i]), k - 1, 0);
+        if (sg->fz_arena && offs[i] != OFF_FIN)
+            memop(ops, &n, (uint32_t *)arena_word(sg, sg->rank, offs[i]), k - 1, 0);
+    }
+    if (sg->fz_arena)
+        memop(ops, &n, (uint32_t *)(arena_tail(sg, sg->rank) + UCCL_SG_FUSED_SEEN), k - 1, 0);
+    uccl__sg_reg_age(sg, k);
+    return sg->ops->memops(sg->d, X, ops, n);
+}
+
 /* On stream X: this rank's word at off set to k, then a wait until every
  * peer in reads (a flag a rank) has set its own; then, if fin, this rank's
  * fin word.  One launch that polls the arenas where the group's launches
@@ -483,7 +503,7 @@ int uccl_sg_fused_arena(uccl_sg_t *sg, uintptr_t ptr, size_t len, size_t slot_by
     return rc;
 }
 
-int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k)
+int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag)
 {
     pthread_mutex_lock(&sg->call_mu);
     int rc = UCCL_OK;
@@ -494,9 +514,10 @@ int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k)
         __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED);
         static const int offs[] = {OFF_READY, OFF_DONE, OFF_DONE2};
         for (int i = 0; i < 3; i++) {
-            st32(w32(sg, sg->rank, offs[i]), k);
+            uint32_t v = offs[i] == OFF_READY ? k : k - lag; /* done words: as if left */
+            st32(w32(sg, sg->rank, offs[i]), v);
             if (sg->fz_arena) /* the emulated device's memory: the host's */
-                st32((uint32_t *)arena_word(sg, sg->rank, offs[i]), k);
+                st32((uint32_t *)arena_word(sg, sg->rank, offs[i]), v);
         }
         st32(w32(sg, sg->rank, OFF_FIN), k);
         consumed(sg, k);
@@ -590,6 +611,8 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     }
     uintptr_t X = 0;
     rc = order_round(sg, c, &X);
+    if (!rc && (k & (REFRESH_EVERY - 1)) == 0)
+        rc = refresh_words(sg, X, k);
     if (!rc) { /* publish: entries and header, the round alone and last */
         uint8_t *s = slot(sg, sg->rank, k);
         struct slot_head *h = (struct slot_head *)s;

@@ -303,6 +303,15 @@ int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint6
     return rc;
 }
 
+void uccl__sg_reg_age(uccl_sg_t *sg, uint32_t k)
+{
+    pthread_mutex_lock(&sg->reg_mu);
+    for (int i = 0; i < sg->nregs; i++)
+        if ((uint32_t)(k - sg->regs[i].last) > (1u << 30))
+            sg->regs[i].last = k - (1u << 30); /* as young: later to evict, never earlier */
+    pthread_mutex_unlock(&sg->reg_mu);
+}
+
 void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg)
 {
     pthread_mutex_lock(&sg->reg_mu);

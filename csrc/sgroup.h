@@ -54,6 +54,7 @@
 #define UCCL_SG_FUSED_READY 64 /* the arena's words: ready (one-launch and two-sided rounds) */
 #define UCCL_SG_FUSED_DONE 80  /* ... and a two-sided round's done and done2 (uccl__sg_sync_args) */
 #define UCCL_SG_FUSED_DONE2 96
+#define UCCL_SG_FUSED_SEEN 8   /* the one-launch kernel's last round whose peers block 0 saw */
 #define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
 /* element types and reduction operators of uccl_sg_call.red */
@@ -222,6 +223,8 @@ int uccl_sg_emu_stream_new(uintptr_t *stream_p);
 /* Stop (after what is queued) and free; how many waits ran past the stuck bound. */
 int uccl_sg_emu_stream_free(uintptr_t stream);
 int uccl_sg_emu_stream_idle(uintptr_t stream, uint64_t timeout_ns);
+/* Waits (of every emulated stream so far) that a stale word let pass. */
+int uccl_sg_emu_stale_passes(void);
 
 /* ---- the group -------------------------------------------------------------- */
 typedef struct uccl_sg uccl_sg_t;
@@ -324,12 +327,15 @@ int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code);
 /* Tests: number this rank's messages on every channel as if k had gone
  * through each already (the next is k + 1, or 1 past 0xffffffff), so that
  * the numbers' wrap at 2^32 is reached in a test.  Every rank of the group
- * calls it with the same k before any message is posted (k 0: no change). */
-int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k);
+ * calls it with the same k before any message is posted (k 0: no change).
+ * The words that a run of messages whose receivers all posted first would
+ * have left (the senders' ready, the receivers' done) are set lag behind. */
+int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag);
 /* Tests, on the emulated device: the same for the rounds (the next is
  * round k + 1), before the group's first round, on every rank (k 0: no
- * change). */
-int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k);
+ * change).  The two-sided rounds' done words are set lag behind, as a run
+ * of one-launch rounds would have left them (see REFRESH_EVERY). */
+int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag);
 
 /* Has this rank's stream finished round k? (its fin word) */
 int uccl_sg_passed(uccl_sg_t *sg, uint32_t k);

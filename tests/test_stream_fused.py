@@ -18,8 +18,8 @@ import torch
 from uccl_collective import _engine
 from uccl_collective import _stream_group as sgm
 from uccl_collective.p2p import UcclError, UcclTimeoutError
-from test_stream_group import (  # noqa: F401 - caller_streams: the autouse fixture
-    Ctx, Store, _callers, caller_streams, close_all, drain, make_groups, on_ranks)
+from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: autouse
+    Ctx, Store, _callers, caller_streams, close_all, drain, make_groups, no_stale_words, on_ranks)
 
 SLOT = 4096   # UCCL_SG_FUSED_BYTES in these tests: sizes above it go two-sided
 
@@ -105,6 +105,41 @@ def test_one_launch_rounds_move_and_reduce_the_right_bytes(n, before):
             want = torch.cat(ins)
         for r in range(n):
             assert torch.equal(res[r][i], want), f"round {i} ({kind}, {count}) at rank {r}"
+    close_all(groups, streams)
+
+
+def test_done_words_a_long_run_of_one_launch_rounds_left_behind_are_written_again():
+    """One-launch rounds write neither of the two-sided rounds' done words:
+    after 2^31 of them those words would read as ahead.  Every round
+    numbered a multiple of 2^29 writes them again (csrc/sg_page.h,
+    REFRESH_EVERY).  Here the numbers start 3 rounds before one, with the
+    done words 50 rounds short of stale; 60 one-launch rounds follow, then
+    two-sided ones, whose waits would pass on them otherwise (the
+    no_stale_words fixture counts such waits), all checked against numpy."""
+    n, refresh = 3, 1 << 29
+    groups = make_groups(n)
+    for g in groups:
+        g.c.emu_renumber(3 * refresh - 3, 0, (1 << 31) - 50)
+    rng = np.random.default_rng(11)
+    small, large = 60, 6
+    data = [[rng.integers(-1000, 1000, SLOT // 8 if i < small else 3 * SLOT // 8)
+             for _ in range(n)] for i in range(small + large)]
+
+    def rank(r):
+        outs = []
+        for i, d in enumerate(data):
+            x = torch.from_numpy(d[r].copy())
+            k = allreduce(groups[r], x, _engine.RED_SUM)
+            outs.append((k, x))
+        return outs
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for i, d in enumerate(data):
+        want = torch.from_numpy(np.sum(d, axis=0))
+        for r in range(n):
+            k, x = res[r][i]
+            assert k == 3 * refresh - 3 + i + 1 and torch.equal(x, want), f"round {k} at rank {r}"
     close_all(groups, streams)
 
 

@@ -75,6 +75,15 @@ def caller_streams(monkeypatch):
     monkeypatch.setattr(sgm, "_raw_stream", lambda dev: _callers.stream)
 
 
+@pytest.fixture(autouse=True)
+def no_stale_words():
+    """No wait of an emulated stream passed on a word left 2^31 behind
+    (csrc/sg_emu.c, STALE_AHEAD): every test here checks it."""
+    before = _engine._sg_emu_stale_passes()
+    yield
+    assert _engine._sg_emu_stale_passes() == before, "a stream wait passed on a stale word"
+
+
 @pytest.fixture(autouse=True, params=["two-sided", "one-launch"])
 def round_form(request, monkeypatch):
     """Every test here both ways: all_reduce and allgather of a few bytes

@@ -16,8 +16,8 @@ import torch
 
 from uccl_collective import _engine
 from uccl_collective.p2p import UcclError
-from test_stream_group import (  # noqa: F401 - caller_streams: the autouse fixture
-    Ctx, _callers, caller_streams, close_all, drain, make_groups, on_ranks)
+from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: autouse
+    Ctx, _callers, caller_streams, close_all, drain, make_groups, no_stale_words, on_ranks)
 from uccl_collective import _stream_group as sgm
 
 P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sgroup.h
@@ -102,6 +102,47 @@ def test_messages_arrive_whatever_order_the_ranks_post_in(n, per_pair, before):
     assert sum(c[0] for c in counts) > 0, counts
     for regs, deregs, maps in counts:
         assert regs == deregs and maps == 0, counts
+
+
+def test_words_a_long_run_of_one_role_left_behind_are_written_again():
+    """Where every receiver posts first, senders never write their ready
+    word nor receivers their done word: after 2^31 such messages those
+    words would read as ahead.  Every message numbered a multiple of 2^29
+    writes them again (csrc/sg_page.h, REFRESH_EVERY).  Here the numbers
+    start 3 messages before one, with those words 50 messages short of
+    stale; 60 messages with the receiver first follow, then 20 with the
+    sender first, whose waits would pass on them otherwise (the
+    no_stale_words fixture counts such waits)."""
+    refresh, first, later = 1 << 29, 60, 20
+    groups = make_groups(2)
+    for g in groups:
+        g.c.emu_renumber(0, 3 * refresh - 3, (1 << 31) - 50)
+    rng = np.random.default_rng(12)
+    xs = [torch.from_numpy(rng.integers(0, 256, int(rng.integers(1, 9000)), dtype=np.uint8))
+          for _ in range(first + later)]
+    posted = [threading.Event() for _ in xs]
+
+    def rank(r):
+        codes, ys = [], []
+        for i, x in enumerate(xs):
+            sender_first = i >= first
+            if (r == 0) != sender_first:   # second: after the other side's post
+                assert posted[i].wait(10)
+            if r == 0:
+                codes += post(groups[0], [(1, True, x)])
+            else:
+                ys.append(torch.full_like(x, 0xA5))
+                codes += post(groups[1], [(0, False, ys[-1])])
+            posted[i].set()
+        wait_all(groups[r], codes)
+        return codes, ys
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    drain(groups, streams)
+    assert [c & 0xFFFFFFFF for c in res[0][0]] == [3 * refresh - 2 + i for i in range(len(xs))]
+    for i, (x, y) in enumerate(zip(xs, res[1][1])):
+        assert torch.equal(x, y), f"message {i}"
+    close_all(groups, streams)
 
 
 def test_renumbering_after_a_message_is_refused():
