@@ -89,9 +89,12 @@ PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args)
         return NULL;
     if (!self->emu)
         return PyErr_Format(PyExc_ValueError, "emu_renumber: not an emulated group");
-    int rc = uccl_sg_round_renumber(self->sg, (uint32_t)rounds, (uint32_t)lag);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS /* the group's locks: a round holding one takes the GIL */
+    rc = uccl_sg_round_renumber(self->sg, (uint32_t)rounds, (uint32_t)lag);
     if (!rc)
         rc = uccl_sg_p2p_renumber(self->sg, (uint32_t)messages, (uint32_t)lag);
+    Py_END_ALLOW_THREADS
     if (rc)
         return uccl__py_raise(self->module, rc, uccl_last_error());
     Py_RETURN_NONE;

@@ -7,6 +7,7 @@ never waits for a peer; that a mismatch, a missing peer and a hostile
 argument fail loudly; that nothing stays blocked or registered."""
 from __future__ import annotations
 
+import struct
 import threading
 import time
 
@@ -17,10 +18,12 @@ import torch
 from uccl_collective import _engine
 from uccl_collective.p2p import UcclError
 from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: autouse
-    Ctx, _callers, caller_streams, close_all, drain, make_groups, no_stale_words, on_ranks)
+    PAGE, RANK_BYTES, Ctx, _callers, caller_streams, close_all, drain, make_groups,
+    no_stale_words, on_ranks)
 from uccl_collective import _stream_group as sgm
 
 P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sgroup.h
+CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64   # struct p2p_chan (csrc/sg_page.h)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -53,7 +56,7 @@ def _plan(n: int, per_pair: int, seed: int):
 
 @pytest.mark.parametrize("n, per_pair, before", [(2, 6, None), (3, 6, None), (4, 6, None),
                                                   (2, 3 * P2P_SLOTS + 9, 17),
-                                                  (3, 2 * P2P_SLOTS + 5, 3)])
+                                                  (3, 3 * P2P_SLOTS + 5, P2P_SLOTS + 4)])
 def test_messages_arrive_whatever_order_the_ranks_post_in(n, per_pair, before):
     """before: the channels' message numbers wrap past 2^32 after that many
     messages (every slot then reused across the wrap)."""
@@ -112,7 +115,10 @@ def test_words_a_long_run_of_one_role_left_behind_are_written_again():
     start 3 messages before one, with those words 50 messages short of
     stale; 60 messages with the receiver first follow, then 20 with the
     sender first, whose waits would pass on them otherwise (the
-    no_stale_words fixture counts such waits)."""
+    no_stale_words fixture counts such waits).  Between the two, with both
+    pair streams idle, the words read back as the refresh wrote them (the
+    streams run apart: without the pause a receiver's stream may reach its
+    wait before the sender's has run the refresh)."""
     refresh, first, later = 1 << 29, 60, 20
     groups = make_groups(2)
     for g in groups:
@@ -121,11 +127,22 @@ def test_words_a_long_run_of_one_role_left_behind_are_written_again():
     xs = [torch.from_numpy(rng.integers(0, 256, int(rng.integers(1, 9000)), dtype=np.uint8))
           for _ in range(first + later)]
     posted = [threading.Event() for _ in xs]
+    gate = threading.Barrier(2)
 
     def rank(r):
         codes, ys = [], []
         for i, x in enumerate(xs):
             sender_first = i >= first
+            if i == first:   # both pair streams past the refresh (message 3 * 2^29)
+                assert _engine._sg_emu_stream_idle(groups[r].pair_stream(1 - r), 10)
+                gate.wait(10)
+                # channel 0 -> 1 (csrc/sg_page.h, struct p2p_chan): its
+                # sender's ready word and its receiver's done word
+                chan = PAGE + 2 * RANK_BYTES + 1 * CHAN_BYTES
+                rdy_src, done_dst = (struct.unpack_from("<I", groups[r]._mm, chan + o)[0]
+                                     for o in (0, 2 * 64 + 64))
+                gate.wait(10)   # both read before either posts again
+                assert rdy_src == done_dst == 3 * refresh - 1, (hex(rdy_src), hex(done_dst))
             if (r == 0) != sender_first:   # second: after the other side's post
                 assert posted[i].wait(10)
             if r == 0:
