@@ -18,10 +18,13 @@
 /* A finished transfer keeps answering until release(); once its success
  * has been reported, the table keeps only this marker, not the request.
  * Upstream-style code never releases ids, so the marks are bounded: past
- * ep->done_cap of them, the oldest run of ids (from done_floor up to the
- * first one still in flight or failed) is dropped from the table, and an id
- * below done_floor that the table lacks answers "done" from then on (a
- * released one too: it finished before it was released). */
+ * ep->done_cap of them, the oldest are dropped from the table (done_floor
+ * passes them), and an id below done_floor that the table lacks answers
+ * "done" from then on (a released one too: it finished before it was
+ * released).  The floor passes the requests it meets (in flight, failed
+ * and not released, finished and never polled): they stay, each answering
+ * for itself, and one that is reported done below the floor leaves the
+ * table then.  So one forgotten id does not stop the compaction. */
 /* A done mark is the transfer's length, tagged in the low bit (requests are
  * aligned pointers); a compacted id's length is no longer known. */
 #define DONE_MARK_OF(len) ((void *)(((uintptr_t)(len) << 1) | 1u))
@@ -36,14 +39,12 @@ static void *req_entry(struct uccl__ep *ep, uint64_t xfer)
     return !e && xfer >= 1 && xfer < ep->done_floor ? DONE_COMPACTED : e;
 }
 
-/* Under ep->mu: drop the oldest run of done marks once there are too many. */
+/* Under ep->mu: drop the oldest done marks once there are too many. */
 static void compact_done(struct uccl__ep *ep)
 {
     while (ep->done_marks > ep->done_cap / 2 && ep->done_floor <= ep->next_req_id) {
         void *e = uccl__idmap_get(&ep->reqs, ep->done_floor);
-        if (e && !IS_DONE(e))
-            break; /* still in flight, or failed and not released: it keeps its answer */
-        if (e) {
+        if (e && IS_DONE(e)) { /* a request stays: it keeps its answer */
             uccl__idmap_del(&ep->reqs, ep->done_floor);
             ep->done_marks--;
         }
@@ -159,7 +160,9 @@ static void mark_done(struct uccl__ep *ep, struct uccl__req *r)
 {
     pthread_mutex_lock(&ep->mu);
     int swap = uccl__idmap_get(&ep->reqs, r->id) == r;
-    if (swap) {
+    if (swap && r->id < ep->done_floor) { /* passed by the floor: absent reads as done */
+        uccl__idmap_del(&ep->reqs, r->id);
+    } else if (swap) {
         uccl__idmap_put(&ep->reqs, r->id, DONE_MARK_OF(r->len));
         if (++ep->done_marks > ep->done_cap)
             compact_done(ep);

@@ -201,6 +201,35 @@ def test_unreleased_ids_stay_bounded(endpoints, monkeypatch):
         assert str(ids[-1]) in str(e.value)
 
 
+def test_an_id_never_polled_or_still_in_flight_does_not_stop_the_bound(endpoints, monkeypatch):
+    """Under the same bound, a send that finished but is never polled and a
+    receive still in flight (on a second connection) posted first: the id
+    tables stay bounded past them, and each still answers for itself."""
+    monkeypatch.setenv("UCCL_P2P_DONE_IDS", "64")
+    tx, rx, conn, rconn = _pair(endpoints)
+    ip, port = rx.address()
+    ok, conn2 = tx.connect(ip, -1, port)
+    assert ok
+    ok, _ip, _gpu, rconn2 = rx.accept()
+    assert ok
+    early_src, early_dst = rand_bytes(16, 98), poisoned(16)
+    late_src, late_dst = rand_bytes(24, 99), poisoned(24)
+    smr = tx.reg(addr(early_src), 16)[1]
+    rmr = rx.reg(addr(early_dst), 16)[1]
+    lsmr, lrmr = tx.reg(addr(late_src), 24)[1], rx.reg(addr(late_dst), 24)[1]
+    rid = rx.recv_async(rconn, rmr, addr(early_dst), 16)[1]
+    unpolled = tx.send_async(conn, smr, addr(early_src), 16)[1]
+    assert rx.wait(rid) is True and np.array_equal(early_dst[:16], early_src)
+    in_flight = rx.recv_async(rconn2, lrmr, addr(late_dst), 24)[1]
+    _sids, _rids, most = _loop_never_released(tx, rx, conn, rconn, 3000, 100)
+    assert most <= 64 + 4, f"the id tables grew to {most} entries (bound 64)"
+    assert rx.poll_async(in_flight) == (True, False) and all_poison(late_dst)
+    assert tx.send(conn2, lsmr, addr(late_src), 24) is True
+    assert rx.wait(in_flight) is True and np.array_equal(late_dst[:24], late_src) and \
+        all_poison(late_dst[24:])
+    assert tx.poll_async(unpolled) == (True, True) and rx.poll_async(in_flight) == (True, True)
+
+
 def test_unreleased_ids_are_held_up_to_the_bound(endpoints):
     """The same loop under the default bound (65,536) holds every id it got,
     each answering done: the bound above is what kept those tables small."""
