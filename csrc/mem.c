@@ -47,6 +47,7 @@ void uccl__mem_fini(struct uccl__mem *m)
 {
     uccl__idmap_each(&m->mrs, free_mr_entry, m);
     uccl__idmap_each(&m->windows, free_entry, NULL);
+    uccl__idmap_free(&m->window_of);
     uccl__idmap_free(&m->mrs);
     uccl__idmap_free(&m->windows);
     pthread_mutex_destroy(&m->mu);
@@ -97,6 +98,20 @@ int uccl__mem_reg(struct uccl__mem *m, uintptr_t addr, size_t len, uint64_t *mr_
 }
 
 struct win_sweep { uint64_t mr; uint64_t ids[WINDOW_SWEEP]; unsigned n; };
+/* window_of's key for a window's range (never 0 nor UINT64_MAX, the map's
+ * marks): a collision only costs a window that is not found again. */
+static uint64_t range_key(uint64_t conn_id, uint64_t mr_id, uintptr_t addr, size_t len)
+{
+    uint64_t h = 0x9e3779b97f4a7c15ull;
+    const uint64_t v[4] = {conn_id, mr_id, (uint64_t)addr, (uint64_t)len};
+    for (int i = 0; i < 4; i++) {
+        h ^= v[i] + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+        h *= 0xff51afd7ed558ccdull;
+        h ^= h >> 33;
+    }
+    return h == 0 || h == UINT64_MAX ? 1 : h;
+}
+
 static void match_window(uint64_t k, void *v, void *arg)
 {
     struct win_sweep *s = arg;
@@ -116,6 +131,9 @@ static unsigned drop_windows(struct uccl__mem *m, uint64_t mr_id, uint64_t **con
         uccl__idmap_each(&m->windows, match_window, &s);
         for (unsigned i = 0; i < s.n; i++) {
             struct uccl__window *w = uccl__idmap_del(&m->windows, s.ids[i]);
+            uint64_t rk = w ? range_key(w->conn_id, w->mr_id, w->addr, w->len) : 0;
+            if (w && uccl__idmap_get(&m->window_of, rk) == w)
+                uccl__idmap_del(&m->window_of, rk);
             unsigned k = 0;
             while (w && k < nconns && conns[k] != w->conn_id)
                 k++;
@@ -239,6 +257,9 @@ int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t le
     return rc;
 }
 
+/* A window lives until its region is deregistered, so a loop that
+ * advertises the same range at every step (upstream's style) is given the
+ * window it has already, not a new one each time. */
 int uccl__mem_advertise(struct uccl__mem *m, uint64_t conn_id, uint64_t mr_id, uintptr_t addr,
                         size_t len, struct uccl__fifo_item *f_p)
 {
@@ -246,11 +267,24 @@ int uccl__mem_advertise(struct uccl__mem *m, uint64_t conn_id, uint64_t mr_id, u
     if (!w)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     int rc = UCCL_OK;
+    uint64_t rk = range_key(conn_id, mr_id, addr, len);
     pthread_mutex_lock(&m->mu);
+    struct uccl__window *had = uccl__idmap_get(&m->window_of, rk);
+    if (had && had->conn_id == conn_id && had->mr_id == mr_id && had->addr == addr &&
+        had->len == len && mr_covering(m, mr_id, addr, len, &rc)) {
+        *f_p = (struct uccl__fifo_item){.window = had->id, .token = had->token, .addr = addr,
+                                        .len = len};
+        pthread_mutex_unlock(&m->mu);
+        free(w);
+        return UCCL_OK;
+    }
+    rc = UCCL_OK;
     if (mr_covering(m, mr_id, addr, len, &rc)) {
         *w = (struct uccl__window){.id = ++m->next_window_id, .token = uccl__random64(),
                                    .conn_id = conn_id, .mr_id = mr_id, .addr = addr, .len = len};
         rc = uccl__idmap_put(&m->windows, w->id, w);
+        if (rc == UCCL_OK && !had) /* not indexed when out of memory: valid, not found again */
+            (void)uccl__idmap_put(&m->window_of, rk, w);
     }
     /* Under the lock: once in the table, a dereg() may free w at any time. */
     if (rc == UCCL_OK)

@@ -55,6 +55,8 @@ struct uccl__mem {
     pthread_cond_t cv;           /* a region's last hold went */
     uint64_t next_mr_id, next_window_id;
     struct uccl__idmap mrs, windows;
+    struct uccl__idmap window_of;  /* (conn, region, addr, len)'s hash -> its window:
+                                      advertising the same range again gives it again */
 };
 
 void uccl__mem_init(struct uccl__mem *m);

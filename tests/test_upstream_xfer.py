@@ -268,6 +268,42 @@ def test_registrations_inside_one_share_its_keys(endpoints):
     assert all_poison(back)
 
 
+def test_advertising_a_range_again_gives_its_window_again(endpoints):
+    """A window lives until its region is deregistered: a loop advertising
+    the same range at every step gets the same window (so the owner's table
+    does not grow by one a step), another range its own, and writes through
+    it land; after dereg the old descriptor is refused and a new
+    registration's window is another."""
+    from uccl_collective import _engine
+    ini, tgt, conn, tconn = _pair(endpoints)
+    n = 4096
+    dst = poisoned(2 * n)
+    mr = tgt.reg(addr(dst), 2 * n)[1]
+    first = tgt.advertise(tconn, mr, addr(dst), n)[1]
+    other = tgt.advertise(tconn, mr, addr(dst) + n, n)[1]
+    anyone = tgt.advertise(mr, addr(dst), n)[1]   # no connection: another window
+    ids = {_engine.fifo_fields(f)[0] for f in (first, other, anyone)}
+    assert len(ids) == 3, ids
+    for step in range(2000):
+        f = tgt.advertise(tconn, mr, addr(dst), n)[1]
+        assert f == first, f"step {step}: a new window for the same range"
+    assert tgt.advertise(tconn, mr, addr(dst) + n, n)[1] == other
+    for k, f in enumerate((first, tgt.advertise(tconn, mr, addr(dst), n)[1])):
+        src = rand_bytes(n, 520 + k)
+        smr = ini.reg(addr(src), n)[1]
+        assert ini.write(conn, smr, addr(src), n, f) is True
+        assert np.array_equal(dst[:n], src) and all_poison(dst[n:])
+    assert tgt.dereg(mr) is True
+    src = rand_bytes(n, 530)
+    smr = ini.reg(addr(src), n)[1]
+    with pytest.raises(p2p.UcclError, match="the peer refused the write"):
+        ini.write(conn, smr, addr(src), n, first)
+    assert np.array_equal(dst[:n], rand_bytes(n, 521)) and all_poison(dst[n:])
+    mr2 = tgt.reg(addr(dst), 2 * n)[1]
+    again = tgt.advertise(tconn, mr2, addr(dst), n)[1]
+    assert _engine.fifo_fields(again)[0] not in ids
+
+
 def test_a_forged_range_past_its_window_is_refused_by_the_owner(endpoints):
     """A one-sided descriptor whose start lies inside a window but whose
     length runs past it (built by hand, as a hostile peer would) is refused
