@@ -509,19 +509,26 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     /* Streamed write (bytes land in t), or the initiator copies from or into
      * our window (direct read, or a push into our GPU window) and says
      * RDONE: t waits in pending, failed with the connection. */
+    struct uccl__idmap *by_seq = write && streamed ? &c->rx : &c->inflight;
+    uint64_t seq_key = key_of(write && streamed ? UCCL_DATA_WRITE : KEY_LENT, t->seq);
     pthread_mutex_lock(&c->mu);
+    /* A seq still in use (the peer chose it) would orphan its request,
+     * holding the region until the connection ends: refused, loudly. */
+    int dup = uccl__idmap_get(by_seq, seq_key) != NULL;
     /* Not after conn_fail collected `pending`: t would never be failed. */
-    int ok = !atomic_load(&c->failed) &&
+    int ok = !dup && !atomic_load(&c->failed) &&
              uccl__idmap_put(&c->pending, ptr_key(t), t) == UCCL_OK; /* takes the creation ref */
-    if (ok && write && streamed)
-        ok = uccl__idmap_put(&c->rx, key_of(UCCL_DATA_WRITE, t->seq), t) == UCCL_OK;
-    else if (ok)
-        ok = uccl__idmap_put(&c->inflight, key_of(KEY_LENT, t->seq), t) == UCCL_OK;
-    if (!ok)
+    if (ok && uccl__idmap_put(by_seq, seq_key, t) != UCCL_OK) {
         uccl__idmap_del(&c->pending, ptr_key(t));
+        ok = 0;
+    }
     pthread_mutex_unlock(&c->mu);
     if (!ok) {
         uccl__req_put(t); /* releases the hold */
+        if (dup)
+            uccl__conn_fail(c, UCCL_ERR_PROTO, "the peer asked for a %s with sequence number "
+                            "%llu, which its %s in flight already has", write ? "write" : "read",
+                            (unsigned long long)m->seq, write ? "write" : "read");
         return;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,

@@ -576,8 +576,8 @@ def _dereg_many_windows(ch):
     N = MiB
     win = np.zeros(N, np.uint8)
     mr = ep.reg(addr(win), N)[1]
-    for _ in range(3000):
-        ep.advertise(c_honest, mr, addr(win), N)
+    for i in range(3000):   # distinct ranges: the same one again gives its window again
+        ep.advertise(c_honest, mr, addr(win), N - i)
     window, token = window_token(ep.advertise(conn, mr, addr(win), N)[1])
     q.send(msg(MSG_RREQ, seq=1, ln=N, window=window, token=token))
     first = q.recv(5)["type"]                 # GO: the peer now "reads" (and never RDONEs)
@@ -614,6 +614,45 @@ def test_dereg_of_region_advertised_thousands_of_times():
     assert r["dereg_s"] < MANY_TO + 2, f"dereg() took {r['dereg_s']:.2f} s: {r}"
     assert r["after"] != MSG_GO, f"the hostile peer still got a GO after dereg(): {r}"
     assert r["eof"], f"the hostile peer's connection was not hung up: {r}"
+
+
+def _reused_seq(ch):
+    ep = _endpoint(MANY_TO)
+    conn, sock, q = _accept_shm(ep)
+    N = MiB
+    win = np.zeros(N, np.uint8)
+    mr = ep.reg(addr(win), N)[1]
+    window, token = window_token(ep.advertise(conn, mr, addr(win), N)[1])
+    q.send(msg(MSG_RREQ, seq=7, ln=N, window=window, token=token))
+    first = q.recv(5)["type"]                 # GO: the peer now "reads"
+    q.send(msg(MSG_RREQ, seq=7, ln=N, window=window, token=token))   # the same seq again
+    try:
+        again = q.recv(1.0)["type"]
+    except TimeoutError:
+        again = None
+    sock.settimeout(3)
+    try:
+        eof = sock.recv(1) == b""
+    except (ConnectionError, socket.timeout) as e:
+        eof = isinstance(e, ConnectionError)
+    t0 = time.monotonic()
+    err = catch(ep.dereg, mr)                 # nothing holds the region any more
+    dereg_s = time.monotonic() - t0
+    sock.close()
+    ep.close()
+    return dict(first=first, again=again, eof=eof, err=err, dereg_s=dereg_s)
+
+
+def test_a_request_reusing_a_sequence_number_in_flight_fails_the_connection():
+    """A hostile shm-cma peer asks for a read of a window (GO), then again
+    with the same sequence number while the first is in flight: it would
+    orphan the first request, holding the region until the connection
+    ended.  The connection is failed instead: no second GO, the control
+    socket hung up, and dereg() returns at once (no hold left)."""
+    r = run_one(_reused_seq, env=CMA_ENV, timeout=40)
+    assert r["first"] == MSG_GO, r
+    assert r["again"] != MSG_GO and r["eof"], f"the reused sequence number was served: {r}"
+    assert r["err"] is None and r["dereg_s"] < 1.0, r
 
 
 # --------------------------------------------------------------------------
