@@ -218,6 +218,7 @@ def _run(rank, ws, port):
 
     def late_barrier(late, secs, wait_all, sleep_s=1.5):
         g = dist.new_group(backend="uccl", timeout=tmo)
+        dist.barrier(group=gloo)   # the on-time ranks meet it within secs of each other
         err = None
         if rank in late:
             time.sleep(sleep_s)
