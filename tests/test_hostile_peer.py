@@ -567,6 +567,21 @@ def test_request_flood_while_connection_fails_leaks_no_hold(req):
 MANY_TO = 2
 
 
+def _answer_and_hangup(q, sock):
+    """(the type of the endpoint's answer to what was just sent, or None
+    within 1 s; whether it then hung up the control socket within 3 s)."""
+    try:
+        answer = q.recv(1.0)["type"]
+    except TimeoutError:
+        answer = None
+    sock.settimeout(3)
+    try:
+        eof = sock.recv(1) == b""
+    except (ConnectionError, socket.timeout) as e:
+        eof = isinstance(e, ConnectionError)
+    return answer, eof
+
+
 def _dereg_many_windows(ch):
     ep = _endpoint(MANY_TO)
     other = _endpoint(MANY_TO)
@@ -587,15 +602,7 @@ def _dereg_many_windows(ch):
     # the hostile peer's access must have been stopped: its connection is failed,
     # so a fresh request on it gets no GO, and the control socket is hung up
     q.send(msg(MSG_RREQ, seq=2, ln=N, window=window, token=token))
-    try:
-        after = q.recv(1.0)["type"]
-    except TimeoutError:
-        after = None
-    sock.settimeout(3)
-    try:
-        eof = sock.recv(1) == b""
-    except (ConnectionError, socket.timeout) as e:
-        eof = isinstance(e, ConnectionError)
+    after, eof = _answer_and_hangup(q, sock)
     sock.close()
     other.close()
     ep.close()
@@ -626,15 +633,7 @@ def _reused_seq(ch):
     q.send(msg(MSG_RREQ, seq=7, ln=N, window=window, token=token))
     first = q.recv(5)["type"]                 # GO: the peer now "reads"
     q.send(msg(MSG_RREQ, seq=7, ln=N, window=window, token=token))   # the same seq again
-    try:
-        again = q.recv(1.0)["type"]
-    except TimeoutError:
-        again = None
-    sock.settimeout(3)
-    try:
-        eof = sock.recv(1) == b""
-    except (ConnectionError, socket.timeout) as e:
-        eof = isinstance(e, ConnectionError)
+    again, eof = _answer_and_hangup(q, sock)
     t0 = time.monotonic()
     err = catch(ep.dereg, mr)                 # nothing holds the region any more
     dereg_s = time.monotonic() - t0
