@@ -527,8 +527,8 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__req_put(t); /* releases the hold */
         if (dup)
             uccl__conn_fail(c, UCCL_ERR_PROTO, "the peer asked for a %s with sequence number "
-                            "%llu, which its %s in flight already has", write ? "write" : "read",
-                            (unsigned long long)m->seq, write ? "write" : "read");
+                            "%llu, which a request of its still in flight has",
+                            write ? "write" : "read", (unsigned long long)m->seq);
         return;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,

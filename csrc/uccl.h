@@ -186,7 +186,8 @@ int uccl_ep_abort(uccl_ep_t *ep, uint64_t xfer, const char *why);
  * nothing else; conn 0: the peer of any accepted connection that holds the
  * descriptor (upstream's newer advertise(mr_id, ptr, size) and transfer
  * API): the descriptor's random token is then the capability.  Revoked by
- * dereg(mr). */
+ * dereg(mr); until then the same (conn, mr, addr, len) gives the same
+ * descriptor again. */
 int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr, size_t len,
                       uint8_t *out, size_t out_len);
 

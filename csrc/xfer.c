@@ -20,11 +20,12 @@
  * Upstream-style code never releases ids, so the marks are bounded: past
  * ep->done_cap of them, the oldest are dropped from the table (done_floor
  * passes them), and an id below done_floor that the table lacks answers
- * "done" from then on (a released one too: it finished before it was
- * released).  The floor passes the requests it meets (in flight, failed
- * and not released, finished and never polled): they stay, each answering
- * for itself, and one that is reported done below the floor leaves the
- * table then.  So one forgotten id does not stop the compaction. */
+ * "done" from then on: a released one too, even one that failed (its
+ * error was answered until release).  The floor passes the requests it
+ * meets (in flight, failed and not released, finished and never polled):
+ * they stay, each answering for itself, and one that is reported done
+ * below the floor leaves the table then (a capacity receive's length with
+ * it).  So one forgotten id does not stop the compaction. */
 /* A done mark is the transfer's length, tagged in the low bit (requests are
  * aligned pointers); a compacted id's length is no longer known. */
 #define DONE_MARK_OF(len) ((void *)(((uintptr_t)(len) << 1) | 1u))
@@ -162,10 +163,11 @@ static void mark_done(struct uccl__ep *ep, struct uccl__req *r)
     int swap = uccl__idmap_get(&ep->reqs, r->id) == r;
     if (swap && r->id < ep->done_floor) { /* passed by the floor: absent reads as done */
         uccl__idmap_del(&ep->reqs, r->id);
-    } else if (swap) {
-        uccl__idmap_put(&ep->reqs, r->id, DONE_MARK_OF(r->len));
+    } else if (swap && uccl__idmap_put(&ep->reqs, r->id, DONE_MARK_OF(r->len)) == UCCL_OK) {
         if (++ep->done_marks > ep->done_cap)
             compact_done(ep);
+    } else {
+        swap = 0; /* out of memory growing the table: the request stays in it */
     }
     pthread_mutex_unlock(&ep->mu);
     if (swap)
@@ -391,8 +393,8 @@ int uccl_ep_xfer_len(uccl_ep_t *ep, uint64_t xfer, size_t *len_p)
     int rc = UCCL_OK;
     if (!e || e == DONE_COMPACTED) {
         rc = uccl__err(UCCL_ERR_NOTFOUND, "transfer_id %llu: %s", (unsigned long long)xfer,
-                       e ? "its length is no longer kept (more than UCCL_P2P_DONE_IDS ids "
-                           "finished after it)" : "unknown (never issued, or released)");
+                       e ? "its length is no longer kept (compacted past UCCL_P2P_DONE_IDS "
+                           "finished ids)" : "unknown (never issued, or released)");
     } else if (IS_DONE(e)) {
         *len_p = DONE_LEN(e);
     } else {

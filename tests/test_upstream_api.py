@@ -202,15 +202,20 @@ def test_unreleased_ids_stay_bounded(endpoints, monkeypatch):
 
 
 def test_an_id_never_polled_or_still_in_flight_does_not_stop_the_bound(endpoints, monkeypatch):
-    """Under the same bound, a send that finished but is never polled and a
-    receive still in flight (on a second connection) posted first: the id
-    tables stay bounded past them, and each still answers for itself."""
+    """Under the same bound, a send that finished but is never polled, a
+    receive still in flight (on a second connection) and one that fails (a
+    third, closed by its peer) posted first: the id tables stay bounded past
+    them, and each still answers for itself."""
     monkeypatch.setenv("UCCL_P2P_DONE_IDS", "64")
     tx, rx, conn, rconn = _pair(endpoints)
     ip, port = rx.address()
     ok, conn2 = tx.connect(ip, -1, port)
     assert ok
     ok, _ip, _gpu, rconn2 = rx.accept()
+    assert ok
+    ok, conn3 = tx.connect(ip, -1, port)
+    assert ok
+    ok, _ip, _gpu, rconn3 = rx.accept()
     assert ok
     early_src, early_dst = rand_bytes(16, 98), poisoned(16)
     late_src, late_dst = rand_bytes(24, 99), poisoned(24)
@@ -221,8 +226,15 @@ def test_an_id_never_polled_or_still_in_flight_does_not_stop_the_bound(endpoints
     unpolled = tx.send_async(conn, smr, addr(early_src), 16)[1]
     assert rx.wait(rid) is True and np.array_equal(early_dst[:16], early_src)
     in_flight = rx.recv_async(rconn2, lrmr, addr(late_dst), 24)[1]
+    doomed_dst = poisoned(8)
+    doomed = rx.recv_async(rconn3, rx.reg(addr(doomed_dst), 8)[1], addr(doomed_dst), 8)[1]
     _sids, _rids, most = _loop_never_released(tx, rx, conn, rconn, 3000, 100)
     assert most <= 64 + 4, f"the id tables grew to {most} entries (bound 64)"
+    assert tx.remove_remote_endpoint(conn3) is True
+    for _ in range(2):   # its error, as often as asked, until release
+        with pytest.raises(p2p.UcclError):
+            rx.wait(doomed)
+    assert all_poison(doomed_dst)
     assert rx.poll_async(in_flight) == (True, False) and all_poison(late_dst)
     assert tx.send(conn2, lsmr, addr(late_src), 24) is True
     assert rx.wait(in_flight) is True and np.array_equal(late_dst[:24], late_src) and \
