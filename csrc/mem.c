@@ -269,29 +269,28 @@ int uccl__mem_advertise(struct uccl__mem *m, uint64_t conn_id, uint64_t mr_id, u
     int rc = UCCL_OK;
     uint64_t rk = range_key(conn_id, mr_id, addr, len);
     pthread_mutex_lock(&m->mu);
-    struct uccl__window *had = uccl__idmap_get(&m->window_of, rk);
-    if (had && had->conn_id == conn_id && had->mr_id == mr_id && had->addr == addr &&
-        had->len == len && mr_covering(m, mr_id, addr, len, &rc)) {
-        *f_p = (struct uccl__fifo_item){.window = had->id, .token = had->token, .addr = addr,
-                                        .len = len};
-        pthread_mutex_unlock(&m->mu);
-        free(w);
-        return UCCL_OK;
-    }
-    rc = UCCL_OK;
-    if (mr_covering(m, mr_id, addr, len, &rc)) {
+    struct uccl__window *had = uccl__idmap_get(&m->window_of, rk), *give = NULL;
+    int same = had && had->conn_id == conn_id && had->mr_id == mr_id && had->addr == addr &&
+               had->len == len;
+    if (!mr_covering(m, mr_id, addr, len, &rc)) {
+        /* rc says why */
+    } else if (same) {
+        give = had;
+    } else {
         *w = (struct uccl__window){.id = ++m->next_window_id, .token = uccl__random64(),
                                    .conn_id = conn_id, .mr_id = mr_id, .addr = addr, .len = len};
-        rc = uccl__idmap_put(&m->windows, w->id, w);
-        if (rc == UCCL_OK && !had) /* not indexed when out of memory: valid, not found again */
-            (void)uccl__idmap_put(&m->window_of, rk, w);
+        if ((rc = uccl__idmap_put(&m->windows, w->id, w)) == UCCL_OK) {
+            give = w;
+            if (!had) /* else a collision: not indexed, still valid (so when out of memory) */
+                (void)uccl__idmap_put(&m->window_of, rk, w);
+        }
     }
-    /* Under the lock: once in the table, a dereg() may free w at any time. */
-    if (rc == UCCL_OK)
-        *f_p = (struct uccl__fifo_item){.window = w->id, .token = w->token, .addr = addr,
+    /* Under the lock: once in the table, a dereg() may free it at any time. */
+    if (give)
+        *f_p = (struct uccl__fifo_item){.window = give->id, .token = give->token, .addr = addr,
                                         .len = len};
     pthread_mutex_unlock(&m->mu);
-    if (rc)
+    if (give != w)
         free(w);
     return rc;
 }

@@ -236,7 +236,7 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
                                 P2P_SLOTS);
     if (rc)
         return rc;
-    if ((k & (REFRESH_EVERY - 1)) == 0 && (rc = refresh_chan(sg, o, ch, side, X, k)))
+    if (refresh_due(k) && (rc = refresh_chan(sg, o, ch, side, X, k)))
         return rc;
     struct p2p_pending p = {c, k, 1 - side, uccl__now_ns(), 0, NULL, 0};
     /* the peer's bit already there: this side is second, and no peer reads its descriptor */

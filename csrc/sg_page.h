@@ -31,6 +31,7 @@
  * this rank's words again, with the number before (true: the stream did
  * all that came before). */
 #define REFRESH_EVERY (1u << 29)
+static inline int refresh_due(uint32_t k) { return (k & (REFRESH_EVERY - 1)) == 0; }
 #define REG_CACHE 64
 #define WATCH_NS 20000000ull        /* the watchdog's period */
 #define SLOW_CHECK_NS 50000000ull   /* host waits: dead peers and interrupts this often */

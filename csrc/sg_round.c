@@ -611,7 +611,7 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     }
     uintptr_t X = 0;
     rc = order_round(sg, c, &X);
-    if (!rc && (k & (REFRESH_EVERY - 1)) == 0)
+    if (!rc && refresh_due(k))
         rc = refresh_words(sg, X, k);
     if (!rc) { /* publish: entries and header, the round alone and last */
         uint8_t *s = slot(sg, sg->rank, k);
