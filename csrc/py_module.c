@@ -199,6 +199,12 @@ static PyMethodDef module_methods[] = {
      "_sg_emu_stale_passes() -> waits of emulated streams that a stale word let pass"},
     {"_sg_emu_stream_idle", uccl__py_sg_emu_stream_idle, METH_VARARGS,
      "_sg_emu_stream_idle(stream, timeout_s) -> True once what it queued has run"},
+    {"fast_setup", uccl__py_fast_setup, METH_VARARGS,
+     "fast_setup(tensor, strided, profiler_enabled, capturing, raw_stream, work): torch's pieces"},
+    {"fast_allreduce", (PyCFunction)(void (*)(void))uccl__py_fast_allreduce, METH_FASTCALL,
+     "fast_allreduce(pg, tensors, opts) -> the blocking CUDA all_reduce's Work, or None"},
+    {"fast_allgather", (PyCFunction)(void (*)(void))uccl__py_fast_allgather, METH_FASTCALL,
+     "fast_allgather(pg, out, inp, opts) -> the blocking CUDA all_gather's Work, or None"},
     {"get_oob_ip", mod_get_oob_ip, METH_NOARGS,
      "get_oob_ip() -> the IPv4 address endpoints advertise (UCCL_SOCKET_IFNAME)"},
     {NULL, NULL, 0, NULL},
@@ -253,7 +259,7 @@ static int module_exec(PyObject *m)
     if (!sg_type)
         return -1;
     rc = PyModule_AddObjectRef(m, "StreamGroup", sg_type);
-    Py_DECREF(sg_type);
+    st->sg_type = sg_type; /* the reference made here */
     if (rc < 0)
         return -1;
     PyObject *ring_type = PyType_FromModuleAndSpec(m, &uccl__py_ring_spec, NULL);
@@ -296,7 +302,8 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->unknown_id_error);
-    return 0;
+    Py_VISIT(st->sg_type);
+    return uccl__py_fast_traverse(&st->fast, visit, arg);
 }
 
 static int module_clear(PyObject *m)
@@ -305,6 +312,8 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->error);
     Py_CLEAR(st->timeout_error);
     Py_CLEAR(st->unknown_id_error);
+    Py_CLEAR(st->sg_type);
+    uccl__py_fast_clear(&st->fast);
     return 0;
 }
 

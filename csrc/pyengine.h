@@ -10,6 +10,8 @@
  *   py_sgroup.c    the StreamGroup type, over a stream-ordered group (sgroup.h)
  *   py_sgroup_mod.c  the module's functions for stream-ordered groups, and
  *                  StreamGroup's methods for the emulated device's tests
+ *   py_fastpath.c  the backend's blocking all_reduce / all_gather_into_tensor
+ *                  on CUDA tensors in one call (fast_allreduce, fast_allgather)
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
  * released around everything that can block, waits cut into slices with
@@ -29,10 +31,29 @@
 
 #define UCCL_PY_SLICE_NS 100000000ull /* 100 ms between signal checks */
 
+/* What py_fastpath.c calls of torch's (given by fast_setup) and the names
+ * it reads, interned. */
+enum {
+    UCCL__PY_FAST_TENSOR,     /* torch.Tensor */
+    UCCL__PY_FAST_STRIDED,    /* torch.strided */
+    UCCL__PY_FAST_PROFILING,  /* torch.autograd._profiler_enabled */
+    UCCL__PY_FAST_CAPTURING,  /* torch.cuda.is_current_stream_capturing */
+    UCCL__PY_FAST_RAW_STREAM, /* dev -> the current stream's handle */
+    UCCL__PY_FAST_WORK,       /* _work.StreamWork */
+    UCCL__PY_FAST_HOOKS
+};
+#define UCCL__PY_FAST_NAMES 24
+struct uccl__py_fast {
+    PyObject *hook[UCCL__PY_FAST_HOOKS];
+    PyObject *name[UCCL__PY_FAST_NAMES];
+};
+
 typedef struct {
     PyObject *error;         /* UcclError(RuntimeError) */
     PyObject *timeout_error; /* UcclTimeoutError(UcclError, TimeoutError) */
     PyObject *unknown_id_error; /* UcclUnknownIdError(ValueError, RuntimeError) */
+    PyObject *sg_type;       /* StreamGroup */
+    struct uccl__py_fast fast; /* py_fastpath.c; empty until fast_setup() */
 } uccl__py_state;
 
 typedef struct {
@@ -121,8 +142,21 @@ PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused);
 PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stale_passes(PyObject *module, PyObject *unused);
+/* The backend's fast path (py_fastpath.c): a round on the caller's stream,
+ * which waits for it; its number, or NULL with the round's error. */
+PyObject *uccl__py_sg_allreduce(uccl__py_sgroup *self, uint64_t caller, uint64_t ptr,
+                                uint64_t count, int dtype, int op);
+PyObject *uccl__py_sg_allgather(uccl__py_sgroup *self, uint64_t caller, uint64_t src,
+                                uint64_t nbytes, uint64_t dst);
 /* py_sgroup_mod.c: StreamGroup's methods for the emulated device's tests */
 PyObject *uccl__py_sg_emu_counts(PyObject *op, PyObject *unused);
 PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args);
+
+/* ---- py_fastpath.c ---- */
+PyObject *uccl__py_fast_setup(PyObject *module, PyObject *args);
+PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+int uccl__py_fast_traverse(struct uccl__py_fast *f, visitproc visit, void *arg);
+void uccl__py_fast_clear(struct uccl__py_fast *f);
 
 #endif

@@ -29,7 +29,7 @@ LAYERS = {
     "comm.c": 6, "coll_run.c": 6, "coll_algo.c": 6, "ring.c": 6, "sgroup.c": 6, "sg_round.c": 6, "sg_call.c": 6,
     "sg_p2p.c": 6,
     "py_module.c": 7, "py_endpoint.c": 7, "py_comm.c": 7, "py_ring.c": 7,
-    "py_stream.c": 7, "py_sgroup.c": 7, "py_sgroup_mod.c": 7,
+    "py_stream.c": 7, "py_sgroup.c": 7, "py_sgroup_mod.c": 7, "py_fastpath.c": 7,
 }
 # What a transport may call in the protocol (transport.h, "upcalls").
 UPCALLS = {"uccl__conn_rx_begin", "uccl__conn_rx_end", "uccl__conn_rx_abort",

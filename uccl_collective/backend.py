@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _anysource, _barrier, _profiling, _reduce, _reduce_gpu, _sparse, _stream_group
+from . import _anysource, _barrier, _engine, _profiling, _reduce, _reduce_gpu, _sparse, \
+    _stream_group
 from ._reduce import R
 from ._work import IF_IDLE, P2PWork, Runner, StreamWork, Task, Work
 from .collective import CollectiveContext
@@ -32,6 +33,22 @@ BACKEND_NAME = "uccl"
 _SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
 _STRIDED = torch.strided
 _profiler_enabled = torch.autograd._profiler_enabled
+# c10d defines hash(ReduceOp) as its operator's number.  The fast path keys
+# its codes on that: reading reduceOp.op.value instead makes an enum object,
+# 1.8-2.1 us a call on the GPU machine's host (BENCHMARKS.md, session 11),
+# a fifth of a 1 MiB all_reduce.  Checked here, in case a torch changes it.
+_HASH_IS_OP = all(hash(dist.ReduceOp(o)) == int(o.value)
+                  for o in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR))
+# The common case of the blocking all_reduce and all_gather_into_tensor on
+# CUDA tensors in one C call (csrc/py_fastpath.c: the checks of _fast and
+# _fast_red, the token, the round, the Work; None whenever the Python path
+# must decide).  It reads _red_codes by hash(reduceOp), so only where that
+# is the key.
+_FAST_HOOKS = (torch.Tensor, _STRIDED, _profiler_enabled, _stream_group.capturing,
+               _stream_group._raw_stream, StreamWork)
+if _HASH_IS_OP:
+    _engine.fast_setup(*_FAST_HOOKS)
+_fast_allreduce, _fast_allgather = _engine.fast_allreduce, _engine.fast_allgather
 
 
 def _timeout_s(timeout: Any) -> float:
@@ -320,10 +337,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sg = self._fast(opts, t, *more)
         if sg is None:
             return None
-        rop = opts.reduceOp.op
-        key = (rop.value, t.dtype)
+        ro = opts.reduceOp
+        key = (hash(ro) if _HASH_IS_OP else ro.op.value, t.dtype)
         codes = self._red_codes.get(key)
         if codes is None:
+            rop = ro.op
             _reduce.check_op(rop, t.dtype, what)
             codes = self._red_codes[key] = sg.reduce_codes(t.dtype, rop) or ()
         return (sg, *codes) if codes else None
@@ -451,6 +469,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return run
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
+        w = _fast_allgather(self, output_tensor, input_tensor, opts)
+        if w is not None:
+            return w
         sg = self._fast(opts, output_tensor, input_tensor)
         if sg is not None and output_tensor.dtype == input_tensor.dtype and \
                 output_tensor.numel() == self.size() * input_tensor.numel():
@@ -571,6 +592,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             _reduce.finish_avg(flat, n)
 
     def allreduce(self, tensors, opts=None):
+        w = _fast_allreduce(self, tensors, opts)
+        if w is not None:
+            return w
         what = "all_reduce"
         fast = self._fast_red(opts, what, tensors[0]) if len(tensors) == 1 else None
         if fast is not None:   # (never a sparse tensor: _fast takes strided ones only)

@@ -1,0 +1,281 @@
+"""The backend's blocking all_reduce and all_gather_into_tensor in one C call
+(csrc/py_fastpath.c: _engine.fast_allreduce / fast_allgather) on the CPU's
+emulated device.  Its checks read torch's tensors and options through their
+Python attributes, so a stand-in whose is_cuda is True, over a CPU tensor,
+takes it here; the ranks are threads with emulated groups and streams, as
+in test_stream_group.py.  On CUDA tensors the same call runs under every
+dist.all_reduce and all_gather_into_tensor of tests/test_gpu_collective.py
+(GPU machine).
+
+Checked: the bytes of both collectives on 2 and 3 ranks; every case where
+the Python path must decide instead (the call returns None and nothing is
+published: the next rounds still meet); the runner's token given back
+after a round and after a round's error, which is raised as the Python
+path raises it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from uccl_collective import _engine
+from uccl_collective import _stream_group as sgm
+from uccl_collective import backend as bk
+from uccl_collective._work import Runner, StreamWork, Task
+from uccl_collective.p2p import UcclError
+from test_stream_group import (  # noqa: F401 - the fixtures are autouse
+    _callers, caller_streams, close_all, drain, make_groups, no_stale_words, on_ranks,
+    round_form)
+
+SUM = hash(dist.ReduceOp(dist.ReduceOp.SUM))
+
+
+class FakeCuda:
+    """A CPU tensor that says it is on cuda:dev: what the C path reads."""
+    is_cuda = True
+
+    def __init__(self, t: torch.Tensor, dev: int = 0, layout=torch.strided):
+        self.t, self.dev, self.layout, self.dtype = t, dev, layout, t.dtype
+
+    def is_contiguous(self):
+        return self.t.is_contiguous()
+
+    def get_device(self):
+        return self.dev
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def numel(self):
+        return self.t.numel()
+
+    def element_size(self):
+        return self.t.element_size()
+
+
+class Switch:
+    profiler = False
+    capturing = False
+
+
+@pytest.fixture(autouse=True)
+def fake_cuda_hooks():
+    """The C path's torch pieces, for these tests: FakeCuda as the tensor
+    type, the rank thread's emulated stream as the current stream; the
+    backend's own put back after."""
+    _engine.fast_setup(FakeCuda, torch.strided, lambda: Switch.profiler,
+                       lambda: Switch.capturing, lambda dev: _callers.stream, StreamWork)
+    Switch.profiler = Switch.capturing = False
+    yield
+    _engine.fast_setup(*bk._FAST_HOOKS)
+
+
+class Pg:
+    """What the C path reads of a ProcessGroupUCCL."""
+
+    def __init__(self, sg, n):
+        self._closed, self._sg, self._n = False, sg, n
+        self._runner = Runner("test", 10.0)
+        self._red_codes = {(SUM, torch.float32): (_engine.DT_F32, _engine.RED_SUM),
+                           (SUM, torch.int64): ()}   # a dtype the kernel does not take
+
+    def size(self):
+        return self._n
+
+
+def sync_opts():
+    o = dist.AllreduceOptions()
+    o.asyncOp = False
+    return o
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_c_path_moves_the_bytes_of_both_collectives(n):
+    groups = make_groups(n)
+    pgs = [Pg(g, n) for g in groups]
+    rng = np.random.default_rng(7 + n)
+    sizes = [1, 7, 300, 1000]   # 4 B .. 4000 B per rank, odd counts
+    data = [[torch.from_numpy(rng.integers(-1000, 1000, s).astype(np.float32)) for _ in range(n)]
+            for s in sizes]
+
+    def rank(r):
+        kept = []
+        for i, s in enumerate(sizes):
+            x = data[i][r].clone()
+            w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+            assert isinstance(w, StreamWork) and w._caller == _callers.stream
+            out = torch.full((n * s,), float("nan"))   # poisoned
+            g = _engine.fast_allgather(pgs[r], FakeCuda(out), FakeCuda(data[i][r]), sync_opts())
+            assert isinstance(g, StreamWork) and g._k == w._k + 1
+            assert not pgs[r]._runner._busy, "the token was not given back"
+            kept.append((x, out))
+        return kept
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        for i in range(len(sizes)):
+            x, out = res[r][i]
+            assert torch.equal(x, sum(data[i][q] for q in range(n))), (r, i, "all_reduce")
+            assert torch.equal(out, torch.cat(data[i])), (r, i, "all_gather")
+    close_all(groups, streams)
+
+
+def declines(pg, x, out):
+    """Every call the Python path must decide: each returns None."""
+    o = sync_opts()
+    async_o = dist.AllreduceOptions()   # asyncOp defaults to True
+    t, y = FakeCuda(x), FakeCuda(out)
+    cases = {
+        "no options": lambda: _engine.fast_allreduce(pg, [t], None),
+        "an asynchronous call": lambda: _engine.fast_allreduce(pg, [t], async_o),
+        "two tensors": lambda: _engine.fast_allreduce(pg, [t, t], o),
+        "a tuple": lambda: _engine.fast_allreduce(pg, (t,), o),
+        "not a tensor": lambda: _engine.fast_allreduce(pg, [object()], o),
+        "a CPU tensor": lambda: _engine.fast_allreduce(pg, [x], o),
+        "another device": lambda: _engine.fast_allreduce(pg, [FakeCuda(x, dev=1)], o),
+        "a sparse layout": lambda: _engine.fast_allreduce(pg, [FakeCuda(x, layout=torch.sparse_coo)],
+                                                          o),
+        "not contiguous": lambda: _engine.fast_allreduce(pg, [FakeCuda(x.view(2, -1).t())], o),
+        "codes not cached": lambda: _engine.fast_allreduce(pg, [FakeCuda(x.double())], o),
+        "a dtype the kernel does not take": lambda: _engine.fast_allreduce(
+            pg, [FakeCuda(x.long())], o),
+        "another operator": lambda: _engine.fast_allreduce(pg, [t], max_opts()),
+        "all_gather, dtypes differ": lambda: _engine.fast_allgather(pg, y, FakeCuda(x.double()),
+                                                                     o),
+        "all_gather, output not world x input": lambda: _engine.fast_allgather(
+            pg, FakeCuda(out[:-1]), t, o),
+        "all_gather, input on another device": lambda: _engine.fast_allgather(
+            pg, y, FakeCuda(x, dev=1), o),
+    }
+    got = {name: fn() for name, fn in cases.items()}
+    assert got == dict.fromkeys(cases), {k: v for k, v in got.items() if v is not None}
+
+
+def max_opts():
+    o = sync_opts()
+    o.reduceOp = dist.ReduceOp.MAX
+    return o
+
+
+def states(pg):
+    """The switches of the group, the runner and torch that send a call to
+    the Python path, one at a time: (name, set, reset)."""
+    r = pg._runner
+    sg = pg._sg
+
+    def setter(obj, attr, value):
+        old = getattr(obj, attr)
+        return lambda: setattr(obj, attr, value), lambda: setattr(obj, attr, old)
+    return [
+        ("the profiler on", *setter(Switch, "profiler", True)),
+        ("a graph capturing", *setter(Switch, "capturing", True)),
+        ("the group shut down", *setter(pg, "_closed", True)),
+        ("no stream group yet", *setter(pg, "_sg", None)),
+        ("a task running", *setter(r, "_busy", True)),
+        ("a task queued", lambda: r._q.append(Task(lambda: None, [])), r._q.clear),
+        ("the runner closed", *setter(r, "_closed", "closed")),
+        ("the runner poisoned", *setter(r, "_poisoned", "poisoned")),
+        ("the group on another device", *setter(sg, "dev", 1)),
+    ]
+
+
+def test_every_case_of_the_python_path_is_declined_and_publishes_nothing():
+    n = 2
+    groups = make_groups(n)
+    pgs = [Pg(g, n) for g in groups]
+    x0 = [torch.arange(8, dtype=torch.float32) + r for r in range(n)]
+
+    def rank(r):
+        x, out = x0[r].clone(), torch.zeros(8 * n)
+        declines(pgs[r], x, out)
+        for name, on, off in states(pgs[r]):
+            on()
+            try:
+                assert _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts()) is None, name
+                assert _engine.fast_allgather(pgs[r], FakeCuda(out), FakeCuda(x),
+                                              sync_opts()) is None, name
+            finally:
+                off()
+        # nothing was published: the first round that runs is round 1 on both ranks
+        w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+        assert w is not None and w._k == 1, w
+        return x
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        assert torch.equal(res[r], x0[0] + x0[1])
+    close_all(groups, streams)
+
+
+def test_a_round_that_fails_raises_and_gives_the_token_back():
+    """Ranks that call different collectives: the round's error (the
+    Python path raises the same) comes out of the C call, and the runner's
+    token is free again, on both ranks."""
+    n = 2
+    groups = make_groups(n)
+    pgs = [Pg(g, n) for g in groups]
+
+    def rank(r):
+        x, out = torch.ones(4), torch.zeros(8)
+        with pytest.raises(UcclError) as e:
+            for _ in range(3):   # (raises at the first: its round compares the calls)
+                if r == 0:
+                    _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+                else:
+                    _engine.fast_allgather(pgs[r], FakeCuda(out), FakeCuda(x), sync_opts())
+        assert not pgs[r]._runner._busy, "the token was not given back"
+        return str(e.value), x, out   # kept alive until the streams drained
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        assert "calls disagree" in res[r][0] and "all_reduce" in res[r][0], res[r][0]
+    close_all(groups, streams)
+
+
+def test_a_closed_group_raises_as_the_python_path_does():
+    groups = make_groups(2)
+    pg = Pg(groups[0], 2)
+    groups[0].c.close()
+    _callers.stream = _engine._sg_emu_stream()
+    try:
+        with pytest.raises(ValueError, match="stream-ordered group is closed"):
+            _engine.fast_allreduce(pg, [FakeCuda(torch.ones(4))], sync_opts())
+        assert not pg._runner._busy, "the token was not given back"
+    finally:
+        close_all(groups, [_callers.stream])
+
+
+def test_a_task_submitted_during_the_round_waits_for_it():
+    """The token is held across the round (Runner.inline's rule): rank 0's
+    first round waits on the host for rank 1, which comes 0.5 s late; a
+    task another thread submits 0.1 s in must start after that round."""
+    n = 2
+    groups = make_groups(n)
+    pgs = [Pg(g, n) for g in groups]
+    t0 = time.monotonic()
+    started = []
+
+    def rank(r):
+        x = torch.ones(4)
+        if r == 1:
+            time.sleep(0.5)
+            return _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts()), x
+        task = Task(lambda: started.append(time.monotonic() - t0), [])
+        tm = threading.Timer(0.1, pgs[0]._runner.submit, (task, True, time.monotonic() + 10))
+        tm.start()
+        w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+        tm.join(10)
+        return w, x
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    assert res[0][0] is not None and res[1][0] is not None
+    assert len(started) == 1 and started[0] >= 0.45, started
+    close_all(groups, streams)
