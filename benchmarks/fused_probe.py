@@ -13,6 +13,11 @@ group, per call, after --warmup calls:
   torch launch   a torch kernel of the same size (t.add_(1)) queued back to
                  back: what one launch costs the host here
 
+Then, --c-rounds times in turn, dist total with the backend's C call
+(csrc/py_fastpath.c) and with it off (the Python fast path it replaces),
+and the median of each: the two in one process, since the host's pace
+moves between processes more than between these two.
+
 Whether a round is one launch or two-sided follows UCCL_SG_FUSED_BYTES, as in
 the backend.  Every figure is the slowest rank's.  Not a benchmark against a
 reference: it says which part to cut (BENCHMARKS.md keeps what it showed).
@@ -98,11 +103,42 @@ def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
     ]
 
 
+def c_path_ab(upg, dev, world: int, sizes, iters: int, warmup: int, rounds: int, sync):
+    """[(op, bytes, us with the C call, us with the Python fast path)], the
+    medians of rounds taken in turn."""
+    from uccl_collective import backend as bk
+    on = (bk._fast_allreduce, bk._fast_allgather)
+    off = (lambda *a: None, lambda *a: None)
+    rows = []
+    try:
+        for size in sizes:
+            n = max(size // 4, 1)
+            t = torch.randn(n, device=dev)
+            out = torch.empty(world * n, device=dev)
+            for op, fn in (("all_reduce", lambda: dist.all_reduce(t, group=upg)),
+                           ("all_gather", lambda: dist.all_gather_into_tensor(out, t, group=upg))):
+                got = ([], [])
+                for _ in range(rounds):
+                    for i, fns in enumerate((on, off)):
+                        bk._fast_allreduce, bk._fast_allgather = fns
+                        for _ in range(warmup):
+                            fn()
+                        sync()
+                        dist.barrier()
+                        got[i].append(loop_us(fn, iters, sync)[1])
+                rows.append((op, size, statistics.median(got[0]), statistics.median(got[1])))
+    finally:
+        bk._fast_allreduce, bk._fast_allgather = on
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="4,1M")
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--c-rounds", type=int, default=3, help="rounds of the C call against the "
+                   "Python fast path (0: none)")
     p.add_argument("--pieces", action="store_true", help="also time the backend's fast path "
                    "piece by piece")
     args = p.parse_args()
@@ -147,6 +183,13 @@ def main() -> None:
         rows.append(("torch add_", size, *loop_us(lambda: t.add_(1), args.iters, sync),
                      float("nan"), float("nan"), span_us(lambda: t.add_(1), 100)))
     pieces = backend_pieces(be, sg, upg, dev, args.iters) if args.pieces else []
+    ab = c_path_ab(upg, dev, world, parse_sizes(args.sizes), args.iters, args.warmup,
+                   args.c_rounds, sync) if args.c_rounds else []
+    if ab:
+        mine = torch.tensor([r[2:] for r in ab], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        ab = [r[:2] + tuple(w) for r, w in zip(ab, torch.stack(every).amax(dim=0).tolist())]
     mine = torch.tensor([r[2:] for r in rows], dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
@@ -164,6 +207,11 @@ def main() -> None:
                   "host us per call):")
         for name, us in pieces:
             print(f"  {name:<44} {us:8.2f}")
+        if ab:
+            print(f"dist total, us per call, median of {args.c_rounds} rounds each (slowest rank):")
+            print(f"{'op':<12} {'bytes':>8} {'C call':>8} {'Python':>8}")
+        for op, size, c_us, py_us in ab:
+            print(f"{op:<12} {size:>8} {c_us:>8.1f} {py_us:>8.1f}")
     dist.destroy_process_group()
 
 
