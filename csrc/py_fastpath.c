@@ -16,11 +16,15 @@
  * StreamWork.  Wherever anything differs (the first call, which makes the
  * stream group and caches the codes; a task queued; a capture, which must
  * raise; an attribute missing) it returns None and the caller takes the
- * Python path, which decides and raises as before.  Only the round's own
- * error is raised here, as the Python path would raise it.
+ * Python path, which decides and raises as before.  Raised here: the
+ * round's own error, as the Python path would raise it, and an exception
+ * that is not an Exception (KeyboardInterrupt, SystemExit) raised by
+ * anything it calls, which is never swallowed.
  *
  * torch is reached only through its Python objects, given once by
- * fast_setup() (this module never links against libtorch). */
+ * fast_setup() (this module never links against libtorch); a test that
+ * patches torch.cuda or backend.py's module globals does not reach this
+ * path, only fast_setup() does. */
 #include "pyengine.h"
 
 #include "sgroup.h"
@@ -44,7 +48,9 @@ static struct uccl__py_fast *fast_of(PyObject *module)
     return f->hook[UCCL__PY_FAST_WORK] ? f : NULL;
 }
 
-/* fast_setup(tensor_type, strided, profiler_enabled, capturing, raw_stream, work_type) */
+/* fast_setup(tensor_type, strided, profiler_enabled, capturing, raw_stream, work_type).
+ * The hooks it replaces are kept (in `retired`) for good: a call on
+ * another thread may be using them, and this runs a few times at most. */
 PyObject *uccl__py_fast_setup(PyObject *module, PyObject *args)
 {
     struct uccl__py_fast *f = &((uccl__py_state *)PyModule_GetState(module))->fast;
@@ -54,11 +60,15 @@ PyObject *uccl__py_fast_setup(PyObject *module, PyObject *args)
     for (int i = 0; i < N_COUNT; i++)
         if (!f->name[i] && !(f->name[i] = PyUnicode_InternFromString(names[i])))
             return NULL;
+    if (!f->retired && !(f->retired = PyList_New(0)))
+        return NULL;
+    for (int i = 0; i < UCCL__PY_FAST_HOOKS; i++)
+        if (f->hook[i] && PyList_Append(f->retired, f->hook[i]) < 0)
+            return NULL;
     for (int i = 0; i < UCCL__PY_FAST_HOOKS; i++) {
         PyObject *old = f->hook[i];
-        Py_INCREF(h[i]);
-        f->hook[i] = h[i];
-        Py_XDECREF(old);
+        f->hook[i] = Py_NewRef(h[i]);
+        Py_XDECREF(old); /* (still held by `retired`) */
     }
     Py_RETURN_NONE;
 }
@@ -67,32 +77,50 @@ int uccl__py_fast_traverse(struct uccl__py_fast *f, visitproc visit, void *arg)
 {
     for (int i = 0; i < UCCL__PY_FAST_HOOKS; i++)
         Py_VISIT(f->hook[i]);
+    Py_VISIT(f->retired);
     return 0;
 }
 
 void uccl__py_fast_clear(struct uccl__py_fast *f)
 {
+    Py_CLEAR(f->hook[UCCL__PY_FAST_WORK]); /* first: fast_of() says "not set up" from here */
     for (int i = 0; i < UCCL__PY_FAST_HOOKS; i++)
         Py_CLEAR(f->hook[i]);
+    Py_CLEAR(f->retired);
     for (int i = 0; i < N_COUNT; i++)
         Py_CLEAR(f->name[i]);
 }
 
-/* o.name (a new reference), or NULL with the error cleared. */
+/* After a check that failed with an error: an Exception is cleared (the
+ * call declines, and the Python path meets it again); anything else
+ * (KeyboardInterrupt, SystemExit) stays set, and the call raises it. */
+static void soft(void)
+{
+    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception))
+        PyErr_Clear();
+}
+
+/* Declined: None for the Python path, or the error that must not be lost. */
+static PyObject *decline(void)
+{
+    return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+}
+
+/* o.name (a new reference), or NULL (soft()). */
 static PyObject *get(struct uccl__py_fast *f, PyObject *o, int name)
 {
     PyObject *v = PyObject_GetAttr(o, f->name[name]);
     if (!v)
-        PyErr_Clear();
+        soft();
     return v;
 }
 
-/* o.name() (a new reference), or NULL with the error cleared. */
+/* o.name() (a new reference), or NULL (soft()). */
 static PyObject *call0(struct uccl__py_fast *f, PyObject *o, int name)
 {
     PyObject *v = PyObject_CallMethodObjArgs(o, f->name[name], NULL);
     if (!v)
-        PyErr_Clear();
+        soft();
     return v;
 }
 
@@ -113,11 +141,11 @@ static int attr_false(struct uccl__py_fast *f, PyObject *o, int name)
     int t = PyObject_IsTrue(a);
     Py_DECREF(a);
     if (t < 0)
-        PyErr_Clear();
+        soft();
     return t == 0;
 }
 
-/* A non-negative integer, or -1 (error cleared); steals o. */
+/* A non-negative integer, or -1 (soft()); steals o. */
 static long long as_ll(PyObject *o)
 {
     if (!o)
@@ -125,8 +153,18 @@ static long long as_ll(PyObject *o)
     long long v = PyLong_Check(o) ? PyLong_AsLongLong(o) : -1;
     Py_DECREF(o);
     if (v < 0 && PyErr_Occurred())
-        PyErr_Clear();
+        soft();
     return v < 0 ? -1 : v;
+}
+
+/* hook() is False (NULL hook result: no). */
+static int hook_false(struct uccl__py_fast *f, int hook)
+{
+    PyObject *v = PyObject_CallNoArgs(f->hook[hook]);
+    if (!v)
+        soft();
+    Py_XDECREF(v);
+    return v == Py_False;
 }
 
 /* t's CUDA device if t is a dense contiguous CUDA tensor, else -1. */
@@ -135,7 +173,7 @@ static long long dense_cuda(struct uccl__py_fast *f, PyObject *t)
     int ok = PyObject_IsInstance(t, f->hook[UCCL__PY_FAST_TENSOR]);
     if (ok <= 0) {
         if (ok < 0)
-            PyErr_Clear();
+            soft();
         return -1;
     }
     if (!attr_is(f, t, N_IS_CUDA, Py_True) || !attr_is(f, t, N_LAYOUT, f->hook[UCCL__PY_FAST_STRIDED]))
@@ -147,10 +185,9 @@ static long long dense_cuda(struct uccl__py_fast *f, PyObject *t)
     return as_ll(call0(f, t, N_GET_DEVICE));
 }
 
-/* What one call needs, gathered by the checks (borrowed from pg, or owned
- * where noted). */
+/* What one call needs, gathered by the checks (new references). */
 struct call {
-    PyObject *sg, *c, *runner; /* owned */
+    PyObject *sg, *c, *runner;
     long long dev;
     uint64_t caller;
 };
@@ -169,14 +206,8 @@ static int group_checks(PyObject *module, struct uccl__py_fast *f, PyObject *pg,
 {
     memset(k, 0, sizeof(*k));
     if (dev < 0 || opts == Py_None || !attr_is(f, opts, N_ASYNC, Py_False) ||
-        !attr_false(f, pg, N_CLOSED))
+        !attr_false(f, pg, N_CLOSED) || !hook_false(f, UCCL__PY_FAST_PROFILING))
         return -1;
-    PyObject *prof = PyObject_CallNoArgs(f->hook[UCCL__PY_FAST_PROFILING]);
-    Py_XDECREF(prof);
-    if (prof != Py_False) {
-        PyErr_Clear();
-        return -1;
-    }
     k->sg = get(f, pg, N_SG);
     if (!k->sg || k->sg == Py_None || as_ll(get(f, k->sg, N_DEV)) != dev)
         return -1;
@@ -184,22 +215,18 @@ static int group_checks(PyObject *module, struct uccl__py_fast *f, PyObject *pg,
     uccl__py_state *st = PyModule_GetState(module);
     if (!k->c || !PyObject_TypeCheck(k->c, (PyTypeObject *)st->sg_type))
         return -1;
-    PyObject *cap = PyObject_CallNoArgs(f->hook[UCCL__PY_FAST_CAPTURING]);
-    Py_XDECREF(cap);
-    if (cap != Py_False) { /* capturing: the Python path refuses it */
-        PyErr_Clear();
+    if (!hook_false(f, UCCL__PY_FAST_CAPTURING)) /* capturing: the Python path refuses it */
         return -1;
-    }
     PyObject *d = PyLong_FromLongLong(dev);
     PyObject *s = d ? PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_RAW_STREAM], d, NULL)
                     : NULL;
     Py_XDECREF(d);
-    if (!s || !uccl__py_to_u64(s, &k->caller)) {
-        Py_XDECREF(s);
-        PyErr_Clear();
+    int ok = s && uccl__py_to_u64(s, &k->caller);
+    Py_XDECREF(s);
+    if (!ok) {
+        soft();
         return -1;
     }
-    Py_DECREF(s);
     k->runner = get(f, pg, N_RUNNER);
     return k->runner ? 0 : -1;
 }
@@ -213,6 +240,23 @@ static PyObject *runner_lock(struct uccl__py_fast *f, PyObject *runner)
     return lock;
 }
 
+/* The error set now, if any, kept in *e (the first one wins; later ones
+ * are dropped). */
+struct err {
+    PyObject *t, *v, *tb;
+};
+
+static void keep(struct err *e)
+{
+    if (!PyErr_Occurred())
+        return;
+    if (e->t) {
+        PyErr_Clear();
+        return;
+    }
+    PyErr_Fetch(&e->t, &e->v, &e->tb);
+}
+
 /* Runner.inline's first half: the token, when nothing of the group is
  * queued or running and it is open; 0 taken, -1 declined.  The lock is
  * only tried: a holder is running or queueing a task, so decline. */
@@ -224,50 +268,70 @@ static int take_token(struct uccl__py_fast *f, PyObject *runner)
     PyObject *got = PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], Py_False, NULL);
     Py_XDECREF(got);
     if (got != Py_True) {
-        PyErr_Clear();
+        if (!got)
+            soft();
         Py_DECREF(lock);
         return -1;
     }
     int free = attr_false(f, runner, N_BUSY) && attr_false(f, runner, N_Q) &&
                attr_false(f, runner, N_CLOSED) && attr_false(f, runner, N_POISONED);
     if (free && PyObject_SetAttr(runner, f->name[N_BUSY], Py_True) < 0) {
-        PyErr_Clear();
+        soft();
         free = 0;
     }
+    struct err e = {0};
+    keep(&e); /* (an interrupt while reading: released first, then raised) */
     PyObject *r = PyObject_CallMethodObjArgs(lock, f->name[N_RELEASE], NULL);
     Py_XDECREF(r);
+    keep(&e);
     Py_DECREF(lock);
-    if (!r)
-        PyErr_Clear();
+    if (e.t) {
+        if (free) /* not keeping it: nothing ran */
+            (void)PyObject_SetAttr(runner, f->name[N_BUSY], Py_False);
+        PyErr_Restore(e.t, e.v, e.tb);
+        return -1;
+    }
     return free ? 0 : -1;
 }
 
-/* Its second half: give the token back and wake whoever waits for it
- * (only a queued task does).  Keeps the exception set by the round. */
+/* Its second half, as inline's `finally`: the token given back and
+ * whoever waits for it woken (only a queued task does).  An error in
+ * this part replaces the round's, as in Python; else the round's stays.
+ * The lock's acquire is retried: a signal handler may interrupt it. */
 static void give_token(struct uccl__py_fast *f, PyObject *runner)
 {
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    PyObject *lock = runner_lock(f, runner);
-    PyObject *got = lock ? PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], NULL) : NULL;
+    struct err round = {0}, e = {0};
+    PyErr_Fetch(&round.t, &round.v, &round.tb);
+    PyObject *lock = runner_lock(f, runner), *got = NULL;
+    keep(&e);
+    for (int tries = 0; lock && !got && tries < 100; tries++)
+        if (!(got = PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], NULL)))
+            keep(&e);
+    if (PyObject_SetAttr(runner, f->name[N_BUSY], Py_False) < 0) /* (no lock: still freed) */
+        keep(&e);
     if (got) {
-        if (PyObject_SetAttr(runner, f->name[N_BUSY], Py_False) < 0)
-            PyErr_Clear();
         if (!attr_false(f, runner, N_Q)) {
+            keep(&e);
             PyObject *cv = get(f, runner, N_CV);
             PyObject *n = cv ? PyObject_CallMethodObjArgs(cv, f->name[N_NOTIFY_ALL], NULL) : NULL;
             Py_XDECREF(n);
             Py_XDECREF(cv);
         }
+        keep(&e);
         PyObject *r = PyObject_CallMethodObjArgs(lock, f->name[N_RELEASE], NULL);
         Py_XDECREF(r);
-    } else if (PyObject_SetAttr(runner, f->name[N_BUSY], Py_False) < 0) {
-        PyErr_Clear(); /* no lock to take (cannot happen): free it anyway */
+        keep(&e);
     }
     Py_XDECREF(got);
     Py_XDECREF(lock);
-    PyErr_Clear();
-    PyErr_Restore(et, ev, tb);
+    if (e.t) {
+        Py_XDECREF(round.t);
+        Py_XDECREF(round.v);
+        Py_XDECREF(round.tb);
+        PyErr_Restore(e.t, e.v, e.tb);
+    } else {
+        PyErr_Restore(round.t, round.v, round.tb);
+    }
 }
 
 /* The round under the token, then its Work (StreamWork(sg, k, [result],
@@ -276,16 +340,15 @@ static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result,
                      PyObject *(*round)(uccl__py_sgroup *, uint64_t, const uint64_t *),
                      const uint64_t *args)
 {
-    if (take_token(f, k->runner)) {
-        call_free(k);
-        Py_RETURN_NONE;
-    }
+    if (take_token(f, k->runner))
+        return decline();
     PyObject *r = round((uccl__py_sgroup *)k->c, k->caller, args);
     give_token(f, k->runner);
+    if (r && PyErr_Occurred()) /* the round ran, but giving the token back was interrupted */
+        Py_CLEAR(r);
     PyObject *w = NULL, *lst = r ? PyList_New(1) : NULL, *caller = NULL;
     if (lst) {
-        Py_INCREF(result);
-        PyList_SetItem(lst, 0, result);
+        PyList_SetItem(lst, 0, Py_NewRef(result));
         caller = PyLong_FromUnsignedLongLong(k->caller);
     }
     if (caller)
@@ -293,7 +356,6 @@ static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result,
     Py_XDECREF(caller);
     Py_XDECREF(lst);
     Py_XDECREF(r);
-    call_free(k);
     return w;
 }
 
@@ -312,28 +374,28 @@ static PyObject *round_allgather(uccl__py_sgroup *c, uint64_t caller, const uint
 static int red_codes(struct uccl__py_fast *f, PyObject *pg, PyObject *opts, PyObject *t,
                      uint64_t *dtype, uint64_t *op)
 {
-    PyObject *ro = get(f, opts, N_REDUCE_OP), *dt = get(f, t, N_DTYPE);
-    PyObject *cache = get(f, pg, N_RED_CODES), *key = NULL, *codes = NULL;
-    Py_hash_t h = ro ? PyObject_Hash(ro) : -1;
-    if (h != -1 && dt && cache && PyDict_Check(cache)) {
-        PyObject *hv = PyLong_FromSsize_t(h);
-        key = hv ? PyTuple_Pack(2, hv, dt) : NULL;
-        Py_XDECREF(hv);
-    }
-    if (key)
-        codes = PyDict_GetItemWithError(cache, key); /* borrowed */
     int rc = -1;
+    PyObject *ro = NULL, *dt = NULL, *cache = NULL, *hv = NULL, *key = NULL;
+    Py_hash_t h;
+    if (!(ro = get(f, opts, N_REDUCE_OP)) || (h = PyObject_Hash(ro)) == -1 ||
+        !(dt = get(f, t, N_DTYPE)) || !(cache = get(f, pg, N_RED_CODES)) ||
+        !PyDict_Check(cache) || !(hv = PyLong_FromSsize_t(h)) ||
+        !(key = PyTuple_Pack(2, hv, dt)))
+        goto out;
+    PyObject *codes = PyDict_GetItemWithError(cache, key); /* borrowed */
     if (codes && PyTuple_Check(codes) && PyTuple_Size(codes) == 2) {
         long long a = as_ll(Py_NewRef(PyTuple_GetItem(codes, 0)));
         long long b = as_ll(Py_NewRef(PyTuple_GetItem(codes, 1)));
-        if (a >= 0 && b >= 0) {
+        if (a >= 0 && a <= INT32_MAX && b >= 0 && b <= INT32_MAX && !PyErr_Occurred()) {
             *dtype = (uint64_t)a;
             *op = (uint64_t)b;
             rc = 0;
         }
     }
-    PyErr_Clear();
+out:
+    soft();
     Py_XDECREF(key);
+    Py_XDECREF(hv);
     Py_XDECREF(cache);
     Py_XDECREF(dt);
     Py_XDECREF(ro);
@@ -350,22 +412,28 @@ PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ss
     PyObject *pg = args[0], *ts = args[1], *opts = args[2];
     if (!f || !PyList_Check(ts) || PyList_Size(ts) != 1)
         Py_RETURN_NONE;
-    PyObject *t = PyList_GetItem(ts, 0);
+    PyObject *t = Py_NewRef(PyList_GetItem(ts, 0)), *w = NULL; /* ours: the list may change */
     struct call k;
     uint64_t a[4];
-    if (group_checks(module, f, pg, opts, dense_cuda(f, t), &k) ||
-        red_codes(f, pg, opts, t, &a[2], &a[3])) {
-        call_free(&k);
-        Py_RETURN_NONE;
+    long long ptr = -1, n = -1;
+    if (!group_checks(module, f, pg, opts, dense_cuda(f, t), &k) &&
+        !red_codes(f, pg, opts, t, &a[2], &a[3]) &&
+        (ptr = as_ll(call0(f, t, N_DATA_PTR))) >= 0 && (n = as_ll(call0(f, t, N_NUMEL))) >= 0) {
+        a[0] = (uint64_t)ptr;
+        a[1] = (uint64_t)n;
+        w = run(f, &k, t, round_allreduce, a);
+    } else {
+        w = decline();
     }
-    long long ptr = as_ll(call0(f, t, N_DATA_PTR)), n = as_ll(call0(f, t, N_NUMEL));
-    if (ptr < 0 || n < 0) {
-        call_free(&k);
-        Py_RETURN_NONE;
-    }
-    a[0] = (uint64_t)ptr;
-    a[1] = (uint64_t)n;
-    return run(f, &k, t, round_allreduce, a);
+    call_free(&k);
+    Py_DECREF(t);
+    return w;
+}
+
+/* The integer t.name(), or -1 (soft()). */
+static long long ll_of(struct uccl__py_fast *f, PyObject *t, int name)
+{
+    return PyErr_Occurred() ? -1 : as_ll(call0(f, t, name));
 }
 
 /* fast_allgather(pg, output, input, opts) -> StreamWork, or None */
@@ -378,27 +446,30 @@ PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ss
     PyObject *pg = args[0], *out = args[1], *inp = args[2], *opts = args[3];
     if (!f)
         Py_RETURN_NONE;
-    long long dev = dense_cuda(f, out);
-    if (dev < 0 || dense_cuda(f, inp) != dev)
-        Py_RETURN_NONE;
     struct call k;
-    if (group_checks(module, f, pg, opts, dev, &k)) {
+    memset(&k, 0, sizeof(k));
+    long long dev = dense_cuda(f, out);
+    if (dev < 0 || PyErr_Occurred() || dense_cuda(f, inp) != dev ||
+        group_checks(module, f, pg, opts, dev, &k)) {
         call_free(&k);
-        Py_RETURN_NONE;
+        return decline();
     }
-    PyObject *dto = get(f, out, N_DTYPE), *dti = get(f, inp, N_DTYPE);
+    PyObject *dto = get(f, out, N_DTYPE), *dti = dto ? get(f, inp, N_DTYPE) : NULL;
     int same = dto && dto == dti;
     Py_XDECREF(dto);
     Py_XDECREF(dti);
-    long long no = as_ll(call0(f, out, N_NUMEL)), ni = as_ll(call0(f, inp, N_NUMEL));
-    long long es = as_ll(call0(f, inp, N_ELEMENT_SIZE));
-    long long src = as_ll(call0(f, inp, N_DATA_PTR)), dst = as_ll(call0(f, out, N_DATA_PTR));
-    long long world = as_ll(PyObject_CallMethod(pg, "size", NULL));
-    if (!same || no < 0 || ni < 0 || es < 0 || src < 0 || dst < 0 || world < 1 ||
-        no / world != ni || no % world != 0) {
-        call_free(&k);
-        Py_RETURN_NONE;
+    long long no = ll_of(f, out, N_NUMEL), ni = ll_of(f, inp, N_NUMEL);
+    long long es = ll_of(f, inp, N_ELEMENT_SIZE), src = ll_of(f, inp, N_DATA_PTR);
+    long long dst = ll_of(f, out, N_DATA_PTR);
+    long long world = PyErr_Occurred() ? -1 : as_ll(PyObject_CallMethod(pg, "size", NULL));
+    PyObject *w;
+    if (same && no >= 0 && ni >= 0 && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
+        no % world == 0 && no / world == ni && (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
+        uint64_t a[3] = {(uint64_t)src, (uint64_t)ni * (uint64_t)es, (uint64_t)dst};
+        w = run(f, &k, out, round_allgather, a);
+    } else {
+        w = decline();
     }
-    uint64_t a[3] = {(uint64_t)src, (uint64_t)ni * (uint64_t)es, (uint64_t)dst};
-    return run(f, &k, out, round_allgather, a);
+    call_free(&k);
+    return w;
 }

@@ -45,6 +45,7 @@ enum {
 #define UCCL__PY_FAST_NAMES 24
 struct uccl__py_fast {
     PyObject *hook[UCCL__PY_FAST_HOOKS];
+    PyObject *retired; /* a list: the hooks fast_setup() replaced, kept */
     PyObject *name[UCCL__PY_FAST_NAMES];
 };
 

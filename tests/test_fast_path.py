@@ -62,6 +62,10 @@ class Switch:
     capturing = False
 
 
+pytestmark = pytest.mark.skipif(not bk._HASH_IS_OP, reason="this torch's hash(ReduceOp) is not "
+                                "its operator's number, so the backend leaves the C path off")
+
+
 @pytest.fixture(autouse=True)
 def fake_cuda_hooks():
     """The C path's torch pieces, for these tests: FakeCuda as the tensor
@@ -137,6 +141,7 @@ def declines(pg, x, out):
         "a tuple": lambda: _engine.fast_allreduce(pg, (t,), o),
         "not a tensor": lambda: _engine.fast_allreduce(pg, [object()], o),
         "a CPU tensor": lambda: _engine.fast_allreduce(pg, [x], o),
+        "is_cuda False": lambda: _engine.fast_allreduce(pg, [not_cuda(x)], o),
         "another device": lambda: _engine.fast_allreduce(pg, [FakeCuda(x, dev=1)], o),
         "a sparse layout": lambda: _engine.fast_allreduce(pg, [FakeCuda(x, layout=torch.sparse_coo)],
                                                           o),
@@ -149,11 +154,19 @@ def declines(pg, x, out):
                                                                      o),
         "all_gather, output not world x input": lambda: _engine.fast_allgather(
             pg, FakeCuda(out[:-1]), t, o),
+        "all_gather, output world x input + 1": lambda: _engine.fast_allgather(
+            pg, FakeCuda(torch.zeros(2 * x.numel() + 1)), t, o),
         "all_gather, input on another device": lambda: _engine.fast_allgather(
             pg, y, FakeCuda(x, dev=1), o),
     }
     got = {name: fn() for name, fn in cases.items()}
     assert got == dict.fromkeys(cases), {k: v for k, v in got.items() if v is not None}
+
+
+def not_cuda(x):
+    t = FakeCuda(x)
+    t.is_cuda = False
+    return t
 
 
 def max_opts():
@@ -181,6 +194,8 @@ def states(pg):
         ("the runner closed", *setter(r, "_closed", "closed")),
         ("the runner poisoned", *setter(r, "_poisoned", "poisoned")),
         ("the group on another device", *setter(sg, "dev", 1)),
+        ("the group's engine object closed", *setter(sg, "c", None)),
+        ("the group's engine object not one", *setter(sg, "c", object())),
     ]
 
 
@@ -248,6 +263,73 @@ def test_a_closed_group_raises_as_the_python_path_does():
         with pytest.raises(ValueError, match="stream-ordered group is closed"):
             _engine.fast_allreduce(pg, [FakeCuda(torch.ones(4))], sync_opts())
         assert not pg._runner._busy, "the token was not given back"
+    finally:
+        close_all(groups, [_callers.stream])
+
+
+def test_a_task_queued_for_the_runner_thread_during_the_round_is_woken():
+    """A task queued during the round for the runner's thread (no waiter
+    polls for it): giving the token back must wake that thread, else the
+    task never starts."""
+    n = 2
+    groups = make_groups(n)
+    pgs = [Pg(g, n) for g in groups]
+    started = []
+    task = Task(lambda: started.append(time.monotonic()), [])
+
+    def rank(r):
+        x = torch.ones(4)
+        if r == 1:
+            time.sleep(0.5)
+        else:
+            threading.Timer(0.1, pgs[0]._runner.submit, (task, False, time.monotonic() + 10)).start()
+        w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+        return w, time.monotonic(), x
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    pgs[0]._runner.drive(task, time.monotonic() + 3, run_here=False)   # UcclTimeoutError if never woken
+    assert started and started[0] >= res[0][1] - 0.05 and started[0] - res[0][1] < 1.0, \
+        (started, res[0][1])
+    drain(groups, streams)
+    pgs[0]._runner.close("test")
+    close_all(groups, streams)
+
+
+def test_the_backend_has_what_the_c_path_reads():
+    """The names csrc/py_fastpath.c reads of a ProcessGroupUCCL and its
+    runner (a rename in backend.py would make it decline every call)."""
+    from datetime import timedelta
+    pg = bk.ProcessGroupUCCL(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    try:
+        assert pg._closed is False and pg._sg is None and isinstance(pg._red_codes, dict)
+        assert pg.size() == 1
+        r = pg._runner
+        assert r._busy is False and not r._q and not r._closed and not r._poisoned
+        assert r._cv._lock.acquire(False) and r._cv.notify_all() is None
+        r._cv._lock.release()
+        assert bk.ProcessGroupUCCL.allreduce.__code__.co_names[0] == "_fast_allreduce"
+        assert bk.ProcessGroupUCCL._allgather_base.__code__.co_names[0] == "_fast_allgather"
+        for name in ("dev", "c"):
+            assert name in sgm.StreamGroup.__init__.__code__.co_names, name
+    finally:
+        pg.shutdown()
+
+
+def test_an_interrupt_in_a_check_is_raised_not_swallowed():
+    """A KeyboardInterrupt raised by something the checks call (a signal
+    handler runs in Python code) comes out of the call; nothing ran."""
+    groups = make_groups(2)
+    pg = Pg(groups[0], 2)
+
+    def interrupted():
+        raise KeyboardInterrupt
+    _engine.fast_setup(FakeCuda, torch.strided, lambda: False, interrupted,
+                       lambda dev: _callers.stream, StreamWork)
+    _callers.stream = _engine._sg_emu_stream()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _engine.fast_allreduce(pg, [FakeCuda(torch.ones(4))], sync_opts())
+        assert not pg._runner._busy
     finally:
         close_all(groups, [_callers.stream])
 
