@@ -664,3 +664,31 @@ def test_the_fast_path_runs_only_with_nothing_of_the_group_ahead():
     r.poison("test")
     assert r.inline(lambda: 1) == (False, None)
     r.close("test")
+
+
+def test_a_blocking_task_runs_here_only_with_nothing_ahead():
+    """Runner.run_here (the backend's blocking CPU calls): runs the task on
+    this thread when nothing is queued or running, keeping its error as a
+    queued task's; else leaves it to submit (behind what is ahead)."""
+    from uccl_collective._work import Runner, Task
+    r = Runner("test", 10.0)
+    who = []
+    t = Task(lambda: who.append(threading.current_thread()), [])
+    assert r.run_here(t) and t.ran and t.error is None and who == [threading.current_thread()]
+
+    def boom():
+        raise ValueError("from the task")
+    t = Task(boom, [])
+    assert r.run_here(t) and t.ran and isinstance(t.error, ValueError) and t.fn is None
+    assert not r._busy
+    gate = threading.Event()
+    first = Task(lambda: gate.wait(10), [])
+    r.submit(first, False, time.monotonic() + 10)   # the runner's thread runs it
+    deadline = time.monotonic() + 5
+    while not r._busy and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    t = Task(lambda: who.append("second"), [])
+    assert not r.run_here(t) and not t.ran and who[-1] != "second"
+    gate.set()
+    r.drive(first, time.monotonic() + 10, run_here=False)
+    r.close("test")

@@ -114,6 +114,16 @@ class Task:
                 pass  # completed by another thread meanwhile
 
 
+def _execute(task: Task) -> None:
+    """Run a task's function, keeping its error for wait() (KeyboardInterrupt
+    included) and what it left in flight."""
+    try:
+        task.pending = list(task.fn() or ())
+    except BaseException as e:
+        task.error = e
+    task.fn = None
+
+
 class Runner:
     """The FIFO of one process group.  A thread holding the *token* runs the
     head task: the caller of a blocking operation, a waiter, or the group's
@@ -182,6 +192,16 @@ class Runner:
         with self._cv:
             self._poisoned = self._poisoned or why
 
+    def run_here(self, task: Task) -> bool:
+        """A blocking call's task run on this thread at once, holding the
+        token (inline), when nothing of the group's is queued or running:
+        no queue and no hand-off, which on the GPU machine's host is most
+        of a small CPU collective's Python.  False: not run (submit it)."""
+        ran, _ = self.inline(_execute, task)
+        if ran:
+            task.ran = True   # (nobody else holds the task yet: no lock needed)
+        return ran
+
     def _run_head(self) -> None:
         """Under the lock, token free, queue not empty: run the head task
         without the lock."""
@@ -189,11 +209,7 @@ class Runner:
         self._busy = True
         self._cv.release()
         try:
-            try:
-                task.pending = list(task.fn() or ())
-            except BaseException as e:  # kept for wait(); KeyboardInterrupt included
-                task.error = e
-            task.fn = None
+            _execute(task)
         finally:
             self._cv.acquire()
             task.ran = True

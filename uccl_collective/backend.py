@@ -32,6 +32,7 @@ from .p2p import UcclError, UcclTimeoutError
 BACKEND_NAME = "uccl"
 _SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
 _STRIDED = torch.strided
+_REDUCE_OP = dist.ReduceOp
 _profiler_enabled = torch.autograd._profiler_enabled
 # c10d defines hash(ReduceOp) as its operator's number.  The fast path keys
 # its codes on that: reading reduceOp.op.value instead makes an enum object,
@@ -73,6 +74,11 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 def _tensor(t: Any, what: str) -> torch.Tensor:
     """Checked; returns an alias (_alias) for the operation to work on."""
+    return _alias(_checked(t, what))
+
+
+def _checked(t: Any, what: str) -> torch.Tensor:
+    """t, checked: a dense CPU or CUDA tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -80,7 +86,7 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
     if not (t.is_cuda or t.device.type == "cpu"):
         raise ValueError(f"{what}: tensor on {t.device}; the uccl backend moves CPU and CUDA "
                          "tensors")
-    return _alias(t)
+    return t
 
 
 def _tensors(*groups: Any):
@@ -220,6 +226,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._sg_off = not _stream_group.enabled() or size == 1
         self._run_ctx: Any = None   # a task's StreamCtx while it runs
         self._red_codes: dict = {}  # (operator, dtype) -> the engine kernel's codes, or ()
+        self._ops_checked: dict = {}  # (hash(reduceOp), dtype) -> its RedOpType (_reduce_fn)
+        self._combiners: dict = {}   # (operator, dtype, device type) -> its combine (_combine)
         self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
         self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
@@ -286,7 +294,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if end is not None:
             task.gpu_end, task.stream, task.check = end, sg.torch_stream, sg.check
         deadline = time.monotonic() + self._timeout
-        self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
+        if not (sync and dev is None and self._runner.run_here(task)):   # a CPU call: inline
+            self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
             task.settle_pending(deadline)
             if task.error is not None:
@@ -454,13 +463,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
 
     def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
-        out, inp = _tensor(out, f"{what} output"), _tensor(inp, f"{what} input")
+        out, inp = _checked(out, f"{what} output"), _checked(inp, f"{what} input")
         n = self.size()
         if out.dtype != inp.dtype:
             raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
         if out.numel() != n * inp.numel():
             raise ValueError(f"{what}: output has {out.numel()} elements; group size {n} x "
                              f"input's {inp.numel()} = {n * inp.numel()} expected")
+        if not out.is_cuda and out.is_contiguous() and inp.is_contiguous():
+            # The engine writes the output's bytes itself (no torch op on it),
+            # so no alias is needed: two of them were ~20 us of a 4-byte
+            # all_gather_into_tensor on the GPU machine's host.
+            return lambda: self._xctx.allgather(inp, out.reshape(-1))
+        out, inp = _alias(out), _alias(inp)
 
         def run():
             s = _Staged(out, copy_in=False)
@@ -535,8 +550,18 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- reductions ---------------------------------------------------------------
     def _reduce_fn(self, opts: Any, dtype: torch.dtype, what: str):
-        op = _reduce.op_type(opts.reduceOp if opts is not None else R.SUM)
-        _reduce.check_op(op, dtype, what)
+        """The operator (a RedOpType), checked for dtype: once per
+        (operator, dtype), keyed as _fast_red keys.  Its checks compare
+        pybind enums (about 1 us each on the GPU machine's host: 12 us a CPU
+        all_reduce, BENCHMARKS.md session 11); a bad one raises each time."""
+        ro = opts.reduceOp if opts is not None else None
+        key = (hash(ro), dtype) if type(ro) is _REDUCE_OP and _HASH_IS_OP else None
+        op = self._ops_checked.get(key) if key is not None else None
+        if op is None:
+            op = _reduce.op_type(ro if ro is not None else R.SUM)
+            _reduce.check_op(op, dtype, what)
+            if key is not None:
+                self._ops_checked[key] = op
         return op
 
     def _scratch(self, nbytes: int, slot: int = 0, device: Any = "cpu") -> torch.Tensor:
@@ -561,8 +586,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return flat
 
     def _combine(self, op: R, dtype: torch.dtype, device: torch.device) -> Callable:
-        fn = _reduce.combiner(op, dtype)
-        return fn if device.type == "cuda" else self._par.wrap(fn)  # CPU: split over threads
+        key = (int(op), dtype, device.type)
+        fn = self._combiners.get(key)
+        if fn is None:   # (made once: _reduce.combiner compares pybind enums)
+            fn = _reduce.combiner(op, dtype)
+            fn = self._combiners[key] = fn if device.type == "cuda" else self._par.wrap(fn)
+        return fn   # on the CPU split over threads
 
     def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
         """flat (contiguous 1-D) <- its reduction over the group."""
