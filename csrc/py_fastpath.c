@@ -33,13 +33,13 @@
 enum {
     N_ASYNC, N_REDUCE_OP, N_CLOSED, N_SG, N_RUNNER, N_RED_CODES, N_C, N_DEV, N_IS_CUDA,
     N_LAYOUT, N_IS_CONTIGUOUS, N_GET_DEVICE, N_DTYPE, N_DATA_PTR, N_NUMEL, N_ELEMENT_SIZE,
-    N_CV, N_LOCK, N_BUSY, N_Q, N_POISONED, N_ACQUIRE, N_RELEASE, N_NOTIFY_ALL, N_COUNT
+    N_CV, N_LOCK, N_BUSY, N_Q, N_POISONED, N_ACQUIRE, N_RELEASE, N_NOTIFY_ALL, N_SIZE, N_COUNT
 };
 _Static_assert(N_COUNT <= UCCL__PY_FAST_NAMES, "struct uccl__py_fast's names");
 static const char *const names[N_COUNT] = {
     "asyncOp", "reduceOp", "_closed", "_sg", "_runner", "_red_codes", "c", "dev", "is_cuda",
     "layout", "is_contiguous", "get_device", "dtype", "data_ptr", "numel", "element_size",
-    "_cv", "_lock", "_busy", "_q", "_poisoned", "acquire", "release", "notify_all",
+    "_cv", "_lock", "_busy", "_q", "_poisoned", "acquire", "release", "notify_all", "size",
 };
 
 static struct uccl__py_fast *fast_of(PyObject *module)
@@ -187,8 +187,7 @@ static long long dense_cuda(struct uccl__py_fast *f, PyObject *t)
 
 /* What one call needs, gathered by the checks (new references). */
 struct call {
-    PyObject *sg, *c, *runner;
-    long long dev;
+    PyObject *sg, *c, *runner, *lock; /* lock: the runner's (Runner._cv's) */
     uint64_t caller;
 };
 
@@ -197,6 +196,7 @@ static void call_free(struct call *k)
     Py_XDECREF(k->sg);
     Py_XDECREF(k->c);
     Py_XDECREF(k->runner);
+    Py_XDECREF(k->lock);
 }
 
 /* The checks of backend._fast for a blocking call whose tensors (dense
@@ -227,17 +227,12 @@ static int group_checks(PyObject *module, struct uccl__py_fast *f, PyObject *pg,
         soft();
         return -1;
     }
-    k->runner = get(f, pg, N_RUNNER);
-    return k->runner ? 0 : -1;
-}
-
-/* The runner's lock (Runner._cv's), a new reference, or NULL. */
-static PyObject *runner_lock(struct uccl__py_fast *f, PyObject *runner)
-{
-    PyObject *cv = get(f, runner, N_CV);
-    PyObject *lock = cv ? get(f, cv, N_LOCK) : NULL;
+    if (!(k->runner = get(f, pg, N_RUNNER)))
+        return -1;
+    PyObject *cv = get(f, k->runner, N_CV);
+    k->lock = cv ? get(f, cv, N_LOCK) : NULL;
     Py_XDECREF(cv);
-    return lock;
+    return k->lock ? 0 : -1;
 }
 
 /* The error set now, if any, kept in *e (the first one wins; later ones
@@ -260,17 +255,13 @@ static void keep(struct err *e)
 /* Runner.inline's first half: the token, when nothing of the group is
  * queued or running and it is open; 0 taken, -1 declined.  The lock is
  * only tried: a holder is running or queueing a task, so decline. */
-static int take_token(struct uccl__py_fast *f, PyObject *runner)
+static int take_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock)
 {
-    PyObject *lock = runner_lock(f, runner);
-    if (!lock)
-        return -1;
     PyObject *got = PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], Py_False, NULL);
     Py_XDECREF(got);
     if (got != Py_True) {
         if (!got)
             soft();
-        Py_DECREF(lock);
         return -1;
     }
     int free = attr_false(f, runner, N_BUSY) && attr_false(f, runner, N_Q) &&
@@ -284,7 +275,6 @@ static int take_token(struct uccl__py_fast *f, PyObject *runner)
     PyObject *r = PyObject_CallMethodObjArgs(lock, f->name[N_RELEASE], NULL);
     Py_XDECREF(r);
     keep(&e);
-    Py_DECREF(lock);
     if (e.t) {
         if (free) /* not keeping it: nothing ran */
             (void)PyObject_SetAttr(runner, f->name[N_BUSY], Py_False);
@@ -298,13 +288,12 @@ static int take_token(struct uccl__py_fast *f, PyObject *runner)
  * whoever waits for it woken (only a queued task does).  An error in
  * this part replaces the round's, as in Python; else the round's stays.
  * The lock's acquire is retried: a signal handler may interrupt it. */
-static void give_token(struct uccl__py_fast *f, PyObject *runner)
+static void give_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock)
 {
     struct err round = {0}, e = {0};
     PyErr_Fetch(&round.t, &round.v, &round.tb);
-    PyObject *lock = runner_lock(f, runner), *got = NULL;
-    keep(&e);
-    for (int tries = 0; lock && !got && tries < 100; tries++)
+    PyObject *got = NULL;
+    for (int tries = 0; !got && tries < 100; tries++)
         if (!(got = PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], NULL)))
             keep(&e);
     if (PyObject_SetAttr(runner, f->name[N_BUSY], Py_False) < 0) /* (no lock: still freed) */
@@ -323,7 +312,6 @@ static void give_token(struct uccl__py_fast *f, PyObject *runner)
         keep(&e);
     }
     Py_XDECREF(got);
-    Py_XDECREF(lock);
     if (e.t) {
         Py_XDECREF(round.t);
         Py_XDECREF(round.v);
@@ -337,13 +325,12 @@ static void give_token(struct uccl__py_fast *f, PyObject *runner)
 /* The round under the token, then its Work (StreamWork(sg, k, [result],
  * caller)); the round's error raised; None where the token is taken. */
 static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result,
-                     PyObject *(*round)(uccl__py_sgroup *, uint64_t, const uint64_t *),
-                     const uint64_t *args)
+                     const struct uccl__py_fast_args *a)
 {
-    if (take_token(f, k->runner))
+    if (take_token(f, k->runner, k->lock))
         return decline();
-    PyObject *r = round((uccl__py_sgroup *)k->c, k->caller, args);
-    give_token(f, k->runner);
+    PyObject *r = uccl__py_sg_fast_round((uccl__py_sgroup *)k->c, k->caller, a);
+    give_token(f, k->runner, k->lock);
     if (r && PyErr_Occurred()) /* the round ran, but giving the token back was interrupted */
         Py_CLEAR(r);
     PyObject *w = NULL, *lst = r ? PyList_New(1) : NULL, *caller = NULL;
@@ -359,20 +346,10 @@ static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result,
     return w;
 }
 
-static PyObject *round_allreduce(uccl__py_sgroup *c, uint64_t caller, const uint64_t *a)
-{
-    return uccl__py_sg_allreduce(c, caller, a[0], a[1], (int)a[2], (int)a[3]);
-}
-
-static PyObject *round_allgather(uccl__py_sgroup *c, uint64_t caller, const uint64_t *a)
-{
-    return uccl__py_sg_allgather(c, caller, a[0], a[1], a[2]);
-}
-
 /* The engine's (dtype, operator) codes cached by backend._fast_red for
  * (hash(opts.reduceOp), t.dtype): 0, or -1 where none are (decline). */
 static int red_codes(struct uccl__py_fast *f, PyObject *pg, PyObject *opts, PyObject *t,
-                     uint64_t *dtype, uint64_t *op)
+                     int *dtype, int *op)
 {
     int rc = -1;
     PyObject *ro = NULL, *dt = NULL, *cache = NULL, *hv = NULL, *key = NULL;
@@ -387,8 +364,8 @@ static int red_codes(struct uccl__py_fast *f, PyObject *pg, PyObject *opts, PyOb
         long long a = as_ll(Py_NewRef(PyTuple_GetItem(codes, 0)));
         long long b = as_ll(Py_NewRef(PyTuple_GetItem(codes, 1)));
         if (a >= 0 && a <= INT32_MAX && b >= 0 && b <= INT32_MAX && !PyErr_Occurred()) {
-            *dtype = (uint64_t)a;
-            *op = (uint64_t)b;
+            *dtype = (int)a;
+            *op = (int)b;
             rc = 0;
         }
     }
@@ -414,14 +391,14 @@ PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ss
         Py_RETURN_NONE;
     PyObject *t = Py_NewRef(PyList_GetItem(ts, 0)), *w = NULL; /* ours: the list may change */
     struct call k;
-    uint64_t a[4];
+    struct uccl__py_fast_args a = {0};
     long long ptr = -1, n = -1;
     if (!group_checks(module, f, pg, opts, dense_cuda(f, t), &k) &&
-        !red_codes(f, pg, opts, t, &a[2], &a[3]) &&
+        !red_codes(f, pg, opts, t, &a.dtype, &a.op) &&
         (ptr = as_ll(call0(f, t, N_DATA_PTR))) >= 0 && (n = as_ll(call0(f, t, N_NUMEL))) >= 0) {
-        a[0] = (uint64_t)ptr;
-        a[1] = (uint64_t)n;
-        w = run(f, &k, t, round_allreduce, a);
+        a.src = (uint64_t)ptr;
+        a.count = (uint64_t)n;
+        w = run(f, &k, t, &a);
     } else {
         w = decline();
     }
@@ -461,12 +438,13 @@ PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ss
     long long no = ll_of(f, out, N_NUMEL), ni = ll_of(f, inp, N_NUMEL);
     long long es = ll_of(f, inp, N_ELEMENT_SIZE), src = ll_of(f, inp, N_DATA_PTR);
     long long dst = ll_of(f, out, N_DATA_PTR);
-    long long world = PyErr_Occurred() ? -1 : as_ll(PyObject_CallMethod(pg, "size", NULL));
+    long long world = ll_of(f, pg, N_SIZE);
     PyObject *w;
     if (same && no >= 0 && ni >= 0 && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
         no % world == 0 && no / world == ni && (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
-        uint64_t a[3] = {(uint64_t)src, (uint64_t)ni * (uint64_t)es, (uint64_t)dst};
-        w = run(f, &k, out, round_allgather, a);
+        struct uccl__py_fast_args a = {.gather = 1, .src = (uint64_t)src, .dst = (uint64_t)dst,
+                                       .count = (uint64_t)ni * (uint64_t)es};
+        w = run(f, &k, out, &a);
     } else {
         w = decline();
     }

@@ -263,14 +263,6 @@ static PyObject *SG_allreduce(PyObject *op, PyObject *args)
                       uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
 
-PyObject *uccl__py_sg_allreduce(uccl__py_sgroup *self, uint64_t caller, uint64_t ptr,
-                                uint64_t count, int dtype, int op)
-{
-    struct uccl_sg_opts o = {.caller = (uintptr_t)caller, .caller_waits = 1};
-    struct coll_args r = {.a = (uintptr_t)ptr, .count = (size_t)count, .dtype = dtype, .op = op};
-    return uccl__py_sg_open((PyObject *)self) ? run_round(self, &o, do_allreduce, &r) : NULL;
-}
-
 /* reduce_scatter(caller, caller_waits, end_event, out, inp, count, dtype, op) */
 static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
 {
@@ -295,20 +287,23 @@ static PyObject *SG_allgather(PyObject *op, PyObject *args)
                       uccl__py_to_size, &r.count, uccl__py_to_u64, &r.b);
 }
 
-PyObject *uccl__py_sg_allgather(uccl__py_sgroup *self, uint64_t caller, uint64_t src,
-                                uint64_t nbytes, uint64_t dst)
-{
-    struct uccl_sg_opts o = {.caller = (uintptr_t)caller, .caller_waits = 1};
-    struct coll_args r = {.a = (uintptr_t)src, .b = (uintptr_t)dst, .count = (size_t)nbytes};
-    return uccl__py_sg_open((PyObject *)self) ? run_round(self, &o, do_allgather, &r) : NULL;
-}
-
 /* broadcast(caller, caller_waits, end_event, ptr, nbytes, root) */
 static PyObject *SG_broadcast(PyObject *op, PyObject *args)
 {
     struct coll_args r = {0};
     return collective(op, args, do_broadcast, &r, "O&O&i", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.root);
+}
+
+PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller,
+                                 const struct uccl__py_fast_args *a)
+{
+    struct uccl_sg_opts o = {.caller = (uintptr_t)caller, .caller_waits = 1};
+    struct coll_args r = {.a = (uintptr_t)a->src, .b = (uintptr_t)a->dst, .count = (size_t)a->count,
+                          .dtype = a->dtype, .op = a->op};
+    if (!uccl__py_sg_open((PyObject *)self))
+        return NULL;
+    return run_round(self, &o, a->gather ? do_allgather : do_allreduce, &r);
 }
 
 /* The general round's lists, parsed with the GIL held. */

@@ -232,16 +232,21 @@ static uintptr_t arena_word(const uccl_sg_t *sg, int r, int off)
  * this rank's that a round may leave unwritten (two-sided rounds' done
  * words in a run of one-launch rounds, the kernel's seen word in a run of
  * two-sided ones) set to k - 1, in the page and the arena. */
+/* A rank's round words that are in its arena too (fin is in the page only);
+ * what a refresh and a renumbering set. */
+static const int ROUND_WORDS[] = {OFF_READY, OFF_DONE, OFF_DONE2};
+#define NROUND_WORDS (int)(sizeof(ROUND_WORDS) / sizeof(ROUND_WORDS[0]))
+
 static int refresh_words(uccl_sg_t *sg, uintptr_t X, uint32_t k)
 {
-    static const int offs[] = {OFF_READY, OFF_DONE, OFF_DONE2, OFF_FIN};
-    struct uccl__sg_memop ops[8];
+    struct uccl__sg_memop ops[2 * NROUND_WORDS + 2];
     int n = 0;
-    for (int i = 0; i < 4; i++) {
-        memop(ops, &n, w32(sg, sg->rank, offs[i]), k - 1, 0);
-        if (sg->fz_arena && offs[i] != OFF_FIN)
-            memop(ops, &n, (uint32_t *)arena_word(sg, sg->rank, offs[i]), k - 1, 0);
+    for (int i = 0; i < NROUND_WORDS; i++) {
+        memop(ops, &n, w32(sg, sg->rank, ROUND_WORDS[i]), k - 1, 0);
+        if (sg->fz_arena)
+            memop(ops, &n, (uint32_t *)arena_word(sg, sg->rank, ROUND_WORDS[i]), k - 1, 0);
     }
+    memop(ops, &n, w32(sg, sg->rank, OFF_FIN), k - 1, 0);
     if (sg->fz_arena)
         memop(ops, &n, (uint32_t *)(arena_tail(sg, sg->rank) + UCCL_SG_FUSED_SEEN), k - 1, 0);
     uccl__sg_reg_age(sg, k);
@@ -512,12 +517,12 @@ int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag)
                        "already: too late to renumber the rounds", sg->rank, sg->round);
     } else if (k) {
         __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED);
-        static const int offs[] = {OFF_READY, OFF_DONE, OFF_DONE2};
-        for (int i = 0; i < 3; i++) {
-            uint32_t v = offs[i] == OFF_READY ? k : k - lag; /* done words: as if left */
-            st32(w32(sg, sg->rank, offs[i]), v);
+        for (int i = 0; i < NROUND_WORDS; i++) {
+            int off = ROUND_WORDS[i];
+            uint32_t v = off == OFF_READY ? k : k - lag; /* done words: as if left */
+            st32(w32(sg, sg->rank, off), v);
             if (sg->fz_arena) /* the emulated device's memory: the host's */
-                st32((uint32_t *)arena_word(sg, sg->rank, offs[i]), v);
+                st32((uint32_t *)arena_word(sg, sg->rank, off), v);
         }
         st32(w32(sg, sg->rank, OFF_FIN), k);
         consumed(sg, k);
