@@ -14,6 +14,7 @@
 
 #include "cuda_loader.h"
 #include "ring.h"
+#include "sg_kernels.h"
 #include "sgroup.h"
 #include "status.h"
 
@@ -41,281 +42,14 @@ struct cuda_dev {
     int batch_off;            /* the driver refused a batch: one call per operation */
     uccl_kernel_t *copy_k;    /* copies of one phase in one launch, or NULL */
     size_t kernel_copy_bytes; /* ... when they move at most this (UCCL_SG_KERNEL_COPY_BYTES) */
+    size_t gather_bytes;      /* one-phase rounds as one launch up to this (cuda_gather) */
     int fz_scope;             /* spinning launches' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
 };
 
-/* The reduction kernel: out[i] <- op over the sources (rank order) of
- * src[r][i], accumulated as torch accumulates (float for 16-bit floats,
- * 64-bit for integers), rounded once; AVG rounds the sum to the type, then
- * divides (integers: truncated), as SUM then division does. */
-static const char kernel_src[] =
-    "typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32;\n"
-    "typedef unsigned long long u64; typedef long long i64;\n"
-    "struct Args { u64 out; u64 src[64]; u64 count; int nsrc; int op; };\n"
-    "struct alignas(16) V16 { u32 w[4]; };\n"
-    "enum { SUM, PROD, MIN, MAX, BAND, BOR, BXOR, AVG };\n"
-    "__device__ __forceinline__ float h2f(u16 h) { float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(h)); return f; }\n"
-    "__device__ __forceinline__ u16 f2h(float f) { u16 h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
-    "__device__ __forceinline__ float b2f(u16 b) { union { u32 u; float f; } c; c.u = (u32)b << 16; return c.f; }\n"
-    "__device__ __forceinline__ u16 f2b(float f) { u16 h; asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
-    "#define PLAIN(N, TT, AA, F) struct N { typedef TT T; typedef AA A; enum { FLT = F, BOOL = 0 };\\\n"
-    "  static __device__ __forceinline__ A ld(T x) { return (A)x; }\\\n"
-    "  static __device__ __forceinline__ T st(A x) { return (T)x; } };\n"
-    "PLAIN(F32, float, float, 1) PLAIN(F64, double, double, 1) PLAIN(I8, signed char, i64, 0)\n"
-    "PLAIN(U8, u8, i64, 0) PLAIN(I16, short, i64, 0) PLAIN(I32, int, i64, 0) PLAIN(I64, i64, i64, 0)\n"
-    "struct F16 { typedef u16 T; typedef float A; enum { FLT = 1, BOOL = 0 };\n"
-    "  static __device__ __forceinline__ A ld(T x) { return h2f(x); }\n"
-    "  static __device__ __forceinline__ T st(A x) { return f2h(x); } };\n"
-    "struct BF16 { typedef u16 T; typedef float A; enum { FLT = 1, BOOL = 0 };\n"
-    "  static __device__ __forceinline__ A ld(T x) { return b2f(x); }\n"
-    "  static __device__ __forceinline__ T st(A x) { return f2b(x); } };\n"
-    "struct BOOLT { typedef u8 T; typedef int A; enum { FLT = 0, BOOL = 1 };\n"
-    "  static __device__ __forceinline__ A ld(T x) { return x != 0; }\n"
-    "  static __device__ __forceinline__ T st(A x) { return (T)(x != 0); } };\n"
-    "template <class D, int OP> __device__ __forceinline__ typename D::A\n"
-    "apply(typename D::A a, typename D::A x) {\n"
-    "  typedef typename D::A A;\n"
-    "  if constexpr (D::BOOL) {\n"
-    "    if constexpr (OP == PROD || OP == MIN || OP == BAND) return a & x;\n"
-    "    else if constexpr (OP == BXOR) return a ^ x;\n"
-    "    else return a | x;\n"
-    "  } else if constexpr (OP == SUM || OP == AVG) {\n"
-    "    if constexpr (D::FLT) return a + x; else return (A)((u64)a + (u64)x);\n"
-    "  } else if constexpr (OP == PROD) {\n"
-    "    if constexpr (D::FLT) return a * x; else return (A)((u64)a * (u64)x);\n"
-    "  } else if constexpr (OP == MIN) {\n"
-    "    if constexpr (D::FLT) return a != a ? a : (x != x ? x : (x < a ? x : a));\n"
-    "    else return x < a ? x : a;\n"
-    "  } else if constexpr (OP == MAX) {\n"
-    "    if constexpr (D::FLT) return a != a ? a : (x != x ? x : (x > a ? x : a));\n"
-    "    else return x > a ? x : a;\n"
-    "  } else if constexpr (D::FLT) { return a;\n"
-    "  } else if constexpr (OP == BAND) { return a & x;\n"
-    "  } else if constexpr (OP == BOR) { return a | x;\n"
-    "  } else { return a ^ x; }\n"
-    "}\n"
-    "template <class D, int OP> __device__ __forceinline__ typename D::T fin(typename D::A acc, int n) {\n"
-    "  if constexpr (OP == AVG) return D::st(D::ld(D::st(acc)) / (typename D::A)n);\n"
-    "  else return D::st(acc);\n"
-    "}\n"
-    "template <class D, int OP> __device__ void body(const Args &a) {\n"
-    "  typedef typename D::T T; typedef typename D::A A;\n"
-    "  constexpr int V = 16 / sizeof(T);\n"
-    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
-    "  int n = a.nsrc;\n"
-    "  bool vec = (a.out & 15) == 0;\n"
-    "  for (int r = 0; r < n; r++) vec = vec && (a.src[r] & 15) == 0;\n"
-    "  u64 nv = vec ? a.count / V : 0;\n"
-    "  union U { V16 u; T t[V]; };\n"
-    /* Two vectors a thread (j, j + stride: the same vectors a thread of
-     * copy_bytes moves), up to four sources' loads issued before any is
-     * used: the loads, not the arithmetic, bound this loop, and one load in
-     * flight a thread leaves most of the memory's bandwidth unused.  The
-     * sources are still applied in rank order. */
-    "  for (u64 j = tid; j < nv; j += 2 * stride) {\n"
-    "    bool two = j + stride < nv;\n"
-    "    A acc[2][V];\n"
-    "    for (int r0 = 0; r0 < n; r0 += 4) {\n"
-    "      U x[2][4];\n"
-    "#pragma unroll\n"
-    "      for (int q = 0; q < 4; q++)\n"
-    "        if (r0 + q < n) {\n"
-    "          x[0][q].u = ((const V16 *)a.src[r0 + q])[j];\n"
-    "          if (two) x[1][q].u = ((const V16 *)a.src[r0 + q])[j + stride];\n"
-    "        }\n"
-    "#pragma unroll\n"
-    "      for (int q = 0; q < 4; q++)\n"
-    "        if (r0 + q < n) {\n"
-    "#pragma unroll\n"
-    "          for (int m = 0; m < 2; m++)\n"
-    "#pragma unroll\n"
-    "            for (int v = 0; v < V; v++) {\n"
-    "              A y = D::ld(x[m][q].t[v]);\n"
-    "              acc[m][v] = r0 + q == 0 ? y : apply<D, OP>(acc[m][v], y);\n"
-    "            }\n"
-    "        }\n"
-    "    }\n"
-    "#pragma unroll\n"
-    "    for (int m = 0; m < 2; m++) {\n"
-    "      if (m && !two) break;\n"
-    "      U y;\n"
-    "#pragma unroll\n"
-    "      for (int v = 0; v < V; v++) y.t[v] = fin<D, OP>(acc[m][v], n);\n"
-    "      ((V16 *)a.out)[j + m * stride] = y.u;\n"
-    "    }\n"
-    "  }\n"
-    "  for (u64 i = nv * V + tid; i < a.count; i += stride) {\n"
-    "    A acc = D::ld(((const T *)a.src[0])[i]);\n"
-    "    for (int r = 1; r < n; r++) acc = apply<D, OP>(acc, D::ld(((const T *)a.src[r])[i]));\n"
-    "    ((T *)a.out)[i] = fin<D, OP>(acc, n);\n"
-    "  }\n"
-    "}\n"
-    "__device__ __forceinline__ void reduce_all(const Args &a) {\n"
-    "  switch (a.op) {\n"
-    "  case SUM: body<UCCL_DT, SUM>(a); break;   case PROD: body<UCCL_DT, PROD>(a); break;\n"
-    "  case MIN: body<UCCL_DT, MIN>(a); break;   case MAX: body<UCCL_DT, MAX>(a); break;\n"
-    "  case BAND: body<UCCL_DT, BAND>(a); break; case BOR: body<UCCL_DT, BOR>(a); break;\n"
-    "  case BXOR: body<UCCL_DT, BXOR>(a); break; case AVG: body<UCCL_DT, AVG>(a); break;\n"
-    "  }\n"
-    "}\n"
-    "extern \"C\" __global__ void uccl_sg_reduce(Args a) { reduce_all(a); }\n";
-
-/* A one-launch round (sgroup.h, struct uccl__sg_fused_args), appended to
- * kernel_src: every block stages its share of the input into this rank's
- * slot; the last block to finish writes this rank's ready word (fenced, so
- * a peer that sees it sees the bytes), in its arena and in the page (what
- * the host reads); block 0 waits until each peer's arena word reaches the
- * round, thread r polling rank r's (all peers at once: one after the
- * other cost 1.5-3 us more a call at 4 ranks; device memory, where the
- * page's word over PCIe cost 1.5 us a call at 2 ranks and 3 at 4), then
- * raises a flag in device memory that the other blocks wait for (every
- * block polling the host page cost ~4x at 64 KiB); every block then
- * computes from the slots (this rank's input read in place) and the last
- * block writes fin.  Its blocks spin, so its grid is small (cuda_fused):
- * on a GPU the ranks share, the peers' launches must be resident beside
- * it, and they run at once only under MPS (without it a spinning launch
- * holds the GPU for its time slice).  A failed group's flag, read every
- * 64th poll, ends the spin. */
+/* The one-launch round's grid (cuda_fused). */
 #define FUSED_BLOCKS 32
 #define FUSED_THREADS 256
 enum { FENCE_GPU = 1, FENCE_SYS = 2 }; /* cuda_dev.fz_scope */
-static const char fused_src[] =
-    "struct FArgs { u64 in, out, ctr, nbytes, count; u64 slot[8]; u64 ready[8]; u64 dready[8];\n"
-    "  u64 fin, failed;\n"
-    "  u32 k; int gather, op, n, me, sys; };\n"
-    /* the fences that publish this rank's bytes and words: the GPU's scope
-     * where every peer is a process on this GPU (at 4 ranks, 1 MiB: 21.7 ->
-     * 16.9 us a call), the system's where a peer reads over NVLink/PCIe */
-    "__device__ __forceinline__ void fence(bool sys) { if (sys) __threadfence_system(); else __threadfence(); }\n"
-    "__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u64 len) {\n"
-    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
-    "  u64 nv = ((dst | src) & 15) == 0 ? len / 16 : 0, j = tid;\n"
-    "  const V16 *s = (const V16 *)src; V16 *d = (V16 *)dst;\n"
-    /* four loads in flight before the stores (the compiler cannot hoist a
-     * load above a store that may alias it) */
-    "  for (; j + 3 * stride < nv; j += 4 * stride) {\n"
-    "    V16 t0 = s[j], t1 = s[j + stride], t2 = s[j + 2 * stride], t3 = s[j + 3 * stride];\n"
-    "    d[j] = t0; d[j + stride] = t1; d[j + 2 * stride] = t2; d[j + 3 * stride] = t3;\n"
-    "  }\n"
-    "  for (; j < nv; j += stride) d[j] = s[j];\n"
-    "  for (u64 i = nv * 16 + tid; i < len; i += stride) ((u8 *)dst)[i] = ((const u8 *)src)[i];\n"
-    "}\n"
-    "__device__ __forceinline__ void arrive(u32 *ctr, u64 dword, u64 word, u32 k, bool sys) {\n"
-    "  __syncthreads();\n"
-    "  if (threadIdx.x == 0) {\n"
-    "    __threadfence();\n"
-    "    if (atomicAdd(ctr, 1u) == gridDim.x - 1) {\n"
-    "      *(volatile u32 *)ctr = 0;\n"
-    "      fence(sys);\n"
-    "      if (dword) *(volatile u32 *)dword = k;\n"
-    "      *(volatile u32 *)word = k;\n"
-    "    }\n"
-    "  }\n"
-    "}\n"
-    "__device__ __forceinline__ bool before(u64 word, u32 k) { return (int)(*(volatile u32 *)word - k) < 0; }\n"
-    "extern \"C\" __global__ void uccl_sg_fused(FArgs a) {\n"
-    "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
-    "  arrive((u32 *)a.ctr, a.dready[a.me], a.ready[a.me], a.k, a.sys);\n"
-    "  u64 seen = a.ctr + 8;\n"
-    "  if (blockIdx.x == 0) {\n"
-    "    int r = threadIdx.x;\n"
-    "    if (r < a.n && r != a.me) {\n"
-    "      for (u32 i = 1; before(a.dready[r], a.k); i++) {\n"
-    "        if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
-    "        __nanosleep(32);\n"
-    "      }\n"
-    "      fence(a.sys);\n"
-    "    }\n"
-    "    __syncthreads();\n"
-    "    if (threadIdx.x == 0) *(volatile u32 *)seen = a.k;\n"
-    "  } else if (threadIdx.x == 0) {\n"
-    "    while (before(seen, a.k)) __nanosleep(32);\n"
-    "    fence(a.sys);\n"
-    "  }\n"
-    "  __syncthreads();\n"
-    "  if (a.gather) {\n"
-    "    for (int r = 0; r < a.n; r++) {\n"
-    "      u64 src = r == a.me ? a.in : a.slot[r], dst = a.out + (u64)r * a.nbytes;\n"
-    "      if (dst != src) copy_bytes(dst, src, a.nbytes);\n"
-    "    }\n"
-    "  } else if (a.count) {\n"
-    "    Args b; b.out = a.out; b.count = a.count; b.nsrc = a.n; b.op = a.op;\n"
-    "    for (int r = 0; r < a.n; r++) b.src[r] = r == a.me ? a.in : a.slot[r];\n"
-    "    reduce_all(b);\n"
-    "  }\n"
-    "  arrive((u32 *)a.ctr + 1, 0, a.fin, a.k, a.sys);\n"
-    "}\n";
-/* Its argument, laid out as struct FArgs (whose arrays hold UCCL_SG_FUSED_RANKS). */
-_Static_assert(UCCL_SG_FUSED_RANKS == 8, "struct FArgs holds 8 ranks' slots and words");
-struct fused_args {
-    uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], dready[8], fin, failed;
-    uint32_t k;
-    int32_t gather, op, n, me, sys;
-};
-
-/* Several copies in one launch (block row y copies segment y), 16 bytes
- * at a time where both ends are aligned: one driver call where each
- * cuMemcpyAsync costs several microseconds of the host's time. */
-#define COPY_SEGS 32
-static const char copy_src[] =
-    "typedef unsigned long long u64; typedef unsigned int u32;\n"
-    "struct alignas(16) V16 { u32 w[4]; };\n"
-    "struct CopyArgs { u64 dst[32]; u64 src[32]; u64 len[32]; int n; };\n"
-    "extern \"C\" __global__ void uccl_sg_copy(CopyArgs a) {\n"
-    "  int s = blockIdx.y;\n"
-    "  if (s >= a.n) return;\n"
-    "  u64 len = a.len[s];\n"
-    "  const unsigned char *src = (const unsigned char *)a.src[s];\n"
-    "  unsigned char *dst = (unsigned char *)a.dst[s];\n"
-    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
-    "  u64 nv = ((a.dst[s] | a.src[s]) & 15) == 0 ? len / 16 : 0;\n"
-    "  for (u64 j = tid; j < nv; j += stride) ((V16 *)dst)[j] = ((const V16 *)src)[j];\n"
-    "  for (u64 i = nv * 16 + tid; i < len; i += stride) dst[i] = src[i];\n"
-    "}\n";
-struct copy_args {
-    uint64_t dst[COPY_SEGS], src[COPY_SEGS], len[COPY_SEGS];
-    int32_t n;
-};
-
-/* A two-sided round's handshake (struct uccl__sg_sync_args) as one launch
- * of one warp: thread 0 sets this rank's words, thread r waits for rank
- * r's arena word, then thread 0 writes fin.  It spins, as the one-launch
- * round does, so it runs only where those do (one block: beside any
- * launch); the page's failed flag, read every 64th poll, ends it. */
-static const char sync_src[] =
-    "typedef unsigned long long u64; typedef unsigned int u32;\n"
-    "struct SArgs { u64 mine, page, fin, failed; u64 peer[8]; u32 k, mask; int me, n, sys; };\n"
-    "__device__ __forceinline__ void fence(bool sys) { if (sys) __threadfence_system(); else __threadfence(); }\n"
-    "extern \"C\" __global__ void uccl_sg_sync(SArgs a) {\n"
-    "  int r = threadIdx.x;\n"
-    "  if (r == 0) {\n"
-    "    fence(a.sys);\n"
-    "    *(volatile u32 *)a.mine = a.k;\n"
-    "    *(volatile u32 *)a.page = a.k;\n"
-    "  }\n"
-    "  if (r < a.n && ((a.mask >> r) & 1)) {\n"
-    "    for (u32 i = 1; (int)(*(volatile u32 *)a.peer[r] - a.k) < 0; i++) {\n"
-    "      if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
-    "      __nanosleep(32);\n"
-    "    }\n"
-    "  }\n"
-    "  __syncthreads();\n"
-    "  if (r == 0) {\n"
-    "    fence(a.sys);\n"
-    "    if (a.fin) *(volatile u32 *)a.fin = a.k;\n"
-    "  }\n"
-    "}\n";
-struct sync_args {
-    uint64_t mine, page, fin, failed, peer[8];
-    uint32_t k, mask;
-    int32_t me, n, sys;
-};
-
-/* The kernel's argument, laid out as its struct Args. */
-struct kernel_args {
-    uint64_t out, src[UCCL_SG_MAX_RANKS], count;
-    int32_t nsrc, op;
-};
 
 static const char *const dt_names[UCCL_DT_COUNT] = {
     [UCCL_DT_F32] = "F32", [UCCL_DT_F64] = "F64", [UCCL_DT_F16] = "F16",
@@ -329,10 +63,10 @@ static struct {
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
     char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
-    uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS];
-    char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS];
+    uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS];
+    char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS];
     int sms[MAX_DEVS];
-} kernels = {PTHREAD_MUTEX_INITIALIZER, {{NULL}}, {{NULL}}, {{0}}, {NULL}, {NULL}, {0}, {0}, {0}};
+} kernels = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* Under kernels.mu: the device's SM count (grid sizes), once. */
 static void read_sms(int dev)
@@ -347,18 +81,39 @@ static void read_sms(int dev)
         kernels.sms[dev] = 32;
 }
 
+/* Under kernels.mu: the module of the parts (sg_kernels.h, NULL-ended),
+ * after "#define UCCL_DT <type>" where dtype >= 0, compiled for device dev;
+ * its kernel `name`. */
+static int compile_parts(int dev, int dtype, const char *const *parts, const char *name,
+                         uccl_kernel_t **k_p)
+{
+    size_t len = 64;
+    for (int i = 0; parts[i]; i++)
+        len += strlen(parts[i]);
+    char *src = malloc(len);
+    if (!src)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    size_t at = 0;
+    src[0] = '\0';
+    if (dtype >= 0)
+        at = (size_t)snprintf(src, len, "#define UCCL_DT %s\n", dt_names[dtype]);
+    for (int i = 0; parts[i]; i++)
+        at += (size_t)snprintf(src + at, len - at, "%s", parts[i]);
+    int rc = uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, k_p);
+    free(src);
+    if (rc == UCCL_OK)
+        read_sms(dev);
+    return rc;
+}
+
 /* A kernel of no element type for device dev, compiled once (*slot), or
  * NULL where it cannot be (no NVRTC: *failed, not tried again). */
-static uccl_kernel_t *once_kernel(int dev, const char *src, const char *name,
+static uccl_kernel_t *once_kernel(int dev, const char *const *parts, const char *name,
                                   uccl_kernel_t **slot, char *failed)
 {
     pthread_mutex_lock(&kernels.mu);
-    if (!*slot && !*failed) {
-        if (uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, slot) != UCCL_OK)
-            *failed = 1;
-        else
-            read_sms(dev);
-    }
+    if (!*slot && !*failed && compile_parts(dev, -1, parts, name, slot) != UCCL_OK)
+        *failed = 1;
     uccl_kernel_t *k = *slot;
     pthread_mutex_unlock(&kernels.mu);
     return k;
@@ -368,24 +123,8 @@ static uccl_kernel_t *once_kernel(int dev, const char *src, const char *name,
  * by one on the copy engine. */
 static uccl_kernel_t *copy_kernel(int dev)
 {
-    return once_kernel(dev, copy_src, "uccl_sg_copy", &kernels.copy[dev],
-                       &kernels.copy_failed[dev]);
-}
-
-/* Under kernels.mu: compile kernel_src (and `more`) for dtype, taking `name`. */
-static int compile_for(int dev, int dtype, const char *more, const char *name,
-                       uccl_kernel_t **k_p)
-{
-    size_t len = sizeof(kernel_src) + strlen(more) + 64;
-    char *src = malloc(len);
-    if (!src)
-        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    snprintf(src, len, "#define UCCL_DT %s\n%s%s", dt_names[dtype], kernel_src, more);
-    int rc = uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, k_p);
-    free(src);
-    if (rc == UCCL_OK)
-        read_sms(dev);
-    return rc;
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_src, NULL};
+    return once_kernel(dev, parts, "uccl_sg_copy", &kernels.copy[dev], &kernels.copy_failed[dev]);
 }
 
 int uccl_sg_kernel_ready(int dev, int dtype)
@@ -393,9 +132,10 @@ int uccl_sg_kernel_ready(int dev, int dtype)
     if (dev < 0 || dev >= MAX_DEVS || !uccl_dtype_size(dtype))
         return uccl__err(UCCL_ERR_INVALID, "reduction kernel: device %d, type %d", dev, dtype);
     pthread_mutex_lock(&kernels.mu);
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src, NULL};
     int rc = kernels.k[dev][dtype] ? UCCL_OK
-                                   : compile_for(dev, dtype, "", "uccl_sg_reduce",
-                                                 &kernels.k[dev][dtype]);
+                                   : compile_parts(dev, dtype, parts, "uccl_sg_reduce",
+                                                   &kernels.k[dev][dtype]);
     pthread_mutex_unlock(&kernels.mu);
     return rc;
 }
@@ -404,9 +144,11 @@ int uccl_sg_kernel_ready(int dev, int dtype)
  * round then queues its steps one by one (sg_round.c), once tried. */
 static uccl_kernel_t *fused_kernel(int dev, int dtype)
 {
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src,
+                                        uccl__sg_copy_fn_src, uccl__sg_fused_src, NULL};
     pthread_mutex_lock(&kernels.mu);
     if (!kernels.fused[dev][dtype] && !kernels.fused_failed[dev][dtype] &&
-        compile_for(dev, dtype, fused_src, "uccl_sg_fused", &kernels.fused[dev][dtype]))
+        compile_parts(dev, dtype, parts, "uccl_sg_fused", &kernels.fused[dev][dtype]))
         kernels.fused_failed[dev][dtype] = 1;
     uccl_kernel_t *k = kernels.fused[dev][dtype];
     pthread_mutex_unlock(&kernels.mu);
@@ -460,9 +202,9 @@ static int cuda_copies(void *dp, uintptr_t stream, const struct uccl_sg_copy *cs
         total += cs[i].len;
         longest = cs[i].len > longest ? cs[i].len : longest;
     }
-    uccl_kernel_t *k = n <= COPY_SEGS && total <= d->kernel_copy_bytes ? d->copy_k : NULL;
+    uccl_kernel_t *k = n <= UCCL__K_COPY_SEGS && total <= d->kernel_copy_bytes ? d->copy_k : NULL;
     if (k) {
-        struct copy_args a;
+        struct uccl__k_copy a;
         memset(&a, 0, sizeof(a));
         for (int i = 0; i < n; i++) {
             a.dst[i] = cs[i].dst;
@@ -490,7 +232,7 @@ static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_arg
     int rc = uccl_sg_kernel_ready(d->dev, a->dtype);
     if (rc)
         return rc;
-    struct kernel_args ka = {.out = a->out, .count = a->count, .nsrc = a->nsrc, .op = a->op};
+    struct uccl__k_reduce ka = {.out = a->out, .count = a->count, .nsrc = a->nsrc, .op = a->op};
     int aligned = (a->out & 15) == 0;
     for (int r = 0; r < a->nsrc; r++) {
         ka.src[r] = a->src[r];
@@ -548,7 +290,7 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     uccl_kernel_t *k = fused_kernel(d->dev, dt);
     if (!k)
         return UCCL_ERR_UNAVAIL;
-    struct fused_args fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
+    struct uccl__k_fused fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
                             .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin,
                             .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
                             .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me,
@@ -573,24 +315,87 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, FUSED_THREADS, stream, params);
 }
 
+/* A handshake's argument as the kernels take it. */
+static struct uccl__k_sync sync_arg(struct cuda_dev *d, const struct uccl__sg_sync_args *a)
+{
+    struct uccl__k_sync sa = {.mine = a->mine, .page = (uint64_t)(uintptr_t)a->page,
+                              .fin = (uint64_t)(uintptr_t)a->fin,
+                              .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
+                              .mask = a->mask, .me = a->me, .n = a->n,
+                              .sys = fence_sys(d, a->peer, a->n, a->me)};
+    memcpy(sa.peer, a->peer, sizeof(sa.peer));
+    return sa;
+}
+
 static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args *a)
 {
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_sync_src, NULL};
     struct cuda_dev *d = dp;
     int rc = uccl__cuda_use(d->dev);
     if (rc)
         return rc;
-    uccl_kernel_t *k = once_kernel(d->dev, sync_src, "uccl_sg_sync", &kernels.sync[d->dev],
+    uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_sync", &kernels.sync[d->dev],
                                    &kernels.sync_failed[d->dev]);
     if (!k || a->n > UCCL_SG_FUSED_RANKS)
         return UCCL_ERR_UNAVAIL;
-    struct sync_args sa = {.mine = a->mine, .page = (uint64_t)(uintptr_t)a->page,
-                           .fin = (uint64_t)(uintptr_t)a->fin,
-                           .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
-                           .mask = a->mask, .me = a->me, .n = a->n,
-                           .sys = fence_sys(d, a->peer, a->n, a->me)};
-    memcpy(sa.peer, a->peer, sizeof(sa.peer));
+    struct uccl__k_sync sa = sync_arg(d, a);
     void *params[] = {&sa};
     return uccl__gpu_launch_unchecked(k, 1, 1, 32, stream, params);
+}
+
+/* Where every peer is a process on this GPU and the copies move at most
+ * UCCL_SG_GATHER_LAUNCH_BYTES in all: the round as one launch.  Elsewhere
+ * (UCCL_ERR_UNAVAIL) its handshakes and copies go one by one: across GPUs
+ * the copy engine, and on one GPU large copies, where the engine moves the
+ * bytes faster than the SMs (64 MiB in place, 2 ranks on one H200: 63.0 us
+ * of copies on the engine, 71.6-71.9 by the SMs) and the launches' gaps
+ * no longer count; an unaligned segment is copied a byte at a time here,
+ * so only short ones are taken. */
+#define GATHER_THREADS 256
+static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_args *ready,
+                       const struct uccl_sg_copy *cs, int n,
+                       const struct uccl__sg_sync_args *done, uintptr_t ctr)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
+                                        uccl__sg_sync_src, uccl__sg_gather_src, NULL};
+    struct cuda_dev *d = dp;
+    size_t total = 0, longest = 0;
+    for (int i = 0; i < n; i++) {
+        total += cs[i].len;
+        longest = cs[i].len > longest ? cs[i].len : longest;
+        if (((cs[i].dst | cs[i].src) & 15) && cs[i].len > (64u << 10))
+            return UCCL_ERR_UNAVAIL;
+    }
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (n > UCCL__K_GATHER_SEGS || total > d->gather_bytes || ready->n > UCCL_SG_FUSED_RANKS ||
+        fence_sys(d, ready->peer, ready->n, ready->me))
+        return UCCL_ERR_UNAVAIL;
+    uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_gather", &kernels.gather[d->dev],
+                                   &kernels.gather_failed[d->dev]);
+    if (!k)
+        return UCCL_ERR_UNAVAIL;
+    struct uccl__k_gather ga = {.ready = sync_arg(d, ready), .done = sync_arg(d, done),
+                                .ctr = ctr, .seen = ctr + UCCL_SG_FUSED_SEEN, .nseg = n};
+    for (int i = 0; i < n; i++) {
+        ga.dst[i] = cs[i].dst;
+        ga.src[i] = cs[i].src;
+        ga.len[i] = cs[i].len;
+    }
+    /* a block per 64 KiB of the longest segment (four 16-byte loads a
+     * thread), and for the group's launches together four blocks per SM:
+     * every block spins until block 0 has seen its peers, so all ranks'
+     * launches must be resident at once, and __launch_bounds__(256, 4)
+     * keeps four such blocks within an SM's registers (half its threads).
+     * 16 MiB in place on one H200 under MPS (stream_sync_floor.py): 2 ranks
+     * 22.7-22.9 us with 264 blocks, 22.3-23.3 with 132 of 512 threads;
+     * 4 ranks 87.7-89.0 with 132, 89.3-89.4 with 66 of 512 */
+    size_t cap = 4 * (size_t)kernels.sms[d->dev] / (size_t)ready->n; /* set by once_kernel */
+    size_t blocks = (longest + 64 * GATHER_THREADS - 1) / (64 * GATHER_THREADS);
+    blocks = blocks < 1 ? 1 : blocks > cap ? (cap < 1 ? 1 : cap) : blocks;
+    void *params[] = {&ga};
+    return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, GATHER_THREADS, stream, params);
 }
 
 static uint64_t cuda_fused_id(void *dp)
@@ -716,7 +521,7 @@ static const struct uccl__sg_dev cuda_ops = {
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
-    .fused = cuda_fused, .fused_id = cuda_fused_id, .sync = cuda_sync,
+    .fused = cuda_fused, .fused_id = cuda_fused_id, .sync = cuda_sync, .gather = cuda_gather,
 };
 
 int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
@@ -738,12 +543,15 @@ int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, i
     memcpy(c, conns, (size_t)size * sizeof(*c));
     int bad = 0;
     long kb = uccl__env_long("UCCL_SG_KERNEL_COPY_BYTES", 8l << 20, 0, 1l << 40, &bad);
+    long gb = bad ? 0 : uccl__env_long("UCCL_SG_GATHER_LAUNCH_BYTES", 48l << 20, 0, 1l << 40, &bad);
     if (bad) {
         free(d);
         free(c);
         return UCCL_ERR_INVALID;
     }
-    *d = (struct cuda_dev){ep, dev, rank, size, c, 0, kb ? copy_kernel(dev) : NULL, (size_t)kb, 0};
+    *d = (struct cuda_dev){.ep = ep, .dev = dev, .rank = rank, .size = size, .conns = c,
+                           .copy_k = kb ? copy_kernel(dev) : NULL, .kernel_copy_bytes = (size_t)kb,
+                           .gather_bytes = (size_t)gb};
     *ops_p = &cuda_ops;
     *d_p = d;
     return UCCL_OK;

@@ -253,32 +253,42 @@ static int refresh_words(uccl_sg_t *sg, uintptr_t X, uint32_t k)
     return sg->ops->memops(sg->d, X, ops, n);
 }
 
-/* On stream X: this rank's word at off set to k, then a wait until every
- * peer in reads (a flag a rank) has set its own; then, if fin, this rank's
- * fin word.  One launch that polls the arenas where the group's launches
- * may spin (the arenas mapped, uccl_sg_fused_bytes), else stream memory
- * operations on the page's words (ops: room for size + 3).  The word goes
- * to the page and, once the arenas are mapped, to the arena either way:
- * ranks that take different ways still see each other's.  At 4 ranks on
- * one H200 under MPS, a handshake of memory operations took 13-19 us on
- * the GPU (benchmarks/stream_sync_floor.py). */
+/* A handshake's launch argument (struct uccl__sg_sync_args: this rank's
+ * word at off set to k, a wait for the word of every peer in reads (a flag
+ * a rank), then this rank's fin word if fin), where the group's launches
+ * may spin (the arenas mapped, uccl_sg_fused_bytes); else 0. */
+static int sync_args(uccl_sg_t *sg, uint32_t k, int off, const unsigned char *reads,
+                     int fin, struct uccl__sg_sync_args *a)
+{
+    int n = sg->size, me = sg->rank;
+    if (!sg->fz_mapped || n > UCCL_SG_FUSED_RANKS || __atomic_load_n(&sg->fz_off, __ATOMIC_RELAXED))
+        return 0;
+    *a = (struct uccl__sg_sync_args){.k = k, .me = me, .n = n, .mine = arena_word(sg, me, off),
+                                     .page = w32(sg, me, off),
+                                     .fin = fin ? w32(sg, me, OFF_FIN) : NULL,
+                                     .failed = (uint32_t *)sg->page};
+    for (int r = 0; r < n; r++) {
+        a->peer[r] = arena_word(sg, r, off);
+        a->mask |= reads[r] && r != me ? 1u << r : 0;
+    }
+    return 1;
+}
+
+/* On stream X: the handshake of sync_args.  One launch that polls the
+ * arenas where it may spin, else stream memory operations on the page's
+ * words (ops: room for size + 3).  The word goes to the page and, once the
+ * arenas are mapped, to the arena either way: ranks that take different
+ * ways still see each other's.  At 4 ranks on one H200 under MPS, a
+ * handshake of memory operations took 13-19 us on the GPU
+ * (benchmarks/stream_sync_floor.py). */
 static int handshake(uccl_sg_t *sg, uintptr_t X, uint32_t k, int off,
                      const unsigned char *reads, int fin, struct uccl__sg_memop *ops)
 {
     const struct uccl__sg_dev *dv = sg->ops;
     int n = sg->size, me = sg->rank, nops = 0, rc = UCCL_ERR_UNAVAIL;
-    if (dv->sync && sg->fz_mapped && n <= UCCL_SG_FUSED_RANKS &&
-        !__atomic_load_n(&sg->fz_off, __ATOMIC_RELAXED)) {
-        struct uccl__sg_sync_args a = {.k = k, .me = me, .n = n, .mine = arena_word(sg, me, off),
-                                       .page = w32(sg, me, off),
-                                       .fin = fin ? w32(sg, me, OFF_FIN) : NULL,
-                                       .failed = (uint32_t *)sg->page};
-        for (int r = 0; r < n; r++) {
-            a.peer[r] = arena_word(sg, r, off);
-            a.mask |= reads[r] && r != me ? 1u << r : 0;
-        }
+    struct uccl__sg_sync_args a;
+    if (dv->sync && sync_args(sg, k, off, reads, fin, &a))
         rc = dv->sync(sg->d, X, &a);
-    }
     if (rc != UCCL_ERR_UNAVAIL)
         return rc;
     memop(ops, &nops, w32(sg, me, off), k, 0);
@@ -290,6 +300,21 @@ static int handshake(uccl_sg_t *sg, uintptr_t X, uint32_t k, int off,
     if (fin)
         memop(ops, &nops, w32(sg, me, OFF_FIN), k, 0);
     return dv->memops(sg->d, X, ops, nops);
+}
+
+/* A one-phase round with no reduction as one launch where the device makes
+ * one (the handshakes of queue_round around the copies cs), else
+ * UCCL_ERR_UNAVAIL. */
+static int gather_launch(uccl_sg_t *sg, uintptr_t X, uint32_t k, const unsigned char *reads,
+                         const struct uccl_sg_copy *cs, int n)
+{
+    unsigned char all[UCCL_SG_MAX_RANKS];
+    memset(all, 1, sizeof(all));
+    struct uccl__sg_sync_args ready, done;
+    if (!sg->ops->gather || !sync_args(sg, k, OFF_READY, reads, 0, &ready) ||
+        !sync_args(sg, k, OFF_DONE, all, 1, &done))
+        return UCCL_ERR_UNAVAIL;
+    return sg->ops->gather(sg->d, X, &ready, cs, n, &done, arena_tail(sg, sg->rank));
 }
 
 /* Copies of one phase in one call: cs (n of them) on `stream`. */
@@ -357,6 +382,13 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     unsigned char all[UCCL_SG_MAX_RANKS];
     memset(all, 1, sizeof(all));
     int two = c->phases == 2;
+    if (!two && !(red && red->count)) {
+        rc = gather_launch(sg, X, k, reads, cp, n1);
+        if (rc != UCCL_ERR_UNAVAIL) {
+            free(cp);
+            return rc;
+        }
+    }
     rc = handshake(sg, X, k, OFF_READY, reads, 0, ops);
     if (!rc)
         rc = copies(sg, X, cp, n1);

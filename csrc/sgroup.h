@@ -200,6 +200,14 @@ struct uccl__sg_dev {
     /* a handshake as one launch (where one-launch rounds may run), or NULL
      * or UCCL_ERR_UNAVAIL: stream memory operations on the words instead */
     int (*sync)(void *d, uintptr_t stream, const struct uccl__sg_sync_args *a);
+    /* a one-phase round with no reduction as one launch: the ready
+     * handshake, the n copies, the done handshake (where handshakes may be
+     * launches); ctr: this rank's arena counters.  NULL or UCCL_ERR_UNAVAIL:
+     * the three one by one.  Either way the same words are written, so
+     * ranks may take different ways. */
+    int (*gather)(void *d, uintptr_t stream, const struct uccl__sg_sync_args *ready,
+                  const struct uccl_sg_copy *cs, int n, const struct uccl__sg_sync_args *done,
+                  uintptr_t ctr);
 };
 
 /* The CUDA device: queues on device dev through the driver, shares memory

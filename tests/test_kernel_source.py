@@ -1,5 +1,6 @@
-"""The CUDA sources that csrc/sg_cuda.c hands NVRTC at run time (the
-reduction, the copies, the one-launch round) parse as C++17 for every
+"""The CUDA sources that csrc/sg_cuda.c hands NVRTC at run time (the parts
+of csrc/sg_kernels.c: the reduction, the copies, the one-launch rounds, the
+handshake) parse as C++17 for every
 element type: a typo there would fail only on a GPU machine, at the first
 call.  They are checked here with the host's g++ against stand-ins for the
 few CUDA built-ins they use (no semantics: the GPU tests run them)."""
@@ -13,11 +14,16 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "csrc" / "sg_cuda.c"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SRC = CSRC / "sg_kernels.c"
+# every part, in an order where each comes after what it uses (sg_kernels.h)
+PARTS = ("prelude", "reduce", "copy_fn", "fused", "copy", "sync", "gather")
 STANDINS = r"""
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
 #define asm(...)
 struct dim3 { unsigned x, y, z; };
 static dim3 blockIdx, blockDim, threadIdx, gridDim;
@@ -30,30 +36,30 @@ static unsigned atomicAdd(unsigned *p, unsigned v) { unsigned o = *p; *p += v; r
 
 
 def c_string(name: str) -> str:
-    """The C string literal `static const char name[] = "..." "...";` of sg_cuda.c."""
-    m = re.search(r"static const char %s\[\] =\n(.*?);\n" % name, SRC.read_text(), re.S)
+    """The C string literal `const char uccl__sg_<name>_src[] = "..." "...";` of sg_kernels.c."""
+    m = re.search(r"^const char uccl__sg_%s_src\[\] =\n(.*?);\n" % name, SRC.read_text(),
+                  re.S | re.M)
     assert m, f"{name} not found in {SRC.name}"
     return "".join(ast.literal_eval(f'"{lit}"')
                    for lit in re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(1)))
 
 
 def dtype_names() -> list[str]:
-    m = re.search(r"dt_names\[UCCL_DT_COUNT\] = \{(.*?)\};", SRC.read_text(), re.S)
+    m = re.search(r"dt_names\[UCCL_DT_COUNT\] = \{(.*?)\};", (CSRC / "sg_cuda.c").read_text(),
+                  re.S)
     return re.findall(r'"(\w+)"', m.group(1))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine to parse with")
 @pytest.mark.parametrize("dtype", dtype_names())
 def test_nvrtc_sources_parse(tmp_path, dtype):
-    code = (STANDINS + f"#define UCCL_DT {dtype}\n" + c_string("kernel_src") +
-            c_string("fused_src") + c_string("copy_src")).replace('extern "C"', "")
-    # each module is compiled on its own by NVRTC; together here, so the
-    # copy kernel's own V16 and typedefs are renamed out of the way
-    code = code.replace("struct alignas(16) V16 { u32 w[4]; };\nstruct CopyArgs",
-                        "struct CopyArgs")
+    code = (STANDINS + f"#define UCCL_DT {dtype}\n" +
+            "".join(c_string(p) for p in PARTS)).replace('extern "C"', "")
     f = tmp_path / "k.cpp"
     f.write_text(code)
     r = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-pragmas", str(f)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[:4000]
-    assert "uccl_sg_fused" in code and "uccl_sg_reduce" in code and "uccl_sg_copy" in code
+    for kernel in ("uccl_sg_reduce", "uccl_sg_fused", "uccl_sg_copy", "uccl_sg_sync",
+                   "uccl_sg_gather"):
+        assert f"void {kernel}(" in code or f") {kernel}(" in code, kernel

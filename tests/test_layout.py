@@ -25,7 +25,7 @@ LAYERS = {
     "tp_rdma_stage.c": 3,
     "conn.c": 4, "proto.c": 4, "proto_eager.c": 4, "proto_stream.c": 4,
     "engine.c": 5, "listen.c": 5, "xfer.c": 5, "gate.c": 5, "ipc_share.c": 5,
-    "sg_cuda.c": 5, "sg_emu.c": 5,
+    "sg_cuda.c": 5, "sg_kernels.c": 5, "sg_emu.c": 5,
     "comm.c": 6, "coll_run.c": 6, "coll_algo.c": 6, "ring.c": 6, "sgroup.c": 6, "sg_round.c": 6, "sg_call.c": 6,
     "sg_p2p.c": 6,
     "py_module.c": 7, "py_endpoint.c": 7, "py_comm.c": 7, "py_ring.c": 7,
