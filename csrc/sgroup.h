@@ -29,7 +29,9 @@
  * starts after everything the group queued there, so the words only grow
  * (a cyclic 32-bit count).  The copies of one phase go in one kernel
  * launch up to UCCL_SG_KERNEL_COPY_BYTES (8 MiB) in all, else one by one
- * on the copy engine.
+ * on the copy engine; where every peer is a process on this GPU, a round
+ * of one phase with no reduction is one launch, handshakes and copies, up
+ * to UCCL_SG_GATHER_LAUNCH_BYTES (48 MiB) of copies (uccl__sg_dev.gather).
  *
  * Failures (a peer that does not arrive within the timeout, a peer process
  * gone, ranks whose calls disagree, a round not through the stream within
