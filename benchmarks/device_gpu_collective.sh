@@ -87,8 +87,10 @@ if [ "${BENCH:-1}" = 1 ]; then
     # the same against the copies an out-of-place allgather makes (its own chunk too)
     bench ag_ipc_own "$n" 60 --compare ipc-copy --ipc-own-copy --sizes 16M,64M,256M
     # in place (the send tensor is this rank's chunk of the output): only the
-    # N(N-1) cross-process chunks move, exactly ipc-copy's copies
-    bench ag_ipc_inplace "$n" 60 --compare ipc-copy --in-place --sizes 16M,64M,256M
+    # N(N-1) cross-process chunks move, exactly ipc-copy's copies; 200 calls
+    # a size (20 carry the first calls' cost: 1.92x against 1.42x at 16 MiB,
+    # 2 ranks, BENCHMARKS.md session 12)
+    bench ag_ipc_inplace "$n" 90 --compare ipc-copy --in-place --sizes 16M,64M,256M --iters 200
     if [ "$n" = 2 ]; then
       # the 64 KiB allgather's time per call, many calls (target <= 40 us)
       bench ag_64k 2 60 --compare ipc-copy --sizes 64K --iters 1000 --warmup 50

@@ -80,6 +80,7 @@ static void load(void)
         SYM(DeviceGetAttribute, "cuDeviceGetAttribute"),
         SYM(ModuleLoadData, "cuModuleLoadData"), SYM(ModuleUnload, "cuModuleUnload"),
         SYM(ModuleGetFunction, "cuModuleGetFunction"), SYM(LaunchKernel, "cuLaunchKernel"),
+        SYM(OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor"),
         SYM(MemHostGetDevicePointer, "cuMemHostGetDevicePointer"),
         SYM(MemAlloc, "cuMemAlloc"), SYM(MemFree, "cuMemFree"),
         SYM(StreamWaitEvent, "cuStreamWaitEvent"),

@@ -100,6 +100,8 @@ struct uccl__cuda {
     cu_result (*ModuleGetFunction)(cu_function *, cu_module, const char *);
     cu_result (*LaunchKernel)(cu_function, unsigned, unsigned, unsigned, unsigned, unsigned,
                               unsigned, unsigned, cu_stream, void **, void **);
+    /* how many blocks of a kernel fit an SM at once (spinning launches' grids) */
+    cu_result (*OccupancyMaxActiveBlocksPerMultiprocessor)(int *, cu_function, int, size_t);
     cu_result (*MemHostGetDevicePointer)(cu_ptr *, void *, unsigned);
     cu_result (*MemAlloc)(cu_ptr *, size_t);
     cu_result (*MemFree)(cu_ptr);

@@ -185,6 +185,13 @@ int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_
     return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuLaunchKernel");
 }
 
+int uccl__gpu_blocks_per_sm(uccl_kernel_t *k, unsigned block, int *n_p)
+{
+    cu_result r = uccl__cuda()->OccupancyMaxActiveBlocksPerMultiprocessor(n_p, k->fn, (int)block,
+                                                                         0);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+}
+
 void uccl_gpu_kernel_free(uccl_kernel_t *k)
 {
     if (!k)

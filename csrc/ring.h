@@ -45,6 +45,9 @@ void uccl_gpu_kernel_free(uccl_kernel_t *k);
  * without the parameter check (one driver call). */
 int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_y,
                                unsigned block, uintptr_t stream, void **params);
+/* How many blocks of `block` threads of kernel k fit one SM of its device
+ * at once (its registers, threads and shared memory, as the driver says). */
+int uccl__gpu_blocks_per_sm(uccl_kernel_t *k, unsigned block, int *n_p);
 
 /* Page-locked host memory mapped for device dev (zeroed): host and device
  * address.  And device memory (zeroed), for counters that GPU threads

@@ -65,7 +65,7 @@ static struct {
     char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS];
     char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS];
-    int sms[MAX_DEVS];
+    int sms[MAX_DEVS], gather_fit[MAX_DEVS];
 } kernels = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* Under kernels.mu: the device's SM count (grid sizes), once. */
@@ -343,6 +343,23 @@ static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args
     return uccl__gpu_launch_unchecked(k, 1, 1, 32, stream, params);
 }
 
+/* How many blocks of the gather kernel (GATHER_THREADS each) fit one SM of
+ * device dev (its registers, threads and shared memory), asked once; 0
+ * where the driver cannot tell (the launch is not used then). */
+#define GATHER_THREADS 256
+static int gather_fit(int dev, uccl_kernel_t *k)
+{
+    pthread_mutex_lock(&kernels.mu);
+    if (!kernels.gather_fit[dev]) {
+        int n = 0;
+        kernels.gather_fit[dev] =
+            uccl__gpu_blocks_per_sm(k, GATHER_THREADS, &n) == UCCL_OK && n > 0 ? n : -1;
+    }
+    int fit = kernels.gather_fit[dev];
+    pthread_mutex_unlock(&kernels.mu);
+    return fit > 0 ? fit : 0;
+}
+
 /* Where every peer is a process on this GPU and the copies move at most
  * UCCL_SG_GATHER_LAUNCH_BYTES in all: the round as one launch.  Elsewhere
  * (UCCL_ERR_UNAVAIL) its handshakes and copies go one by one: across GPUs
@@ -351,7 +368,6 @@ static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args
  * of copies on the engine, 71.6-71.9 by the SMs) and the launches' gaps
  * no longer count; an unaligned segment is copied a byte at a time here,
  * so only short ones are taken. */
-#define GATHER_THREADS 256
 static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_args *ready,
                        const struct uccl_sg_copy *cs, int n,
                        const struct uccl__sg_sync_args *done, uintptr_t ctr)
@@ -369,12 +385,13 @@ static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_ar
     int rc = uccl__cuda_use(d->dev);
     if (rc)
         return rc;
-    if (n > UCCL__K_GATHER_SEGS || total > d->gather_bytes || ready->n > UCCL_SG_FUSED_RANKS ||
-        fence_sys(d, ready->peer, ready->n, ready->me))
+    if (!d->gather_bytes || n > UCCL__K_GATHER_SEGS || total > d->gather_bytes ||
+        ready->n > UCCL_SG_FUSED_RANKS || fence_sys(d, ready->peer, ready->n, ready->me))
         return UCCL_ERR_UNAVAIL;
     uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_gather", &kernels.gather[d->dev],
                                    &kernels.gather_failed[d->dev]);
-    if (!k)
+    int fit = k ? gather_fit(d->dev, k) : 0;
+    if (!fit)
         return UCCL_ERR_UNAVAIL;
     struct uccl__k_gather ga = {.ready = sync_arg(d, ready), .done = sync_arg(d, done),
                                 .ctr = ctr, .seen = ctr + UCCL_SG_FUSED_SEEN, .nseg = n};
@@ -383,16 +400,16 @@ static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_ar
         ga.src[i] = cs[i].src;
         ga.len[i] = cs[i].len;
     }
-    /* a block per 64 KiB of the longest segment (four 16-byte loads a
-     * thread), and for the group's launches together four blocks per SM:
-     * every block spins until block 0 has seen its peers, so all ranks'
-     * launches must be resident at once, and __launch_bounds__(256, 4)
-     * keeps four such blocks within an SM's registers (half its threads).
-     * 16 MiB in place on one H200 under MPS (stream_sync_floor.py): 2 ranks
-     * 22.7-22.9 us with 264 blocks, 22.3-23.3 with 132 of 512 threads;
-     * 4 ranks 87.7-89.0 with 132, 89.3-89.4 with 66 of 512 */
-    size_t cap = 4 * (size_t)kernels.sms[d->dev] / (size_t)ready->n; /* set by once_kernel */
-    size_t blocks = (longest + 64 * GATHER_THREADS - 1) / (64 * GATHER_THREADS);
+    /* a block per 16 KiB of the longest segment (four 16-byte loads a
+     * thread), and for the group's launches together one block an SM less
+     * than fit: every block spins until block 0 has seen its peers, so all
+     * ranks' launches must be resident at once, with room left for another
+     * spinning launch's block.  16 MiB in place on one H200 under MPS
+     * (stream_sync_floor.py, BENCHMARKS.md): 2 ranks 24.7 us with 2 blocks
+     * an SM for the group, 23.7 with 4; 4 ranks 96.2 and 93.5 */
+    size_t per_sm = fit > 1 ? (size_t)fit - 1 : 1;
+    size_t cap = per_sm * (size_t)kernels.sms[d->dev] / (size_t)ready->n; /* set by once_kernel */
+    size_t blocks = (longest + 64 * GATHER_THREADS - 1) / (64 * GATHER_THREADS); /* 16 KiB */
     blocks = blocks < 1 ? 1 : blocks > cap ? (cap < 1 ? 1 : cap) : blocks;
     void *params[] = {&ga};
     return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, GATHER_THREADS, stream, params);

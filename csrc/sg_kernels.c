@@ -257,6 +257,9 @@ const char uccl__sg_sync_src[] =
     "      if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
     "      __nanosleep(32);\n"
     "    }\n"
+    /* each poller's own fence: what block 0 of the gather launch reads
+     * next is the peers' bytes, ordered after their words by it */
+    "    fence(a.sys);\n"
     "  }\n"
     "  __syncthreads();\n"
     "  if (r == 0) {\n"

@@ -54,7 +54,10 @@ struct uccl__k_gather {
     uint64_t dst[UCCL__K_GATHER_SEGS], src[UCCL__K_GATHER_SEGS], len[UCCL__K_GATHER_SEGS];
     int32_t nseg;
 };
-_Static_assert(sizeof(struct uccl__k_sync) == 120 && sizeof(struct uccl__k_gather) == 648,
-               "struct SArgs is 120 bytes and GArgs 648, as NVRTC lays them out");
+/* the sizes NVRTC gives the kernels' structs (sm_90) */
+_Static_assert(sizeof(struct uccl__k_reduce) == 536 && sizeof(struct uccl__k_fused) == 272 &&
+               sizeof(struct uccl__k_copy) == 776 && sizeof(struct uccl__k_sync) == 120 &&
+               sizeof(struct uccl__k_gather) == 648,
+               "struct Args 536 bytes, FArgs 272, CopyArgs 776, SArgs 120, GArgs 648");
 
 #endif

@@ -557,6 +557,8 @@ int uccl_sg_round_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag)
                 st32((uint32_t *)arena_word(sg, sg->rank, off), v);
         }
         st32(w32(sg, sg->rank, OFF_FIN), k);
+        if (sg->fz_arena) /* the launches' seen word too: a later round waits for block 0 */
+            st32((uint32_t *)(arena_tail(sg, sg->rank) + UCCL_SG_FUSED_SEEN), k);
         consumed(sg, k);
     }
     pthread_mutex_unlock(&sg->call_mu);
