@@ -1,9 +1,10 @@
 /* The CUDA device of stream-ordered groups (sgroup.h): stream memory
  * operations batched into one driver call (cuStreamBatchMemOp, else one
- * call each), copies on the copy engine (cuMemcpyAsync), events, and a
- * reduction kernel compiled by NVRTC on first use (one module per device
- * and element type, kept for the life of the process: a kernel queued by
- * a failed group may still run).  Memory is shared through the endpoint:
+ * call each), copies on the copy engine (cuMemcpyAsync), events, and the
+ * kernels of sg_kernels.c compiled by NVRTC on first use and launched (one
+ * module per device, and per element type for the reduction's, kept for
+ * the life of the process: a kernel queued by a failed group may still
+ * run).  Memory is shared through the endpoint:
  * registrations, the keys of their export records, CUDA IPC mappings
  * checked against them (ipc_share.c). */
 #define _GNU_SOURCE
@@ -131,8 +132,8 @@ int uccl_sg_kernel_ready(int dev, int dtype)
 {
     if (dev < 0 || dev >= MAX_DEVS || !uccl_dtype_size(dtype))
         return uccl__err(UCCL_ERR_INVALID, "reduction kernel: device %d, type %d", dev, dtype);
-    pthread_mutex_lock(&kernels.mu);
     static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src, NULL};
+    pthread_mutex_lock(&kernels.mu);
     int rc = kernels.k[dev][dtype] ? UCCL_OK
                                    : compile_parts(dev, dtype, parts, "uccl_sg_reduce",
                                                    &kernels.k[dev][dtype]);

@@ -15,7 +15,17 @@ const char uccl__sg_prelude_src[] =
     "typedef unsigned long long u64; typedef long long i64;\n"
     "struct alignas(16) V16 { u32 w[4]; };\n"
     "__device__ __forceinline__ void fence(bool sys) { if (sys) __threadfence_system(); else __threadfence(); }\n"
-    "__device__ __forceinline__ bool before(u64 word, u32 k) { return (int)(*(volatile u32 *)word - k) < 0; }\n";
+    "__device__ __forceinline__ bool before(u64 word, u32 k) { return (int)(*(volatile u32 *)word - k) < 0; }\n"
+    /* a spin until word reaches k (a cyclic count) or the group's failed
+     * flag (the page, over PCIe: read every 64th poll) is up; then the
+     * poller's own fence, which orders what it reads next after the word */
+    "__device__ __forceinline__ void wait_word(u64 word, u32 k, u64 failed, bool sys) {\n"
+    "  for (u32 i = 1; before(word, k); i++) {\n"
+    "    if ((i & 63) == 0 && *(volatile u32 *)failed) break;\n"
+    "    __nanosleep(32);\n"
+    "  }\n"
+    "  fence(sys);\n"
+    "}\n";
 
 /* The reduction kernel: out[i] <- op over the sources (rank order) of
  * src[r][i], accumulated as torch accumulates (float for 16-bit floats,
@@ -193,18 +203,11 @@ const char uccl__sg_fused_src[] =
     "  u64 seen = a.ctr + 8;\n"
     "  if (blockIdx.x == 0) {\n"
     "    int r = threadIdx.x;\n"
-    "    if (r < a.n && r != a.me) {\n"
-    "      for (u32 i = 1; before(a.dready[r], a.k); i++) {\n"
-    "        if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
-    "        __nanosleep(32);\n"
-    "      }\n"
-    "      fence(a.sys);\n"
-    "    }\n"
+    "    if (r < a.n && r != a.me) wait_word(a.dready[r], a.k, a.failed, a.sys);\n"
     "    __syncthreads();\n"
     "    if (threadIdx.x == 0) *(volatile u32 *)seen = a.k;\n"
     "  } else if (threadIdx.x == 0) {\n"
-    "    while (before(seen, a.k)) __nanosleep(32);\n"
-    "    fence(a.sys);\n"
+    "    wait_word(seen, a.k, a.failed, a.sys);\n"
     "  }\n"
     "  __syncthreads();\n"
     "  if (a.gather) {\n"
@@ -252,15 +255,9 @@ const char uccl__sg_sync_src[] =
     "    *(volatile u32 *)a.mine = a.k;\n"
     "    *(volatile u32 *)a.page = a.k;\n"
     "  }\n"
-    "  if (r < a.n && ((a.mask >> r) & 1)) {\n"
-    "    for (u32 i = 1; before(a.peer[r], a.k); i++) {\n"
-    "      if ((i & 63) == 0 && *(volatile u32 *)a.failed) break;\n"
-    "      __nanosleep(32);\n"
-    "    }\n"
-    /* each poller's own fence: what block 0 of the gather launch reads
-     * next is the peers' bytes, ordered after their words by it */
-    "    fence(a.sys);\n"
-    "  }\n"
+    /* each poller fences (wait_word): what block 0 of the gather launch
+     * reads next is the peers' bytes */
+    "  if (r < a.n && ((a.mask >> r) & 1)) wait_word(a.peer[r], a.k, a.failed, a.sys);\n"
     "  __syncthreads();\n"
     "  if (r == 0) {\n"
     "    fence(a.sys);\n"
@@ -287,11 +284,7 @@ const char uccl__sg_gather_src[] =
     "    handshake(a.ready);\n"
     "    if (threadIdx.x == 0) *(volatile u32 *)a.seen = a.ready.k;\n"
     "  } else if (threadIdx.x == 0) {\n"
-    "    for (u32 i = 1; before(a.seen, a.ready.k); i++) {\n"
-    "      if ((i & 63) == 0 && *(volatile u32 *)a.ready.failed) break;\n"
-    "      __nanosleep(32);\n"
-    "    }\n"
-    "    fence(a.ready.sys);\n"
+    "    wait_word(a.seen, a.ready.k, a.ready.failed, a.ready.sys);\n"
     "  }\n"
     "  __syncthreads();\n"
     "  for (int s = 0; s < a.nseg; s++) copy_bytes(a.dst[s], a.src[s], a.len[s]);\n"

@@ -303,13 +303,11 @@ static int handshake(uccl_sg_t *sg, uintptr_t X, uint32_t k, int off,
 }
 
 /* A one-phase round with no reduction as one launch where the device makes
- * one (the handshakes of queue_round around the copies cs), else
- * UCCL_ERR_UNAVAIL. */
+ * one (the handshakes of queue_round around the copies cs: ready waiting
+ * for the peers in reads, done for all), else UCCL_ERR_UNAVAIL. */
 static int gather_launch(uccl_sg_t *sg, uintptr_t X, uint32_t k, const unsigned char *reads,
-                         const struct uccl_sg_copy *cs, int n)
+                         const unsigned char *all, const struct uccl_sg_copy *cs, int n)
 {
-    unsigned char all[UCCL_SG_MAX_RANKS];
-    memset(all, 1, sizeof(all));
     struct uccl__sg_sync_args ready, done;
     if (!sg->ops->gather || !sync_args(sg, k, OFF_READY, reads, 0, &ready) ||
         !sync_args(sg, k, OFF_DONE, all, 1, &done))
@@ -383,7 +381,7 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     memset(all, 1, sizeof(all));
     int two = c->phases == 2;
     if (!two && !(red && red->count)) {
-        rc = gather_launch(sg, X, k, reads, cp, n1);
+        rc = gather_launch(sg, X, k, reads, all, cp, n1);
         if (rc != UCCL_ERR_UNAVAIL) {
             free(cp);
             return rc;
