@@ -16,12 +16,15 @@ const char uccl__sg_prelude_src[] =
     "struct alignas(16) V16 { u32 w[4]; };\n"
     "__device__ __forceinline__ void fence(bool sys) { if (sys) __threadfence_system(); else __threadfence(); }\n"
     "__device__ __forceinline__ bool before(u64 word, u32 k) { return (int)(*(volatile u32 *)word - k) < 0; }\n"
-    /* a spin until word reaches k (a cyclic count) or the group's failed
-     * flag (the page, over PCIe: read every 64th poll) is up; then the
-     * poller's own fence, which orders what it reads next after the word */
+    /* a spin until word reaches k (a cyclic count) or, where failed is not
+     * 0, the group's failed flag (the page, over PCIe: read every 64th
+     * poll) is up; then the poller's own fence, which orders what it reads
+     * next after the word.  A block's wait for block 0's seen word reads no
+     * flag: block 0 writes it however its own wait ends, and a read over
+     * PCIe would only delay the block's start */
     "__device__ __forceinline__ void wait_word(u64 word, u32 k, u64 failed, bool sys) {\n"
     "  for (u32 i = 1; before(word, k); i++) {\n"
-    "    if ((i & 63) == 0 && *(volatile u32 *)failed) break;\n"
+    "    if (failed && (i & 63) == 0 && *(volatile u32 *)failed) break;\n"
     "    __nanosleep(32);\n"
     "  }\n"
     "  fence(sys);\n"
@@ -207,7 +210,7 @@ const char uccl__sg_fused_src[] =
     "    __syncthreads();\n"
     "    if (threadIdx.x == 0) *(volatile u32 *)seen = a.k;\n"
     "  } else if (threadIdx.x == 0) {\n"
-    "    wait_word(seen, a.k, a.failed, a.sys);\n"
+    "    wait_word(seen, a.k, 0, a.sys);\n"
     "  }\n"
     "  __syncthreads();\n"
     "  if (a.gather) {\n"
@@ -284,7 +287,7 @@ const char uccl__sg_gather_src[] =
     "    handshake(a.ready);\n"
     "    if (threadIdx.x == 0) *(volatile u32 *)a.seen = a.ready.k;\n"
     "  } else if (threadIdx.x == 0) {\n"
-    "    wait_word(a.seen, a.ready.k, a.ready.failed, a.ready.sys);\n"
+    "    wait_word(a.seen, a.ready.k, 0, a.ready.sys);\n"
     "  }\n"
     "  __syncthreads();\n"
     "  for (int s = 0; s < a.nseg; s++) copy_bytes(a.dst[s], a.src[s], a.len[s]);\n"
