@@ -132,6 +132,8 @@ def ctx_plan(ws: int, big) -> list:
     # MiB sizes
     add(f"ag-auto-uint8-{_big_name(b2, 0)}", "ag", api="allgather", algo="auto", dt="uint8",
         n=b2, form="tensor")
+    add(f"ag-direct-float32-{_big_name(b1, 0)}", "ag", api="allgather", algo="direct",
+        dt="float32", n=_big_n(b1, "float32", 0), form="tensor")   # aligned: one launch
     add(f"ag-ring-float32-{_big_name(b1, 3)}-list", "ag", api="allgather", algo="ring",
         dt="float32", n=_big_n(b1, "float32", 3), form="list")
     add(f"iag-direct-bfloat16-{_big_name(b1, 1)}", "ag", api="iallgather", algo="direct",
@@ -216,6 +218,13 @@ def backend_plan(ws: int, big) -> list:
     add(f"rs-tensor-SUM-float32-in-{_big_name(b2, 0)}", "rs", form="tensor", op="SUM",
         dt="float32", kind="int", n=_big_n(b2, "float32", 0) // ws + 1)
     add(f"agit-uint8-{_big_name(b2, 1)}", "agit", dt="uint8", n=b2 + 1)
+    # aligned, above UCCL_SG_FUSED_BYTES and below UCCL_SG_GATHER_LAUNCH_BYTES:
+    # where the peers share this GPU, one launch, in place and not; then on a
+    # group whose rank 0 has the launch off (its three steps beside the
+    # peers' launch: the words must agree)
+    for how in ("", "-in-place", "-in-place-launch-off-on-rank-0"):
+        add(f"agit{how}-float32-{_big_name(b1, 0)}", "agit", dt="float32",
+            n=_big_n(b1, "float32", 0), inplace=bool(how), mixed="off" in how)
     add(f"bcast-uint8-{_big_name(b2, 1)}", "bcast", dt="uint8", n=b2 + 1)
     add(f"ag-list-bfloat16-{_big_name(b1, 1)}", "ag", dt="bfloat16", n=_big_n(b1, "bfloat16", 1))
     add(f"a2as-float32-{_big_name(b1, 0)}-per-rank", "a2as", dt="float32",
@@ -905,15 +914,38 @@ def _case_ag(x: X, i, p):
     same(inp, exps[x.me], "input (must not change)")
 
 
+def _group_launch_off_on_rank_0(x: X):
+    """A new uccl group whose rank 0 made its CUDA device with
+    UCCL_SG_GATHER_LAUNCH_BYTES=0 (read when the group's first CUDA call
+    makes it), its peers with the default."""
+    import datetime
+    grp = x.dist.new_group(backend="uccl", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    if x.me == 0:
+        os.environ["UCCL_SG_GATHER_LAUNCH_BYTES"] = "0"
+    try:
+        t = x.torch.zeros(x.ws * 1024, device=x.dev)
+        x.dist.all_gather_into_tensor(t, t[x.me * 1024:(x.me + 1) * 1024], group=grp)
+    finally:
+        os.environ.pop("UCCL_SG_GATHER_LAUNCH_BYTES", None)
+    return grp
+
+
 def _case_agit(x: X, i, p):
     torch, dist, dt, n, ws = x.torch, x.dist, p["dt"], p["n"], x.ws
+    grp = _group_launch_off_on_rank_0(x) if p.get("mixed") else None
     exps = [vals(x, sd(x, i, r), n, dt) for r in range(ws)]
-    inp = exps[x.me].clone()
     out, back = poisoned(x, ws * n, dt)
+    if p.get("inplace"):   # this rank's chunk of the output is the input
+        inp = out[x.me * n:(x.me + 1) * n]
+        inp.copy_(exps[x.me])
+    else:
+        inp = exps[x.me].clone()
     x.sync()
-    err = attempt(lambda: dist.all_gather_into_tensor(out, inp))
+    err = attempt(lambda: dist.all_gather_into_tensor(out, inp, group=grp))
     ref, _ = poisoned(x, ws * n, dt, "cpu")
-    dist.all_gather_into_tensor(ref, cpu(inp), group=x.gloo)
+    dist.all_gather_into_tensor(ref, cpu(exps[x.me]), group=x.gloo)
+    if grp is not None:
+        dist.destroy_process_group(grp)
     reraise(err)
     same(out, torch.cat(exps), "output vs the ranks' inputs")
     same(out, ref, "output vs Gloo")
