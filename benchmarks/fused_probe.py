@@ -132,6 +132,14 @@ def c_path_ab(upg, dev, world: int, sizes, iters: int, warmup: int, rounds: int,
     return rows
 
 
+def slowest(rows: list[tuple], world: int) -> list[list[float]]:
+    """Each row's figures (from its third on), the slowest rank's."""
+    mine = torch.tensor([r[2:] for r in rows], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return torch.stack(every).amax(dim=0).tolist()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="4,1M")
@@ -186,21 +194,15 @@ def main() -> None:
     ab = c_path_ab(upg, dev, world, parse_sizes(args.sizes), args.iters, args.warmup,
                    args.c_rounds, sync) if args.c_rounds else []
     if ab:
-        mine = torch.tensor([r[2:] for r in ab], dtype=torch.float64)
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine)
-        ab = [r[:2] + tuple(w) for r, w in zip(ab, torch.stack(every).amax(dim=0).tolist())]
-    mine = torch.tensor([r[2:] for r in rows], dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    worst = torch.stack(every).amax(dim=0)
+        ab = [r[:2] + tuple(w) for r, w in zip(ab, slowest(ab, world))]
+    worst = slowest(rows, world)
     if rank == 0:
         print(f"[Rank 0] {world} ranks, {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
               f"UCCL_SG_FUSED_BYTES={os.environ.get('UCCL_SG_FUSED_BYTES', 'default')}, "
               f"{args.iters} calls, us per call (slowest rank)")
         print(f"{'op':<12} {'bytes':>8} {'dist issue':>11} {'dist total':>11} {'eng issue':>10} "
               f"{'eng total':>10} {'gpu span':>9}")
-        for r, w in zip(rows, worst.tolist()):
+        for r, w in zip(rows, worst):
             print(f"{r[0]:<12} {r[1]:>8} " + " ".join(f"{v:>10.1f}" for v in w))
         if pieces:
             print("the backend's fast path for a 4-byte all_reduce, piece by piece (rank 0, "

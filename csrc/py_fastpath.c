@@ -33,19 +33,20 @@
 enum {
     N_ASYNC, N_REDUCE_OP, N_CLOSED, N_SG, N_RUNNER, N_RED_CODES, N_C, N_DEV, N_IS_CUDA,
     N_LAYOUT, N_IS_CONTIGUOUS, N_GET_DEVICE, N_DTYPE, N_DATA_PTR, N_NUMEL, N_ELEMENT_SIZE,
-    N_CV, N_LOCK, N_BUSY, N_Q, N_POISONED, N_ACQUIRE, N_RELEASE, N_NOTIFY_ALL, N_SIZE, N_COUNT
+    N_CV, N_BUSY, N_Q, N_POISONED, N_ACQUIRE, N_RELEASE, N_NOTIFY_ALL, N_SIZE, N_COUNT
 };
-_Static_assert(N_COUNT <= UCCL__PY_FAST_NAMES, "struct uccl__py_fast's names");
+_Static_assert(N_COUNT == UCCL__PY_FAST_NAMES, "struct uccl__py_fast's names");
 static const char *const names[N_COUNT] = {
     "asyncOp", "reduceOp", "_closed", "_sg", "_runner", "_red_codes", "c", "dev", "is_cuda",
     "layout", "is_contiguous", "get_device", "dtype", "data_ptr", "numel", "element_size",
-    "_cv", "_lock", "_busy", "_q", "_poisoned", "acquire", "release", "notify_all", "size",
+    "_cv", "_busy", "_q", "_poisoned", "acquire", "release", "notify_all", "size",
 };
 
-static struct uccl__py_fast *fast_of(PyObject *module)
+/* The module's state where fast_setup() ran, else NULL. */
+static uccl__py_state *fast_of(PyObject *module)
 {
-    struct uccl__py_fast *f = &((uccl__py_state *)PyModule_GetState(module))->fast;
-    return f->hook[UCCL__PY_FAST_WORK] ? f : NULL;
+    uccl__py_state *st = PyModule_GetState(module);
+    return st->fast.hook[UCCL__PY_FAST_WORK] ? st : NULL;
 }
 
 /* fast_setup(tensor_type, strided, profiler_enabled, capturing, raw_stream, work_type).
@@ -185,10 +186,12 @@ static long long dense_cuda(struct uccl__py_fast *f, PyObject *t)
     return as_ll(call0(f, t, N_GET_DEVICE));
 }
 
-/* What one call needs, gathered by the checks (new references). */
+/* What one call needs, gathered by the checks (new references; zeroed
+ * before them). */
 struct call {
-    PyObject *sg, *c, *runner, *lock; /* lock: the runner's (Runner._cv's) */
-    uint64_t caller;
+    PyObject *sg, *c, *runner, *cv; /* cv: Runner._cv, whose acquire and release are its lock's */
+    PyObject *stream;               /* the caller's raw stream, as StreamWork takes it */
+    uint64_t caller;                /* ... as the round takes it */
 };
 
 static void call_free(struct call *k)
@@ -196,43 +199,44 @@ static void call_free(struct call *k)
     Py_XDECREF(k->sg);
     Py_XDECREF(k->c);
     Py_XDECREF(k->runner);
-    Py_XDECREF(k->lock);
+    Py_XDECREF(k->cv);
+    Py_XDECREF(k->stream);
 }
 
-/* The checks of backend._fast for a blocking call whose tensors (dense
- * CUDA, on device dev) were checked: 0 and *k filled, or -1 (decline). */
-static int group_checks(PyObject *module, struct uccl__py_fast *f, PyObject *pg, PyObject *opts,
-                        long long dev, struct call *k)
+/* The checks of backend._fast that read no tensor (a blocking call, the
+ * group open, no profiler): made first, as an asynchronous call, the most
+ * common one declined, needs no more.  1 passed, 0 declined. */
+static int call_checks(struct uccl__py_fast *f, PyObject *pg, PyObject *opts)
 {
-    memset(k, 0, sizeof(*k));
-    if (dev < 0 || opts == Py_None || !attr_is(f, opts, N_ASYNC, Py_False) ||
-        !attr_false(f, pg, N_CLOSED) || !hook_false(f, UCCL__PY_FAST_PROFILING))
+    return opts != Py_None && attr_is(f, opts, N_ASYNC, Py_False) &&
+           attr_false(f, pg, N_CLOSED) && hook_false(f, UCCL__PY_FAST_PROFILING);
+}
+
+/* The rest of backend._fast's checks, for tensors (dense CUDA, on device
+ * dev) that were checked: 0 and *k filled, or -1 (decline). */
+static int group_checks(uccl__py_state *st, PyObject *pg, long long dev, struct call *k)
+{
+    struct uccl__py_fast *f = &st->fast;
+    if (dev < 0 || !(k->sg = get(f, pg, N_SG)) || k->sg == Py_None)
         return -1;
-    k->sg = get(f, pg, N_SG);
-    if (!k->sg || k->sg == Py_None || as_ll(get(f, k->sg, N_DEV)) != dev)
+    PyObject *d = get(f, k->sg, N_DEV); /* sg.dev, handed to raw_stream as _streamed does */
+    long long sg_dev = d && PyLong_Check(d) ? PyLong_AsLongLong(d) : -1;
+    if (sg_dev != dev || !(k->c = get(f, k->sg, N_C)) ||
+        !PyObject_TypeCheck(k->c, (PyTypeObject *)st->sg_type) ||
+        !hook_false(f, UCCL__PY_FAST_CAPTURING)) { /* capturing: the Python path refuses it */
+        Py_XDECREF(d);
+        soft();
         return -1;
-    k->c = get(f, k->sg, N_C);
-    uccl__py_state *st = PyModule_GetState(module);
-    if (!k->c || !PyObject_TypeCheck(k->c, (PyTypeObject *)st->sg_type))
-        return -1;
-    if (!hook_false(f, UCCL__PY_FAST_CAPTURING)) /* capturing: the Python path refuses it */
-        return -1;
-    PyObject *d = PyLong_FromLongLong(dev);
-    PyObject *s = d ? PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_RAW_STREAM], d, NULL)
-                    : NULL;
-    Py_XDECREF(d);
-    int ok = s && uccl__py_to_u64(s, &k->caller);
-    Py_XDECREF(s);
-    if (!ok) {
+    }
+    k->stream = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_RAW_STREAM], d, NULL);
+    Py_DECREF(d);
+    if (!k->stream || !uccl__py_to_u64(k->stream, &k->caller)) {
         soft();
         return -1;
     }
     if (!(k->runner = get(f, pg, N_RUNNER)))
         return -1;
-    PyObject *cv = get(f, k->runner, N_CV);
-    k->lock = cv ? get(f, cv, N_LOCK) : NULL;
-    Py_XDECREF(cv);
-    return k->lock ? 0 : -1;
+    return (k->cv = get(f, k->runner, N_CV)) ? 0 : -1;
 }
 
 /* The error set now, if any, kept in *e (the first one wins; later ones
@@ -255,9 +259,9 @@ static void keep(struct err *e)
 /* Runner.inline's first half: the token, when nothing of the group is
  * queued or running and it is open; 0 taken, -1 declined.  The lock is
  * only tried: a holder is running or queueing a task, so decline. */
-static int take_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock)
+static int take_token(struct uccl__py_fast *f, PyObject *runner, PyObject *cv)
 {
-    PyObject *got = PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], Py_False, NULL);
+    PyObject *got = PyObject_CallMethodObjArgs(cv, f->name[N_ACQUIRE], Py_False, NULL);
     Py_XDECREF(got);
     if (got != Py_True) {
         if (!got)
@@ -272,7 +276,7 @@ static int take_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock)
     }
     struct err e = {0};
     keep(&e); /* (an interrupt while reading: released first, then raised) */
-    PyObject *r = PyObject_CallMethodObjArgs(lock, f->name[N_RELEASE], NULL);
+    PyObject *r = PyObject_CallMethodObjArgs(cv, f->name[N_RELEASE], NULL);
     Py_XDECREF(r);
     keep(&e);
     if (e.t) {
@@ -288,26 +292,24 @@ static int take_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock)
  * whoever waits for it woken (only a queued task does).  An error in
  * this part replaces the round's, as in Python; else the round's stays.
  * The lock's acquire is retried: a signal handler may interrupt it. */
-static void give_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock)
+static void give_token(struct uccl__py_fast *f, PyObject *runner, PyObject *cv)
 {
     struct err round = {0}, e = {0};
     PyErr_Fetch(&round.t, &round.v, &round.tb);
     PyObject *got = NULL;
     for (int tries = 0; !got && tries < 100; tries++)
-        if (!(got = PyObject_CallMethodObjArgs(lock, f->name[N_ACQUIRE], NULL)))
+        if (!(got = PyObject_CallMethodObjArgs(cv, f->name[N_ACQUIRE], NULL)))
             keep(&e);
     if (PyObject_SetAttr(runner, f->name[N_BUSY], Py_False) < 0) /* (no lock: still freed) */
         keep(&e);
     if (got) {
         if (!attr_false(f, runner, N_Q)) {
             keep(&e);
-            PyObject *cv = get(f, runner, N_CV);
-            PyObject *n = cv ? PyObject_CallMethodObjArgs(cv, f->name[N_NOTIFY_ALL], NULL) : NULL;
+            PyObject *n = PyObject_CallMethodObjArgs(cv, f->name[N_NOTIFY_ALL], NULL);
             Py_XDECREF(n);
-            Py_XDECREF(cv);
         }
         keep(&e);
-        PyObject *r = PyObject_CallMethodObjArgs(lock, f->name[N_RELEASE], NULL);
+        PyObject *r = PyObject_CallMethodObjArgs(cv, f->name[N_RELEASE], NULL);
         Py_XDECREF(r);
         keep(&e);
     }
@@ -324,26 +326,30 @@ static void give_token(struct uccl__py_fast *f, PyObject *runner, PyObject *lock
 
 /* The round under the token, then its Work (StreamWork(sg, k, [result],
  * caller)); the round's error raised; None where the token is taken. */
-static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result,
-                     const struct uccl__py_fast_args *a)
+static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result, int gather,
+                     const struct uccl__py_coll_args *a)
 {
-    if (take_token(f, k->runner, k->lock))
+    if (take_token(f, k->runner, k->cv))
         return decline();
-    PyObject *r = uccl__py_sg_fast_round((uccl__py_sgroup *)k->c, k->caller, a);
-    give_token(f, k->runner, k->lock);
+    PyObject *r = uccl__py_sg_fast_round((uccl__py_sgroup *)k->c, k->caller, gather, a);
+    give_token(f, k->runner, k->cv);
     if (r && PyErr_Occurred()) /* the round ran, but giving the token back was interrupted */
         Py_CLEAR(r);
-    PyObject *w = NULL, *lst = r ? PyList_New(1) : NULL, *caller = NULL;
+    PyObject *w = NULL, *lst = r ? PyList_New(1) : NULL;
     if (lst) {
         PyList_SetItem(lst, 0, Py_NewRef(result));
-        caller = PyLong_FromUnsignedLongLong(k->caller);
+        w = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_WORK], k->sg, r, lst, k->stream,
+                                         NULL);
     }
-    if (caller)
-        w = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_WORK], k->sg, r, lst, caller, NULL);
-    Py_XDECREF(caller);
     Py_XDECREF(lst);
     Py_XDECREF(r);
     return w;
+}
+
+/* The integer t.name(), or -1 (soft()). */
+static long long ll_of(struct uccl__py_fast *f, PyObject *t, int name)
+{
+    return PyErr_Occurred() ? -1 : as_ll(call0(f, t, name));
 }
 
 /* The engine's (dtype, operator) codes cached by backend._fast_red for
@@ -382,23 +388,26 @@ out:
 /* fast_allreduce(pg, tensors, opts) -> StreamWork, or None: take the Python path */
 PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    struct uccl__py_fast *f = fast_of(module);
+    uccl__py_state *st = fast_of(module);
     if (nargs != 3)
         return PyErr_Format(PyExc_TypeError, "fast_allreduce(pg, tensors, opts): %zd arguments",
                             nargs);
     PyObject *pg = args[0], *ts = args[1], *opts = args[2];
-    if (!f || !PyList_Check(ts) || PyList_Size(ts) != 1)
+    if (!st || !PyList_Check(ts) || PyList_Size(ts) != 1)
         Py_RETURN_NONE;
+    struct uccl__py_fast *f = &st->fast;
+    if (!call_checks(f, pg, opts))
+        return decline();
     PyObject *t = Py_NewRef(PyList_GetItem(ts, 0)), *w = NULL; /* ours: the list may change */
-    struct call k;
-    struct uccl__py_fast_args a = {0};
+    struct call k = {0};
+    struct uccl__py_coll_args a = {0};
     long long ptr = -1, n = -1;
-    if (!group_checks(module, f, pg, opts, dense_cuda(f, t), &k) &&
+    if (!group_checks(st, pg, dense_cuda(f, t), &k) &&
         !red_codes(f, pg, opts, t, &a.dtype, &a.op) &&
-        (ptr = as_ll(call0(f, t, N_DATA_PTR))) >= 0 && (n = as_ll(call0(f, t, N_NUMEL))) >= 0) {
-        a.src = (uint64_t)ptr;
-        a.count = (uint64_t)n;
-        w = run(f, &k, t, &a);
+        (ptr = ll_of(f, t, N_DATA_PTR)) >= 0 && (n = ll_of(f, t, N_NUMEL)) >= 0) {
+        a.a = (uintptr_t)ptr;
+        a.count = (size_t)n;
+        w = run(f, &k, t, 0, &a);
     } else {
         w = decline();
     }
@@ -407,27 +416,23 @@ PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ss
     return w;
 }
 
-/* The integer t.name(), or -1 (soft()). */
-static long long ll_of(struct uccl__py_fast *f, PyObject *t, int name)
-{
-    return PyErr_Occurred() ? -1 : as_ll(call0(f, t, name));
-}
-
 /* fast_allgather(pg, output, input, opts) -> StreamWork, or None */
 PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    struct uccl__py_fast *f = fast_of(module);
+    uccl__py_state *st = fast_of(module);
     if (nargs != 4)
         return PyErr_Format(PyExc_TypeError,
                             "fast_allgather(pg, output, input, opts): %zd arguments", nargs);
     PyObject *pg = args[0], *out = args[1], *inp = args[2], *opts = args[3];
-    if (!f)
+    if (!st)
         Py_RETURN_NONE;
-    struct call k;
-    memset(&k, 0, sizeof(k));
+    struct uccl__py_fast *f = &st->fast;
+    if (!call_checks(f, pg, opts))
+        return decline();
+    struct call k = {0};
     long long dev = dense_cuda(f, out);
     if (dev < 0 || PyErr_Occurred() || dense_cuda(f, inp) != dev ||
-        group_checks(module, f, pg, opts, dev, &k)) {
+        group_checks(st, pg, dev, &k)) {
         call_free(&k);
         return decline();
     }
@@ -442,9 +447,9 @@ PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ss
     PyObject *w;
     if (same && no >= 0 && ni >= 0 && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
         no % world == 0 && no / world == ni && (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
-        struct uccl__py_fast_args a = {.gather = 1, .src = (uint64_t)src, .dst = (uint64_t)dst,
-                                       .count = (uint64_t)ni * (uint64_t)es};
-        w = run(f, &k, out, &a);
+        struct uccl__py_coll_args a = {.a = (uintptr_t)src, .b = (uintptr_t)dst,
+                                       .count = (size_t)ni * (size_t)es};
+        w = run(f, &k, out, 1, &a);
     } else {
         w = decline();
     }

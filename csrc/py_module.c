@@ -311,7 +311,7 @@ static int module_clear(PyObject *m)
     uccl__py_state *st = state_of(m);
     Py_CLEAR(st->error);
     Py_CLEAR(st->timeout_error);
-    uccl__py_fast_clear(&st->fast); /* first: it reads sg_type */
+    uccl__py_fast_clear(&st->fast); /* first: the fast path reads sg_type while set up */
     Py_CLEAR(st->unknown_id_error);
     Py_CLEAR(st->sg_type);
     return 0;

@@ -202,41 +202,35 @@ static PyObject *rest(PyObject *args, Py_ssize_t at)
     return PyTuple_GetSlice(args, at, PyTuple_Size(args));
 }
 
-struct coll_args {
-    uintptr_t a, b;
-    size_t count;
-    int dtype, op, root;
-};
-
 static int do_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct coll_args *r = p;
+    struct uccl__py_coll_args *r = p;
     return uccl_sg_allreduce(sg, o, r->a, r->count, r->dtype, r->op, k);
 }
 static int do_reduce_scatter(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct coll_args *r = p;
+    struct uccl__py_coll_args *r = p;
     return uccl_sg_reduce_scatter(sg, o, r->a, r->b, r->count, r->dtype, r->op, k);
 }
 static int do_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct coll_args *r = p;
+    struct uccl__py_coll_args *r = p;
     return uccl_sg_reduce(sg, o, r->a, r->count, r->dtype, r->op, r->root, k);
 }
 static int do_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct coll_args *r = p;
+    struct uccl__py_coll_args *r = p;
     return uccl_sg_allgather(sg, o, r->a, r->count, r->b, k);
 }
 static int do_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
 {
-    struct coll_args *r = p;
+    struct uccl__py_coll_args *r = p;
     return uccl_sg_broadcast(sg, o, r->a, r->count, r->root, k);
 }
 
 /* A collective: (caller, caller_waits, end_event), then its own arguments
  * parsed by fmt into the fields of *r the varargs point at, then its round. */
-static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct coll_args *r,
+static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct uccl__py_coll_args *r,
                             const char *fmt, ...)
 {
     uccl__py_sgroup *self = uccl__py_sg_open(op);
@@ -258,7 +252,7 @@ static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct col
 /* allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) */
 static PyObject *SG_allreduce(PyObject *op, PyObject *args)
 {
-    struct coll_args r = {0};
+    struct uccl__py_coll_args r = {0};
     return collective(op, args, do_allreduce, &r, "O&O&ii", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
@@ -266,7 +260,7 @@ static PyObject *SG_allreduce(PyObject *op, PyObject *args)
 /* reduce_scatter(caller, caller_waits, end_event, out, inp, count, dtype, op) */
 static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
 {
-    struct coll_args r = {0};
+    struct uccl__py_coll_args r = {0};
     return collective(op, args, do_reduce_scatter, &r, "O&O&O&ii", uccl__py_to_u64, &r.a,
                       uccl__py_to_u64, &r.b, uccl__py_to_size, &r.count, &r.dtype, &r.op);
 }
@@ -274,7 +268,7 @@ static PyObject *SG_reduce_scatter(PyObject *op, PyObject *args)
 /* reduce(caller, caller_waits, end_event, ptr, count, dtype, op, root) */
 static PyObject *SG_reduce(PyObject *op, PyObject *args)
 {
-    struct coll_args r = {0};
+    struct uccl__py_coll_args r = {0};
     return collective(op, args, do_reduce, &r, "O&O&iii", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.dtype, &r.op, &r.root);
 }
@@ -282,7 +276,7 @@ static PyObject *SG_reduce(PyObject *op, PyObject *args)
 /* allgather(caller, caller_waits, end_event, src, nbytes, dst) */
 static PyObject *SG_allgather(PyObject *op, PyObject *args)
 {
-    struct coll_args r = {0};
+    struct uccl__py_coll_args r = {0};
     return collective(op, args, do_allgather, &r, "O&O&O&", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, uccl__py_to_u64, &r.b);
 }
@@ -290,20 +284,19 @@ static PyObject *SG_allgather(PyObject *op, PyObject *args)
 /* broadcast(caller, caller_waits, end_event, ptr, nbytes, root) */
 static PyObject *SG_broadcast(PyObject *op, PyObject *args)
 {
-    struct coll_args r = {0};
+    struct uccl__py_coll_args r = {0};
     return collective(op, args, do_broadcast, &r, "O&O&i", uccl__py_to_u64, &r.a,
                       uccl__py_to_size, &r.count, &r.root);
 }
 
-PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller,
-                                 const struct uccl__py_fast_args *a)
+PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int gather,
+                                 const struct uccl__py_coll_args *a)
 {
     struct uccl_sg_opts o = {.caller = (uintptr_t)caller, .caller_waits = 1};
-    struct coll_args r = {.a = (uintptr_t)a->src, .b = (uintptr_t)a->dst, .count = (size_t)a->count,
-                          .dtype = a->dtype, .op = a->op};
+    struct uccl__py_coll_args r = *a; /* run_round's argument is not const */
     if (!uccl__py_sg_open((PyObject *)self))
         return NULL;
-    return run_round(self, &o, a->gather ? do_allgather : do_allreduce, &r);
+    return run_round(self, &o, gather ? do_allgather : do_allreduce, &r);
 }
 
 /* The general round's lists, parsed with the GIL held. */

@@ -42,7 +42,7 @@ enum {
     UCCL__PY_FAST_WORK,       /* _work.StreamWork */
     UCCL__PY_FAST_HOOKS
 };
-#define UCCL__PY_FAST_NAMES 25
+#define UCCL__PY_FAST_NAMES 24 /* py_fastpath.c: its names, asserted equal */
 struct uccl__py_fast {
     PyObject *hook[UCCL__PY_FAST_HOOKS];
     PyObject *retired; /* a list: the hooks fast_setup() replaced, kept */
@@ -143,17 +143,19 @@ PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused);
 PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stale_passes(PyObject *module, PyObject *unused);
-/* The backend's fast path (py_fastpath.c): an all_reduce (in place at src:
- * count elements of dtype, op) or an allgather (count bytes from src into
- * dst), as a round on the caller's stream, which waits for it; its number,
- * or NULL with the round's error. */
-struct uccl__py_fast_args {
-    int gather;
-    uint64_t src, dst, count;
-    int dtype, op;
+/* A collective's buffers and type, as StreamGroup's methods parse them
+ * (a, b: the operation's two pointers; root where it has one). */
+struct uccl__py_coll_args {
+    uintptr_t a, b;
+    size_t count;
+    int dtype, op, root;
 };
-PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller,
-                                 const struct uccl__py_fast_args *a);
+/* The backend's fast path (py_fastpath.c): an all_reduce (in place at a:
+ * count elements of dtype, op) or, if gather, an allgather (count bytes
+ * from a into b), as a round on the caller's stream, which waits for it;
+ * its number, or NULL with the round's error. */
+PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int gather,
+                                 const struct uccl__py_coll_args *a);
 /* py_sgroup_mod.c: StreamGroup's methods for the emulated device's tests */
 PyObject *uccl__py_sg_emu_counts(PyObject *op, PyObject *unused);
 PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args);

@@ -44,6 +44,11 @@ struct cuda_dev {
     uccl_kernel_t *copy_k;    /* copies of one phase in one launch, or NULL */
     size_t kernel_copy_bytes; /* ... when they move at most this (UCCL_SG_KERNEL_COPY_BYTES) */
     size_t gather_bytes;      /* one-phase rounds as one launch up to this (cuda_gather) */
+    /* the handshake and gather kernels, and how many gather blocks fit an
+     * SM (-1: the driver cannot tell), found at the group's first use:
+     * the group's calls are one at a time, so no lock is taken per call */
+    uccl_kernel_t *sync_k, *gather_k;
+    int gather_fit;
     int fz_scope;             /* spinning launches' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
 };
 
@@ -66,7 +71,7 @@ static struct {
     char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS];
     char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS];
-    int sms[MAX_DEVS], gather_fit[MAX_DEVS];
+    int sms[MAX_DEVS];
 } kernels = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* Under kernels.mu: the device's SM count (grid sizes), once. */
@@ -124,7 +129,8 @@ static uccl_kernel_t *once_kernel(int dev, const char *const *parts, const char 
  * by one on the copy engine. */
 static uccl_kernel_t *copy_kernel(int dev)
 {
-    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_src, NULL};
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
+                                        uccl__sg_copy_src, NULL};
     return once_kernel(dev, parts, "uccl_sg_copy", &kernels.copy[dev], &kernels.copy_failed[dev]);
 }
 
@@ -195,14 +201,22 @@ static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *
     return UCCL_OK;
 }
 
-static int cuda_copies(void *dp, uintptr_t stream, const struct uccl_sg_copy *cs, int n)
+/* The bytes the n copies move in all, and the longest one's. */
+static size_t copy_span(const struct uccl_sg_copy *cs, int n, size_t *longest_p)
 {
-    struct cuda_dev *d = dp;
     size_t total = 0, longest = 0;
     for (int i = 0; i < n; i++) {
         total += cs[i].len;
         longest = cs[i].len > longest ? cs[i].len : longest;
     }
+    *longest_p = longest;
+    return total;
+}
+
+static int cuda_copies(void *dp, uintptr_t stream, const struct uccl_sg_copy *cs, int n)
+{
+    struct cuda_dev *d = dp;
+    size_t longest, total = copy_span(cs, n, &longest);
     uccl_kernel_t *k = n <= UCCL__K_COPY_SEGS && total <= d->kernel_copy_bytes ? d->copy_k : NULL;
     if (k) {
         struct uccl__k_copy a;
@@ -335,8 +349,10 @@ static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args
     int rc = uccl__cuda_use(d->dev);
     if (rc)
         return rc;
-    uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_sync", &kernels.sync[d->dev],
-                                   &kernels.sync_failed[d->dev]);
+    if (!d->sync_k)
+        d->sync_k = once_kernel(d->dev, parts, "uccl_sg_sync", &kernels.sync[d->dev],
+                                &kernels.sync_failed[d->dev]);
+    uccl_kernel_t *k = d->sync_k;
     if (!k || a->n > UCCL_SG_FUSED_RANKS)
         return UCCL_ERR_UNAVAIL;
     struct uccl__k_sync sa = sync_arg(d, a);
@@ -344,21 +360,23 @@ static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args
     return uccl__gpu_launch_unchecked(k, 1, 1, 32, stream, params);
 }
 
-/* How many blocks of the gather kernel (GATHER_THREADS each) fit one SM of
- * device dev (its registers, threads and shared memory), asked once; 0
- * where the driver cannot tell (the launch is not used then). */
 #define GATHER_THREADS 256
-static int gather_fit(int dev, uccl_kernel_t *k)
+/* The gather kernel, and how many of its blocks (GATHER_THREADS each) fit
+ * one SM (its registers, threads and shared memory); 0 where either is not
+ * to be had (the launch is not used then). */
+static int gather_kernel(struct cuda_dev *d, uccl_kernel_t **k_p)
 {
-    pthread_mutex_lock(&kernels.mu);
-    if (!kernels.gather_fit[dev]) {
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
+                                        uccl__sg_sync_src, uccl__sg_gather_src, NULL};
+    if (!d->gather_fit) {
         int n = 0;
-        kernels.gather_fit[dev] =
-            uccl__gpu_blocks_per_sm(k, GATHER_THREADS, &n) == UCCL_OK && n > 0 ? n : -1;
+        d->gather_k = once_kernel(d->dev, parts, "uccl_sg_gather", &kernels.gather[d->dev],
+                                  &kernels.gather_failed[d->dev]);
+        d->gather_fit = d->gather_k && uccl__gpu_blocks_per_sm(d->gather_k, GATHER_THREADS,
+                                                               &n) == UCCL_OK && n > 0 ? n : -1;
     }
-    int fit = kernels.gather_fit[dev];
-    pthread_mutex_unlock(&kernels.mu);
-    return fit > 0 ? fit : 0;
+    *k_p = d->gather_k;
+    return d->gather_fit > 0 ? d->gather_fit : 0;
 }
 
 /* Where every peer is a process on this GPU and the copies move at most
@@ -373,25 +391,19 @@ static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_ar
                        const struct uccl_sg_copy *cs, int n,
                        const struct uccl__sg_sync_args *done, uintptr_t ctr)
 {
-    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
-                                        uccl__sg_sync_src, uccl__sg_gather_src, NULL};
     struct cuda_dev *d = dp;
-    size_t total = 0, longest = 0;
-    for (int i = 0; i < n; i++) {
-        total += cs[i].len;
-        longest = cs[i].len > longest ? cs[i].len : longest;
+    size_t longest, total = copy_span(cs, n, &longest);
+    for (int i = 0; i < n; i++)
         if (((cs[i].dst | cs[i].src) & 15) && cs[i].len > (64u << 10))
             return UCCL_ERR_UNAVAIL;
-    }
     int rc = uccl__cuda_use(d->dev);
     if (rc)
         return rc;
     if (!d->gather_bytes || n > UCCL__K_GATHER_SEGS || total > d->gather_bytes ||
         ready->n > UCCL_SG_FUSED_RANKS || fence_sys(d, ready->peer, ready->n, ready->me))
         return UCCL_ERR_UNAVAIL;
-    uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_gather", &kernels.gather[d->dev],
-                                   &kernels.gather_failed[d->dev]);
-    int fit = k ? gather_fit(d->dev, k) : 0;
+    uccl_kernel_t *k;
+    int fit = gather_kernel(d, &k);
     if (!fit)
         return UCCL_ERR_UNAVAIL;
     struct uccl__k_gather ga = {.ready = sync_arg(d, ready), .done = sync_arg(d, done),
@@ -411,7 +423,8 @@ static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_ar
     size_t per_sm = fit > 1 ? (size_t)fit - 1 : 1;
     size_t cap = per_sm * (size_t)kernels.sms[d->dev] / (size_t)ready->n; /* set by once_kernel */
     size_t blocks = (longest + 64 * GATHER_THREADS - 1) / (64 * GATHER_THREADS); /* 16 KiB */
-    blocks = blocks < 1 ? 1 : blocks > cap ? (cap < 1 ? 1 : cap) : blocks;
+    blocks = blocks < cap ? blocks : cap;
+    blocks = blocks < 1 ? 1 : blocks;
     void *params[] = {&ga};
     return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, GATHER_THREADS, stream, params);
 }

@@ -171,6 +171,16 @@ const char uccl__sg_copy_fn_src[] =
     "  }\n"
     "  __syncthreads();\n"
     "  return last;\n"
+    "}\n"
+    /* the blocks other than 0 wait until block 0 has seen its peers (it
+     * raises seen, in device memory: every block polling the peers' words
+     * cost ~4x at 64 KiB); no failed flag read here, as block 0 raises it
+     * however its own wait ends */
+    "__device__ __forceinline__ void after_block0(u64 seen, u32 k, bool sys) {\n"
+    "  if (threadIdx.x == 0) {\n"
+    "    if (blockIdx.x == 0) *(volatile u32 *)seen = k; else wait_word(seen, k, 0, sys);\n"
+    "  }\n"
+    "  __syncthreads();\n"
     "}\n";
 
 /* A one-launch round (sgroup.h, struct uccl__sg_fused_args), after the
@@ -203,16 +213,12 @@ const char uccl__sg_fused_src[] =
     "extern \"C\" __global__ void uccl_sg_fused(FArgs a) {\n"
     "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
     "  arrive((u32 *)a.ctr, a.dready[a.me], a.ready[a.me], a.k, a.sys);\n"
-    "  u64 seen = a.ctr + 8;\n"
     "  if (blockIdx.x == 0) {\n"
     "    int r = threadIdx.x;\n"
     "    if (r < a.n && r != a.me) wait_word(a.dready[r], a.k, a.failed, a.sys);\n"
     "    __syncthreads();\n"
-    "    if (threadIdx.x == 0) *(volatile u32 *)seen = a.k;\n"
-    "  } else if (threadIdx.x == 0) {\n"
-    "    wait_word(seen, a.k, 0, a.sys);\n"
     "  }\n"
-    "  __syncthreads();\n"
+    "  after_block0(a.ctr + 8, a.k, a.sys);\n"
     "  if (a.gather) {\n"
     "    for (int r = 0; r < a.n; r++) {\n"
     "      u64 src = r == a.me ? a.in : a.slot[r], dst = a.out + (u64)r * a.nbytes;\n"
@@ -226,21 +232,15 @@ const char uccl__sg_fused_src[] =
     "  arrive((u32 *)a.ctr + 1, 0, a.fin, a.k, a.sys);\n"
     "}\n";
 
-/* Several copies in one launch (block row y copies segment y), 16 bytes
- * at a time where both ends are aligned: one driver call where each
- * cuMemcpyAsync costs several microseconds of the host's time. */
+/* Several copies in one launch, after the copy: block row y copies
+ * segment y (the copy's grid-wide split over a row's blocks), one driver
+ * call where each cuMemcpyAsync costs several microseconds of the host's
+ * time. */
 const char uccl__sg_copy_src[] =
     "struct CopyArgs { u64 dst[32]; u64 src[32]; u64 len[32]; int n; };\n"
     "extern \"C\" __global__ void uccl_sg_copy(CopyArgs a) {\n"
     "  int s = blockIdx.y;\n"
-    "  if (s >= a.n) return;\n"
-    "  u64 len = a.len[s];\n"
-    "  const unsigned char *src = (const unsigned char *)a.src[s];\n"
-    "  unsigned char *dst = (unsigned char *)a.dst[s];\n"
-    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
-    "  u64 nv = ((a.dst[s] | a.src[s]) & 15) == 0 ? len / 16 : 0;\n"
-    "  for (u64 j = tid; j < nv; j += stride) ((V16 *)dst)[j] = ((const V16 *)src)[j];\n"
-    "  for (u64 i = nv * 16 + tid; i < len; i += stride) dst[i] = src[i];\n"
+    "  if (s < a.n) copy_bytes(a.dst[s], a.src[s], a.len[s]);\n"
     "}\n";
 
 /* A two-sided round's handshake (struct uccl__sg_sync_args): thread 0
@@ -269,8 +269,8 @@ const char uccl__sg_sync_src[] =
     "}\n"
     "extern \"C\" __global__ void uccl_sg_sync(SArgs a) { handshake(a); }\n";
 
-/* A one-phase two-sided round with no reduction (struct
- * uccl__sg_gather_args) as one launch, after the handshake and the copy:
+/* A one-phase two-sided round with no reduction (sgroup.h,
+ * uccl__sg_dev.gather) as one launch, after the handshake and the copy:
  * block 0 makes the ready handshake and raises the seen flag (device
  * memory) that the other blocks wait for; every block copies its share of
  * each segment from the peers' buffers, mapped; the last block to finish
@@ -283,13 +283,8 @@ const char uccl__sg_sync_src[] =
 const char uccl__sg_gather_src[] =
     "struct GArgs { SArgs ready, done; u64 ctr, seen; u64 dst[16], src[16], len[16]; int nseg; };\n"
     "extern \"C\" __global__ void __launch_bounds__(256, 4) uccl_sg_gather(GArgs a) {\n"
-    "  if (blockIdx.x == 0) {\n"
-    "    handshake(a.ready);\n"
-    "    if (threadIdx.x == 0) *(volatile u32 *)a.seen = a.ready.k;\n"
-    "  } else if (threadIdx.x == 0) {\n"
-    "    wait_word(a.seen, a.ready.k, 0, a.ready.sys);\n"
-    "  }\n"
-    "  __syncthreads();\n"
+    "  if (blockIdx.x == 0) handshake(a.ready);\n"
+    "  after_block0(a.seen, a.ready.k, a.ready.sys);\n"
     "  for (int s = 0; s < a.nseg; s++) copy_bytes(a.dst[s], a.src[s], a.len[s]);\n"
     "  if (last_block((u32 *)a.ctr)) handshake(a.done);\n"
     "}\n";

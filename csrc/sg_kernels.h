@@ -4,7 +4,7 @@
  * between modules):
  *   uccl_sg_reduce   prelude, reduce                 (per element type)
  *   uccl_sg_fused    prelude, reduce, copy_fn, fused (per element type)
- *   uccl_sg_copy     prelude, copy
+ *   uccl_sg_copy     prelude, copy_fn, copy
  *   uccl_sg_sync     prelude, sync
  *   uccl_sg_gather   prelude, copy_fn, sync, gather
  * The reduction's parts start with "#define UCCL_DT <type>" (dt_names). */

@@ -228,15 +228,15 @@ static uintptr_t arena_word(const uccl_sg_t *sg, int r, int off)
     return arena_tail(sg, r) + (size_t)a;
 }
 
-/* A refresh (REFRESH_EVERY), on stream X before round k: every word of
- * this rank's that a round may leave unwritten (two-sided rounds' done
- * words in a run of one-launch rounds, the kernel's seen word in a run of
- * two-sided ones) set to k - 1, in the page and the arena. */
 /* A rank's round words that are in its arena too (fin is in the page only);
  * what a refresh and a renumbering set. */
 static const int ROUND_WORDS[] = {OFF_READY, OFF_DONE, OFF_DONE2};
 #define NROUND_WORDS (int)(sizeof(ROUND_WORDS) / sizeof(ROUND_WORDS[0]))
 
+/* A refresh (REFRESH_EVERY), on stream X before round k: every word of
+ * this rank's that a round may leave unwritten (two-sided rounds' done
+ * words in a run of one-launch rounds, the launches' seen word in a run of
+ * rounds without them) set to k - 1, in the page and the arena. */
 static int refresh_words(uccl_sg_t *sg, uintptr_t X, uint32_t k)
 {
     struct uccl__sg_memop ops[2 * NROUND_WORDS + 2];

@@ -350,8 +350,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         key = (hash(ro) if _HASH_IS_OP else ro.op.value, t.dtype)
         codes = self._red_codes.get(key)
         if codes is None:
-            rop = ro.op
-            _reduce.check_op(rop, t.dtype, what)
+            rop = self._reduce_fn(opts, t.dtype, what)   # checked (a bad one raises)
             codes = self._red_codes[key] = sg.reduce_codes(t.dtype, rop) or ()
         return (sg, *codes) if codes else None
 
