@@ -24,7 +24,7 @@ except ImportError:  # wheel not installed: in-place builds still work
 
 engine = Extension(
     "uccl_collective._engine",
-    sources=sorted(glob.glob("csrc/*.c")),
+    sources=sorted(glob.glob("csrc/*/*.c")),
     include_dirs=["csrc"],
     define_macros=[("Py_LIMITED_API", "0x030A0000")],
     py_limited_api=True,

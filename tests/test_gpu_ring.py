@@ -618,7 +618,7 @@ def test_header_layout_matches_the_engine(struct):
     widths, in the same order (sizes are also pinned by static asserts in
     ring.c and in the header itself)."""
     cuh = open(os.path.join(ROOT, "uccl_collective", "include", "uccl_ring.cuh")).read()
-    h = open(os.path.join(ROOT, "csrc", "ring.h")).read()
+    h = open(os.path.join(ROOT, "csrc", "ring", "ring.h")).read()
     assert _fields(cuh, struct) == _fields(h, struct)
     assert len(_fields(h, struct)) >= 7
 

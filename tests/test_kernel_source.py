@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "csrc" / "sgdev"
 SRC = CSRC / "sg_kernels.c"
 # every part, in an order where each comes after what it uses (sg_kernels.h)
 PARTS = ("prelude", "reduce", "copy_fn", "fused", "copy", "sync", "gather")

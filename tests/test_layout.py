@@ -1,11 +1,18 @@
-"""The engine's layout (docs/ARCHITECTURE.md) holds: every call between C
-files goes down the layers, transports call up only through the upcalls
-transport.h declares, only the py_*.c files include Python.h, every C file
-stays under 800 lines, and the architecture page names every file.
+"""The engine's layout (docs/ARCHITECTURE.md) holds.
+
+csrc/ has one folder per layer.  A file includes and calls only files of its
+own folder and of the folders of lower layers (folders on one layer do not
+reach each other); a transport calls up only through the upcalls
+tp/transport.h declares; no two files call each other, directly or round a
+circle; the collectives, groups, rings and the module stand on the public C
+API; only py/pyengine.h includes Python.h; every C file stays under 800
+lines; and the architecture page names every file.
 
 Calls are found by name (uccl_* and uccl__* functions, defined in one file
-and called in another); calls through function pointers (a transport's ops)
-are the contract itself and are not followed."""
+and called in another); calls through function pointers (a transport's
+ops, a group's device ops) are the contracts themselves and are not
+followed."""
+import collections
 import pathlib
 import re
 
@@ -14,34 +21,37 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
-# Layer of each C file, bottom (0) to top.  A file may call files of its own
-# layer and of the layers below it.
+# The folders, bottom (0) to top.  Folders on one layer are siblings: they
+# use the layers below, never each other.
 LAYERS = {
-    "status.c": 0, "log.c": 0, "sock.c": 0, "wire.c": 0, "idmap.c": 0, "pool.c": 0,
-    "cuda_loader.c": 0, "ibv_loader.c": 0, "nvrtc_loader.c": 0, "dtype.c": 0,
-    "gpu_mem.c": 1, "gpu_copy.c": 1, "gpu_kernel.c": 1, "gpu_stream.c": 1, "mem.c": 1, "transport.c": 1,
-    "handshake.c": 2,
-    "tp_tcp.c": 3, "tp_shm.c": 3, "tp_shm_ipc.c": 3, "tp_rdma.c": 3, "tp_rdma_dev.c": 3,
-    "tp_rdma_stage.c": 3,
-    "conn.c": 4, "proto.c": 4, "proto_eager.c": 4, "proto_stream.c": 4,
-    "engine.c": 5, "listen.c": 5, "xfer.c": 5, "gate.c": 5, "ipc_share.c": 5,
-    "sg_cuda.c": 5, "sg_kernels.c": 5, "sg_emu.c": 5,
-    "comm.c": 6, "coll_run.c": 6, "coll_algo.c": 6, "ring.c": 6, "sgroup.c": 6, "sg_round.c": 6, "sg_call.c": 6,
-    "sg_p2p.c": 6,
-    "py_module.c": 7, "py_endpoint.c": 7, "py_comm.c": 7, "py_ring.c": 7,
-    "py_stream.c": 7, "py_sgroup.c": 7, "py_sgroup_mod.c": 7, "py_fastpath.c": 7,
+    "base": 0,    # status, logging, the id map, copy helpers, element types
+    "load": 1,    # libcuda, libibverbs, NVRTC loaded at run time
+    "net": 2,     # sockets and the wire records
+    "gpu": 3,     # what a pointer is, copies, kernels, mapped host memory
+    "mem": 4,     # registered regions and advertised windows
+    "tp": 5,      # the transport contract and the transports, the handshake
+    "conn": 6,    # a connection and its protocol
+    "ep": 7,      # endpoints, transfers (public C API: uccl.h)
+    "sgdev": 8,   # the devices of stream-ordered groups (CUDA, emulated)
+    "coll": 9,    # communicators: collectives over endpoints
+    "sg": 9,      # stream-ordered groups
+    "ring": 9,    # GPU-initiated transfers
+    "py": 10,     # the CPython module
 }
-# What a transport may call in the protocol (transport.h, "upcalls").
+# What a transport may call in the connection layer (tp/transport.h, "upcalls").
 UPCALLS = {"uccl__conn_rx_begin", "uccl__conn_rx_end", "uccl__conn_rx_abort",
            "uccl__conn_tx_done", "uccl__conn_send_msg", "uccl__conn_fail"}
-# The collective layer and the module stand on the public C API alone.
-PUBLIC_ONLY = {6: ("uccl.h", "coll.h", "ring.h", "sgroup.h"),
-               7: ("uccl.h", "coll.h", "ring.h", "sgroup.h")}
+# Folders that stand on the public C API: of the layers below they call only
+# public functions (uccl_*), or base's, and include only these headers.
+PUBLIC_ONLY = {"coll", "sg", "ring", "py"}
+PUBLIC_HEADERS = {"ep/uccl.h", "coll/coll.h", "ring/ring.h", "sg/sgroup.h",
+                  "net/sock.h", "net/wire.h"}
 MAX_LINES = 800
 
 DEF_RE = re.compile(r"^(?!static)[A-Za-z_][\w \*]*?\b(uccl_\w+)\s*\([^;]*?\)\s*\{",
                     re.M | re.S)
 CALL_RE = re.compile(r"\b(uccl_\w+)\s*\(")
+INC_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 def _strip(src: str) -> str:
@@ -51,8 +61,23 @@ def _strip(src: str) -> str:
     return re.sub(r'"(?:\\.|[^"\\\n])*"', '""', src)
 
 
+def _rel(p: pathlib.Path) -> str:
+    return p.relative_to(CSRC).as_posix()
+
+
+def _folder(rel: str) -> str:
+    return rel.split("/")[0]
+
+
 def _sources() -> dict[str, str]:
-    return {p.name: _strip(p.read_text()) for p in sorted(CSRC.glob("*.c"))}
+    """folder/file.c -> its source, stripped."""
+    return {_rel(p): _strip(p.read_text()) for p in sorted(CSRC.glob("*/*.c"))}
+
+
+def _includes() -> dict[str, list[str]]:
+    """folder/file.[ch] -> what it includes in quotes (comments left out)."""
+    return {_rel(p): INC_RE.findall(re.sub(r"/\*.*?\*/", " ", p.read_text(), flags=re.S))
+            for p in sorted(CSRC.glob("*/*.[ch]"))}
 
 
 def _definitions(srcs: dict[str, str]) -> dict[str, str]:
@@ -64,88 +89,166 @@ def _definitions(srcs: dict[str, str]) -> dict[str, str]:
     return defs
 
 
-def test_every_c_file_has_a_layer():
-    files = {p.name for p in CSRC.glob("*.c")}
-    assert files == set(LAYERS), (f"not in LAYERS: {sorted(files - set(LAYERS))}; "
-                                  f"gone: {sorted(set(LAYERS) - files)}")
+def _calls(srcs: dict[str, str]) -> dict[str, dict[str, set[str]]]:
+    """caller file -> callee file -> the functions it calls there."""
+    defs = _definitions(srcs)
+    out: dict[str, dict[str, set[str]]] = {}
+    for caller, src in srcs.items():
+        per = out.setdefault(caller, collections.defaultdict(set))
+        for fn in set(CALL_RE.findall(src)):
+            callee = defs.get(fn)
+            if callee is not None and callee != caller:
+                per[callee].add(fn)
+    return out
+
+
+def test_every_file_is_in_a_layer_folder():
+    loose = sorted(p.name for p in CSRC.iterdir() if p.is_file())
+    assert loose == [], f"files at the top of csrc/, in no layer: {loose}"
+    folders = {p.name for p in CSRC.iterdir() if p.is_dir()}
+    assert folders == set(LAYERS), (f"not in LAYERS: {sorted(folders - set(LAYERS))}; "
+                                    f"gone: {sorted(set(LAYERS) - folders)}")
+    for f in sorted(folders):
+        assert list((CSRC / f).glob("*.h")), f"csrc/{f}/ has no header: its interface"
 
 
 def test_definitions_are_found():
-    # The parser must see the functions it judges, or the next test proves nothing.
+    # The parser must see the functions it judges, or the next tests prove nothing.
     defs = _definitions(_sources())
-    for fn, where in [("uccl__mem_window_check", "mem.c"), ("uccl__conn_post", "proto.c"),
-                      ("uccl__conn_drive", "conn.c"), ("uccl_ep_post", "xfer.c"),
-                      ("uccl_comm_wait", "comm.c"), ("uccl__open_stream", "handshake.c"),
-                      ("uccl__sock_sendv", "sock.c"), ("uccl__py_raise", "py_module.c")]:
-        assert defs.get(fn) == where, (fn, defs.get(fn))
+    for fn in ["uccl__mem_window_check", "uccl__conn_post", "uccl_ep_post", "uccl_comm_wait",
+               "uccl__open_stream", "uccl__sock_sendv", "uccl__py_raise", "uccl_sg_error"]:
+        assert fn in defs, fn
     assert len(defs) > 120
 
 
-def _violations() -> list[str]:
-    srcs = _sources()
-    defs = _definitions(srcs)
+def _call_violations(srcs=None) -> list[str]:
+    srcs = _sources() if srcs is None else srcs
     bad = []
-    for caller, src in srcs.items():
-        lc = LAYERS[caller]
-        for fn in sorted(set(CALL_RE.findall(src))):
-            callee = defs.get(fn)
-            if callee is None or callee == caller:
+    for caller, per in _calls(srcs).items():
+        fc = _folder(caller)
+        for callee, fns in sorted(per.items()):
+            ff = _folder(callee)
+            if ff == fc:
                 continue
-            lf = LAYERS[callee]
-            if lc in PUBLIC_ONLY and fn.startswith("uccl__") and lf not in (0, lc):
-                bad.append(f"{caller} (layer {lc}) calls {fn}, internal to {callee}: the "
-                           "collectives and the module use the public C API")
-                continue
-            if lf <= lc:
-                continue
-            if lc == LAYERS["tp_tcp.c"] and fn in UPCALLS:
-                continue
-            bad.append(f"{caller} (layer {lc}) calls {fn} of {callee} (layer {lf})")
+            for fn in sorted(fns):
+                if fc == "tp" and ff == "conn" and fn in UPCALLS:
+                    continue
+                if LAYERS[ff] > LAYERS[fc] or (LAYERS[ff] == LAYERS[fc]):
+                    bad.append(f"{caller} calls {fn} of {callee}: {ff}/ is not below {fc}/")
+                elif fc in PUBLIC_ONLY and fn.startswith("uccl__") and ff != "base":
+                    bad.append(f"{caller} calls {fn}, internal to {callee}: {fc}/ uses the "
+                               "public C API")
     return bad
 
 
 def test_calls_go_down_the_layers():
-    assert _violations() == []
+    assert _call_violations() == []
 
 
-def test_the_checker_catches_an_upward_call(monkeypatch):
+def test_the_checker_catches_an_upward_call():
     # A call from the protocol into the endpoint layer, as conn.c once made.
-    real = _sources
-
-    def with_upcall():
-        srcs = real()
-        srcs["proto.c"] += "\nvoid f(void) { uccl__ep_conn_get(0, 0); }\n"
-        return srcs
-
-    monkeypatch.setattr(__import__(__name__), "_sources", with_upcall)
-    assert any("proto.c" in v and "uccl__ep_conn_get" in v for v in _violations())
+    srcs = _sources()
+    srcs["conn/proto.c"] += "\nvoid f(void) { uccl__ep_conn_get(0, 0); }\n"
+    assert any("conn/proto.c" in v and "uccl__ep_conn_get" in v for v in _call_violations(srcs))
 
 
-@pytest.mark.parametrize("layer", sorted(PUBLIC_ONLY))
-def test_upper_layers_include_only_the_public_headers(layer):
-    allowed = PUBLIC_ONLY[layer] + ("comm.h", "sg_page.h", "pyengine.h", "status.h", "sock.h",
-                                    "idmap.h", "log.h", "wire.h")
-    for name, lv in LAYERS.items():
-        if lv != layer:
-            continue
-        for inc in re.findall(r'#include "([^"]+)"', (CSRC / name).read_text()):
-            assert inc in allowed, f"{name} includes {inc}"
+def _include_violations(incs=None) -> list[str]:
+    incs = _includes() if incs is None else incs
+    bad = []
+    for name, lst in incs.items():
+        fc = _folder(name)
+        for inc in lst:
+            if "/" not in inc:
+                bad.append(f"{name} includes \"{inc}\": name its folder")
+                continue
+            fi = _folder(inc)
+            if fi not in LAYERS or not (CSRC / inc).exists():
+                bad.append(f"{name} includes {inc}, which does not exist")
+            elif fi == fc:
+                continue
+            elif LAYERS[fi] >= LAYERS[fc]:
+                bad.append(f"{name} includes {inc}: {fi}/ is not below {fc}/")
+            elif fc in PUBLIC_ONLY and fi != "base" and inc not in PUBLIC_HEADERS:
+                bad.append(f"{name} includes {inc}: {fc}/ uses the public C API")
+    return bad
 
 
-def test_only_the_module_files_include_python():
-    for p in sorted(CSRC.glob("*.[ch]")):
+def test_includes_go_down_the_layers():
+    assert _include_violations() == []
+
+
+def test_the_checker_catches_an_upward_include():
+    incs = _includes()
+    incs["gpu/gpu_kernel.c"] = incs["gpu/gpu_kernel.c"] + ["ring/ring.h"]
+    incs["py/py_comm.c"] = incs["py/py_comm.c"] + ["conn/conn.h"]
+    bad = _include_violations(incs)
+    assert any("gpu/gpu_kernel.c includes ring/ring.h" in v for v in bad), bad
+    assert any("py/py_comm.c includes conn/conn.h" in v for v in bad), bad
+
+
+def _circles(calls) -> list[list[str]]:
+    """Strongly connected sets of more than one file in the call graph
+    (a transport's upcalls left out: they are the declared way up)."""
+    g = {f: {c for c, fns in per.items()
+             if not (_folder(f) == "tp" and _folder(c) == "conn" and fns <= UPCALLS)}
+         for f, per in calls.items()}
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):   # Tarjan
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_circle_between_files():
+    calls = _calls(_sources())
+    circles = _circles(calls)
+    detail = [f"{a} -> {b}: {sorted(calls[a][b])}" for c in circles for a in c for b in c
+              if b in calls[a]]
+    assert circles == [], detail
+
+
+def test_the_checker_catches_a_circle():
+    calls = _calls(_sources())
+    calls["base/log.c"]["base/status.c"].add("uccl__err")
+    calls["base/status.c"]["base/log.c"].add("uccl__log")
+    assert ["base/log.c", "base/status.c"] in _circles(calls)
+
+
+def test_only_the_module_header_includes_python():
+    for p in sorted(CSRC.glob("*/*.[ch]")):
         if "Python.h" in p.read_text():
-            assert p.name.startswith("py") and p.name in (*LAYERS, "pyengine.h"), p.name
-            assert p.name == "pyengine.h", f"{p.name} includes Python.h (only pyengine.h may)"
+            assert _rel(p) == "py/pyengine.h", f"{_rel(p)} includes Python.h (only py/pyengine.h may)"
 
 
 def test_c_files_are_small():
-    for p in sorted(CSRC.glob("*.[ch]")):
+    for p in sorted(CSRC.glob("*/*.[ch]")):
         n = p.read_text().count("\n")
-        assert n <= MAX_LINES, f"{p.name} has {n} lines (at most {MAX_LINES})"
+        assert n <= MAX_LINES, f"{_rel(p)} has {n} lines (at most {MAX_LINES})"
 
 
 def test_architecture_page_names_every_file():
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    missing = [p.name for p in sorted(CSRC.glob("*.[ch]")) if f"`{p.name}`" not in page]
+    missing = [_rel(p) for p in sorted(CSRC.glob("*/*.[ch]")) if f"`{_rel(p)}`" not in page]
     assert missing == [], f"docs/ARCHITECTURE.md does not describe {missing}"

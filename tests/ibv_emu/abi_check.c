@@ -5,7 +5,7 @@
 #include <stddef.h>
 #include <infiniband/verbs.h>
 
-#include "ibv_loader.h"
+#include "load/ibv_loader.h"
 
 #define SAME_SIZE(a, b) _Static_assert(sizeof(struct a) == sizeof(struct b), #a " size")
 #define SAME_OFF(a, b, f, g) \

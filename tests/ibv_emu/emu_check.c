@@ -16,7 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ibv_loader.h"
+#include "load/ibv_loader.h"
 
 static struct uccl__ibv ib;
 static int (*query_qp)(struct ibv_qp_s *, struct ibv_qp_attr_s *, int, struct ibv_qp_init_attr_s *);

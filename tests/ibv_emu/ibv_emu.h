@@ -9,7 +9,7 @@
 #include <sys/socket.h>
 #include <stdint.h>
 
-#include "ibv_loader.h"
+#include "load/ibv_loader.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_SGE 8

@@ -1,0 +1,75 @@
+#define _POSIX_C_SOURCE 200809L
+#include "base/status.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#define UCCL_ERRMSG_MAX 512
+
+/* The only mutable global besides the loader tables: per thread, so engine
+ * threads never race with the caller's message. */
+static _Thread_local char tls_errmsg[UCCL_ERRMSG_MAX];
+
+const char *uccl_status_str(int status)
+{
+    switch (status) {
+#define UCCL_X_CASE(name, val, text) case name: return text;
+        UCCL_STATUS_LIST(UCCL_X_CASE)
+#undef UCCL_X_CASE
+    }
+    return "unknown status";
+}
+
+int uccl__err(int status, const char *fmt, ...)
+{
+    /* Format aside first: callers often pass uccl_last_error() itself as an
+     * argument ("...: %s"), and formatting a buffer into itself is undefined. */
+    char msg[UCCL_ERRMSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    memcpy(tls_errmsg, msg, sizeof(msg));
+    return status;
+}
+
+const char *uccl_last_error(void)
+{
+    return tls_errmsg;
+}
+
+long uccl__env_long(const char *name, long dflt, long lo, long hi, int *bad)
+{
+    const char *s = getenv(name);
+    if (!s || !*s)
+        return dflt;
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) {
+        uccl__err(UCCL_ERR_INVALID, "%s=%s: expected an integer in %ld..%ld", name, s, lo, hi);
+        *bad = 1;
+        return dflt;
+    }
+    return v;
+}
+
+uint64_t uccl__random64(void)
+{
+    uint64_t v = 0;
+    while (getrandom(&v, sizeof(v), 0) != (ssize_t)sizeof(v))
+        ;
+    return v ? v : 1;
+}
+
+uint64_t uccl__now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

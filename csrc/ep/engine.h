@@ -1,0 +1,96 @@
+/* The endpoint layer, internal to its three files:
+ *
+ *   engine.c   endpoints (create, close, destroy, settings), the connection
+ *              table, connect, the accept queue, metadata, registration
+ *   listen.c   the listener thread: incoming handshakes, the transport
+ *              choice, connections still waiting for their data streams
+ *   xfer.c     transfers: the id table, post, poll, wait, progress,
+ *              release, abort
+ *   gate.c     transfers of GPU memory waiting for their caller's stream
+ *
+ * It implements the public C API (uccl.h) over the connection layer
+ * (conn.h) and the memory regions (mem.h), which never call back up. */
+#ifndef UCCL_ENGINE_H
+#define UCCL_ENGINE_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/queue.h>
+
+#include "conn/conn.h"
+#include "base/idmap.h"
+#include "mem/local.h"
+#include "ep/uccl.h"
+
+#define UCCL_ACCEPTQ_MAX 1024
+
+struct uccl__gate_item;
+struct uccl__gate {              /* gate.c */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct uccl__gate_item *head;
+    pthread_t thread;
+    int started, stop;
+};
+
+struct uccl__remote {            /* add_remote_endpoint's cache: a peer's connection */
+    char ip[46];
+    int port;
+    uint64_t conn_id;
+    SLIST_ENTRY(uccl__remote) link;
+};
+
+struct uccl__ep {
+    struct uccl__local local;    /* lent to every connection: settings, identity, regions */
+    pthread_mutex_t mu;          /* everything below */
+    pthread_cond_t cv;           /* the accept queue changed, or the endpoint closed */
+    int closed;
+    int listen_fd;
+    char ip[46];
+    int passive;                 /* accepted connections are not queued for accept() */
+    int base_port;               /* UCCL_P2P_BASE_PORT: connect(ip, gpu) dials base + gpu */
+    uint64_t next_conn_id, next_req_id;
+    struct uccl__idmap conns;    /* id -> connection (one reference) */
+    struct uccl__idmap reqs;     /* transfer id -> request (one reference) or the done mark */
+    size_t done_marks, done_cap; /* done marks in reqs; UCCL_P2P_DONE_IDS (xfer.c) */
+    uint64_t done_floor;         /* ids below it that reqs lacks finished (or were released) */
+    struct uccl__idmap incomplete; /* token -> accepted connection waiting for its streams */
+    uint64_t acceptq[UCCL_ACCEPTQ_MAX];
+    unsigned acceptq_head, acceptq_len;
+    SLIST_HEAD(, uccl__remote) remotes;
+    int wake_pipe[2];            /* close() wakes the listener */
+    pthread_t listener;
+    int listener_started;
+    struct uccl__gate gate;      /* async GPU transfers waiting for their stream */
+    struct uccl__gpu_flags *flags; /* streams waiting for transfers (made on first use, under mu) */
+};
+
+/* engine.c */
+/* UCCL_ERR_CLOSED once the endpoint is closed. */
+int uccl__ep_check_open(struct uccl__ep *ep);
+/* The connection with id, with a reference, or NULL. */
+struct uccl__conn *uccl__ep_conn_get(struct uccl__ep *ep, uint64_t id);
+/* Give c an id and enter it in the table; queue: for accept(). */
+int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue);
+/* Take connection id out of the table (a connection that could not start). */
+void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id);
+
+/* listen.c */
+int uccl__listener_start(struct uccl__ep *ep);
+/* Stop the thread and drop connections still waiting for their streams. */
+void uccl__listener_stop(struct uccl__ep *ep);
+
+/* gate.c */
+void uccl__gate_init(struct uccl__gate *g);
+/* Post r on c once event ev (recorded on the caller's stream) completes;
+ * fail it after timeout_ns.  Takes ev. */
+int uccl__gate_add(struct uccl__gate *g, struct uccl__conn *c, struct uccl__req *r, void *ev,
+                   uint64_t timeout_ns);
+/* Stop the thread; transfers still waiting fail (UCCL_ERR_CLOSED). */
+void uccl__gate_fini(struct uccl__gate *g);
+
+/* xfer.c */
+/* Drop the table's reference to every request (endpoint destroy). */
+void uccl__xfers_free(struct uccl__ep *ep);
+
+#endif

@@ -1,0 +1,156 @@
+/* Public C API of GPU-initiated transfers: kernels compiled at run time
+ * (gpu_kernel.c) and command rings drained by a proxy thread (ring.c).
+ *
+ * A ring is an array of fixed-size commands in page-locked host memory
+ * that the GPU sees (cuMemHostAlloc, DEVICEMAP).  A kernel enqueues a put
+ * (destination, offsets into the ring's source region and the
+ * destination's window, length) with the device functions of
+ * uccl_collective/include/uccl_ring.cuh; the proxy takes commands in
+ * sequence, issues each on the endpoint's transports (a one-sided write
+ * to a peer's advertised window, or a copy on this GPU's copy engine for a
+ * local destination) and counts completions in sequence; a kernel or the
+ * host waits on that counter.  The layout shared with device code is
+ * below: both sides must agree on it byte for byte. */
+#ifndef UCCL_RING_H
+#define UCCL_RING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ep/uccl.h"
+
+/* ---- kernels compiled at run time --------------------------------------- */
+typedef struct uccl__kernel uccl_kernel_t;
+
+/* Where libnvrtc is (the Python layer finds torch's); before the first compile. */
+void uccl_nvrtc_set_path(const char *path);
+/* Compile CUDA C++ source with NVRTC for device dev's architecture, load
+ * it into dev's primary context and find kernel `name` (declare it
+ * extern "C").  Headers are given by name and text (#include "name").  A
+ * compile error is UCCL_ERR_INVALID with the start of the compiler's log in
+ * the message, and the whole log in log (if given). */
+int uccl_gpu_compile(int dev, const char *src, const char *name, int nhdr,
+                     const char *const *hdr_names, const char *const *hdr_srcs, int nopt,
+                     const char *const *opts, char *log, size_t log_len, uccl_kernel_t **k_p);
+/* Launch on `stream` (a CUstream of the kernel's device; 0: the legacy
+ * default stream); params as cuLaunchKernel takes them, nparams of them
+ * with these sizes in bytes: checked against the kernel's own parameters
+ * where the driver tells them (CUDA 12.4), so a wrong count or size is
+ * UCCL_ERR_INVALID naming it rather than the driver reading past them. */
+int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned block[3],
+                    unsigned shmem, uintptr_t stream, void **params, const size_t *sizes,
+                    int nparams);
+void uccl_gpu_kernel_free(uccl_kernel_t *k);
+/* The engine's own kernels, whose arguments it builds itself: launched
+ * without the parameter check (one driver call). */
+int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_y,
+                               unsigned block, uintptr_t stream, void **params);
+/* How many blocks of `block` threads of kernel k fit one SM of its device
+ * at once (its registers, threads and shared memory, as the driver says). */
+int uccl__gpu_blocks_per_sm(uccl_kernel_t *k, unsigned block, int *n_p);
+
+/* Page-locked host memory mapped for device dev (zeroed): host and device
+ * address.  And device memory (zeroed), for counters that GPU threads
+ * update with atomics. */
+int uccl_gpu_mapped_alloc(int dev, size_t len, void **host_p, uint64_t *dev_p);
+void uccl_gpu_mapped_free(int dev, void *host);
+int uccl_gpu_dev_alloc(int dev, size_t len, uint64_t *dev_p);
+void uccl_gpu_dev_free(int dev, uint64_t p);
+
+/* What [addr, +len) is: 0 host, 1 page-locked host, 2 device memory (then
+ * *dev_p its device); anything else is UCCL_ERR_INVALID naming it. */
+int uccl_mem_kind(uintptr_t addr, size_t len, int *kind_p, int *dev_p);
+/* Copies between device memory of dev, queued in order on the calling
+ * thread's copy stream without an event each; a mark (uccl_stream_mark_*)
+ * completes once every copy queued before it has. */
+int uccl_gpu_copy_queue(int dev, uintptr_t dst, uintptr_t src, size_t len);
+int uccl_gpu_copy_queue_mark(int dev, void **mark_p);
+
+/* ---- the layout shared with device code (uccl_ring.cuh) ------------------ */
+#define UCCL_RING_MAGIC 0x474e495243435555ull /* "UUCCRING" */
+struct uccl_ring_cmd {        /* one slot, 64 bytes */
+    uint64_t seq;             /* ticket + 1 once the command is whole; written last */
+    uint64_t src_off;         /* into the ring's source region */
+    uint64_t dst_off;         /* into the destination's window */
+    uint64_t len;
+    uint32_t dst;             /* index into the ring's destinations */
+    uint32_t flags;           /* 0 (reserved) */
+    uint64_t pad[3];
+};
+struct uccl_ring_dev {        /* what a kernel is given (its device address) */
+    uint64_t magic;
+    uint64_t slots;           /* device address of nslots struct uccl_ring_cmd */
+    uint64_t ticket;          /* device memory: the next ticket (GPU atomics only) */
+    uint64_t head;            /* device address of the host-written counters below */
+    uint64_t done;
+    uint64_t error;
+    uint32_t nslots;          /* a power of two */
+    uint32_t ndst;
+    uint64_t src_len;
+    uint64_t timeout_ns;      /* a device wait gives up after this long */
+    uint64_t cache;           /* device memory: the kernels' copies of head, done, error
+                                 (struct uccl_ring_cache in uccl_ring.cuh), and a stamp */
+    uint64_t stuck;           /* device address of the counters' `stuck` */
+    uint64_t pad[5];
+};
+struct uccl_ring_ctr {        /* in mapped host memory, each on its own line */
+    uint64_t head;            /* proxy: commands taken; slot s is free again once head > its ticket */
+    uint64_t pad0[7];
+    uint64_t done;            /* proxy: commands completed, in sequence */
+    uint64_t pad1[7];
+    uint64_t error;           /* proxy: 0, or 1 + the sequence number of the command that failed */
+    uint64_t pad2[7];
+    uint64_t stuck;           /* GPU: 0, or 1 + a ticket whose thread gave up waiting for its
+                                 slot (the slot stays empty: the ring cannot go on) */
+    uint64_t pad3[7];
+};
+
+/* ---- rings --------------------------------------------------------------- */
+typedef struct uccl__ring uccl_ring_t;
+
+enum { UCCL_RING_DST_LOCAL = 1, UCCL_RING_DST_REMOTE = 2 };
+struct uccl_ring_dst {
+    int kind;
+    uint64_t conn;            /* REMOTE: the connection, and the peer's advertised window */
+    uint8_t fifo[64];
+    uintptr_t addr;           /* LOCAL: memory of this process (host or device) */
+    size_t len;
+};
+
+struct uccl_ring_opts {
+    int dev;                  /* the GPU whose kernels enqueue */
+    unsigned nslots;          /* a power of two, 2 .. 1 << 20 */
+    unsigned inflight;        /* commands the proxy keeps in flight, 1 .. 1024 */
+    uint64_t src_mr;          /* the source region: registered with the endpoint */
+    uintptr_t src_addr;
+    size_t src_len;
+    unsigned ndst;
+    const struct uccl_ring_dst *dsts;
+    size_t trace_len;         /* > 0: record the sequence numbers issued, in order (tests) */
+    int paused;               /* start without draining (uccl_ring_resume) */
+};
+
+/* Make the ring, its device-side descriptor and its proxy thread (placed
+ * on the GPU's NUMA node where sysfs tells it). */
+int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t **r_p);
+/* Stop the proxy after what it took has finished (or failed), then free
+ * everything.  No kernel may use the ring any more. */
+void uccl_ring_destroy(uccl_ring_t *r);
+/* The device address of the ring's struct uccl_ring_dev (device memory). */
+uint64_t uccl_ring_dev_ptr(uccl_ring_t *r);
+/* Counters: [0] tickets handed out (read from the GPU's memory: a
+ * snapshot), [1] taken, [2] done, [3] error (0 or 1 + failed seq). */
+int uccl_ring_counters(uccl_ring_t *r, uint64_t out[4]);
+/* Wait until `count` commands are done, the ring failed (its error), or
+ * min(deadline_ns, now + slice_ns) passed (UCCL_INPROGRESS), or the
+ * deadline passed (UCCL_ERR_TIMEOUT). */
+int uccl_ring_wait(uccl_ring_t *r, uint64_t count, uint64_t deadline_ns, uint64_t slice_ns);
+/* Why the ring failed ("" if it did not), into buf. */
+void uccl_ring_error(uccl_ring_t *r, char *buf, size_t len);
+/* Hold the proxy before it takes the next command, and let it go on. */
+void uccl_ring_pause(uccl_ring_t *r);
+void uccl_ring_resume(uccl_ring_t *r);
+/* The sequence numbers issued so far, in order (opts.trace_len of them at most). */
+size_t uccl_ring_trace(uccl_ring_t *r, uint64_t *out, size_t n);
+
+#endif

@@ -1,0 +1,176 @@
+/* The collectives of a stream-ordered group, each one round (sgroup.h).
+ *
+ * allreduce is in place with no scratch: every rank publishes its buffer;
+ * in phase 1 rank r reduces chunk r of every rank's buffer (read through
+ * the mappings, in rank order, so every rank gets the same bits) into
+ * chunk r of its own; in phase 2 it copies every other chunk from its
+ * owner.  Nobody writes a chunk another rank reads in the same phase: in
+ * phase 1 only r reads chunk r anywhere and only r writes it (in its own
+ * buffer); phase 2 starts once every rank is done with phase 1 (the done
+ * words), and the round ends once every rank is done with phase 2. */
+#include <string.h>
+
+#include "sg/sgroup.h"
+#include "base/status.h"
+
+/* Operation kinds: compared across ranks (with the argument), so calls that
+ * disagree fail loudly instead of moving the wrong bytes. */
+enum { K_ALLREDUCE = 0x10, K_REDUCE_SCATTER, K_ALLGATHER, K_BROADCAST, K_REDUCE };
+
+static uint32_t kind(int k, int dtype, int op, int root)
+{
+    return (uint32_t)k | (uint32_t)dtype << 8 | (uint32_t)op << 16 | (uint32_t)root << 24;
+}
+
+/* Chunk r of count elements split n ways (the first count % n one longer). */
+static void bounds(size_t count, int n, int r, size_t *a, size_t *b)
+{
+    size_t q = count / (size_t)n, rem = count % (size_t)n, ur = (size_t)r;
+    *a = ur * q + (ur < rem ? ur : rem);
+    *b = *a + q + (ur < rem ? 1 : 0);
+}
+
+static int run(uccl_sg_t *sg, const struct uccl_sg_opts *o, struct uccl_sg_call *c,
+               uint32_t *round_p)
+{
+    c->caller = o->caller;
+    c->caller_waits = o->caller_waits;
+    c->end_event = o->end_event;
+    return uccl_sg_round(sg, c, o->intr, o->intr_arg, round_p);
+}
+
+/* Whether nb bytes per rank go as a one-launch round: the group has an
+ * arena whose slots hold them (the same on every rank). */
+static int fits(uccl_sg_t *sg, size_t nb)
+{
+    size_t most = uccl_sg_fused_bytes(sg);
+    return most && nb <= most;
+}
+
+/* A one-launch round (sg_round.c). */
+static int fused_run(uccl_sg_t *sg, const struct uccl_sg_opts *o, const char *what,
+                     uint32_t k, uint64_t arg, const struct uccl_sg_fused *f, uint32_t *round_p)
+{
+    struct uccl_sg_call c = {.what = what, .kind = k | UCCL_SG_FUSED_KIND, .arg = arg,
+                             .phases = 1, .fused = f};
+    return run(sg, o, &c, round_p);
+}
+
+static int elems(const char *what, size_t count, int dtype, size_t *nb_p)
+{
+    size_t esz = uccl_dtype_size(dtype);
+    if (!esz || count > SIZE_MAX / esz / UCCL_SG_MAX_RANKS)
+        return uccl__err(UCCL_ERR_INVALID, "%s: %zu elements of type %d", what, count, dtype);
+    *nb_p = count * esz;
+    return UCCL_OK;
+}
+
+static int check_root(uccl_sg_t *sg, const char *what, int root)
+{
+    if (root < 0 || root >= uccl_sg_size(sg))
+        return uccl__err(UCCL_ERR_INVALID, "%s: root rank %d is not in 0..%d", what, root,
+                         uccl_sg_size(sg) - 1);
+    return UCCL_OK;
+}
+
+int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t count,
+                      int dtype, int op, uint32_t *round_p)
+{
+    int n = uccl_sg_size(sg), me = uccl_sg_rank(sg), rc;
+    size_t nb = 0, esz = uccl_dtype_size(dtype), a, b;
+    if ((rc = elems("all_reduce", count, dtype, &nb)))
+        return rc;
+    if (fits(sg, nb)) {
+        struct uccl_sg_fused f = {0, dtype, op, ptr, ptr, nb, count};
+        return fused_run(sg, o, "all_reduce", kind(K_ALLREDUCE, dtype, op, 0), count, &f, round_p);
+    }
+    struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nb};
+    struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
+    int npull = 0;
+    for (int r = 0; r < n; r++) {
+        bounds(count, n, r, &a, &b);
+        if (r != me && b > a)
+            pull[npull++] = (struct uccl_sg_pull){r, 2, 0, UCCL_SG_TAG_ALL, a * esz,
+                                                  ptr + a * esz, (b - a) * esz};
+    }
+    bounds(count, n, me, &a, &b);
+    struct uccl_sg_red red = {dtype, op, UCCL_SG_TAG_ALL, a * esz, ptr + a * esz, b - a};
+    struct uccl_sg_call c = {.what = "all_reduce", .kind = kind(K_ALLREDUCE, dtype, op, 0),
+                             .arg = count, .phases = 2, .pub = &pub, .npub = 1, .pull = pull,
+                             .npull = npull, .red = &red};
+    return run(sg, o, &c, round_p);
+}
+
+int uccl_sg_reduce_scatter(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t out,
+                           uintptr_t in, size_t count, int dtype, int op, uint32_t *round_p)
+{
+    int n = uccl_sg_size(sg), me = uccl_sg_rank(sg), rc;
+    size_t nb = 0;
+    if ((rc = elems("reduce_scatter", count, dtype, &nb)))
+        return rc;
+    struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, in, nb * (size_t)n};
+    struct uccl_sg_red red = {dtype, op, UCCL_SG_TAG_ALL, nb * (size_t)me, out, count};
+    struct uccl_sg_call c = {.what = "reduce_scatter", .kind = kind(K_REDUCE_SCATTER, dtype, op, 0),
+                             .arg = count, .phases = 1, .pub = &pub, .npub = 1, .red = &red};
+    return run(sg, o, &c, round_p);
+}
+
+int uccl_sg_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t src, size_t nbytes,
+                      uintptr_t dst, uint32_t *round_p)
+{
+    int n = uccl_sg_size(sg), me = uccl_sg_rank(sg);
+    if (nbytes > SIZE_MAX / UCCL_SG_MAX_RANKS)
+        return uccl__err(UCCL_ERR_INVALID, "allgather: %zu bytes per rank", nbytes);
+    if (fits(sg, nbytes)) {
+        struct uccl_sg_fused f = {1, UCCL_DT_U8, 0, src, dst, nbytes, nbytes};
+        return fused_run(sg, o, "allgather", kind(K_ALLGATHER, 0, 0, 0), nbytes, &f, round_p);
+    }
+    struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, src, nbytes};
+    struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
+    int npull = 0;
+    for (int r = 0; r < n; r++)
+        if (r != me)
+            pull[npull++] = (struct uccl_sg_pull){r, 1, 1, UCCL_SG_TAG_ALL, 0,
+                                                  dst + (size_t)r * nbytes, nbytes};
+    struct uccl_sg_copy own = {dst + (size_t)me * nbytes, src, nbytes};
+    struct uccl_sg_call c = {.what = "allgather", .kind = kind(K_ALLGATHER, 0, 0, 0),
+                             .arg = nbytes, .phases = 1, .pub = &pub, .npub = 1, .pull = pull,
+                             .npull = npull, .copy = &own, .ncopy = 1};
+    return run(sg, o, &c, round_p);
+}
+
+int uccl_sg_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t nbytes,
+                      int root, uint32_t *round_p)
+{
+    int rc = check_root(sg, "broadcast", root);
+    if (rc)
+        return rc;
+    int me = uccl_sg_rank(sg);
+    struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nbytes};
+    struct uccl_sg_pull pull = {root, 1, 1, UCCL_SG_TAG_ALL, 0, ptr, nbytes};
+    struct uccl_sg_call c = {.what = "broadcast", .kind = kind(K_BROADCAST, 0, 0, root),
+                             .arg = nbytes, .phases = 1};
+    if (me == root) {
+        c.pub = &pub;
+        c.npub = 1;
+    } else {
+        c.pull = &pull;
+        c.npull = 1;
+    }
+    return run(sg, o, &c, round_p);
+}
+
+int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t count,
+                   int dtype, int op, int root, uint32_t *round_p)
+{
+    int rc = check_root(sg, "reduce", root);
+    size_t nb = 0;
+    if (rc || (rc = elems("reduce", count, dtype, &nb)))
+        return rc;
+    struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nb};
+    struct uccl_sg_red red = {dtype, op, UCCL_SG_TAG_ALL, 0, ptr, count};
+    struct uccl_sg_call c = {.what = "reduce", .kind = kind(K_REDUCE, dtype, op, root),
+                             .arg = count, .phases = 1, .pub = &pub, .npub = 1,
+                             .red = uccl_sg_rank(sg) == root ? &red : NULL};
+    return run(sg, o, &c, round_p);
+}

@@ -1,0 +1,212 @@
+/* The inside of a stream-ordered group (sgroup.h), shared by sgroup.c (the
+ * page, failure, host waits, registrations, the watchdog) and sg_round.c
+ * (one round).  Private to those two files. */
+#ifndef UCCL_SG_PAGE_H
+#define UCCL_SG_PAGE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "sg/sgroup.h"
+
+#define PAGE 4096
+#define REASON 440                  /* header: failed flag (u32) at 0, reason at 8 */
+#define RANK_BYTES (5 * 4096)
+#define OFF_READY 0                 /* u32 words the streams write, a cache line each */
+#define OFF_DONE 64
+#define OFF_DONE2 128
+#define OFF_FIN 192
+#define OFF_CONSUMED 256            /* u64 words the host writes */
+#define OFF_PID 264
+#define OFF_SLOTS 320
+#define NSLOT 4
+#define SLOT_BYTES ((RANK_BYTES - OFF_SLOTS) / NSLOT)
+#define ENTRY_BYTES 32
+#define MAX_ENTRIES ((SLOT_BYTES - (int)sizeof(struct slot_head)) / ENTRY_BYTES)
+#define RELEASE_AHEAD (1u << 30)    /* words set this far past the last round let every wait pass */
+/* Every comparison of numbers is cyclic, so a word that only some rounds
+ * (or one role of a message) write would read as ahead once a long enough
+ * run of the others left it 2^31 behind.  At every round and every
+ * channel's message numbered a multiple of this, the stream writes all of
+ * this rank's words again, with the number before (true: the stream did
+ * all that came before). */
+#define REFRESH_EVERY (1u << 29)
+static inline int refresh_due(uint32_t k) { return (k & (REFRESH_EVERY - 1)) == 0; }
+#define REG_CACHE 64
+#define WATCH_NS 20000000ull        /* the watchdog's period */
+#define SLOW_CHECK_NS 50000000ull   /* host waits: dead peers and interrupts this often */
+
+enum { FLAG_OK = 0, FLAG_FAILED = 1, FLAG_WRITING = 2 };
+
+struct slot_head {
+    uint32_t count, kind;
+    uint64_t round;                 /* stored last */
+    uint64_t arg;
+    uint32_t phases, pad;
+    char what[16];
+};
+struct entry {
+    uint64_t tag, key, addr, len;
+};
+
+struct reg {
+    uintptr_t ptr;
+    size_t len;
+    uint64_t reg, key, used;
+    uint32_t last;                  /* the last round that published it */
+    uint32_t pins;                  /* point-to-point messages a peer may still map it for */
+};
+struct pending {
+    uint32_t k;
+    uint64_t t0;
+    int nimp;
+    void **imp;
+};
+
+/* ---- point-to-point channels (sg_p2p.c): one per ordered pair (src, dst),
+ * after the ranks' parts.  Each side's stream writes its own ready and
+ * done words; the hosts write the slots (a message's two descriptors and
+ * its state: the message number above, arrival bits below). */
+#define P2P_SLOTS UCCL_SG_P2P_SLOTS
+enum { P2P_SRC = 0, P2P_DST = 1 };
+struct p2p_desc {
+    uint64_t key, addr, len;
+};
+struct p2p_slot {
+    uint64_t state;                 /* (k << 32) | 1: src arrived, 2: dst arrived, 4: read */
+    struct p2p_desc d[2];
+    uint64_t pad;
+};
+struct p2p_chan {
+    uint32_t ready[2][16];          /* [side][0], a cache line each */
+    uint32_t done[2][16];
+    uint64_t high, pad[7];          /* the highest message number posted (release's base) */
+    struct p2p_slot slot[P2P_SLOTS];
+};
+/* Where this rank stages the sends to one peer that it posts first
+ * (uccl_sg_p2p_arena): P2P_SLOTS slots of len / P2P_SLOTS bytes, and the
+ * message each slot last staged (its receiver must have copied it out
+ * before the slot is written again). */
+struct p2p_arena {
+    uintptr_t ptr;
+    size_t len;
+    uint64_t key;
+    uint32_t staged[P2P_SLOTS];
+};
+/* A message posted here, until the copier's done word passes it. */
+struct p2p_pending {
+    uint32_t chan, k;
+    int copier;                     /* the side whose stream copies (P2P_SRC/P2P_DST) */
+    uint64_t t0, reg;               /* reg: this rank's registration pinned for it, or 0 */
+    void *imp;                      /* the peer's memory mapped for the copy, or NULL */
+    int passed;                     /* reclaim's reading of the copier's word */
+};
+
+struct uccl_sg {
+    uint8_t *page;
+    size_t page_len;
+    int rank, size;
+    uint64_t timeout_ns;
+    const struct uccl__sg_dev *ops;
+    void *d;
+    uintptr_t own;                  /* the group's stream (rounds of calls that do not block) */
+    uintptr_t last;                 /* the stream the last round ran on */
+    void *ev_start, *ev_mark;       /* reused: a wait captures the event's state when queued */
+    uint32_t round;
+    uint64_t clock;
+    struct reg *regs;
+    int nregs, cap_regs;
+    struct entry *peer_ent;         /* size * MAX_ENTRIES: the peers' slots of this round */
+    uint32_t *peer_cnt;
+    pthread_mutex_t call_mu;        /* one round (or wait_last) at a time: last, round, regs */
+    pthread_mutex_t mu;             /* pend, failed, error, closed */
+    pthread_cond_t cv;
+    struct pending *pend;
+    int npend, cap_pend;
+    pthread_t watch;
+    int watching, closed, failed;
+    /* point to point (sg_p2p.c) */
+    pthread_mutex_t p2p_mu;         /* one post at a time: the counters, ev_p2p */
+    pthread_mutex_t reg_mu;         /* regs (rounds and posts register) */
+    void *ev_p2p;
+    uint32_t *p2p_sent, *p2p_recvd; /* messages posted to / from each rank */
+    struct p2p_arena *arena;        /* per peer (under p2p_mu) */
+    struct p2p_pending *p2p;        /* under mu */
+    int np2p, cap_p2p;
+    /* one-launch rounds (sg_round.c; under call_mu) */
+    uintptr_t fz_arena;             /* this rank's arena (uccl_sg_fused_arena), or 0 */
+    size_t fz_slot;                 /* the arena: 2 x fz_slot + UCCL_SG_FUSED_TAIL bytes */
+    uint64_t fz_key;
+    uintptr_t fz_peer[UCCL_SG_FUSED_RANKS]; /* every rank's arena as mapped here */
+    void *fz_imp[UCCL_SG_FUSED_RANKS];
+    int fz_nimp, fz_mapped, fz_off;    /* fz_off: ranks share a GPU without MPS */
+    int fz_tried;                   /* a two-sided round met a peer without an arena like ours */
+    int fz_flip;                    /* the slot of the next one-launch round */
+    uint32_t fz_last;               /* the last round whose launches may read this rank's
+                                     * arena (close waits for the peers to be past it) */
+    uint32_t fz_unchecked;          /* a one-launch round whose peers' calls are not yet
+                                       compared with this rank's, or 0 */
+    char error[REASON];
+};
+
+/* ---- the page ---------------------------------------------------------------- */
+
+/* ---- the page's words ---- */
+static inline uint8_t *part(uccl_sg_t *sg, int r) { return sg->page + PAGE + (size_t)r * RANK_BYTES; }
+static inline uint32_t *w32(uccl_sg_t *sg, int r, int off) { return (uint32_t *)(part(sg, r) + off); }
+static inline uint64_t *w64(uccl_sg_t *sg, int r, int off) { return (uint64_t *)(part(sg, r) + off); }
+static inline uint32_t ld32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline uint64_t ld64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void st32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline void st64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+/* a >= b for round numbers, as the streams compare them (cyclic, 32-bit) */
+static inline int ahead(uint32_t a, uint32_t b) { return (uint32_t)(a - b) < 0x80000000u; }
+
+static inline struct p2p_chan *chan_at(uccl_sg_t *sg, uint32_t c)
+{
+    return (struct p2p_chan *)(sg->page + PAGE + (size_t)sg->size * RANK_BYTES) + c;
+}
+
+static inline uint8_t *slot(uccl_sg_t *sg, int r, uint32_t k)
+{
+    return part(sg, r) + OFF_SLOTS + (size_t)(k % NSLOT) * SLOT_BYTES;
+}
+
+/* ---- sgroup.c ---- */
+typedef int (*uccl__sg_ready_fn)(uccl_sg_t *sg, uint32_t k, int r);
+int uccl__sg_consumed_ready(uccl_sg_t *sg, uint32_t k, int r);
+int uccl__sg_arrived(uccl_sg_t *sg, uint32_t k, int r);
+/* Spin, then yield, then sleep, until ready(); past the deadline, with a
+ * peer process gone, or on an interrupt: fail the group. */
+int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r,
+                       const char *what, uint64_t deadline, uccl_sg_interrupt_fn intr,
+                       void *intr_arg, const char *wfmt, ...)
+    __attribute__((format(printf, 9, 10)));
+/* Fail the group with the message recorded on this thread; the status as it was. */
+int uccl__sg_fail_rc(uccl_sg_t *sg, int rc);
+/* The error of a call made once the group had failed. */
+int uccl__sg_failed_err(uccl_sg_t *sg, const char *what);
+/* The key peers map this rank's [ptr, +len) by (a cached registration);
+ * with pin_p, the registration is kept (and *pin_p names it) until
+ * uccl__sg_reg_unpin: a peer may map it after this call returns. */
+int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p,
+                     uint64_t *pin_p);
+void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg);
+/* At a refresh (REFRESH_EVERY): the registrations' rounds kept within 2^30
+ * of round k, so that their cyclic ages stay right. */
+void uccl__sg_reg_age(uccl_sg_t *sg, uint32_t k);
+/* A round queued (its mappings, released once the stream is past it). */
+int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p);
+void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p);
+/* Release what rounds behind this rank's stream mapped. */
+void uccl__sg_reclaim(uccl_sg_t *sg);
+/* A message posted (sg_p2p.c), watched and reclaimed with the rounds. */
+int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p);
+/* ---- sg_p2p.c (under mu) ---- */
+int uccl__sg_p2p_passed(uccl_sg_t *sg, const struct p2p_pending *p);
+void uccl__sg_p2p_release(uccl_sg_t *sg);        /* every channel's words far ahead */
+void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
+                      size_t len);
+int uccl__sg_p2p_unmatched(uccl_sg_t *sg, const struct p2p_pending *p); /* the peer never posted it */
+
+#endif

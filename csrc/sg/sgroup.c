@@ -1,0 +1,668 @@
+/* Stream-ordered groups: the protocol (sgroup.h).
+ *
+ * The page's words are each written by one side: ready/done/done2/fin by
+ * the owner's stream, consumed, pid and the slots by the owner's host, the
+ * header by whoever fails the group first.  Hosts read and write them with
+ * acquire loads and release stores; a slot's round is stored last, so a
+ * peer that sees the round sees the entries and the header. */
+#define _GNU_SOURCE
+#include "sg/sg_page.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "net/sock.h"
+#include "base/status.h"
+
+size_t uccl_sg_page_bytes(int size)
+{
+    if (size < 1)
+        return 0;
+    size_t n = PAGE + (size_t)size * RANK_BYTES + (size_t)size * size * sizeof(struct p2p_chan);
+    return (n + PAGE - 1) / PAGE * PAGE;
+}
+
+static int alive(uint64_t pid)
+{
+    if (pid == 0 || pid > 0x7fffffff)
+        return 1; /* not written yet */
+    return kill((pid_t)pid, 0) == 0 || errno != ESRCH;
+}
+
+/* Room for one more of *arr's n elements of esz bytes (capacity *cap,
+ * doubled from `first`). */
+static int grow(void **arr, int *cap, int n, size_t esz, int first)
+{
+    if (n < *cap)
+        return UCCL_OK;
+    int c = *cap ? 2 * *cap : first;
+    void *a = realloc(*arr, (size_t)c * esz);
+    if (!a)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    *arr = a;
+    *cap = c;
+    return UCCL_OK;
+}
+
+/* ---- failure ------------------------------------------------------------------- */
+/* Every rank's words far past any round (under mu).  Done again while the
+ * group stays failed: a live rank's stream may still write the rounds it
+ * had queued, lowering a word another stream waits on. */
+static void release_words(uccl_sg_t *sg)
+{
+    uint32_t far = sg->round + RELEASE_AHEAD;
+    for (int r = 0; r < sg->size; r++) {
+        st32(w32(sg, r, OFF_READY), far);
+        st32(w32(sg, r, OFF_DONE), far);
+        st32(w32(sg, r, OFF_DONE2), far);
+        st32(w32(sg, r, OFF_FIN), far);
+    }
+    uccl__sg_p2p_release(sg);
+}
+
+/* Under mu: has the group failed (here, or at a rank that wrote the page)? */
+static int failed_locked(uccl_sg_t *sg)
+{
+    if (__atomic_load_n(&sg->failed, __ATOMIC_ACQUIRE))
+        return 1;
+    uint32_t *flag = (uint32_t *)sg->page;
+    uint32_t f = ld32(flag);
+    if (f == FLAG_OK)
+        return 0;
+    /* another rank is writing its reason: a few stores, wait for them */
+    for (int i = 0; f == FLAG_WRITING && i < 100000; i++) {
+        sched_yield();
+        f = ld32(flag);
+    }
+    if (f == FLAG_FAILED) {
+        memcpy(sg->error, sg->page + 8, REASON - 1);
+        sg->error[REASON - 1] = '\0';
+    }
+    if (!sg->error[0])
+        snprintf(sg->error, sizeof(sg->error), "another rank failed the group");
+    __atomic_store_n(&sg->failed, 1, __ATOMIC_RELEASE); /* after the reason: readers see it whole */
+    release_words(sg);
+    pthread_cond_broadcast(&sg->cv);
+    return 1;
+}
+
+static void fail_locked(uccl_sg_t *sg, const char *why)
+{
+    if (!failed_locked(sg)) {
+        snprintf(sg->error, sizeof(sg->error), "%s", why);
+        __atomic_store_n(&sg->failed, 1, __ATOMIC_RELEASE);
+        uint32_t *flag = (uint32_t *)sg->page, zero = FLAG_OK;
+        if (__atomic_compare_exchange_n(flag, &zero, FLAG_WRITING, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            memcpy(sg->page + 8, sg->error, REASON);
+            st32(flag, FLAG_FAILED);
+        }
+    }
+    release_words(sg);
+    pthread_cond_broadcast(&sg->cv);
+}
+
+void uccl_sg_fail(uccl_sg_t *sg, const char *why)
+{
+    pthread_mutex_lock(&sg->mu);
+    fail_locked(sg, why && *why ? why : "failed by the caller");
+    pthread_mutex_unlock(&sg->mu);
+}
+
+const char *uccl_sg_error(uccl_sg_t *sg)
+{
+    if (__atomic_load_n(&sg->failed, __ATOMIC_ACQUIRE))
+        return sg->error;
+    if (ld32((uint32_t *)sg->page) == FLAG_OK)
+        return NULL;
+    pthread_mutex_lock(&sg->mu);
+    failed_locked(sg);
+    pthread_mutex_unlock(&sg->mu);
+    return sg->error;
+}
+
+/* Fail the group with the message recorded on this thread; the status as it was. */
+int uccl__sg_fail_rc(uccl_sg_t *sg, int rc)
+{
+    char why[REASON];
+    snprintf(why, sizeof(why), "%s", uccl_last_error());
+    uccl_sg_fail(sg, why);
+    return uccl__err(rc, "%s", why);
+}
+
+int uccl__sg_failed_err(uccl_sg_t *sg, const char *what)
+{
+    return uccl__err(UCCL_ERR_IO, "stream-ordered group (rank %d), %s: the group failed: %s",
+                     sg->rank, what, uccl_sg_error(sg));
+}
+
+/* ---- waiting for peers on the host ------------------------------------------------ */
+
+int uccl__sg_consumed_ready(uccl_sg_t *sg, uint32_t k, int r)
+{
+    for (int p = 0; p < sg->size; p++)
+        if (p != sg->rank && !ahead((uint32_t)ld64(w64(sg, p, OFF_CONSUMED)), k - NSLOT))
+            return 0;
+    (void)r;
+    return 1;
+}
+
+int uccl__sg_arrived(uccl_sg_t *sg, uint32_t k, int r)
+{
+    const struct slot_head *h = (const struct slot_head *)slot(sg, r, k);
+    return ld64(&h->round) == k;
+}
+
+/* Spin, then yield, then sleep, until ready(); past the deadline, with a
+ * peer process gone, or on an interrupt: fail the group.  What is awaited
+ * (wfmt, for the messages) is formatted only once the first look finds it
+ * not ready: the waits run on every round and message, and most end there. */
+int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r, const char *what,
+                       uint64_t deadline, uccl_sg_interrupt_fn intr, void *intr_arg,
+                       const char *wfmt, ...)
+{
+    if (ready(sg, k, r))
+        return UCCL_OK;
+    uint64_t slow = 0;
+    char waiting[128];
+    va_list ap;
+    va_start(ap, wfmt);
+    vsnprintf(waiting, sizeof(waiting), wfmt, ap);
+    va_end(ap);
+    for (unsigned long spins = 0;; spins++) {
+        if (ready(sg, k, r))
+            return UCCL_OK;
+        if (spins < 64) {
+            __asm__ __volatile__("" ::: "memory");
+            continue;
+        }
+        if (uccl_sg_error(sg))
+            return uccl__sg_failed_err(sg, what);
+        uint64_t now = uccl__now_ns();
+        if (now >= slow) {
+            slow = now + SLOW_CHECK_NS;
+            for (int p = 0; p < sg->size; p++)
+                if (p != sg->rank && !alive(ld64(w64(sg, p, OFF_PID)))) {
+                    uccl__err(UCCL_ERR_IO, "stream-ordered group (rank %d), %s: %s: rank %d "
+                              "exited", sg->rank, what, waiting, p);
+                    return uccl__sg_fail_rc(sg, UCCL_ERR_IO);
+                }
+            if (intr && intr(intr_arg)) {
+                uccl__err(UCCL_ERR_IO, "stream-ordered group (rank %d), %s: interrupted while "
+                          "%s", sg->rank, what, waiting);
+                return uccl__sg_fail_rc(sg, UCCL_ERR_IO);
+            }
+        }
+        if (now > deadline) {
+            uccl__err(UCCL_ERR_TIMEOUT, "stream-ordered group (rank %d), %s: %s: not within the "
+                      "group's timeout (%.3g s)", sg->rank, what, waiting,
+                      (double)sg->timeout_ns / 1e9);
+            return uccl__sg_fail_rc(sg, UCCL_ERR_TIMEOUT);
+        }
+        if (spins < 2048) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+/* ---- registrations of this rank's buffers ------------------------------------------- */
+static void reg_drop(uccl_sg_t *sg, int i)
+{
+    sg->ops->dereg(sg->d, sg->regs[i].reg);
+    sg->regs[i] = sg->regs[--sg->nregs];
+}
+
+/* Past REG_CACHE: drop the least recently used registrations every peer has
+ * read the keys of (none is still to map one) and no message pins. */
+static void reg_evict(uccl_sg_t *sg)
+{
+    uint32_t read = sg->round;
+    for (int p = 0; p < sg->size; p++) {
+        uint32_t c = (uint32_t)ld64(w64(sg, p, OFF_CONSUMED));
+        if (p != sg->rank && !ahead(c, read))
+            read = c;
+    }
+    while (sg->nregs > REG_CACHE) {
+        int victim = -1;
+        for (int i = 0; i < sg->nregs; i++)
+            if (ahead(read, sg->regs[i].last) && sg->regs[i].pins == 0 &&
+                (victim < 0 || sg->regs[i].used < sg->regs[victim].used))
+                victim = i;
+        if (victim < 0)
+            return; /* all in use: kept until later rounds */
+        reg_drop(sg, victim);
+    }
+}
+
+/* The key peers map [ptr, +len) by, from a registration made once and
+ * reused while the memory is the allocation it registered (the device
+ * checks that at every use: a freed and reused address fails the check
+ * and is registered anew). */
+static int reg_key_locked(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k,
+                          uint64_t *key_p, uint64_t *pin_p)
+{
+    if (sg->size == 1) { /* nobody to share it with */
+        *key_p = 0;
+        return UCCL_OK;
+    }
+    for (int i = 0; i < sg->nregs; i++) {
+        struct reg *e = &sg->regs[i];
+        if (e->ptr != ptr || e->len != len)
+            continue;
+        if (sg->ops->key(sg->d, e->reg, ptr, len, &e->key) == UCCL_OK) {
+            if (ahead(k, e->last)) /* a post may pass an older round than a round's own */
+                e->last = k;
+            e->used = ++sg->clock;
+            *key_p = e->key;
+            if (pin_p) {
+                e->pins++;
+                *pin_p = e->reg;
+            }
+            return UCCL_OK;
+        }
+        reg_drop(sg, i);
+        break;
+    }
+    int rc = grow((void **)&sg->regs, &sg->cap_regs, sg->nregs, sizeof(struct reg),
+                  REG_CACHE + 8);
+    if (rc)
+        return rc;
+    uint64_t reg = 0, key = 0;
+    rc = sg->ops->reg(sg->d, ptr, len, &reg);
+    if (rc)
+        return rc;
+    if ((rc = sg->ops->key(sg->d, reg, ptr, len, &key))) {
+        sg->ops->dereg(sg->d, reg);
+        return rc;
+    }
+    sg->regs[sg->nregs++] = (struct reg){ptr, len, reg, key, ++sg->clock, k, pin_p ? 1 : 0};
+    *key_p = key;
+    if (pin_p)
+        *pin_p = reg;
+    reg_evict(sg);
+    return UCCL_OK;
+}
+
+int uccl__sg_reg_key(uccl_sg_t *sg, uintptr_t ptr, size_t len, uint32_t k, uint64_t *key_p,
+                     uint64_t *pin_p)
+{
+    pthread_mutex_lock(&sg->reg_mu);
+    int rc = reg_key_locked(sg, ptr, len, k, key_p, pin_p);
+    pthread_mutex_unlock(&sg->reg_mu);
+    return rc;
+}
+
+void uccl__sg_reg_age(uccl_sg_t *sg, uint32_t k)
+{
+    pthread_mutex_lock(&sg->reg_mu);
+    for (int i = 0; i < sg->nregs; i++)
+        if ((uint32_t)(k - sg->regs[i].last) > (1u << 30))
+            sg->regs[i].last = k - (1u << 30); /* as young: later to evict, never earlier */
+    pthread_mutex_unlock(&sg->reg_mu);
+}
+
+void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg)
+{
+    pthread_mutex_lock(&sg->reg_mu);
+    for (int i = 0; i < sg->nregs; i++)
+        if (sg->regs[i].reg == reg && sg->regs[i].pins) {
+            sg->regs[i].pins--;
+            break;
+        } /* not found: dropped meanwhile (its memory was freed and reused) */
+    pthread_mutex_unlock(&sg->reg_mu);
+}
+
+/* ---- rounds behind the stream ------------------------------------------------------- */
+void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p)
+{
+    for (int i = 0; i < p->nimp; i++)
+        sg->ops->unmap(sg->d, p->imp[i]);
+    free(p->imp);
+}
+
+/* Under mu: release the peers' memory that rounds behind this rank's stream
+ * mapped (its fin word passed them).  Not once the group failed: fin may
+ * then be the release's value, with copies still queued. */
+static void p2p_free(uccl_sg_t *sg, struct p2p_pending *p)
+{
+    if (p->imp)
+        sg->ops->unmap(sg->d, p->imp);
+    if (p->reg)
+        uccl__sg_reg_unpin(sg, p->reg);
+}
+
+static void reclaim_locked(uccl_sg_t *sg)
+{
+    /* the words first, then the failure flag: a failing rank sets its flag
+     * before it releases the words, so a released value read here is seen
+     * as the failure below, and nothing is freed on it */
+    uint32_t fin = ld32(w32(sg, sg->rank, OFF_FIN));
+    for (int i = 0; i < sg->np2p; i++)
+        sg->p2p[i].passed = uccl__sg_p2p_passed(sg, &sg->p2p[i]);
+    if (failed_locked(sg))
+        return;
+    int kept = 0;
+    for (int i = 0; i < sg->np2p; i++) {
+        if (sg->p2p[i].passed)
+            p2p_free(sg, &sg->p2p[i]);
+        else
+            sg->p2p[kept++] = sg->p2p[i];
+    }
+    sg->np2p = kept;
+    int done = 0;
+    while (done < sg->npend && ahead(fin, sg->pend[done].k))
+        uccl__sg_pending_free(sg, &sg->pend[done++]);
+    if (done) {
+        memmove(sg->pend, sg->pend + done, (size_t)(sg->npend - done) * sizeof(*sg->pend));
+        sg->npend -= done;
+    }
+}
+
+int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p)
+{
+    pthread_mutex_lock(&sg->mu);
+    int rc = grow((void **)&sg->p2p, &sg->cap_p2p, sg->np2p, sizeof(p), 16);
+    if (rc) {
+        pthread_mutex_unlock(&sg->mu);
+        return rc;
+    }
+    sg->p2p[sg->np2p++] = p;
+    pthread_cond_broadcast(&sg->cv);
+    pthread_mutex_unlock(&sg->mu);
+    return UCCL_OK;
+}
+
+int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p)
+{
+    pthread_mutex_lock(&sg->mu);
+    int rc = grow((void **)&sg->pend, &sg->cap_pend, sg->npend, sizeof(p), 16);
+    if (rc) {
+        pthread_mutex_unlock(&sg->mu);
+        return rc;
+    }
+    sg->pend[sg->npend++] = p;
+    if (sg->npend == 1)
+        pthread_cond_broadcast(&sg->cv);
+    pthread_mutex_unlock(&sg->mu);
+    return UCCL_OK;
+}
+
+/* While rounds or messages are pending: release what those behind the
+ * streams held; fail the group if the oldest round has not passed this
+ * rank's stream within the timeout, or a message has not been copied
+ * within it, or a peer process is gone; once the group failed (here or at
+ * another rank), keep every stream released. */
+static void *watch_main(void *arg)
+{
+    uccl_sg_t *sg = arg;
+    pthread_mutex_lock(&sg->mu);
+    while (!sg->closed) {
+        if (sg->npend == 0 && sg->np2p == 0 && !failed_locked(sg)) {
+            pthread_cond_wait(&sg->cv, &sg->mu);
+            continue;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t at = (uint64_t)ts.tv_nsec + WATCH_NS;
+        ts.tv_sec += (time_t)(at / 1000000000ull);
+        ts.tv_nsec = (long)(at % 1000000000ull);
+        pthread_cond_timedwait(&sg->cv, &sg->mu, &ts);
+        if (sg->closed)
+            break;
+        if (failed_locked(sg)) {
+            release_words(sg);
+            if (sg->npend == 0 && sg->np2p == 0)
+                pthread_cond_wait(&sg->cv, &sg->mu); /* until a round or close */
+            continue;
+        }
+        reclaim_locked(sg);
+        if (sg->npend == 0 && sg->np2p == 0)
+            continue;
+        int gone = -1;
+        for (int p = 0; p < sg->size && gone < 0; p++)
+            if (p != sg->rank && !alive(ld64(w64(sg, p, OFF_PID))))
+                gone = p;
+        uint64_t now = uccl__now_ns();
+        const struct pending *old = sg->npend && now - sg->pend[0].t0 > sg->timeout_ns
+                                        ? &sg->pend[0] : NULL;
+        const struct p2p_pending *late = NULL;
+        for (int i = 0; i < sg->np2p && !late; i++)
+            if (now - sg->p2p[i].t0 > sg->timeout_ns)
+                late = &sg->p2p[i];
+        if (gone < 0 && !old && !late)
+            continue;
+        char why[REASON], words[256] = "";
+        size_t at_w = 0;
+        for (int p = 0; p < sg->size && at_w < sizeof(words) - 32; p++)
+            at_w += (size_t)snprintf(words + at_w, sizeof(words) - at_w, "%s%d: %u/%u",
+                                     p ? ", " : "", p, ld32(w32(sg, p, OFF_READY)),
+                                     ld32(w32(sg, p, OFF_DONE)));
+        if (gone >= 0)
+            snprintf(why, sizeof(why), "rank %d exited with %d round(s) and %d message(s) "
+                     "queued (ready/done words by rank: %s)", gone, sg->npend, sg->np2p, words);
+        else if (old)
+            snprintf(why, sizeof(why), "round %u not through rank %d's stream within %.3g s "
+                     "(ready/done words by rank: %s)", old->k, sg->rank,
+                     (double)sg->timeout_ns / 1e9, words);
+        else
+            uccl__sg_p2p_why(sg, late, 0, why, sizeof(why));
+        fail_locked(sg, why);
+    }
+    pthread_mutex_unlock(&sg->mu);
+    return NULL;
+}
+
+/* ---- the group ------------------------------------------------------------------------ */
+static void sg_free(uccl_sg_t *sg)
+{
+    free(sg->peer_ent);
+    free(sg->peer_cnt);
+    free(sg->p2p_sent);
+    free(sg->p2p_recvd);
+    free(sg->arena);
+    free(sg->p2p);
+    free(sg->pend);
+    free(sg->regs);
+    pthread_mutex_destroy(&sg->mu);
+    pthread_mutex_destroy(&sg->call_mu);
+    pthread_mutex_destroy(&sg->p2p_mu);
+    pthread_mutex_destroy(&sg->reg_mu);
+    pthread_cond_destroy(&sg->cv);
+    free(sg);
+}
+
+int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_s,
+                uintptr_t stream, const struct uccl__sg_dev *ops, void *d, uccl_sg_t **sg_p)
+{
+    int rc = UCCL_OK;
+    if (!page || ((uintptr_t)page & (PAGE - 1)) || size < 1 || size > UCCL_SG_MAX_RANKS ||
+        rank < 0 || rank >= size || page_len < uccl_sg_page_bytes(size) ||
+        !(timeout_s > 0 && timeout_s < 1e7))
+        rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered group: page %p (%zu bytes, %zu needed), "
+                       "rank %d of %d (at most %d), timeout %g s", page, page_len,
+                       uccl_sg_page_bytes(size), rank, size, UCCL_SG_MAX_RANKS, timeout_s);
+    uccl_sg_t *sg = rc ? NULL : calloc(1, sizeof(*sg));
+    if (!rc && !sg)
+        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    if (rc) {
+        ops->destroy(d);
+        return rc;
+    }
+    sg->page = page;
+    sg->page_len = page_len;
+    sg->rank = rank;
+    sg->size = size;
+    sg->timeout_ns = (uint64_t)(timeout_s * 1e9);
+    sg->own = sg->last = stream;
+    sg->ops = ops;
+    sg->d = d;
+    pthread_mutex_init(&sg->mu, NULL);
+    pthread_mutex_init(&sg->call_mu, NULL);
+    pthread_mutex_init(&sg->p2p_mu, NULL);
+    pthread_mutex_init(&sg->reg_mu, NULL);
+    pthread_cond_init(&sg->cv, NULL);
+    sg->peer_ent = calloc((size_t)size * MAX_ENTRIES, sizeof(struct entry));
+    sg->peer_cnt = calloc((size_t)size, sizeof(uint32_t));
+    sg->p2p_sent = calloc((size_t)size, sizeof(uint32_t));
+    sg->p2p_recvd = calloc((size_t)size, sizeof(uint32_t));
+    sg->arena = calloc((size_t)size, sizeof(struct p2p_arena));
+    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd || !sg->arena)
+        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    if (!rc)
+        rc = ops->event_new(d, &sg->ev_start);
+    if (!rc)
+        rc = ops->event_new(d, &sg->ev_mark);
+    if (!rc)
+        rc = ops->event_new(d, &sg->ev_p2p);
+    if (!rc && pthread_create(&sg->watch, NULL, watch_main, sg) != 0)
+        rc = uccl__err(UCCL_ERR_NOMEM, "stream-ordered group: no watchdog thread: %s",
+                       strerror(errno));
+    if (rc) {
+        if (sg->ev_start)
+            ops->event_free(d, sg->ev_start);
+        if (sg->ev_mark)
+            ops->event_free(d, sg->ev_mark);
+        if (sg->ev_p2p)
+            ops->event_free(d, sg->ev_p2p);
+        ops->destroy(d);
+        sg_free(sg);
+        return rc;
+    }
+    sg->watching = 1;
+    st64(w64(sg, rank, OFF_PID), (uint64_t)getpid());
+    *sg_p = sg;
+    return UCCL_OK;
+}
+
+int uccl_sg_rank(uccl_sg_t *sg) { return sg->rank; }
+int uccl_sg_size(uccl_sg_t *sg) { return sg->size; }
+
+int uccl_sg_passed(uccl_sg_t *sg, uint32_t k)
+{
+    return ahead(ld32(w32(sg, sg->rank, OFF_FIN)), k);
+}
+
+int uccl_sg_wait_last(uccl_sg_t *sg, uintptr_t stream)
+{
+    pthread_mutex_lock(&sg->call_mu);
+    int rc = UCCL_OK;
+    if (stream != sg->last) {
+        /* everything queued on the last round's stream so far: the round too */
+        rc = sg->ops->record(sg->d, sg->ev_mark, sg->last);
+        if (!rc)
+            rc = sg->ops->wait_event(sg->d, stream, sg->ev_mark);
+    }
+    pthread_mutex_unlock(&sg->call_mu);
+    return rc;
+}
+
+int uccl_sg_event_new(uccl_sg_t *sg, void **ev_p) { return sg->ops->event_new(sg->d, ev_p); }
+void uccl_sg_event_free(uccl_sg_t *sg, void *ev)
+{
+    if (ev)
+        sg->ops->event_free(sg->d, ev);
+}
+int uccl_sg_event_wait(uccl_sg_t *sg, uintptr_t stream, void *ev)
+{
+    return sg->ops->wait_event(sg->d, stream, ev);
+}
+int uccl_sg_event_query(uccl_sg_t *sg, void *ev) { return sg->ops->query(sg->d, ev); }
+
+void uccl__sg_reclaim(uccl_sg_t *sg)
+{
+    pthread_mutex_lock(&sg->mu);
+    reclaim_locked(sg);
+    pthread_mutex_unlock(&sg->mu);
+}
+
+/* Under mu: whether every peer's fin word reached round k, or its process
+ * is gone, before `until` (the lock is let go while it waits). */
+static int peers_past(uccl_sg_t *sg, uint32_t k, uint64_t until)
+{
+    for (;;) {
+        int all = 1;
+        for (int p = 0; p < sg->size && all; p++)
+            all = p == sg->rank || ahead(ld32(w32(sg, p, OFF_FIN)), k) ||
+                  !alive(ld64(w64(sg, p, OFF_PID)));
+        if (all)
+            return 1;
+        if (failed_locked(sg) || uccl__now_ns() > until)
+            return 0;
+        pthread_mutex_unlock(&sg->mu);
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&sg->mu);
+    }
+}
+
+int uccl_sg_close(uccl_sg_t *sg)
+{
+    if (!sg)
+        return 1;
+    pthread_mutex_lock(&sg->mu);
+    sg->closed = 1;
+    pthread_cond_broadcast(&sg->cv);
+    pthread_mutex_unlock(&sg->mu);
+    if (sg->watching)
+        pthread_join(sg->watch, NULL);
+    /* the copies of rounds still queued read through their mappings: wait
+     * (on the host, bounded) until this rank's stream is past them */
+    uint64_t until = uccl__now_ns() + sg->timeout_ns;
+    pthread_mutex_lock(&sg->mu);
+    while ((sg->npend || sg->np2p) && !failed_locked(sg)) {
+        reclaim_locked(sg);
+        if (!sg->npend && !sg->np2p)
+            break;
+        for (int i = 0; i < sg->np2p; i++)
+            if (uccl__sg_p2p_unmatched(sg, &sg->p2p[i])) { /* it never will be */
+                char why[REASON];
+                uccl__sg_p2p_why(sg, &sg->p2p[i], 1, why, sizeof(why));
+                fail_locked(sg, why);
+                break;
+            }
+        if (failed_locked(sg))
+            break;
+        if (uccl__now_ns() > until) {
+            fail_locked(sg, "closed with rounds or messages still queued that did not finish");
+            break;
+        }
+        pthread_mutex_unlock(&sg->mu);
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&sg->mu);
+    }
+    int ok = !failed_locked(sg) || (sg->npend == 0 && sg->np2p == 0);
+    /* a peer's launches (one-launch rounds, handshakes) read this rank's
+     * arena until it is past the round; the arena goes only once every peer
+     * is (or is gone) */
+    if (ok && sg->fz_last && (failed_locked(sg) || !peers_past(sg, sg->fz_last, until)))
+        ok = 0;
+    pthread_mutex_unlock(&sg->mu);
+    if (ok) {
+        for (int i = 0; i < sg->npend; i++)
+            uccl__sg_pending_free(sg, &sg->pend[i]);
+        for (int i = 0; i < sg->np2p; i++)
+            p2p_free(sg, &sg->p2p[i]);
+        for (int i = 0; i < sg->fz_nimp; i++)
+            sg->ops->unmap(sg->d, sg->fz_imp[i]);
+    } /* else the mappings stay: the stream may still copy through them */
+    while (sg->nregs)
+        reg_drop(sg, sg->nregs - 1);
+    sg->ops->event_free(sg->d, sg->ev_start);
+    sg->ops->event_free(sg->d, sg->ev_mark);
+    sg->ops->event_free(sg->d, sg->ev_p2p);
+    sg->ops->destroy(sg->d);
+    sg_free(sg);
+    return ok;
+}

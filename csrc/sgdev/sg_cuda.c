@@ -1,0 +1,596 @@
+/* The CUDA device of stream-ordered groups (sgroup.h): stream memory
+ * operations batched into one driver call (cuStreamBatchMemOp, else one
+ * call each), copies on the copy engine (cuMemcpyAsync), events, and the
+ * kernels of sg_kernels.c compiled by NVRTC on first use and launched (one
+ * module per device, and per element type for the reduction's, kept for
+ * the life of the process: a kernel queued by a failed group may still
+ * run).  Memory is shared through the endpoint:
+ * registrations, the keys of their export records, CUDA IPC mappings
+ * checked against them (ipc_share.c). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "load/cuda_loader.h"
+#include "ring/ring.h"
+#include "sgdev/sg_kernels.h"
+#include "sg/sgroup.h"
+#include "base/status.h"
+
+#define MAX_DEVS 64
+#define THREADS 256
+
+/* CUstreamBatchMemOpParams (cuda.h): a union of 48 bytes */
+union batch_op {
+    struct {
+        uint32_t operation, pad0;
+        uint64_t address;
+        uint64_t value;     /* value (32-bit) or value64 */
+        uint32_t flags, pad1;
+        uint64_t alias;
+    } v;
+    uint64_t pad[6];
+};
+_Static_assert(sizeof(union batch_op) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+enum { OP_WAIT_32 = 1, OP_WRITE_32 = 2, CU_ERR_NOT_SUPPORTED = 801 };
+
+struct cuda_dev {
+    uccl_ep_t *ep;
+    int dev, rank, size;
+    uint64_t *conns;
+    int batch_off;            /* the driver refused a batch: one call per operation */
+    uccl_kernel_t *copy_k;    /* copies of one phase in one launch, or NULL */
+    size_t kernel_copy_bytes; /* ... when they move at most this (UCCL_SG_KERNEL_COPY_BYTES) */
+    size_t gather_bytes;      /* one-phase rounds as one launch up to this (cuda_gather) */
+    /* the handshake and gather kernels, and how many gather blocks fit an
+     * SM (-1: the driver cannot tell), found at the group's first use:
+     * the group's calls are one at a time, so no lock is taken per call */
+    uccl_kernel_t *sync_k, *gather_k;
+    int gather_fit;
+    int fz_scope;             /* spinning launches' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
+};
+
+/* The one-launch round's grid (cuda_fused). */
+#define FUSED_BLOCKS 32
+#define FUSED_THREADS 256
+enum { FENCE_GPU = 1, FENCE_SYS = 2 }; /* cuda_dev.fz_scope */
+
+static const char *const dt_names[UCCL_DT_COUNT] = {
+    [UCCL_DT_F32] = "F32", [UCCL_DT_F64] = "F64", [UCCL_DT_F16] = "F16",
+    [UCCL_DT_BF16] = "BF16", [UCCL_DT_I8] = "I8", [UCCL_DT_U8] = "U8", [UCCL_DT_I16] = "I16",
+    [UCCL_DT_I32] = "I32", [UCCL_DT_I64] = "I64", [UCCL_DT_BOOL] = "BOOLT",
+};
+
+/* Compiled kernels, per device and element type, for the life of the process. */
+static struct {
+    pthread_mutex_t mu;
+    uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
+    uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
+    char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
+    uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS];
+    char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS];
+    int sms[MAX_DEVS];
+} kernels = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* Under kernels.mu: the device's SM count (grid sizes), once. */
+static void read_sms(int dev)
+{
+    cu_device d;
+    const struct uccl__cuda *cu = uccl__cuda();
+    if (kernels.sms[dev])
+        return;
+    if (cu->DeviceGet(&d, dev) != CU_OK ||
+        cu->DeviceGetAttribute(&kernels.sms[dev], CU_DEV_ATTR_SM_COUNT, d) != CU_OK ||
+        kernels.sms[dev] < 1)
+        kernels.sms[dev] = 32;
+}
+
+/* Under kernels.mu: the module of the parts (sg_kernels.h, NULL-ended),
+ * after "#define UCCL_DT <type>" where dtype >= 0, compiled for device dev;
+ * its kernel `name`. */
+static int compile_parts(int dev, int dtype, const char *const *parts, const char *name,
+                         uccl_kernel_t **k_p)
+{
+    size_t len = 64;
+    for (int i = 0; parts[i]; i++)
+        len += strlen(parts[i]);
+    char *src = malloc(len);
+    if (!src)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    size_t at = 0;
+    src[0] = '\0';
+    if (dtype >= 0)
+        at = (size_t)snprintf(src, len, "#define UCCL_DT %s\n", dt_names[dtype]);
+    for (int i = 0; parts[i]; i++)
+        at += (size_t)snprintf(src + at, len - at, "%s", parts[i]);
+    int rc = uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, k_p);
+    free(src);
+    if (rc == UCCL_OK)
+        read_sms(dev);
+    return rc;
+}
+
+/* A kernel of no element type for device dev, compiled once (*slot), or
+ * NULL where it cannot be (no NVRTC: *failed, not tried again). */
+static uccl_kernel_t *once_kernel(int dev, const char *const *parts, const char *name,
+                                  uccl_kernel_t **slot, char *failed)
+{
+    pthread_mutex_lock(&kernels.mu);
+    if (!*slot && !*failed && compile_parts(dev, -1, parts, name, slot) != UCCL_OK)
+        *failed = 1;
+    uccl_kernel_t *k = *slot;
+    pthread_mutex_unlock(&kernels.mu);
+    return k;
+}
+
+/* The copy kernel, compiled at the first group; without it copies go one
+ * by one on the copy engine. */
+static uccl_kernel_t *copy_kernel(int dev)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
+                                        uccl__sg_copy_src, NULL};
+    return once_kernel(dev, parts, "uccl_sg_copy", &kernels.copy[dev], &kernels.copy_failed[dev]);
+}
+
+int uccl_sg_kernel_ready(int dev, int dtype)
+{
+    if (dev < 0 || dev >= MAX_DEVS || !uccl_dtype_size(dtype))
+        return uccl__err(UCCL_ERR_INVALID, "reduction kernel: device %d, type %d", dev, dtype);
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src, NULL};
+    pthread_mutex_lock(&kernels.mu);
+    int rc = kernels.k[dev][dtype] ? UCCL_OK
+                                   : compile_parts(dev, dtype, parts, "uccl_sg_reduce",
+                                                   &kernels.k[dev][dtype]);
+    pthread_mutex_unlock(&kernels.mu);
+    return rc;
+}
+
+/* NULL where it cannot be built (no NVRTC, a GPU older than sm_70): the
+ * round then queues its steps one by one (sg_round.c), once tried. */
+static uccl_kernel_t *fused_kernel(int dev, int dtype)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src,
+                                        uccl__sg_copy_fn_src, uccl__sg_fused_src, NULL};
+    pthread_mutex_lock(&kernels.mu);
+    if (!kernels.fused[dev][dtype] && !kernels.fused_failed[dev][dtype] &&
+        compile_parts(dev, dtype, parts, "uccl_sg_fused", &kernels.fused[dev][dtype]))
+        kernels.fused_failed[dev][dtype] = 1;
+    uccl_kernel_t *k = kernels.fused[dev][dtype];
+    pthread_mutex_unlock(&kernels.mu);
+    return k;
+}
+
+static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *ops, int n)
+{
+    struct cuda_dev *d = dp;
+    const struct uccl__cuda *cu = uccl__cuda();
+    int rc = n > 0 ? uccl__cuda_use(d->dev) : UCCL_OK; /* the caller's thread may have none current */
+    if (n <= 0 || rc)
+        return rc;
+    if (cu->StreamBatchMemOp && !d->batch_off && n > 1) {
+        union batch_op b[2 * UCCL_SG_MAX_RANKS + 2];
+        if (n > (int)(sizeof(b) / sizeof(b[0])))
+            return uccl__err(UCCL_ERR_INVALID, "%d stream memory operations in one batch", n);
+        memset(b, 0, (size_t)n * sizeof(b[0]));
+        for (int i = 0; i < n; i++) {
+            b[i].v.operation = ops[i].wait ? OP_WAIT_32 : OP_WRITE_32;
+            b[i].v.address = (uint64_t)(uintptr_t)ops[i].addr;
+            b[i].v.value = ops[i].value;
+            b[i].v.flags = ops[i].wait ? CU_STREAM_WAIT_VALUE_GEQ : 0;
+        }
+        cu_result r = cu->StreamBatchMemOp((cu_stream)stream, (unsigned)n, b, 0);
+        if (r == CU_OK)
+            return UCCL_OK;
+        if (r != CU_ERR_NOT_SUPPORTED)
+            return uccl__cuda_err(r, "cuStreamBatchMemOp");
+        d->batch_off = 1;
+    }
+    for (int i = 0; i < n; i++) {
+        cu_ptr a = (cu_ptr)(uintptr_t)ops[i].addr;
+        /* writes: flags 0, a fence first, so what the stream wrote before
+         * (kernels, copies) is visible to whoever sees the value */
+        cu_result r = ops[i].wait
+                          ? cu->StreamWaitValue32((cu_stream)stream, a, ops[i].value,
+                                                  CU_STREAM_WAIT_VALUE_GEQ)
+                          : cu->StreamWriteValue32((cu_stream)stream, a, ops[i].value, 0);
+        if (r != CU_OK)
+            return uccl__cuda_err(r, ops[i].wait ? "cuStreamWaitValue32" : "cuStreamWriteValue32");
+    }
+    return UCCL_OK;
+}
+
+/* The bytes the n copies move in all, and the longest one's. */
+static size_t copy_span(const struct uccl_sg_copy *cs, int n, size_t *longest_p)
+{
+    size_t total = 0, longest = 0;
+    for (int i = 0; i < n; i++) {
+        total += cs[i].len;
+        longest = cs[i].len > longest ? cs[i].len : longest;
+    }
+    *longest_p = longest;
+    return total;
+}
+
+static int cuda_copies(void *dp, uintptr_t stream, const struct uccl_sg_copy *cs, int n)
+{
+    struct cuda_dev *d = dp;
+    size_t longest, total = copy_span(cs, n, &longest);
+    uccl_kernel_t *k = n <= UCCL__K_COPY_SEGS && total <= d->kernel_copy_bytes ? d->copy_k : NULL;
+    if (k) {
+        struct uccl__k_copy a;
+        memset(&a, 0, sizeof(a));
+        for (int i = 0; i < n; i++) {
+            a.dst[i] = cs[i].dst;
+            a.src[i] = cs[i].src;
+            a.len[i] = cs[i].len;
+        }
+        a.n = n;
+        size_t blocks = (longest / 16 + THREADS) / THREADS, cap = (size_t)kernels.sms[d->dev] * 4;
+        void *params[] = {&a};
+        return uccl__gpu_launch_unchecked(k, (unsigned)(blocks < cap ? blocks : cap), (unsigned)n,
+                                          THREADS, stream, params);
+    }
+    for (int i = 0; i < n; i++) {
+        cu_result r = uccl__cuda()->MemcpyAsync((cu_ptr)cs[i].dst, (cu_ptr)cs[i].src, cs[i].len,
+                                                (cu_stream)stream);
+        if (r != CU_OK)
+            return uccl__cuda_err(r, "cuMemcpyAsync on the group's stream");
+    }
+    return UCCL_OK;
+}
+
+static int cuda_reduce(void *dp, uintptr_t stream, const struct uccl__sg_red_args *a)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl_sg_kernel_ready(d->dev, a->dtype);
+    if (rc)
+        return rc;
+    struct uccl__k_reduce ka = {.out = a->out, .count = a->count, .nsrc = a->nsrc, .op = a->op};
+    int aligned = (a->out & 15) == 0;
+    for (int r = 0; r < a->nsrc; r++) {
+        ka.src[r] = a->src[r];
+        aligned = aligned && (a->src[r] & 15) == 0;
+    }
+    size_t per = aligned ? 16 / uccl_dtype_size(a->dtype) : 1;
+    size_t items = (a->count + per - 1) / per;
+    size_t blocks = (items + THREADS - 1) / THREADS, cap = (size_t)kernels.sms[d->dev] * 8;
+    if (blocks > cap)
+        blocks = cap;
+    void *params[] = {&ka};
+    return uccl__gpu_launch_unchecked(kernels.k[d->dev][a->dtype], (unsigned)(blocks ? blocks : 1),
+                                      1, THREADS, stream, params);
+}
+
+/* Is a peer's arena memory of this rank's GPU (ranks that are processes
+ * sharing it)?  Where every peer's is, the launches that spin on the arenas'
+ * words fence at the GPU's scope only. */
+static int on_gpu(const struct cuda_dev *d, uintptr_t p)
+{
+    int ord = -1;
+    return uccl__cuda()->PointerGetAttribute(&ord, CU_PA_DEVICE_ORDINAL, (cu_ptr)p) == CU_OK &&
+           ord == d->dev;
+}
+
+/* Whether the group's spinning launches fence at the system's scope, decided
+ * at the first from the peers' arena words (peer[me] is not looked at):
+ * the arenas stay mapped for the group's life. */
+static int fence_sys(struct cuda_dev *d, const uintptr_t *peer, int n, int me)
+{
+    if (!d->fz_scope) {
+        int gpu = 1;
+        for (int r = 0; r < n; r++)
+            gpu = gpu && (r == me || on_gpu(d, peer[r]));
+        d->fz_scope = gpu ? FENCE_GPU : FENCE_SYS;
+    }
+    return d->fz_scope == FENCE_SYS;
+}
+
+static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_args *a)
+{
+    struct cuda_dev *d = dp;
+    int dt = a->gather ? UCCL_DT_U8 : a->dtype, rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (a->nsrc > UCCL_SG_FUSED_RANKS || !uccl_dtype_size(dt))
+        return uccl__err(UCCL_ERR_INVALID, "one-launch round: %d ranks, type %d", a->nsrc, dt);
+    /* The steps instead (UCCL_ERR_UNAVAIL) where the kernel cannot be built,
+     * or for an in-place all_reduce that is not 16-byte aligned: the
+     * launch's staging and its reduction then split the bytes between its
+     * blocks differently, and one block could overwrite input another is
+     * still to stage. */
+    if (!a->gather && a->in == a->out && (a->in & 15))
+        return UCCL_ERR_UNAVAIL;
+    uccl_kernel_t *k = fused_kernel(d->dev, dt);
+    if (!k)
+        return UCCL_ERR_UNAVAIL;
+    struct uccl__k_fused fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
+                            .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin,
+                            .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
+                            .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me,
+                            .sys = fence_sys(d, a->dready, a->nsrc, a->me)};
+    for (int r = 0; r < a->nsrc; r++) {
+        fa.slot[r] = a->slot[r];
+        fa.ready[r] = (uint64_t)(uintptr_t)a->ready[r];
+        fa.dready[r] = a->dready[r];
+    }
+    /* a block per 8 KiB (two 16-byte loads a thread), up to FUSED_BLOCKS, and
+     * for the group's launches together one block per SM: they spin, so on a
+     * GPU the ranks share they must all be resident at once, and a block of
+     * FUSED_THREADS fits an SM whatever its registers.  1 MiB all_reduce,
+     * the launches' own time per call on an H200 under MPS (fused_probe.py,
+     * BENCHMARKS.md): 2 ranks 14.6 us with 16 blocks, 12.6 with 32, 11.3
+     * with 64; 4 ranks 28.3 with 16, 25.4 with 32 */
+    size_t cap = (size_t)kernels.sms[d->dev] / (size_t)a->nsrc; /* set by fused_kernel */
+    cap = cap < 1 ? 1 : cap > FUSED_BLOCKS ? FUSED_BLOCKS : cap;
+    size_t blocks = (a->nbytes + 2 * 16 * FUSED_THREADS - 1) / (2 * 16 * FUSED_THREADS);
+    blocks = blocks < 1 ? 1 : blocks > cap ? cap : blocks;
+    void *params[] = {&fa};
+    return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, FUSED_THREADS, stream, params);
+}
+
+/* A handshake's argument as the kernels take it. */
+static struct uccl__k_sync sync_arg(struct cuda_dev *d, const struct uccl__sg_sync_args *a)
+{
+    struct uccl__k_sync sa = {.mine = a->mine, .page = (uint64_t)(uintptr_t)a->page,
+                              .fin = (uint64_t)(uintptr_t)a->fin,
+                              .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
+                              .mask = a->mask, .me = a->me, .n = a->n,
+                              .sys = fence_sys(d, a->peer, a->n, a->me)};
+    memcpy(sa.peer, a->peer, sizeof(sa.peer));
+    return sa;
+}
+
+static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args *a)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_sync_src, NULL};
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (!d->sync_k)
+        d->sync_k = once_kernel(d->dev, parts, "uccl_sg_sync", &kernels.sync[d->dev],
+                                &kernels.sync_failed[d->dev]);
+    uccl_kernel_t *k = d->sync_k;
+    if (!k || a->n > UCCL_SG_FUSED_RANKS)
+        return UCCL_ERR_UNAVAIL;
+    struct uccl__k_sync sa = sync_arg(d, a);
+    void *params[] = {&sa};
+    return uccl__gpu_launch_unchecked(k, 1, 1, 32, stream, params);
+}
+
+#define GATHER_THREADS 256
+/* The gather kernel, and how many of its blocks (GATHER_THREADS each) fit
+ * one SM (its registers, threads and shared memory); 0 where either is not
+ * to be had (the launch is not used then). */
+static int gather_kernel(struct cuda_dev *d, uccl_kernel_t **k_p)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
+                                        uccl__sg_sync_src, uccl__sg_gather_src, NULL};
+    if (!d->gather_fit) {
+        int n = 0;
+        d->gather_k = once_kernel(d->dev, parts, "uccl_sg_gather", &kernels.gather[d->dev],
+                                  &kernels.gather_failed[d->dev]);
+        d->gather_fit = d->gather_k && uccl__gpu_blocks_per_sm(d->gather_k, GATHER_THREADS,
+                                                               &n) == UCCL_OK && n > 0 ? n : -1;
+    }
+    *k_p = d->gather_k;
+    return d->gather_fit > 0 ? d->gather_fit : 0;
+}
+
+/* Where every peer is a process on this GPU and the copies move at most
+ * UCCL_SG_GATHER_LAUNCH_BYTES in all: the round as one launch.  Elsewhere
+ * (UCCL_ERR_UNAVAIL) its handshakes and copies go one by one: across GPUs
+ * the copy engine, and on one GPU large copies, where the engine moves the
+ * bytes faster than the SMs (64 MiB in place, 2 ranks on one H200: 63.0 us
+ * of copies on the engine, 71.6-71.9 by the SMs) and the launches' gaps
+ * no longer count; an unaligned segment is copied a byte at a time here,
+ * so only short ones are taken. */
+static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_args *ready,
+                       const struct uccl_sg_copy *cs, int n,
+                       const struct uccl__sg_sync_args *done, uintptr_t ctr)
+{
+    struct cuda_dev *d = dp;
+    size_t longest, total = copy_span(cs, n, &longest);
+    for (int i = 0; i < n; i++)
+        if (((cs[i].dst | cs[i].src) & 15) && cs[i].len > (64u << 10))
+            return UCCL_ERR_UNAVAIL;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (!d->gather_bytes || n > UCCL__K_GATHER_SEGS || total > d->gather_bytes ||
+        ready->n > UCCL_SG_FUSED_RANKS || fence_sys(d, ready->peer, ready->n, ready->me))
+        return UCCL_ERR_UNAVAIL;
+    uccl_kernel_t *k;
+    int fit = gather_kernel(d, &k);
+    if (!fit)
+        return UCCL_ERR_UNAVAIL;
+    struct uccl__k_gather ga = {.ready = sync_arg(d, ready), .done = sync_arg(d, done),
+                                .ctr = ctr, .seen = ctr + UCCL_SG_FUSED_SEEN, .nseg = n};
+    for (int i = 0; i < n; i++) {
+        ga.dst[i] = cs[i].dst;
+        ga.src[i] = cs[i].src;
+        ga.len[i] = cs[i].len;
+    }
+    /* a block per 16 KiB of the longest segment (four 16-byte loads a
+     * thread), and for the group's launches together one block an SM less
+     * than fit: every block spins until block 0 has seen its peers, so all
+     * ranks' launches must be resident at once, with room left for another
+     * spinning launch's block.  16 MiB in place on one H200 under MPS
+     * (stream_sync_floor.py, BENCHMARKS.md): 2 ranks 24.7 us with 2 blocks
+     * an SM for the group, 23.7 with 4; 4 ranks 96.2 and 93.5 */
+    size_t per_sm = fit > 1 ? (size_t)fit - 1 : 1;
+    size_t cap = per_sm * (size_t)kernels.sms[d->dev] / (size_t)ready->n; /* set by once_kernel */
+    size_t blocks = (longest + 64 * GATHER_THREADS - 1) / (64 * GATHER_THREADS); /* 16 KiB */
+    blocks = blocks < cap ? blocks : cap;
+    blocks = blocks < 1 ? 1 : blocks;
+    void *params[] = {&ga};
+    return uccl__gpu_launch_unchecked(k, (unsigned)blocks, 1, GATHER_THREADS, stream, params);
+}
+
+static uint64_t cuda_fused_id(void *dp)
+{
+    struct cuda_dev *d = dp;
+    const struct uccl__cuda *cu = uccl__cuda();
+    cu_device dv;
+    int mps = 0;
+    unsigned dom = 0, bus = 0, slot = 0;
+    char bdf[32];
+    if (cu->DeviceGet(&dv, d->dev) != CU_OK)
+        return (uint64_t)d->dev + 1;
+    if (cu->DeviceGetAttribute(&mps, CU_DEV_ATTR_MPS_ENABLED, dv) == CU_OK && mps)
+        return 0;
+    /* MPS unknown to an older driver: taken as off (two-sided rounds are the safe side) */
+    if (uccl_gpu_bus_id(d->dev, bdf) != UCCL_OK || sscanf(bdf, "%x:%x:%x", &dom, &bus, &slot) != 3)
+        return (uint64_t)d->dev + 1;
+    return 1 + ((uint64_t)dom << 32 | (uint64_t)bus << 8 | slot);
+}
+
+static int cuda_event_new(void *dp, void **ev_p)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_event ev;
+    cu_result r = uccl__cuda()->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "cuEventCreate");
+    *ev_p = ev;
+    return UCCL_OK;
+}
+
+static void cuda_event_free(void *dp, void *ev)
+{
+    struct cuda_dev *d = dp;
+    if (ev && uccl__cuda_use(d->dev) == UCCL_OK)
+        uccl__cuda()->EventDestroy((cu_event)ev);
+}
+
+static int cuda_record(void *dp, void *ev, uintptr_t stream)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->EventRecord((cu_event)ev, (cu_stream)stream);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuEventRecord");
+}
+
+static int cuda_wait_event(void *dp, uintptr_t stream, void *ev)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->StreamWaitEvent((cu_stream)stream, (cu_event)ev, 0);
+    return r == CU_OK ? UCCL_OK : uccl__cuda_err(r, "cuStreamWaitEvent");
+}
+
+static int cuda_query(void *dp, void *ev)
+{
+    struct cuda_dev *d = dp;
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    cu_result r = uccl__cuda()->EventQuery((cu_event)ev);
+    if (r == CU_OK)
+        return 1;
+    return r == CU_ERR_NOT_READY ? 0 : uccl__cuda_err(r, "cuEventQuery");
+}
+
+static uint64_t any_conn(struct cuda_dev *d) { return d->conns[(d->rank + 1) % d->size]; }
+
+static int cuda_reg(void *dp, uintptr_t ptr, size_t len, uint64_t *reg_p)
+{
+    struct cuda_dev *d = dp;
+    return uccl_ep_reg(d->ep, ptr, len, reg_p);
+}
+
+static int cuda_key(void *dp, uint64_t reg, uintptr_t ptr, size_t len, uint64_t *key_p)
+{
+    struct cuda_dev *d = dp;
+    return uccl_ep_ipc_key(d->ep, any_conn(d), reg, ptr, len, key_p);
+}
+
+static void cuda_dereg(void *dp, uint64_t reg)
+{
+    struct cuda_dev *d = dp;
+    if (d->ep)
+        uccl_ep_dereg(d->ep, reg);
+}
+
+static int cuda_map(void *dp, int peer, uint64_t key, uint64_t addr, size_t len,
+                    uintptr_t *ptr_p, void **imp_p)
+{
+    struct cuda_dev *d = dp;
+    void *ptr = NULL;
+    int rc = uccl_ep_ipc_map(d->ep, d->conns[peer], key, addr, len, d->dev, &ptr, imp_p);
+    if (rc == UCCL_OK)
+        *ptr_p = (uintptr_t)ptr;
+    return rc;
+}
+
+static void cuda_unmap(void *dp, void *imp)
+{
+    (void)dp;
+    uccl_ep_ipc_unmap(imp);
+}
+
+static void cuda_destroy(void *dp)
+{
+    struct cuda_dev *d = dp;
+    if (d) {
+        free(d->conns);
+        free(d);
+    }
+}
+
+static const struct uccl__sg_dev cuda_ops = {
+    .memops = cuda_memops, .copies = cuda_copies, .reduce = cuda_reduce,
+    .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
+    .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
+    .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
+    .fused = cuda_fused, .fused_id = cuda_fused_id, .sync = cuda_sync, .gather = cuda_gather,
+};
+
+int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
+                      const struct uccl__sg_dev **ops_p, void **d_p)
+{
+    if (!ep || size < 1 || size > UCCL_SG_MAX_RANKS || rank < 0 || rank >= size)
+        return uccl__err(UCCL_ERR_INVALID, "stream-ordered group on CUDA: endpoint %p, %d ranks",
+                         (void *)ep, size);
+    int rc = uccl__cuda_use(dev);
+    if (rc)
+        return rc;
+    struct cuda_dev *d = calloc(1, sizeof(*d));
+    uint64_t *c = calloc((size_t)size, sizeof(*c));
+    if (!d || !c) {
+        free(d);
+        free(c);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    memcpy(c, conns, (size_t)size * sizeof(*c));
+    int bad = 0;
+    long kb = uccl__env_long("UCCL_SG_KERNEL_COPY_BYTES", 8l << 20, 0, 1l << 40, &bad);
+    long gb = bad ? 0 : uccl__env_long("UCCL_SG_GATHER_LAUNCH_BYTES", 48l << 20, 0, 1l << 40, &bad);
+    if (bad) {
+        free(d);
+        free(c);
+        return UCCL_ERR_INVALID;
+    }
+    *d = (struct cuda_dev){.ep = ep, .dev = dev, .rank = rank, .size = size, .conns = c,
+                           .copy_k = kb ? copy_kernel(dev) : NULL, .kernel_copy_bytes = (size_t)kb,
+                           .gather_bytes = (size_t)gb};
+    *ops_p = &cuda_ops;
+    *d_p = d;
+    return UCCL_OK;
+}
+
+/* The endpoint went away before the group: its registrations went with it. */
+void uccl_sg_cuda_forget_ep(void *dp)
+{
+    struct cuda_dev *d = dp;
+    d->ep = NULL;
+}

@@ -1,0 +1,103 @@
+/* The RDMA transport's three parts: the devices of this process and the
+ * memory registered with them (tp_rdma_dev.c), connections of RC queue
+ * pairs with their movers (tp_rdma.c), and the staging of memory no NIC
+ * could register (tp_rdma_stage.c). */
+#ifndef UCCL_TP_RDMA_H
+#define UCCL_TP_RDMA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "load/ibv_loader.h"
+
+/* A connection stripes over at most this many NICs: a region's key for the
+ * peer carries one 32-bit rkey per NIC in 64 bits. */
+#define UCCL_RDMA_MAX_DEVS 2
+
+struct uccl__rdma_dev {
+    char name[64];
+    struct ibv_context_s *ctx;
+    struct ibv_pd_s *pd;
+    uint8_t port;
+    uint8_t link_layer;    /* IBV_LINK_LAYER_* */
+    int active_mtu;        /* IBV_MTU_* code */
+    uint16_t lid;
+    int gid_index;         /* -1: none (InfiniBand, addressed by LID) */
+    union ibv_gid_u gid;
+};
+
+/* The devices this process uses (discovered once: UCCL_P2P_RDMA_DEV, else
+ * every device with an active port), or NULL with the reason as the
+ * thread's error (UCCL_ERR_UNAVAIL): no library, no device, no active port,
+ * a bad setting. */
+const struct uccl__rdma_dev *uccl__rdma_devs(unsigned *n_p);
+
+/* What mem_reg made for a region: one MR per device, or why there is none
+ * (then any transfer over RDMA that needs it fails naming the reason; GPU
+ * memory is staged instead: its own side's moves go through a page-locked
+ * chunk, and what the peer sends or writes into it, or reads from it,
+ * streams through the receiving side's staging ring; its key is 0).
+ * The region's local key is the address of this record. */
+#define UCCL_RDMA_MR_MAGIC 0x524d5231u
+struct uccl__rdma_mr {
+    uint32_t magic;
+    unsigned n;
+    int staged;               /* GPU memory no NIC could register (no GPUDirect), or any
+                                 memory under UCCL_P2P_RDMA_STAGE_ALL=1: no MR, staged */
+    uint32_t mkind;           /* what the memory is (gpu.h) */
+    struct ibv_mr_s *mr[UCCL_RDMA_MAX_DEVS];
+    char err[240];
+};
+
+struct uccl__mem;
+struct uccl__mr;
+struct uccl__conn;
+struct uccl__msg;
+int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr);
+void uccl__rdma_mem_dereg(struct uccl__mem *mem, struct uccl__mr *mr);
+int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+                       uint64_t *key_p);
+/* The region behind a local key is staged (transport.h, `staged`). */
+int uccl__rdma_staged(uint64_t local_key);
+/* The record behind a local key, or NULL (with the reason) if it is none. */
+const struct uccl__rdma_mr *uccl__rdma_mr_of(uint64_t local_key);
+
+/* ---- between tp_rdma.c and tp_rdma_stage.c ----------------------------------- */
+
+/* tp_rdma.c: move len bytes between local (its local key) and the peer's
+ * raddr (its rkeys): READ them in, or WRITE them out, the last WR a
+ * WRITE_WITH_IMM if imm; staged memory through the connection's own chunk.
+ * Blocking; a failure fails the connection. */
+int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
+                    uint64_t raddr, uint64_t rkey, size_t len, int imm);
+/* tp_rdma.c: the connection's staging state. */
+struct uccl__rdma_stage *uccl__rdma_stage_of(struct uccl__conn *c);
+
+/* tp_rdma_stage.c.  A staging area: page-locked host memory (plain page-
+ * aligned memory for staged host memory) registered with every NIC. */
+struct uccl__rdma_area {
+    char *p;
+    size_t len;
+    uint32_t mk;              /* what p is (gpu.h): page-locked, or host */
+    uint32_t for_mk;          /* the memory kind it stages (device, or host) */
+    struct ibv_mr_s *mr[UCCL_RDMA_MAX_DEVS];
+};
+struct uccl__rdma_stage;
+int uccl__rdma_stage_new(size_t chunk, struct uccl__rdma_stage **s_p);
+/* Stop the stream thread (never blocks); join it; free everything, with
+ * the QPs gone. */
+void uccl__rdma_stage_shutdown(struct uccl__rdma_stage *s);
+void uccl__rdma_stage_join(struct uccl__rdma_stage *s);
+void uccl__rdma_stage_free(struct uccl__rdma_stage *s);
+/* The chunk this side's own moves of staged memory of kind mk go through,
+ * locked for one move (none on an error); give it back after. */
+int uccl__rdma_own_take(struct uccl__rdma_stage *s, uint32_t mk,
+                        const struct uccl__rdma_area **a_p);
+void uccl__rdma_own_give(struct uccl__rdma_stage *s);
+/* The ops: stream (a transfer into, or a read out of, memory the peer
+ * cannot reach) and the staging ring's messages (RING, CREDIT, DATA). */
+int uccl__rdma_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+                      uint64_t src_key, size_t len, void *cookie);
+int uccl__rdma_on_msg(struct uccl__conn *c, const struct uccl__msg *m);
+
+#endif
