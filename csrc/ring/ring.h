@@ -1,5 +1,6 @@
-/* Public C API of GPU-initiated transfers: kernels compiled at run time
- * (gpu_kernel.c) and command rings drained by a proxy thread (ring.c).
+/* Public C API of GPU-initiated transfers, the third data plane: command
+ * rings drained by a proxy thread (ring.c).  The kernels that fill them
+ * are compiled and launched with gpu/gpu_api.h (gpu_kernel.c).
  *
  * A ring is an array of fixed-size commands in page-locked host memory
  * that the GPU sees (cuMemHostAlloc, DEVICEMAP).  A kernel enqueues a put
@@ -10,7 +11,57 @@
  * to a peer's advertised window, or a copy on this GPU's copy engine for a
  * local destination) and counts completions in sequence; a kernel or the
  * host waits on that counter.  The layout shared with device code is
- * below: both sides must agree on it byte for byte. */
+ * below: both sides must agree on it byte for byte.
+ *
+ * The contract.  Three parties use a ring, each through its own door;
+ * calls go one way (the host API and the proxy call the endpoint's public
+ * calls and gpu/, never the reverse), and the kernel and the proxy meet
+ * only in the shared words, each written by one side:
+ *
+ *   The kernel (uccl_ring.cuh; any number of threads, warps and blocks at
+ *   once).  put: takes a ticket (an atomic on device memory), waits on the
+ *   GPU while its slot is still taken (the ring is full: the proxy has
+ *   `inflight` commands in flight and takes no more until one retires),
+ *   writes the command, a system fence (its earlier writes to the source
+ *   region visible first), then seq.  The wait gives up after the
+ *   endpoint's timeout: the ticket's slot then stays empty, the thread
+ *   writes `stuck`, and the ring fails there.  try_put: never waits (EFULL
+ *   instead).  wait(seq): waits on the GPU until done passes seq, the ring
+ *   failed at or before seq, or the timeout.  done(): one read of the
+ *   host's counter, no wait.  Kernels read the proxy's counters through a
+ *   device-memory cache that one thread at a time refreshes over PCIe.
+ *   The kernel writes: the slots' fields and seq, the ticket, the cache,
+ *   stuck.
+ *
+ *   The proxy thread (ring.c, one per ring, on the GPU's NUMA node).
+ *   Takes commands in sequence once whole (seq == ticket + 1), publishes
+ *   head (the slot is the GPU's again), checks each (destination, ranges
+ *   inside the source region and the window, flags 0) and issues it
+ *   without waiting: a remote destination as a one-sided write
+ *   (uccl_ep_post), a local one as a copy started on the copy engine
+ *   (uccl_ep_copy_start, or uccl_gpu_copy_queue between device memory of
+ *   the ring's GPU, one stream mark per burst).  It retires commands in
+ *   sequence (polling their transfers and marks) and publishes done.  It
+ *   waits (bounded by the endpoint's timeout) only where a command writes
+ *   bytes an earlier one in flight still writes (the earlier retires
+ *   first: in-sequence holds for the bytes too) and, at destroy, for what
+ *   it took.  Idle with remote writes in flight it drives their
+ *   connections (uccl_ep_progress); idle otherwise it spins
+ *   UCCL_RING_SPIN_US, then naps up to 50 us.  A bad command or a failed
+ *   transfer stops the ring: error = 1 + that command's seq, and nothing
+ *   after it is taken.  The proxy writes: head, done, error.
+ *
+ *   The host API (below; the Python layer's GpuRing, any thread, the GIL
+ *   let go around the calls that wait).  create: allocates, writes the
+ *   descriptor into device memory (one small copy, waited for), starts
+ *   the proxy.  destroy: stops the proxy after what it took has finished
+ *   or failed (blocks for that), then frees; no kernel may use the ring
+ *   any more, and no other call runs on it.  wait: polls done (yields,
+ *   then naps) until count, the ring's failure, or a slice or deadline.
+ *   counters: reads the ticket from device memory with a copy (waits for
+ *   it, bounded by the timeout) and the proxy's counters.  dev_ptr, error,
+ *   pause, resume and trace never wait (pause holds the proxy before the
+ *   next command it would take: kernels' puts then wait for slots). */
 #ifndef UCCL_RING_H
 #define UCCL_RING_H
 

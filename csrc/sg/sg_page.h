@@ -1,12 +1,12 @@
-/* The inside of a stream-ordered group (sgroup.h), shared by its files,
- * which call down this list:
+/* The inside of a stream-ordered group (sgroup.h), shared by the files
+ * that work on it, which call down this list (sg_call.c, above sg_round.c,
+ * uses only the public sgroup.h):
  *   sg_watch.c  the group's life: new, the watchdog, close
- *   sg_call.c   the collectives as rounds (calls sg_round.c)
  *   sg_round.c  one round
  *   sg_p2p.c    point-to-point messages
  *   sgroup.c    the core: the page's words, failure, host waits,
  *               registrations, what is pending behind the stream
- * Private to those files. */
+ * Private to those four files. */
 #ifndef UCCL_SG_PAGE_H
 #define UCCL_SG_PAGE_H
 
