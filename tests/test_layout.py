@@ -45,7 +45,9 @@ UPCALLS = {"uccl__conn_rx_begin", "uccl__conn_rx_end", "uccl__conn_rx_abort",
 # public functions (uccl_*), or base's, and include only these headers.
 PUBLIC_ONLY = {"coll", "sg", "ring", "py"}
 PUBLIC_HEADERS = {"ep/uccl.h", "coll/coll.h", "ring/ring.h", "sg/sgroup.h",
-                  "net/sock.h", "net/wire.h"}
+                  "net/sock.h", "net/wire.h",
+                  "gpu/gpu_api.h",     # the GPU's public calls (uccl.h, ring.h include it)
+                  "sgdev/sg_dev.h"}    # the devices of groups: their contract (sgroup.h's)
 MAX_LINES = 800
 
 DEF_RE = re.compile(r"^(?!static)[A-Za-z_][\w \*]*?\b(uccl_\w+)\s*\([^;]*?\)\s*\{",

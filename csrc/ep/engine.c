@@ -1,7 +1,9 @@
 /* Endpoints (uccl.h): creation from the environment, close and destroy,
- * the connection table, connect, the accept queue, metadata, and the
- * registration calls.  The listener is listen.c, transfers are xfer.c; the
- * connections themselves are the layer below (conn.h). */
+ * connect, metadata, and the registration calls.  The endpoint's life is
+ * here, on top of its parts: it starts and stops the listener (listen.c)
+ * and frees the transfers (xfer.c); both, and this file, enter and find
+ * connections in the table (conns.c); the connections themselves are the
+ * layer below (conn.h). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -36,55 +38,6 @@ static void read_host_id(const char *given, char *buf, size_t len)
     }
     if (!buf[0])
         gethostname(buf, len - 1);
-}
-
-/* ------------------------------------------------------------------------- */
-/* the connection table                                                       */
-
-int uccl__ep_check_open(struct uccl__ep *ep)
-{
-    if (ep->closed)
-        return uccl__err(UCCL_ERR_CLOSED, "the endpoint is closed");
-    return UCCL_OK;
-}
-
-struct uccl__conn *uccl__ep_conn_get(struct uccl__ep *ep, uint64_t id)
-{
-    pthread_mutex_lock(&ep->mu);
-    struct uccl__conn *c = uccl__idmap_get(&ep->conns, id);
-    if (c)
-        uccl__conn_get(c);
-    pthread_mutex_unlock(&ep->mu);
-    return c;
-}
-
-int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue)
-{
-    pthread_mutex_lock(&ep->mu);
-    if (ep->closed) {
-        pthread_mutex_unlock(&ep->mu);
-        return uccl__err(UCCL_ERR_CLOSED, "endpoint is closed");
-    }
-    c->id = ++ep->next_conn_id;
-    int rc = uccl__idmap_put(&ep->conns, c->id, c);
-    if (rc == UCCL_OK && queue && !ep->passive) {
-        if (ep->acceptq_len == UCCL_ACCEPTQ_MAX) {
-            LOG_WARN("accept queue full (%d): connection %llu is not returned by accept()",
-                     UCCL_ACCEPTQ_MAX, (unsigned long long)c->id);
-        } else {
-            ep->acceptq[(ep->acceptq_head + ep->acceptq_len++) % UCCL_ACCEPTQ_MAX] = c->id;
-            pthread_cond_broadcast(&ep->cv);
-        }
-    }
-    pthread_mutex_unlock(&ep->mu);
-    return rc;
-}
-
-void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
-{
-    pthread_mutex_lock(&ep->mu);
-    uccl__idmap_del(&ep->conns, id);
-    pthread_mutex_unlock(&ep->mu);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -228,25 +181,6 @@ err_free:
     return status;
 }
 
-static void collect_conn(uint64_t k, void *v, void *arg)
-{
-    (void)k;
-    struct uccl__conn ***pp = arg;
-    *(*pp)++ = v;
-}
-
-/* The table's connections (the table keeps its references); NULL if none
- * or out of memory.  Under ep->mu, or once no thread adds any. */
-static struct uccl__conn **conn_list(struct uccl__ep *ep, size_t *n_p)
-{
-    size_t n = ep->conns.live;
-    struct uccl__conn **v = calloc(n + 1, sizeof(*v)), **p = v;
-    if (v)
-        uccl__idmap_each(&ep->conns, collect_conn, &p);
-    *n_p = v ? n : 0;
-    return v;
-}
-
 void uccl_ep_close(uccl_ep_t *ep)
 {
     pthread_mutex_lock(&ep->mu);
@@ -263,7 +197,7 @@ void uccl_ep_close(uccl_ep_t *ep)
     /* No new connection can appear now: close each one (joins its threads). */
     pthread_mutex_lock(&ep->mu);
     size_t n;
-    struct uccl__conn **v = conn_list(ep, &n);
+    struct uccl__conn **v = uccl__ep_conn_list(ep, &n);
     pthread_mutex_unlock(&ep->mu);
     for (size_t i = 0; i < n; i++)
         uccl__conn_close(v[i]);
@@ -277,7 +211,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     uccl_ep_close(ep);
     uccl__xfers_free(ep);
     size_t n;
-    struct uccl__conn **v = conn_list(ep, &n);
+    struct uccl__conn **v = uccl__ep_conn_list(ep, &n);
     for (size_t i = 0; i < n; i++)
         uccl__conn_put(v[i]);
     free(v);
@@ -479,71 +413,6 @@ int uccl_ep_conn_remove(uccl_ep_t *ep, uint64_t conn)
     return UCCL_OK;
 }
 
-int uccl_ep_accept(uccl_ep_t *ep, uint64_t timeout_ns, uint64_t *conn_p, char ip[46], int *gpu_p)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t t = (uint64_t)ts.tv_nsec + timeout_ns;
-    ts.tv_sec += (time_t)(t / 1000000000ull);
-    ts.tv_nsec = (long)(t % 1000000000ull);
-    pthread_mutex_lock(&ep->mu);
-    if (ep->passive) {
-        pthread_mutex_unlock(&ep->mu);
-        return uccl__err(UCCL_ERR_INVALID, "passive accept is on: connections are accepted in "
-                         "the background and accept() returns none");
-    }
-    while (!ep->closed && ep->acceptq_len == 0)
-        if (pthread_cond_timedwait(&ep->cv, &ep->mu, &ts) == ETIMEDOUT)
-            break;
-    if (ep->closed || ep->acceptq_len == 0) {
-        int closed = ep->closed;
-        pthread_mutex_unlock(&ep->mu);
-        return closed ? uccl__err(UCCL_ERR_CLOSED, "the endpoint is closed") : UCCL_INPROGRESS;
-    }
-    uint64_t id = ep->acceptq[ep->acceptq_head];
-    ep->acceptq_head = (ep->acceptq_head + 1) % UCCL_ACCEPTQ_MAX;
-    ep->acceptq_len--;
-    struct uccl__conn *c = uccl__idmap_get(&ep->conns, id);
-    if (c) {
-        snprintf(ip, 46, "%s", c->peer_ip);
-        *gpu_p = c->peer_gpu;
-    }
-    pthread_mutex_unlock(&ep->mu);
-    *conn_p = id;
-    return UCCL_OK;
-}
-
-int uccl_ep_set_passive(uccl_ep_t *ep)
-{
-    pthread_mutex_lock(&ep->mu);
-    ep->passive = 1;
-    pthread_mutex_unlock(&ep->mu);
-    return uccl__ep_check_open(ep);
-}
-
-int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len)
-{
-    struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
-    if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    if (c->tp == &uccl__tp_shm)
-        snprintf(buf, len, "shm-%s", c->direct ? "cma" : "ring");
-    else
-        snprintf(buf, len, "%s", c->tp->name);
-    uccl__conn_put(c);
-    return UCCL_OK;
-}
-
-int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p)
-{
-    struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
-    if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    *rank_p = c->peer_rank;
-    uccl__conn_put(c);
-    return UCCL_OK;
-}
-
 void uccl_ep_set_spin_ns(uccl_ep_t *ep, uint64_t ns) { ep->local.spin_ns = ns; }
 
 /* ------------------------------------------------------------------------- */
@@ -564,7 +433,7 @@ static void stop_conn(void *arg, uint64_t conn_id, uint64_t mr_id)
     struct uccl__conn **v = NULL, *one = NULL;
     if (conn_id == 0) {
         pthread_mutex_lock(&ep->mu);
-        v = conn_list(ep, &n);
+        v = uccl__ep_conn_list(ep, &n);
         for (size_t i = 0; i < n; i++)
             uccl__conn_get(v[i]);
         pthread_mutex_unlock(&ep->mu);

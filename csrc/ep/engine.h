@@ -1,12 +1,16 @@
-/* The endpoint layer, internal to its three files:
+/* The endpoint layer, internal to its files (calls go down this list):
  *
- *   engine.c   endpoints (create, close, destroy, settings), the connection
- *              table, connect, the accept queue, metadata, registration
+ *   engine.c   endpoints (create, close, destroy, settings), connect,
+ *              metadata, registration: it starts and stops the listener
+ *              and frees the transfers' table
  *   listen.c   the listener thread: incoming handshakes, the transport
  *              choice, connections still waiting for their data streams
  *   xfer.c     transfers: the id table, post, poll, wait, progress,
  *              release, abort
  *   gate.c     transfers of GPU memory waiting for their caller's stream
+ *   conns.c    the connection table: open or closed, connections by id,
+ *              the accept queue (listen.c and connect enter connections,
+ *              xfer.c looks them up)
  *
  * It implements the public C API (uccl.h) over the connection layer
  * (conn.h) and the memory regions (mem.h), which never call back up. */
@@ -65,7 +69,7 @@ struct uccl__ep {
     struct uccl__gpu_flags *flags; /* streams waiting for transfers (made on first use, under mu) */
 };
 
-/* engine.c */
+/* conns.c */
 /* UCCL_ERR_CLOSED once the endpoint is closed. */
 int uccl__ep_check_open(struct uccl__ep *ep);
 /* The connection with id, with a reference, or NULL. */
@@ -74,6 +78,9 @@ struct uccl__conn *uccl__ep_conn_get(struct uccl__ep *ep, uint64_t id);
 int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue);
 /* Take connection id out of the table (a connection that could not start). */
 void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id);
+/* The table's connections (the table keeps its references); NULL if none
+ * or out of memory.  Under ep->mu, or once no thread adds any. */
+struct uccl__conn **uccl__ep_conn_list(struct uccl__ep *ep, size_t *n_p);
 
 /* listen.c */
 int uccl__listener_start(struct uccl__ep *ep);

@@ -8,6 +8,9 @@
 #include <stdint.h>
 
 #include "base/status.h"
+/* Parts of this API that the layers below implement, declared there: */
+#include "gpu/gpu_api.h" /* GPUs by bus id, host memory for streams, kernels, mapped memory */
+#include "net/wire.h"    /* one-sided descriptors made and read (uccl_fifo_make, _read) */
 
 typedef struct uccl__ep uccl_ep_t;
 
@@ -42,18 +45,6 @@ void uccl_ep_destroy(uccl_ep_t *ep);
 int uccl_ep_metadata(uccl_ep_t *ep, uint8_t *out, size_t out_len, size_t *len_p);
 int uccl_parse_metadata(const uint8_t *in, size_t in_len, char ip[46], int *port_p, int *gpu_p);
 void uccl_ep_addr(uccl_ep_t *ep, char ip[46], int *port_p);
-/* GPUs by PCI bus id, as upstream's newer API names them: the bus id of
- * CUDA device dev ("dddd:bb:dd.f", lower case), and the device of this host
- * that a bus id names.  UCCL_ERR_UNAVAIL without a CUDA driver,
- * UCCL_ERR_NOTFOUND for no such device. */
-int uccl_gpu_bus_id(int dev, char out[32]);
-/* One-sided descriptors (the 64 bytes advertise() returns) made from and
- * read into their fields, so a caller can describe a range inside a window
- * (base: where the window starts; 0 when addr is its start). */
-void uccl_fifo_make(uint64_t window, uint64_t token, uint64_t addr, uint64_t len, uint64_t base,
-                    uint8_t out[64]);
-int uccl_fifo_read(const uint8_t *in, size_t in_len, uint64_t fields[5]);
-int uccl_gpu_of_bus_id(const char *bdf, int *dev_p);
 uint64_t uccl_ep_timeout_ns(uccl_ep_t *ep);
 /* This endpoint's host identity (UCCL_P2P_HOST_ID, else the kernel's boot
  * id): peers with the same one may use same-host transports. */
@@ -122,13 +113,11 @@ int uccl_ep_copy(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len);
  * *mark_p is NULL. */
 int uccl_ep_copy_start(uccl_ep_t *ep, uintptr_t dst, uintptr_t src, size_t len, void **mark_p);
 
-/* ---- Stream-ordered groups of processes of one host (sgroup.h) ----------
- * The pieces below them: page-aligned host memory registered (and
- * unregistered) for every device's streams to read and write (gpu_stream.c),
- * and a registered region's device memory shared with a same-host peer
+/* ---- Stream-ordered groups of processes of one host (sg/sgroup.h) -------
+ * The pieces below them: page-aligned host memory registered for every
+ * device's streams (uccl_gpu_host_register, gpu/gpu_api.h), and a
+ * registered region's device memory shared with a same-host peer
  * (ipc_share.c). */
-int uccl_gpu_host_register(int dev, void *ptr, size_t len);
-int uccl_gpu_host_unregister(int dev, void *ptr);
 /* The key that lets the same-host peer of connection conn_id map
  * [ptr, +len) of region mr_id (device memory, still the allocation that was
  * registered): the address of the region's export record. */

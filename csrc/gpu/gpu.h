@@ -18,6 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gpu/gpu_api.h"
+
 enum { UCCL_MK_HOST = 0, UCCL_MK_PINNED = 1, UCCL_MK_DEVICE = 2 };
 #define UCCL_MK(kind, dev) ((uint32_t)(kind) | ((uint32_t)(dev) << 8))
 #define UCCL_MK_KIND(mk) ((unsigned)((mk) & 0xffu))
@@ -120,6 +122,15 @@ int uccl__gpu_flag_wait(struct uccl__gpu_flags *f, int dev, uintptr_t stream, ui
                         uint32_t *gen_p);
 /* The transfer finished: release the waiting stream and the slot. */
 void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen);
+
+/* ---- the engine's own kernels (gpu_kernel.c; uccl_kernel_t: gpu_api.h) ---- */
+/* The engine's own kernels, whose arguments it builds itself: launched
+ * without the parameter check (one driver call). */
+int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_y,
+                               unsigned block, uintptr_t stream, void **params);
+/* How many blocks of `block` threads of kernel k fit one SM of its device
+ * at once (its registers, threads and shared memory, as the driver says). */
+int uccl__gpu_blocks_per_sm(uccl_kernel_t *k, unsigned block, int *n_p);
 
 /* Page-locked host memory (portable to every context) for staging. */
 int uccl__gpu_host_alloc(int dev, size_t len, void **p);

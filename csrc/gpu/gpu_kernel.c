@@ -1,4 +1,4 @@
-/* Kernels compiled at run time and memory shared with them (ring.h).
+/* Kernels compiled at run time and memory shared with them (gpu_api.h).
  *
  * NVRTC (nvrtc_loader.c) compiles to a cubin for the device's own
  * architecture (sm_XY from its compute capability), which the driver loads
@@ -12,7 +12,7 @@
 #include "load/cuda_loader.h"
 #include "gpu/gpu.h"
 #include "load/nvrtc_loader.h"
-#include "ring/ring.h"
+#include "gpu/gpu_api.h"
 #include "base/status.h"
 
 struct uccl__kernel {

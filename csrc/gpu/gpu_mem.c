@@ -13,7 +13,7 @@
 #include "load/cuda_loader.h"
 #include "base/log.h"
 #include "base/status.h"
-#include "ep/uccl.h"
+#include "gpu/gpu_api.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434

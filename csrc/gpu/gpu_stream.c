@@ -17,7 +17,7 @@
 
 #include "load/cuda_loader.h"
 #include "base/status.h"
-#include "ep/uccl.h"
+#include "gpu/gpu_api.h"
 
 static int use(int dev, const struct uccl__cuda **cu_p)
 {

@@ -1,6 +1,5 @@
 #define _GNU_SOURCE
 #include "net/wire.h"
-#include "ep/uccl.h"
 
 #include <arpa/inet.h>
 

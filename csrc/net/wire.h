@@ -119,6 +119,13 @@ static inline uint64_t uccl__fifo_offset(const struct uccl__fifo_item *f)
 {
     return f->base ? f->addr - f->base : 0;
 }
+/* Public (ep/uccl.h includes this header): one-sided descriptors (the 64
+ * bytes advertise() returns) made from and read into their fields, so a
+ * caller can describe a range inside a window (base: where the window
+ * starts; 0 when addr is its start). */
+void uccl_fifo_make(uint64_t window, uint64_t token, uint64_t addr, uint64_t len, uint64_t base,
+                    uint8_t out[UCCL_FIFO_ITEM_SIZE]);
+int uccl_fifo_read(const uint8_t *in, size_t in_len, uint64_t fields[5]);
 
 /* ---- endpoint metadata (get_metadata / parse_metadata) ------------------- */
 #define UCCL_META_SIZE 192

@@ -1,5 +1,6 @@
-/* Public C API of GPU-initiated transfers: kernels compiled at run time
- * (gpu_kernel.c) and command rings drained by a proxy thread (ring.c).
+/* Public C API of GPU-initiated transfers, the third data plane: command
+ * rings drained by a proxy thread (ring.c).  The kernels that fill them
+ * are compiled and launched with gpu/gpu_api.h (gpu_kernel.c).
  *
  * A ring is an array of fixed-size commands in page-locked host memory
  * that the GPU sees (cuMemHostAlloc, DEVICEMAP).  A kernel enqueues a put
@@ -10,7 +11,57 @@
  * to a peer's advertised window, or a copy on this GPU's copy engine for a
  * local destination) and counts completions in sequence; a kernel or the
  * host waits on that counter.  The layout shared with device code is
- * below: both sides must agree on it byte for byte. */
+ * below: both sides must agree on it byte for byte.
+ *
+ * The contract.  Three parties use a ring, each through its own door;
+ * calls go one way (the host API and the proxy call the endpoint's public
+ * calls and gpu/, never the reverse), and the kernel and the proxy meet
+ * only in the shared words, each written by one side:
+ *
+ *   The kernel (uccl_ring.cuh; any number of threads, warps and blocks at
+ *   once).  put: takes a ticket (an atomic on device memory), waits on the
+ *   GPU while its slot is still taken (the ring is full: the proxy has
+ *   `inflight` commands in flight and takes no more until one retires),
+ *   writes the command, a system fence (its earlier writes to the source
+ *   region visible first), then seq.  The wait gives up after the
+ *   endpoint's timeout: the ticket's slot then stays empty, the thread
+ *   writes `stuck`, and the ring fails there.  try_put: never waits (EFULL
+ *   instead).  wait(seq): waits on the GPU until done passes seq, the ring
+ *   failed at or before seq, or the timeout.  done(): one read of the
+ *   host's counter, no wait.  Kernels read the proxy's counters through a
+ *   device-memory cache that one thread at a time refreshes over PCIe.
+ *   The kernel writes: the slots' fields and seq, the ticket, the cache,
+ *   stuck.
+ *
+ *   The proxy thread (ring.c, one per ring, on the GPU's NUMA node).
+ *   Takes commands in sequence once whole (seq == ticket + 1), publishes
+ *   head (the slot is the GPU's again), checks each (destination, ranges
+ *   inside the source region and the window, flags 0) and issues it
+ *   without waiting: a remote destination as a one-sided write
+ *   (uccl_ep_post), a local one as a copy started on the copy engine
+ *   (uccl_ep_copy_start, or uccl_gpu_copy_queue between device memory of
+ *   the ring's GPU, one stream mark per burst).  It retires commands in
+ *   sequence (polling their transfers and marks) and publishes done.  It
+ *   waits (bounded by the endpoint's timeout) only where a command writes
+ *   bytes an earlier one in flight still writes (the earlier retires
+ *   first: in-sequence holds for the bytes too) and, at destroy, for what
+ *   it took.  Idle with remote writes in flight it drives their
+ *   connections (uccl_ep_progress); idle otherwise it spins
+ *   UCCL_RING_SPIN_US, then naps up to 50 us.  A bad command or a failed
+ *   transfer stops the ring: error = 1 + that command's seq, and nothing
+ *   after it is taken.  The proxy writes: head, done, error.
+ *
+ *   The host API (below; the Python layer's GpuRing, any thread, the GIL
+ *   let go around the calls that wait).  create: allocates, writes the
+ *   descriptor into device memory (one small copy, waited for), starts
+ *   the proxy.  destroy: stops the proxy after what it took has finished
+ *   or failed (blocks for that), then frees; no kernel may use the ring
+ *   any more, and no other call runs on it.  wait: polls done (yields,
+ *   then naps) until count, the ring's failure, or a slice or deadline.
+ *   counters: reads the ticket from device memory with a copy (waits for
+ *   it, bounded by the timeout) and the proxy's counters.  dev_ptr, error,
+ *   pause, resume and trace never wait (pause holds the proxy before the
+ *   next command it would take: kernels' puts then wait for slots). */
 #ifndef UCCL_RING_H
 #define UCCL_RING_H
 
@@ -18,53 +69,10 @@
 #include <stdint.h>
 
 #include "ep/uccl.h"
+#include "gpu/gpu_api.h"
 
-/* ---- kernels compiled at run time --------------------------------------- */
-typedef struct uccl__kernel uccl_kernel_t;
-
-/* Where libnvrtc is (the Python layer finds torch's); before the first compile. */
-void uccl_nvrtc_set_path(const char *path);
-/* Compile CUDA C++ source with NVRTC for device dev's architecture, load
- * it into dev's primary context and find kernel `name` (declare it
- * extern "C").  Headers are given by name and text (#include "name").  A
- * compile error is UCCL_ERR_INVALID with the start of the compiler's log in
- * the message, and the whole log in log (if given). */
-int uccl_gpu_compile(int dev, const char *src, const char *name, int nhdr,
-                     const char *const *hdr_names, const char *const *hdr_srcs, int nopt,
-                     const char *const *opts, char *log, size_t log_len, uccl_kernel_t **k_p);
-/* Launch on `stream` (a CUstream of the kernel's device; 0: the legacy
- * default stream); params as cuLaunchKernel takes them, nparams of them
- * with these sizes in bytes: checked against the kernel's own parameters
- * where the driver tells them (CUDA 12.4), so a wrong count or size is
- * UCCL_ERR_INVALID naming it rather than the driver reading past them. */
-int uccl_gpu_launch(uccl_kernel_t *k, const unsigned grid[3], const unsigned block[3],
-                    unsigned shmem, uintptr_t stream, void **params, const size_t *sizes,
-                    int nparams);
-void uccl_gpu_kernel_free(uccl_kernel_t *k);
-/* The engine's own kernels, whose arguments it builds itself: launched
- * without the parameter check (one driver call). */
-int uccl__gpu_launch_unchecked(uccl_kernel_t *k, unsigned grid_x, unsigned grid_y,
-                               unsigned block, uintptr_t stream, void **params);
-/* How many blocks of `block` threads of kernel k fit one SM of its device
- * at once (its registers, threads and shared memory, as the driver says). */
-int uccl__gpu_blocks_per_sm(uccl_kernel_t *k, unsigned block, int *n_p);
-
-/* Page-locked host memory mapped for device dev (zeroed): host and device
- * address.  And device memory (zeroed), for counters that GPU threads
- * update with atomics. */
-int uccl_gpu_mapped_alloc(int dev, size_t len, void **host_p, uint64_t *dev_p);
-void uccl_gpu_mapped_free(int dev, void *host);
-int uccl_gpu_dev_alloc(int dev, size_t len, uint64_t *dev_p);
-void uccl_gpu_dev_free(int dev, uint64_t p);
-
-/* What [addr, +len) is: 0 host, 1 page-locked host, 2 device memory (then
- * *dev_p its device); anything else is UCCL_ERR_INVALID naming it. */
-int uccl_mem_kind(uintptr_t addr, size_t len, int *kind_p, int *dev_p);
-/* Copies between device memory of dev, queued in order on the calling
- * thread's copy stream without an event each; a mark (uccl_stream_mark_*)
- * completes once every copy queued before it has. */
-int uccl_gpu_copy_queue(int dev, uintptr_t dst, uintptr_t src, size_t len);
-int uccl_gpu_copy_queue_mark(int dev, void **mark_p);
+/* ---- kernels compiled at run time, mapped and device memory, what a
+ * pointer is, queued copies: gpu/gpu_api.h (included above) ----------------- */
 
 /* ---- the layout shared with device code (uccl_ring.cuh) ------------------ */
 #define UCCL_RING_MAGIC 0x474e495243435555ull /* "UUCCRING" */

@@ -78,26 +78,6 @@ static int decode(uccl_sg_t *sg, uint64_t code, uint32_t **done_p, uint32_t *k_p
     return UCCL_OK;
 }
 
-int uccl__sg_p2p_passed(uccl_sg_t *sg, const struct p2p_pending *p)
-{
-    return ahead(ld32(&chan_at(sg, p->chan)->done[p->copier][0]), p->k);
-}
-
-void uccl__sg_p2p_release(uccl_sg_t *sg)
-{
-    uint32_t n = (uint32_t)sg->size;
-    for (uint32_t c = 0; c < n * n; c++) {
-        if (c / n == c % n)
-            continue;
-        struct p2p_chan *ch = chan_at(sg, c);
-        uint32_t far = (uint32_t)ld64(&ch->high) + RELEASE_AHEAD;
-        for (int side = 0; side < 2; side++) {
-            st32(&ch->ready[side][0], far);
-            st32(&ch->done[side][0], far);
-        }
-    }
-}
-
 void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
                       size_t len)
 {

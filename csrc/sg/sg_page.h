@@ -1,6 +1,12 @@
-/* The inside of a stream-ordered group (sgroup.h), shared by sgroup.c (the
- * page, failure, host waits, registrations, the watchdog) and sg_round.c
- * (one round).  Private to those two files. */
+/* The inside of a stream-ordered group (sgroup.h), shared by the files
+ * that work on it, which call down this list (sg_call.c, above sg_round.c,
+ * uses only the public sgroup.h):
+ *   sg_watch.c  the group's life: new, the watchdog, close
+ *   sg_round.c  one round
+ *   sg_p2p.c    point-to-point messages
+ *   sgroup.c    the core: the page's words, failure, host waits,
+ *               registrations, what is pending behind the stream
+ * Private to those four files. */
 #ifndef UCCL_SG_PAGE_H
 #define UCCL_SG_PAGE_H
 
@@ -173,6 +179,17 @@ static inline uint8_t *slot(uccl_sg_t *sg, int r, uint32_t k)
 }
 
 /* ---- sgroup.c ---- */
+/* Is process pid alive (or not written yet)? */
+int uccl__sg_alive(uint64_t pid);
+/* Under mu: has the group failed (here, or at a rank that wrote the page)? */
+int uccl__sg_failed_locked(uccl_sg_t *sg);
+/* Under mu: fail the group with reason why (the first reason stays). */
+void uccl__sg_fail_locked(uccl_sg_t *sg, const char *why);
+/* Every rank's words and every channel's far past any round or message
+ * (under mu).  Done again while the group stays failed: a live rank's
+ * stream may still write what it had queued, lowering a word another
+ * stream waits on. */
+void uccl__sg_release_words(uccl_sg_t *sg);
 typedef int (*uccl__sg_ready_fn)(uccl_sg_t *sg, uint32_t k, int r);
 int uccl__sg_consumed_ready(uccl_sg_t *sg, uint32_t k, int r);
 int uccl__sg_arrived(uccl_sg_t *sg, uint32_t k, int r);
@@ -195,16 +212,20 @@ void uccl__sg_reg_unpin(uccl_sg_t *sg, uint64_t reg);
 /* At a refresh (REFRESH_EVERY): the registrations' rounds kept within 2^30
  * of round k, so that their cyclic ages stay right. */
 void uccl__sg_reg_age(uccl_sg_t *sg, uint32_t k);
+/* Release every registration (close). */
+void uccl__sg_reg_drop_all(uccl_sg_t *sg);
 /* A round queued (its mappings, released once the stream is past it). */
 int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p);
 void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p);
-/* Release what rounds behind this rank's stream mapped. */
+/* Release what rounds and messages behind this rank's stream mapped
+ * (_locked: under mu). */
 void uccl__sg_reclaim(uccl_sg_t *sg);
-/* A message posted (sg_p2p.c), watched and reclaimed with the rounds. */
+void uccl__sg_reclaim_locked(uccl_sg_t *sg);
+/* A message posted (sg_p2p.c), watched and reclaimed with the rounds;
+ * what it holds (a mapping, a pinned registration), released. */
 int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p);
-/* ---- sg_p2p.c (under mu) ---- */
-int uccl__sg_p2p_passed(uccl_sg_t *sg, const struct p2p_pending *p);
-void uccl__sg_p2p_release(uccl_sg_t *sg);        /* every channel's words far ahead */
+void uccl__sg_p2p_free(uccl_sg_t *sg, struct p2p_pending *p);
+/* ---- sg_p2p.c (under mu): a pending message's failure reasons, for sg_watch.c ---- */
 void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
                       size_t len);
 int uccl__sg_p2p_unmatched(uccl_sg_t *sg, const struct p2p_pending *p); /* the peer never posted it */

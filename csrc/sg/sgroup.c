@@ -1,4 +1,7 @@
-/* Stream-ordered groups: the protocol (sgroup.h).
+/* Stream-ordered groups: the group's core (sgroup.h), under its rounds
+ * (sg_round.c), its messages (sg_p2p.c) and its life (sg_watch.c): the
+ * page's words, failure, the host's waits for peers, this rank's
+ * registrations, and the rounds and messages pending behind the stream.
  *
  * The page's words are each written by one side: ready/done/done2/fin by
  * the owner's stream, consumed, pid and the slots by the owner's host, the
@@ -30,7 +33,7 @@ size_t uccl_sg_page_bytes(int size)
     return (n + PAGE - 1) / PAGE * PAGE;
 }
 
-static int alive(uint64_t pid)
+int uccl__sg_alive(uint64_t pid)
 {
     if (pid == 0 || pid > 0x7fffffff)
         return 1; /* not written yet */
@@ -53,10 +56,23 @@ static int grow(void **arr, int *cap, int n, size_t esz, int first)
 }
 
 /* ---- failure ------------------------------------------------------------------- */
-/* Every rank's words far past any round (under mu).  Done again while the
- * group stays failed: a live rank's stream may still write the rounds it
- * had queued, lowering a word another stream waits on. */
-static void release_words(uccl_sg_t *sg)
+/* Every channel's words (sg_p2p.c) far past its highest message. */
+static void release_chans(uccl_sg_t *sg)
+{
+    uint32_t n = (uint32_t)sg->size;
+    for (uint32_t c = 0; c < n * n; c++) {
+        if (c / n == c % n)
+            continue;
+        struct p2p_chan *ch = chan_at(sg, c);
+        uint32_t far = (uint32_t)ld64(&ch->high) + RELEASE_AHEAD;
+        for (int side = 0; side < 2; side++) {
+            st32(&ch->ready[side][0], far);
+            st32(&ch->done[side][0], far);
+        }
+    }
+}
+
+void uccl__sg_release_words(uccl_sg_t *sg)
 {
     uint32_t far = sg->round + RELEASE_AHEAD;
     for (int r = 0; r < sg->size; r++) {
@@ -65,11 +81,10 @@ static void release_words(uccl_sg_t *sg)
         st32(w32(sg, r, OFF_DONE2), far);
         st32(w32(sg, r, OFF_FIN), far);
     }
-    uccl__sg_p2p_release(sg);
+    release_chans(sg);
 }
 
-/* Under mu: has the group failed (here, or at a rank that wrote the page)? */
-static int failed_locked(uccl_sg_t *sg)
+int uccl__sg_failed_locked(uccl_sg_t *sg)
 {
     if (__atomic_load_n(&sg->failed, __ATOMIC_ACQUIRE))
         return 1;
@@ -89,14 +104,14 @@ static int failed_locked(uccl_sg_t *sg)
     if (!sg->error[0])
         snprintf(sg->error, sizeof(sg->error), "another rank failed the group");
     __atomic_store_n(&sg->failed, 1, __ATOMIC_RELEASE); /* after the reason: readers see it whole */
-    release_words(sg);
+    uccl__sg_release_words(sg);
     pthread_cond_broadcast(&sg->cv);
     return 1;
 }
 
-static void fail_locked(uccl_sg_t *sg, const char *why)
+void uccl__sg_fail_locked(uccl_sg_t *sg, const char *why)
 {
-    if (!failed_locked(sg)) {
+    if (!uccl__sg_failed_locked(sg)) {
         snprintf(sg->error, sizeof(sg->error), "%s", why);
         __atomic_store_n(&sg->failed, 1, __ATOMIC_RELEASE);
         uint32_t *flag = (uint32_t *)sg->page, zero = FLAG_OK;
@@ -106,14 +121,14 @@ static void fail_locked(uccl_sg_t *sg, const char *why)
             st32(flag, FLAG_FAILED);
         }
     }
-    release_words(sg);
+    uccl__sg_release_words(sg);
     pthread_cond_broadcast(&sg->cv);
 }
 
 void uccl_sg_fail(uccl_sg_t *sg, const char *why)
 {
     pthread_mutex_lock(&sg->mu);
-    fail_locked(sg, why && *why ? why : "failed by the caller");
+    uccl__sg_fail_locked(sg, why && *why ? why : "failed by the caller");
     pthread_mutex_unlock(&sg->mu);
 }
 
@@ -124,7 +139,7 @@ const char *uccl_sg_error(uccl_sg_t *sg)
     if (ld32((uint32_t *)sg->page) == FLAG_OK)
         return NULL;
     pthread_mutex_lock(&sg->mu);
-    failed_locked(sg);
+    uccl__sg_failed_locked(sg);
     pthread_mutex_unlock(&sg->mu);
     return sg->error;
 }
@@ -190,7 +205,7 @@ int uccl__sg_host_wait(uccl_sg_t *sg, uccl__sg_ready_fn ready, uint32_t k, int r
         if (now >= slow) {
             slow = now + SLOW_CHECK_NS;
             for (int p = 0; p < sg->size; p++)
-                if (p != sg->rank && !alive(ld64(w64(sg, p, OFF_PID)))) {
+                if (p != sg->rank && !uccl__sg_alive(ld64(w64(sg, p, OFF_PID)))) {
                     uccl__err(UCCL_ERR_IO, "stream-ordered group (rank %d), %s: %s: rank %d "
                               "exited", sg->rank, what, waiting, p);
                     return uccl__sg_fail_rc(sg, UCCL_ERR_IO);
@@ -221,6 +236,12 @@ static void reg_drop(uccl_sg_t *sg, int i)
 {
     sg->ops->dereg(sg->d, sg->regs[i].reg);
     sg->regs[i] = sg->regs[--sg->nregs];
+}
+
+void uccl__sg_reg_drop_all(uccl_sg_t *sg)
+{
+    while (sg->nregs)
+        reg_drop(sg, sg->nregs - 1);
 }
 
 /* Past REG_CACHE: drop the least recently used registrations every peer has
@@ -331,10 +352,7 @@ void uccl__sg_pending_free(uccl_sg_t *sg, struct pending *p)
     free(p->imp);
 }
 
-/* Under mu: release the peers' memory that rounds behind this rank's stream
- * mapped (its fin word passed them).  Not once the group failed: fin may
- * then be the release's value, with copies still queued. */
-static void p2p_free(uccl_sg_t *sg, struct p2p_pending *p)
+void uccl__sg_p2p_free(uccl_sg_t *sg, struct p2p_pending *p)
 {
     if (p->imp)
         sg->ops->unmap(sg->d, p->imp);
@@ -342,20 +360,29 @@ static void p2p_free(uccl_sg_t *sg, struct p2p_pending *p)
         uccl__sg_reg_unpin(sg, p->reg);
 }
 
-static void reclaim_locked(uccl_sg_t *sg)
+/* Has the copier's done word passed message p? */
+static int p2p_passed(uccl_sg_t *sg, const struct p2p_pending *p)
+{
+    return ahead(ld32(&chan_at(sg, p->chan)->done[p->copier][0]), p->k);
+}
+
+/* Under mu: release the peers' memory that rounds behind this rank's stream
+ * mapped (its fin word passed them).  Not once the group failed: fin may
+ * then be the release's value, with copies still queued. */
+void uccl__sg_reclaim_locked(uccl_sg_t *sg)
 {
     /* the words first, then the failure flag: a failing rank sets its flag
      * before it releases the words, so a released value read here is seen
      * as the failure below, and nothing is freed on it */
     uint32_t fin = ld32(w32(sg, sg->rank, OFF_FIN));
     for (int i = 0; i < sg->np2p; i++)
-        sg->p2p[i].passed = uccl__sg_p2p_passed(sg, &sg->p2p[i]);
-    if (failed_locked(sg))
+        sg->p2p[i].passed = p2p_passed(sg, &sg->p2p[i]);
+    if (uccl__sg_failed_locked(sg))
         return;
     int kept = 0;
     for (int i = 0; i < sg->np2p; i++) {
         if (sg->p2p[i].passed)
-            p2p_free(sg, &sg->p2p[i]);
+            uccl__sg_p2p_free(sg, &sg->p2p[i]);
         else
             sg->p2p[kept++] = sg->p2p[i];
     }
@@ -398,153 +425,7 @@ int uccl__sg_pending_add(uccl_sg_t *sg, struct pending p)
     return UCCL_OK;
 }
 
-/* While rounds or messages are pending: release what those behind the
- * streams held; fail the group if the oldest round has not passed this
- * rank's stream within the timeout, or a message has not been copied
- * within it, or a peer process is gone; once the group failed (here or at
- * another rank), keep every stream released. */
-static void *watch_main(void *arg)
-{
-    uccl_sg_t *sg = arg;
-    pthread_mutex_lock(&sg->mu);
-    while (!sg->closed) {
-        if (sg->npend == 0 && sg->np2p == 0 && !failed_locked(sg)) {
-            pthread_cond_wait(&sg->cv, &sg->mu);
-            continue;
-        }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        uint64_t at = (uint64_t)ts.tv_nsec + WATCH_NS;
-        ts.tv_sec += (time_t)(at / 1000000000ull);
-        ts.tv_nsec = (long)(at % 1000000000ull);
-        pthread_cond_timedwait(&sg->cv, &sg->mu, &ts);
-        if (sg->closed)
-            break;
-        if (failed_locked(sg)) {
-            release_words(sg);
-            if (sg->npend == 0 && sg->np2p == 0)
-                pthread_cond_wait(&sg->cv, &sg->mu); /* until a round or close */
-            continue;
-        }
-        reclaim_locked(sg);
-        if (sg->npend == 0 && sg->np2p == 0)
-            continue;
-        int gone = -1;
-        for (int p = 0; p < sg->size && gone < 0; p++)
-            if (p != sg->rank && !alive(ld64(w64(sg, p, OFF_PID))))
-                gone = p;
-        uint64_t now = uccl__now_ns();
-        const struct pending *old = sg->npend && now - sg->pend[0].t0 > sg->timeout_ns
-                                        ? &sg->pend[0] : NULL;
-        const struct p2p_pending *late = NULL;
-        for (int i = 0; i < sg->np2p && !late; i++)
-            if (now - sg->p2p[i].t0 > sg->timeout_ns)
-                late = &sg->p2p[i];
-        if (gone < 0 && !old && !late)
-            continue;
-        char why[REASON], words[256] = "";
-        size_t at_w = 0;
-        for (int p = 0; p < sg->size && at_w < sizeof(words) - 32; p++)
-            at_w += (size_t)snprintf(words + at_w, sizeof(words) - at_w, "%s%d: %u/%u",
-                                     p ? ", " : "", p, ld32(w32(sg, p, OFF_READY)),
-                                     ld32(w32(sg, p, OFF_DONE)));
-        if (gone >= 0)
-            snprintf(why, sizeof(why), "rank %d exited with %d round(s) and %d message(s) "
-                     "queued (ready/done words by rank: %s)", gone, sg->npend, sg->np2p, words);
-        else if (old)
-            snprintf(why, sizeof(why), "round %u not through rank %d's stream within %.3g s "
-                     "(ready/done words by rank: %s)", old->k, sg->rank,
-                     (double)sg->timeout_ns / 1e9, words);
-        else
-            uccl__sg_p2p_why(sg, late, 0, why, sizeof(why));
-        fail_locked(sg, why);
-    }
-    pthread_mutex_unlock(&sg->mu);
-    return NULL;
-}
-
-/* ---- the group ------------------------------------------------------------------------ */
-static void sg_free(uccl_sg_t *sg)
-{
-    free(sg->peer_ent);
-    free(sg->peer_cnt);
-    free(sg->p2p_sent);
-    free(sg->p2p_recvd);
-    free(sg->arena);
-    free(sg->p2p);
-    free(sg->pend);
-    free(sg->regs);
-    pthread_mutex_destroy(&sg->mu);
-    pthread_mutex_destroy(&sg->call_mu);
-    pthread_mutex_destroy(&sg->p2p_mu);
-    pthread_mutex_destroy(&sg->reg_mu);
-    pthread_cond_destroy(&sg->cv);
-    free(sg);
-}
-
-int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_s,
-                uintptr_t stream, const struct uccl__sg_dev *ops, void *d, uccl_sg_t **sg_p)
-{
-    int rc = UCCL_OK;
-    if (!page || ((uintptr_t)page & (PAGE - 1)) || size < 1 || size > UCCL_SG_MAX_RANKS ||
-        rank < 0 || rank >= size || page_len < uccl_sg_page_bytes(size) ||
-        !(timeout_s > 0 && timeout_s < 1e7))
-        rc = uccl__err(UCCL_ERR_INVALID, "stream-ordered group: page %p (%zu bytes, %zu needed), "
-                       "rank %d of %d (at most %d), timeout %g s", page, page_len,
-                       uccl_sg_page_bytes(size), rank, size, UCCL_SG_MAX_RANKS, timeout_s);
-    uccl_sg_t *sg = rc ? NULL : calloc(1, sizeof(*sg));
-    if (!rc && !sg)
-        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    if (rc) {
-        ops->destroy(d);
-        return rc;
-    }
-    sg->page = page;
-    sg->page_len = page_len;
-    sg->rank = rank;
-    sg->size = size;
-    sg->timeout_ns = (uint64_t)(timeout_s * 1e9);
-    sg->own = sg->last = stream;
-    sg->ops = ops;
-    sg->d = d;
-    pthread_mutex_init(&sg->mu, NULL);
-    pthread_mutex_init(&sg->call_mu, NULL);
-    pthread_mutex_init(&sg->p2p_mu, NULL);
-    pthread_mutex_init(&sg->reg_mu, NULL);
-    pthread_cond_init(&sg->cv, NULL);
-    sg->peer_ent = calloc((size_t)size * MAX_ENTRIES, sizeof(struct entry));
-    sg->peer_cnt = calloc((size_t)size, sizeof(uint32_t));
-    sg->p2p_sent = calloc((size_t)size, sizeof(uint32_t));
-    sg->p2p_recvd = calloc((size_t)size, sizeof(uint32_t));
-    sg->arena = calloc((size_t)size, sizeof(struct p2p_arena));
-    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd || !sg->arena)
-        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    if (!rc)
-        rc = ops->event_new(d, &sg->ev_start);
-    if (!rc)
-        rc = ops->event_new(d, &sg->ev_mark);
-    if (!rc)
-        rc = ops->event_new(d, &sg->ev_p2p);
-    if (!rc && pthread_create(&sg->watch, NULL, watch_main, sg) != 0)
-        rc = uccl__err(UCCL_ERR_NOMEM, "stream-ordered group: no watchdog thread: %s",
-                       strerror(errno));
-    if (rc) {
-        if (sg->ev_start)
-            ops->event_free(d, sg->ev_start);
-        if (sg->ev_mark)
-            ops->event_free(d, sg->ev_mark);
-        if (sg->ev_p2p)
-            ops->event_free(d, sg->ev_p2p);
-        ops->destroy(d);
-        sg_free(sg);
-        return rc;
-    }
-    sg->watching = 1;
-    st64(w64(sg, rank, OFF_PID), (uint64_t)getpid());
-    *sg_p = sg;
-    return UCCL_OK;
-}
-
+/* ---- the group's queries and events ------------------------------------------------ */
 int uccl_sg_rank(uccl_sg_t *sg) { return sg->rank; }
 int uccl_sg_size(uccl_sg_t *sg) { return sg->size; }
 
@@ -582,87 +463,6 @@ int uccl_sg_event_query(uccl_sg_t *sg, void *ev) { return sg->ops->query(sg->d, 
 void uccl__sg_reclaim(uccl_sg_t *sg)
 {
     pthread_mutex_lock(&sg->mu);
-    reclaim_locked(sg);
+    uccl__sg_reclaim_locked(sg);
     pthread_mutex_unlock(&sg->mu);
-}
-
-/* Under mu: whether every peer's fin word reached round k, or its process
- * is gone, before `until` (the lock is let go while it waits). */
-static int peers_past(uccl_sg_t *sg, uint32_t k, uint64_t until)
-{
-    for (;;) {
-        int all = 1;
-        for (int p = 0; p < sg->size && all; p++)
-            all = p == sg->rank || ahead(ld32(w32(sg, p, OFF_FIN)), k) ||
-                  !alive(ld64(w64(sg, p, OFF_PID)));
-        if (all)
-            return 1;
-        if (failed_locked(sg) || uccl__now_ns() > until)
-            return 0;
-        pthread_mutex_unlock(&sg->mu);
-        struct timespec ts = {0, 1000000};
-        nanosleep(&ts, NULL);
-        pthread_mutex_lock(&sg->mu);
-    }
-}
-
-int uccl_sg_close(uccl_sg_t *sg)
-{
-    if (!sg)
-        return 1;
-    pthread_mutex_lock(&sg->mu);
-    sg->closed = 1;
-    pthread_cond_broadcast(&sg->cv);
-    pthread_mutex_unlock(&sg->mu);
-    if (sg->watching)
-        pthread_join(sg->watch, NULL);
-    /* the copies of rounds still queued read through their mappings: wait
-     * (on the host, bounded) until this rank's stream is past them */
-    uint64_t until = uccl__now_ns() + sg->timeout_ns;
-    pthread_mutex_lock(&sg->mu);
-    while ((sg->npend || sg->np2p) && !failed_locked(sg)) {
-        reclaim_locked(sg);
-        if (!sg->npend && !sg->np2p)
-            break;
-        for (int i = 0; i < sg->np2p; i++)
-            if (uccl__sg_p2p_unmatched(sg, &sg->p2p[i])) { /* it never will be */
-                char why[REASON];
-                uccl__sg_p2p_why(sg, &sg->p2p[i], 1, why, sizeof(why));
-                fail_locked(sg, why);
-                break;
-            }
-        if (failed_locked(sg))
-            break;
-        if (uccl__now_ns() > until) {
-            fail_locked(sg, "closed with rounds or messages still queued that did not finish");
-            break;
-        }
-        pthread_mutex_unlock(&sg->mu);
-        struct timespec ts = {0, 1000000};
-        nanosleep(&ts, NULL);
-        pthread_mutex_lock(&sg->mu);
-    }
-    int ok = !failed_locked(sg) || (sg->npend == 0 && sg->np2p == 0);
-    /* a peer's launches (one-launch rounds, handshakes) read this rank's
-     * arena until it is past the round; the arena goes only once every peer
-     * is (or is gone) */
-    if (ok && sg->fz_last && (failed_locked(sg) || !peers_past(sg, sg->fz_last, until)))
-        ok = 0;
-    pthread_mutex_unlock(&sg->mu);
-    if (ok) {
-        for (int i = 0; i < sg->npend; i++)
-            uccl__sg_pending_free(sg, &sg->pend[i]);
-        for (int i = 0; i < sg->np2p; i++)
-            p2p_free(sg, &sg->p2p[i]);
-        for (int i = 0; i < sg->fz_nimp; i++)
-            sg->ops->unmap(sg->d, sg->fz_imp[i]);
-    } /* else the mappings stay: the stream may still copy through them */
-    while (sg->nregs)
-        reg_drop(sg, sg->nregs - 1);
-    sg->ops->event_free(sg->d, sg->ev_start);
-    sg->ops->event_free(sg->d, sg->ev_mark);
-    sg->ops->event_free(sg->d, sg->ev_p2p);
-    sg->ops->destroy(sg->d);
-    sg_free(sg);
-    return ok;
 }

@@ -2,13 +2,17 @@
  * buffers are on one GPU, queued on a CUDA stream so that no host thread
  * ever waits for the GPU (as NCCL's kernels are).
  *
- *   sgroup.c    the protocol: the shared page, rounds, registrations,
- *               failure, the watchdog
+ *   sg_watch.c  the group's life: new, the watchdog, close
  *   sg_call.c   the collectives as rounds (allreduce, allgather, ...)
- *   sg_cuda.c   the device it queues work on: the CUDA driver (stream
- *               memory operations, copies, events, a reduction kernel
- *               compiled by NVRTC), CUDA IPC through the endpoint
- *   sg_emu.c    the same on the CPU for tests: streams emulated by threads
+ *   sg_round.c  one round
+ *   sg_p2p.c    point-to-point messages
+ *   sgroup.c    the core: the shared page's words, failure, host waits,
+ *               registrations, what is pending behind the stream
+ * and the device it queues work on, a layer below (sgdev/sg_dev.h, its
+ * contract): the CUDA driver (sgdev/sg_cuda.c: stream memory operations,
+ * copies, events, kernels compiled by NVRTC, CUDA IPC through the
+ * endpoint) or the same on the CPU for tests (sgdev/sg_emu.c: streams
+ * emulated by threads).
  *
  * A group's ranks share one file in /dev/shm (made and mapped by the
  * Python layer, registered with CUDA): a header page, then one part per
@@ -46,18 +50,9 @@
 
 #include "ep/uccl.h"
 #include "base/dtype.h"
+#include "sgdev/sg_dev.h" /* the device's contract, UCCL_SG_MAX_RANKS, the arena's layout */
 
-#define UCCL_SG_MAX_RANKS 64   /* the reduction kernel reads one source per rank */
 #define UCCL_SG_P2P_SLOTS 16   /* messages of a pair posted ahead before a post waits */
-#define UCCL_SG_FUSED_RANKS 8  /* one-launch rounds: every rank's staging slot is an argument */
-#define UCCL_SG_FUSED_TAIL 128 /* ... and their arena: two slots, then this many bytes: two
-                                  * counters and a flag (device memory, zero between launches),
-                                  * and at UCCL_SG_FUSED_READY this rank's ready word, which the
-                                  * peers' launches poll (in device memory, not over PCIe) */
-#define UCCL_SG_FUSED_READY 64 /* the arena's words: ready (one-launch and two-sided rounds) */
-#define UCCL_SG_FUSED_DONE 80  /* ... and a two-sided round's done and done2 (uccl__sg_sync_args) */
-#define UCCL_SG_FUSED_DONE2 96
-#define UCCL_SG_FUSED_SEEN 8   /* the one-launch kernel's last round whose peers block 0 saw */
 #define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
 /* element types and reduction operators of uccl_sg_call.red: base/dtype.h */
@@ -80,10 +75,7 @@ struct uccl_sg_pull {
     uintptr_t dst;
     size_t len;
 };
-struct uccl_sg_copy {
-    uintptr_t dst, src;
-    size_t len;
-};
+/* struct uccl_sg_copy (a copy of this rank's): sgdev/sg_dev.h */
 /* out[0..count) <- op over ranks 0..n-1 (in rank order) of the elements at
  * offset off of what each rank published under tag (this rank's too). */
 struct uccl_sg_red {
@@ -124,109 +116,8 @@ struct uccl_sg_call {
     const struct uccl_sg_fused *fused; /* instead of the above: a one-launch round */
 };
 
-/* ---- the device a group queues on ------------------------------------------ */
-struct uccl__sg_memop {
-    uint32_t *addr;
-    uint32_t value;
-    int wait; /* 1: wait until *addr >= value (cyclic); 0: write value */
-};
-struct uccl__sg_red_args {
-    int dtype, op, nsrc;
-    uintptr_t out;
-    uintptr_t src[UCCL_SG_MAX_RANKS];
-    size_t count;
-};
-/* A one-launch round as the device runs it: slot[r] is rank r's staging
- * slot of this round (mine: where in is staged), ready[r] its ready word in
- * the page and dready[r] the same word in its arena (what launches poll);
- * ctr the arena's counters; failed the page's flag (a spin ends there). */
-struct uccl__sg_fused_args {
-    int gather, dtype, op, nsrc, me;
-    uint32_t k;
-    uintptr_t in, out, ctr;
-    size_t nbytes, count;
-    uintptr_t slot[UCCL_SG_FUSED_RANKS];
-    uint32_t *ready[UCCL_SG_FUSED_RANKS];
-    uintptr_t dready[UCCL_SG_FUSED_RANKS];
-    uint32_t *fin, *failed;
-};
-/* A handshake of a two-sided round as one launch: this rank's word set to
- * k (mine: in its arena; page: the same word in the page, what the host and
- * peers without the launch read), then a wait until every peer r in mask
- * has set its own (peer[r], in its arena) to k or past, then fin (if not
- * NULL) set to k.  failed: the page's flag, which ends the wait. */
-struct uccl__sg_sync_args {
-    uint32_t k, mask;
-    int me, n;
-    uintptr_t mine, peer[UCCL_SG_FUSED_RANKS];
-    uint32_t *page, *fin, *failed;
-};
-struct uccl__sg_dev {
-    int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
-    /* n copies (any mix of sizes), queued in one go where the device can */
-    int (*copies)(void *d, uintptr_t stream, const struct uccl_sg_copy *cs, int n);
-    int (*reduce)(void *d, uintptr_t stream, const struct uccl__sg_red_args *a);
-    int (*event_new)(void *d, void **ev_p);
-    void (*event_free)(void *d, void *ev);
-    int (*record)(void *d, void *ev, uintptr_t stream);
-    int (*wait_event)(void *d, uintptr_t stream, void *ev);
-    int (*query)(void *d, void *ev); /* 1 done, 0 not yet, < 0 error */
-    /* sharing this rank's memory: a registration, the key peers map it by
-     * (checked at every use: memory freed since fails), its release */
-    int (*reg)(void *d, uintptr_t ptr, size_t len, uint64_t *reg_p);
-    int (*key)(void *d, uint64_t reg, uintptr_t ptr, size_t len, uint64_t *key_p);
-    void (*dereg)(void *d, uint64_t reg);
-    /* a peer's published range, mapped here until unmap */
-    int (*map)(void *d, int peer, uint64_t key, uint64_t addr, size_t len, uintptr_t *ptr_p,
-               void **imp_p);
-    void (*unmap)(void *d, void *imp);
-    void (*destroy)(void *d);
-    /* a one-launch round, or NULL: the round then queues its steps one by
-     * one (the copy in, the words, the reduction or copies, fin), as it does
-     * where this returns UCCL_ERR_UNAVAIL (no launch for this round) */
-    int (*fused)(void *d, uintptr_t stream, const struct uccl__sg_fused_args *a);
-    /* 0 where this rank's launches run beside other processes' (MPS, or the
-     * emulated device; or NULL), else its GPU's identity: one-launch rounds
-     * spin, and ranks on one GPU without MPS would each hold it for a time
-     * slice (~2 ms a round), so a group where two ranks show the same
-     * identity runs two-sided rounds instead */
-    uint64_t (*fused_id)(void *d);
-    /* a handshake as one launch (where one-launch rounds may run), or NULL
-     * or UCCL_ERR_UNAVAIL: stream memory operations on the words instead */
-    int (*sync)(void *d, uintptr_t stream, const struct uccl__sg_sync_args *a);
-    /* a one-phase round with no reduction as one launch: the ready
-     * handshake, the n copies, the done handshake (where handshakes may be
-     * launches); ctr: this rank's arena counters.  NULL or UCCL_ERR_UNAVAIL:
-     * the three one by one.  Either way the same words are written, so
-     * ranks may take different ways. */
-    int (*gather)(void *d, uintptr_t stream, const struct uccl__sg_sync_args *ready,
-                  const struct uccl_sg_copy *cs, int n, const struct uccl__sg_sync_args *done,
-                  uintptr_t ctr);
-};
-
-/* The CUDA device: queues on device dev through the driver, shares memory
- * through endpoint ep's connections conns[rank] (same-host, CUDA IPC). */
-int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,
-                      const struct uccl__sg_dev **ops_p, void **d_p);
-/* The endpoint was closed before the group: its registrations went with it. */
-void uccl_sg_cuda_forget_ep(void *d);
-/* Compile (once per process) the reduction kernel for dtype on device dev:
- * UCCL_ERR_UNAVAIL where NVRTC cannot be loaded. */
-int uccl_sg_kernel_ready(int dev, int dtype);
-/* The emulated device (tests): a stream is a handle of uccl_sg_emu_stream_new,
- * memory is this process's, keys are addresses (no access checks). */
-int uccl_sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p);
-/* Its counts: registrations made, released, mappings live.  The device
- * outlives its group (destroy leaves it) so tests can read them after
- * close; uccl_sg_emu_free frees it. */
-void uccl_sg_emu_counts(void *d, long out[3]);
-void uccl_sg_emu_free(void *d);
-int uccl_sg_emu_stream_new(uintptr_t *stream_p);
-/* Stop (after what is queued) and free; how many waits ran past the stuck bound. */
-int uccl_sg_emu_stream_free(uintptr_t stream);
-int uccl_sg_emu_stream_idle(uintptr_t stream, uint64_t timeout_ns);
-/* Waits (of every emulated stream so far) that a stale word let pass. */
-int uccl_sg_emu_stale_passes(void);
+/* ---- the device a group queues on: sgdev/sg_dev.h (struct uccl__sg_dev, the
+ * CUDA and emulated devices) ---------------------------------------------- */
 
 /* ---- the group -------------------------------------------------------------- */
 typedef struct uccl_sg uccl_sg_t;

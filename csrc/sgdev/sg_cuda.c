@@ -1,4 +1,4 @@
-/* The CUDA device of stream-ordered groups (sgroup.h): stream memory
+/* The CUDA device of stream-ordered groups (sg_dev.h): stream memory
  * operations batched into one driver call (cuStreamBatchMemOp, else one
  * call each), copies on the copy engine (cuMemcpyAsync), events, and the
  * kernels of sg_kernels.c compiled by NVRTC on first use and launched (one
@@ -14,9 +14,9 @@
 #include <string.h>
 
 #include "load/cuda_loader.h"
-#include "ring/ring.h"
+#include "gpu/gpu.h"
 #include "sgdev/sg_kernels.h"
-#include "sg/sgroup.h"
+#include "sgdev/sg_dev.h"
 #include "base/status.h"
 
 #define MAX_DEVS 64

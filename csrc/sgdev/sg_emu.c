@@ -1,5 +1,5 @@
 /* The emulated device of stream-ordered groups, for tests on machines
- * without a GPU (sgroup.h): each "stream" is a thread that runs what is
+ * without a GPU (sg_dev.h): each "stream" is a thread that runs what is
  * queued on it in order (writes and waits of the page's words, copies,
  * reductions, events), and every rank is a thread of one process, so a
  * key is the address itself.  The protocol (sgroup.c, sg_call.c) is the
@@ -16,7 +16,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "sg/sgroup.h"
+#include "sgdev/sg_dev.h"
 #include "net/sock.h"
 #include "base/status.h"
 

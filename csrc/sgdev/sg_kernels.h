@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-#include "sg/sgroup.h"
+#include "sgdev/sg_dev.h"
 
 extern const char uccl__sg_prelude_src[], uccl__sg_reduce_src[], uccl__sg_copy_fn_src[],
     uccl__sg_fused_src[], uccl__sg_copy_src[], uccl__sg_sync_src[], uccl__sg_gather_src[];
