@@ -4,6 +4,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -103,16 +104,33 @@ static int parse_choice(const char *s, const char *choices)
     }
 }
 
+/* n bytes as the syntax writes them: 64M, 4K, 1500 */
+static const char *size_text(long n, char *buf, size_t len)
+{
+    static const char units[] = "GMK";
+    for (int i = 0; i < 3; i++) {
+        long u = 1L << (10 * (3 - i));
+        if (n >= u && n % u == 0) {
+            snprintf(buf, len, "%ld%c", n / u, units[i]);
+            return buf;
+        }
+    }
+    snprintf(buf, len, "%ld", n);
+    return buf;
+}
+
 static int bad(const struct uccl_cfg_entry *e, const char *text)
 {
+    char lo[24], hi[24];
     switch (e->kind) {
     case UCCL_CFG_INT:
         return uccl__err(UCCL_ERR_INVALID, "%s=%s: expected an integer in %ld..%ld", e->name,
                          text, e->lo, e->hi);
     case UCCL_CFG_SIZE:
-        return uccl__err(UCCL_ERR_INVALID, "%s=%s: expected a size of %ld..%ld bytes (digits, "
+        return uccl__err(UCCL_ERR_INVALID, "%s=%s: expected a size in %s..%s (digits, "
                          "optionally with K, M or G; plain digits count %s)", e->name, text,
-                         e->lo, e->hi, e->unit == 1 ? "bytes" : "KiB");
+                         size_text(e->lo, lo, sizeof(lo)), size_text(e->hi, hi, sizeof(hi)),
+                         e->unit == 1 ? "bytes" : "KiB");
     case UCCL_CFG_BOOL:
         return uccl__err(UCCL_ERR_INVALID, "%s=%s: expected 0 or 1 (or false/true, no/yes, "
                          "off/on)", e->name, text);
@@ -129,6 +147,20 @@ int uccl__cfg_parse(int id, const char *text, long *num_p)
     int rc = 0;
     if (!e)
         return uccl__err(UCCL_ERR_INVALID, "no configuration variable number %d", id);
+    /* Blanks around a value are no part of it (" 2M " is 2M). */
+    char buf[128];
+    size_t n = strlen(text);
+    while (n && isspace((unsigned char)text[n - 1]))
+        n--;
+    while (n && isspace((unsigned char)*text))
+        text++, n--;
+    if (e->kind != UCCL_CFG_STR) {
+        if (n >= sizeof(buf))
+            return bad(e, text);
+        memcpy(buf, text, n);
+        buf[n] = '\0';
+        text = buf;
+    }
     switch (e->kind) {
     case UCCL_CFG_INT:
         rc = parse_int(text, e->lo < 0, &v);
@@ -155,7 +187,12 @@ int uccl__cfg_parse(int id, const char *text, long *num_p)
 static const char *text_of(const struct uccl_cfg_entry *e)
 {
     const char *s = getenv(e->name);
-    return s && *s ? s : NULL;
+    if (!s)
+        return NULL;
+    for (const char *c = s; *c; c++) /* blanks only: unset, as empty */
+        if (!isspace((unsigned char)*c))
+            return s;
+    return NULL;
 }
 
 static int get_num(int id, int kind_ok, long *v_p)

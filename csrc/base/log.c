@@ -1,6 +1,9 @@
 #define _GNU_SOURCE
 #include "base/log.h"
 
+#include "base/config.h"
+#include "base/status.h"
+
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -18,22 +21,20 @@ static const char *const level_names[] = {"INFO", "WARNING", "ERROR", "FATAL"};
 
 static void log_init(void)
 {
-    const char *env = getenv("UCCL_P2P_LOG_LEVEL");
-    if (!env || !*env)
+    /* INFO|WARNING|ERROR|FATAL|WARN|DEBUG|TRACE (base/config.h), in this order */
+    static const int level_of[] = {UCCL_LOG_INFO, UCCL_LOG_WARNING, UCCL_LOG_ERROR, UCCL_LOG_FATAL,
+                                   UCCL_LOG_WARNING, UCCL_LOG_INFO, UCCL_LOG_INFO};
+    char saved[512]; /* the caller's error message, which a bad value would replace */
+    snprintf(saved, sizeof(saved), "%s", uccl_last_error());
+    int idx;
+    if (uccl__cfg_choice(UCCL_CFG_P2P_LOG_LEVEL, &idx) == UCCL_OK) {
+        log_level = level_of[idx];
         return;
-    for (int i = 0; i < 4; i++) {
-        if (strcasecmp(env, level_names[i]) == 0) {
-            log_level = i;
-            return;
-        }
     }
-    if (strcasecmp(env, "WARN") == 0)
-        log_level = UCCL_LOG_WARNING;
-    else if (strcasecmp(env, "DEBUG") == 0 || strcasecmp(env, "TRACE") == 0)
-        log_level = UCCL_LOG_INFO;
-    else
-        fprintf(stderr, "[uccl WARNING] UCCL_P2P_LOG_LEVEL=%s not understood "
-                        "(use INFO, WARNING, ERROR or FATAL); keeping WARNING\n", env);
+    /* Logging has no caller to raise to: say so once and keep WARNING
+     * (endpoint creation raises on the same value). */
+    fprintf(stderr, "[uccl WARNING] %s; keeping WARNING\n", uccl_last_error());
+    uccl__err(UCCL_OK, "%s", saved);
 }
 
 int uccl__log_enabled(int level)

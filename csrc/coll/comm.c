@@ -14,6 +14,7 @@
 
 #include "coll/comm.h"
 #include "net/sock.h"
+#include "base/config.h"
 #include "base/status.h"
 
 #define WORKER_SLICE_NS 20000000ull /* the worker looks at abort requests this often */
@@ -26,11 +27,11 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
 {
     if (size < 1 || rank < 0 || rank >= size)
         return uccl__err(UCCL_ERR_INVALID, "rank %d of world size %d", rank, size);
-    int bad = 0;
-    long piece_kb = uccl__env_long("UCCL_COLL_PIECE_KB", 0, 4, 1L << 22, &bad);
-    long poll_us = uccl__env_long("UCCL_COLL_POLL_US", 200, 0, 1000000, &bad);
-    if (bad)
-        return UCCL_ERR_INVALID;
+    long piece, poll_us;
+    int rc;
+    if ((rc = uccl__cfg_long(UCCL_CFG_COLL_PIECE_KB, &piece)) ||
+        (rc = uccl__cfg_long(UCCL_CFG_COLL_POLL_US, &poll_us)))
+        return rc;
     struct uccl__comm *cm = calloc(1, sizeof(*cm));
     if (cm) {
         cm->send_conn = calloc((size_t)size, sizeof(uint64_t));
@@ -50,7 +51,7 @@ int uccl_comm_create(uccl_ep_t *ep, int rank, int size, const uint64_t *send_con
     cm->ep = ep;
     cm->rank = rank;
     cm->size = size;
-    cm->piece = (size_t)piece_kb << 10;
+    cm->piece = (size_t)piece;
     cm->poll_ns = (uint64_t)poll_us * 1000;
     /* On a small machine the waiting thread copies every arrival itself
      * (no wake-ups; the cores are busy anyway).  With cores to spare, the

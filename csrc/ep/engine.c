@@ -17,13 +17,16 @@
 #include "net/handshake.h"
 #include "base/log.h"
 #include "net/sock.h"
+#include "base/config.h"
 #include "base/status.h"
 
 #define DEFAULT_BASE_PORT 28500
 
 static void read_host_id(const char *given, char *buf, size_t len)
 {
-    const char *env = given ? given : getenv("UCCL_P2P_HOST_ID");
+    const char *env = given;
+    if (!env)
+        uccl__cfg_str(UCCL_CFG_P2P_HOST_ID, &env);
     if (env && *env) {
         snprintf(buf, len, "%s", env);
         return;
@@ -49,62 +52,57 @@ static void read_host_id(const char *given, char *buf, size_t len)
 static int read_settings(struct uccl__local *loc, double timeout_s, int *base_port_p,
                          size_t *done_cap_p)
 {
-    int bad = 0;
-    double t = timeout_s > 0
-                   ? timeout_s
-                   : (double)uccl__env_long("UCCL_P2P_TIMEOUT_S", 300, 1, 86400 * 7, &bad);
+    _Static_assert(UCCL_MAX_STREAMS == 16, "base/config.h: UCCL_P2P_TCP_STREAMS is 1..16");
+    long t_s = 0, spin_us, streams, chunk, port, done_ids;
+    int rc;
+    if ((timeout_s <= 0 && (rc = uccl__cfg_long(UCCL_CFG_P2P_TIMEOUT_S, &t_s))) ||
+        (rc = uccl__cfg_long(UCCL_CFG_P2P_SPIN_US, &spin_us)) ||
+        (rc = uccl__cfg_long(UCCL_CFG_P2P_TCP_STREAMS, &streams)) ||
+        (rc = uccl__cfg_long(UCCL_CFG_P2P_TCP_CHUNK_KB, &chunk)) ||
+        (rc = uccl__cfg_long(UCCL_CFG_P2P_BASE_PORT, &port)) ||
+        (rc = uccl__cfg_long(UCCL_CFG_P2P_DONE_IDS, &done_ids)))
+        return rc;
+    double t = timeout_s > 0 ? timeout_s : (double)t_s;
     if (t > 365.0 * 86400) /* beyond a year means "forever"; keep the ns count finite */
         t = 365.0 * 86400;
     loc->timeout_ns = (uint64_t)(t * 1e9);
-    loc->spin_ns = (uint64_t)uccl__env_long("UCCL_P2P_SPIN_US", 200, 0, 1000000, &bad) * 1000ull;
-    loc->num_streams =
-        (unsigned)uccl__env_long("UCCL_P2P_TCP_STREAMS", 2, 1, UCCL_MAX_STREAMS, &bad);
-    loc->chunk_bytes = (size_t)uccl__env_long("UCCL_P2P_TCP_CHUNK_KB", 1024, 4, 65536, &bad) * 1024;
-    *base_port_p = (int)uccl__env_long("UCCL_P2P_BASE_PORT", DEFAULT_BASE_PORT, 1, 65535, &bad);
-    *done_cap_p = (size_t)uccl__env_long("UCCL_P2P_DONE_IDS", 65536, 16, 1L << 30, &bad);
-    if (bad)
-        return UCCL_ERR_INVALID;
+    loc->spin_ns = (uint64_t)spin_us * 1000ull;
+    loc->num_streams = (unsigned)streams;
+    loc->chunk_bytes = (size_t)chunk;
+    *base_port_p = (int)port;
+    *done_cap_p = (size_t)done_ids;
 
-    const char *tp = getenv("UCCL_P2P_TRANSPORT");
-    loc->forced_tp = UCCL_TP_AUTO;
-    if (tp && *tp) {
-        int found = 0;
-        for (int i = 0; i < UCCL_TP_COUNT; i++)
-            if (strcasecmp(tp, uccl__tp_names[i]) == 0) {
-                loc->forced_tp = i;
-                found = 1;
-            }
-        if (!found)
-            return uccl__err(UCCL_ERR_INVALID, "UCCL_P2P_TRANSPORT=%s: use auto, tcp, shm, ipc "
-                             "or rdma", tp);
+    /* UCCL_P2P_TRANSPORT's words are uccl__tp_names, in their order. */
+    int tp;
+    if ((rc = uccl__cfg_choice(UCCL_CFG_P2P_TRANSPORT, &tp)))
+        return rc;
+    loc->forced_tp = tp;
+    if (tp != UCCL_TP_AUTO) {
+        const char *name = uccl__tp_names[tp];
         /* ipc: the same-host transport, whose GPU memory moves by CUDA IPC
          * on the copy engine; it needs the CUDA driver. */
         if (loc->forced_tp == UCCL_TP_IPC) {
             if (!uccl__cuda())
                 return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_TRANSPORT=%s is unavailable: %s",
-                                 tp, uccl_last_error());
+                                 name, uccl_last_error());
             loc->forced_tp = UCCL_TP_SHM;
         }
         const struct uccl__tp_ops *forced = uccl__tp_registry[loc->forced_tp];
-        if (loc->forced_tp != UCCL_TP_AUTO && !forced)
+        if (!forced)
             return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_TRANSPORT=%s: that transport is not part "
-                             "of this build (tcp and shm are)", tp);
-        if (loc->forced_tp != UCCL_TP_AUTO && forced->available())
-            return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_TRANSPORT=%s is unavailable: %s", tp,
+                             "of this build (tcp and shm are)", name);
+        if (forced->available())
+            return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_TRANSPORT=%s is unavailable: %s", name,
                              uccl_last_error());
     }
 
-    const char *mode = getenv("UCCL_P2P_SHM_MODE");
-    loc->shm_mode = -1;
-    if (mode && *mode && strcasecmp(mode, "auto") != 0) {
-        if (strcasecmp(mode, "cma") == 0)
-            loc->shm_mode = 0;
-        else if (strcasecmp(mode, "ring") == 0)
-            loc->shm_mode = 1;
-        else
-            return uccl__err(UCCL_ERR_INVALID, "UCCL_P2P_SHM_MODE=%s: use auto, cma or ring", mode);
-    }
-    return UCCL_OK;
+    int mode; /* auto|cma|ring -> -1, 0, 1 */
+    if ((rc = uccl__cfg_choice(UCCL_CFG_P2P_SHM_MODE, &mode)))
+        return rc;
+    loc->shm_mode = mode - 1;
+    /* checked here so that a bad level raises; the log itself reads it once */
+    int level;
+    return uccl__cfg_choice(UCCL_CFG_P2P_LOG_LEVEL, &level);
 }
 
 int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
@@ -137,7 +135,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     const char *sec = o->secret;
     size_t slen = o->secret_len;
     if (!sec) {
-        sec = getenv("UCCL_P2P_SECRET");
+        uccl__cfg_str(UCCL_CFG_P2P_SECRET, &sec);
         slen = sec ? strlen(sec) : 0;
     }
     if (slen > UCCL_SECRET_MAX) {

@@ -12,6 +12,7 @@
 
 #include "load/cuda_loader.h"
 #include "net/sock.h"
+#include "base/config.h"
 #include "base/status.h"
 
 #define MAX_STREAMS 8
@@ -52,10 +53,11 @@ static void lanes_key_make(void) { pthread_key_create(&lanes_key, lanes_free); }
 
 static unsigned lanes_wanted(void)
 {
+    _Static_assert(MAX_STREAMS == 8, "base/config.h: UCCL_P2P_CUDA_STREAMS is 1..8");
     static int n; /* UCCL_P2P_CUDA_STREAMS, read once (a benign race: same value) */
     if (!n) {
-        int bad = 0;
-        n = (int)uccl__env_long("UCCL_P2P_CUDA_STREAMS", 2, 1, MAX_STREAMS, &bad);
+        long v; /* a bad value: the default here; endpoint creation raises on it */
+        n = uccl__cfg_long(UCCL_CFG_P2P_CUDA_STREAMS, &v) ? 2 : (int)v;
     }
     return (unsigned)n;
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "base/config.h"
 #include "base/status.h"
 
 /* The driver API version whose entry points we ask for: 12.0 has every one
@@ -32,8 +33,9 @@ typedef cu_result (*get_proc_v1_fn)(const char *, void **, int, unsigned long lo
 
 static void load(void)
 {
-    const char *path = getenv("UCCL_CUDA_LIBRARY");
-    if (!path || !*path)
+    const char *path = NULL;
+    uccl__cfg_str(UCCL_CFG_CUDA_LIBRARY, &path);
+    if (!path)
         path = "libcuda.so.1";
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {

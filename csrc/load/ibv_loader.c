@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/config.h"
 #include "base/status.h"
 
 /* The layout this file declares is rdma-core's on LP64: check the members
@@ -32,8 +33,9 @@ static char load_error[400];
 
 static void load(void)
 {
-    const char *path = getenv("UCCL_IBVERBS_LIB");
-    if (!path || !*path)
+    const char *path = NULL;
+    uccl__cfg_str(UCCL_CFG_IBVERBS_LIB, &path);
+    if (!path)
         path = "libibverbs.so.1";
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/config.h"
 #include "base/status.h"
 
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
@@ -26,7 +27,8 @@ void uccl__nvrtc_set_path(const char *path)
 
 static void load(void)
 {
-    const char *env = getenv("UCCL_NVRTC_LIB");
+    const char *env = NULL;
+    uccl__cfg_str(UCCL_CFG_NVRTC_LIB, &env);
     pthread_mutex_lock(&path_mu);
     char given[512];
     snprintf(given, sizeof(given), "%s", given_path);

@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/config.h"
 #include "base/status.h"
 
 static int remaining_ms(uint64_t deadline_ns)
@@ -216,7 +217,8 @@ int uccl__sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int
 
 int uccl__sock_local_ip(char *buf, size_t len)
 {
-    const char *want = getenv("UCCL_SOCKET_IFNAME");
+    const char *want = NULL;
+    uccl__cfg_str(UCCL_CFG_SOCKET_IFNAME, &want);
     struct ifaddrs *ifa = NULL;
     snprintf(buf, len, "127.0.0.1");
     if (getifaddrs(&ifa) < 0)

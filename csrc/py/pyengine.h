@@ -167,4 +167,8 @@ PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ss
 int uccl__py_fast_traverse(struct uccl__py_fast *f, visitproc visit, void *arg);
 void uccl__py_fast_clear(struct uccl__py_fast *f);
 
+/* ---- py_config.c ---- */
+PyObject *uccl__py_config(PyObject *module, PyObject *args);
+PyObject *uccl__py_config_table(PyObject *module, PyObject *unused);
+
 #endif

@@ -49,6 +49,7 @@
 
 #include "base/log.h"
 #include "ring/ring.h"
+#include "base/config.h"
 #include "base/status.h"
 
 _Static_assert(sizeof(struct uccl_ring_cmd) == 64, "ring command layout");
@@ -500,8 +501,9 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     r->ep = ep, r->dev = o->dev, r->nslots = o->nslots, r->inflight_max = o->inflight;
     r->ndst = o->ndst, r->src_mr = o->src_mr, r->src_addr = o->src_addr, r->src_len = o->src_len;
     r->timeout_ns = uccl_ep_timeout_ns(ep);
-    int bad = 0;
-    r->spin_ns = (uint64_t)uccl__env_long("UCCL_RING_SPIN_US", 1000, 0, 10000000, &bad) * 1000;
+    long spin_us;
+    int bad = uccl__cfg_long(UCCL_CFG_RING_SPIN_US, &spin_us);
+    r->spin_ns = bad ? 0 : (uint64_t)spin_us * 1000;
     r->trace_len = o->trace_len;
     atomic_init(&r->paused, o->paused != 0);
     pthread_mutex_init(&r->err_mu, NULL);
@@ -510,7 +512,7 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     r->qm = calloc(o->inflight, sizeof(*r->qm));
     r->trace = o->trace_len ? calloc(o->trace_len, sizeof(*r->trace)) : NULL;
     if (bad)
-        rc = UCCL_ERR_INVALID;
+        rc = bad;
     else if (!r->dsts || !r->fl || !r->qm || (o->trace_len && !r->trace))
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     for (unsigned i = 0; rc == UCCL_OK && i < o->ndst; i++)

@@ -17,6 +17,7 @@
 #include "gpu/gpu.h"
 #include "sgdev/sg_kernels.h"
 #include "sgdev/sg_dev.h"
+#include "base/config.h"
 #include "base/status.h"
 
 #define MAX_DEVS 64
@@ -572,13 +573,12 @@ int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, i
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     }
     memcpy(c, conns, (size_t)size * sizeof(*c));
-    int bad = 0;
-    long kb = uccl__env_long("UCCL_SG_KERNEL_COPY_BYTES", 8l << 20, 0, 1l << 40, &bad);
-    long gb = bad ? 0 : uccl__env_long("UCCL_SG_GATHER_LAUNCH_BYTES", 48l << 20, 0, 1l << 40, &bad);
-    if (bad) {
+    long kb, gb;
+    if ((rc = uccl__cfg_long(UCCL_CFG_SG_KERNEL_COPY_BYTES, &kb)) ||
+        (rc = uccl__cfg_long(UCCL_CFG_SG_GATHER_LAUNCH_BYTES, &gb))) {
         free(d);
         free(c);
-        return UCCL_ERR_INVALID;
+        return rc;
     }
     *d = (struct cuda_dev){.ep = ep, .dev = dev, .rank = rank, .size = size, .conns = c,
                            .copy_k = kb ? copy_kernel(dev) : NULL, .kernel_copy_bytes = (size_t)kb,
