@@ -49,8 +49,8 @@ Launch with torchrun, e.g.
             broadcast, every non-root copies the root's tensor;
             reduce_scatter, N-1 slices of the output's size; allreduce,
             2(N-1) slices of size/N (the movement of reduce-scatter +
-            allgather, without the arithmetic).  The issue's target: uccl
-            time <= 1.25x the copies' time at >= 16 MiB per rank.
+            allgather, without the arithmetic).  The target set for the
+            allgather: uccl time <= 1.25x the copies' time at >= 16 MiB per rank.
             --ipc-own-copy adds to an allgather's copies the one of the
             rank's own chunk into the output, which an out-of-place
             allgather also makes: on one GPU shared by the ranks every copy
@@ -122,7 +122,7 @@ def get_args() -> argparse.Namespace:
     p.add_argument("--ipc-own-copy", action="store_true",
                    help="ipc-copy of allgather (both modes): add the copy of this rank's own "
                         "chunk into the output, which an out-of-place allgather also makes "
-                        "(the issue's target counts only the N(N-1) cross-process chunks)")
+                        "(the 1.25x target counts only the N(N-1) cross-process chunks)")
     p.add_argument("--in-place", action="store_true",
                    help="allgather of the context: the send tensor is this rank's own chunk of "
                         "the output (nccl-tests' in-place form): no copy of it is needed, and "

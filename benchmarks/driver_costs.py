@@ -5,7 +5,7 @@
 Each line is the median host time of one call (microseconds), timed in
 batches of 100 with nothing waited for: what the issuing thread pays, not
 the GPU.  Run it under CUDA MPS and without to see what MPS adds per call.
-(The first run, BENCHMARKS.md, also timed the stream memory operations
+(The first run, docs/benchmark-log.md, also timed the stream memory operations
 through a module function that the engine's stream-ordered groups have
 since replaced.)
 """

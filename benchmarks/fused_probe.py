@@ -20,7 +20,7 @@ moves between processes more than between these two.
 
 Whether a round is one launch or two-sided follows UCCL_SG_FUSED_BYTES, as in
 the backend.  Every figure is the slowest rank's.  Not a benchmark against a
-reference: it says which part to cut (BENCHMARKS.md keeps what it showed).
+reference: it says which part to cut (docs/benchmark-log.md keeps what it showed).
 """
 from __future__ import annotations
 

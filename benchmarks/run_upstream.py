@@ -3,7 +3,7 @@ with only their import changed (``from uccl import p2p`` becomes ``from
 uccl_collective import p2p``, and the same for ``collective``).
 
     python3 benchmarks/run_upstream.py --src ~/uccl            # a checkout (any commit)
-    python3 benchmarks/run_upstream.py --fetch 681068e4        # downloads the files
+    python3 benchmarks/run_upstream.py --fetch main            # downloads the files (a branch or commit)
     python3 benchmarks/run_upstream.py --src ~/uccl --only test_engine_send --markdown out.md
 
 Nothing of upstream is kept in this repository: --fetch downloads the files
@@ -176,7 +176,7 @@ def main() -> int:
                                 epilog=__doc__.split("\n\n", 1)[1])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--src", help="a checkout of uccl-project/uccl, or a folder with its files")
-    g.add_argument("--fetch", metavar="COMMIT", help="download the files of this commit")
+    g.add_argument("--fetch", metavar="COMMIT", help="download the files of this commit (or branch) of uccl-project/uccl")
     p.add_argument("--only", nargs="*", help="run only these entries (names as in the table)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per file")
     p.add_argument("--markdown", help="write the table as Markdown to this file")

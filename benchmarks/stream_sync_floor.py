@@ -29,8 +29,8 @@ must fit the stream's queue: 40 at 4 ranks).  Rows:
   one launch GxT              handshake, SM copies, handshake in one kernel
                               (every block waits for block 0's handshake;
                               the last block to finish makes the second)
-Not a benchmark against a reference: it tells what the issue's ipc-copy
-target leaves for the handshakes (BENCHMARKS.md keeps what it showed).
+Not a benchmark against a reference: it tells what the 1.25x ipc-copy
+target leaves for the handshakes (docs/benchmark-log.md keeps what it showed).
 """
 from __future__ import annotations
 
