@@ -27,7 +27,7 @@
 # without): processes sharing one GPU then run their work side by side
 # instead of time-slicing the GPU.  Without MPS, a copy waited for on the
 # host costs ~275 us when 2 processes do it at once and ~550 us with 4
-# (benchmarks/gpu_share_floor.py; BENCHMARKS.md), whatever moves it: that
+# (benchmarks/gpu_share_floor.py; docs/benchmark-log.md), whatever moves it: that
 # is the shared GPU, not the library, and it hides everything else.
 set -uo pipefail
 start=$SECONDS
@@ -89,7 +89,7 @@ if [ "${BENCH:-1}" = 1 ]; then
     # in place (the send tensor is this rank's chunk of the output): only the
     # N(N-1) cross-process chunks move, exactly ipc-copy's copies; 200 calls
     # a size (20 carry the first calls' cost: 1.92x against 1.42x at 16 MiB,
-    # 2 ranks, BENCHMARKS.md session 12)
+    # 2 ranks, docs/benchmark-log.md session 12)
     bench ag_ipc_inplace "$n" 90 --compare ipc-copy --in-place --sizes 16M,64M,256M --iters 200
     if [ "$n" = 2 ]; then
       # the 64 KiB allgather's time per call, many calls (target <= 40 us)

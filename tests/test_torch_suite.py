@@ -1,6 +1,6 @@
 """torch's own distributed conformance suite against "uccl": a fast subset
-for CI (benchmarks/torch_suite.py runs the whole of it; README, "torch's
-distributed test suite").  The subset covers what the whole run once found
+for CI (benchmarks/torch_suite.py runs the whole of it; docs/torch-suite.md).
+The subset covers what the whole run once found
 failing against Gloo (receive from any source, sparse all_reduce, the
 profiler's events, DDP's no_sync) and a few collectives; every test in it
 must pass, not skip."""

@@ -321,7 +321,7 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
      * GPU the ranks share they must all be resident at once, and a block of
      * FUSED_THREADS fits an SM whatever its registers.  1 MiB all_reduce,
      * the launches' own time per call on an H200 under MPS (fused_probe.py,
-     * BENCHMARKS.md): 2 ranks 14.6 us with 16 blocks, 12.6 with 32, 11.3
+     * docs/benchmark-log.md): 2 ranks 14.6 us with 16 blocks, 12.6 with 32, 11.3
      * with 64; 4 ranks 28.3 with 16, 25.4 with 32 */
     size_t cap = (size_t)kernels.sms[d->dev] / (size_t)a->nsrc; /* set by fused_kernel */
     cap = cap < 1 ? 1 : cap > FUSED_BLOCKS ? FUSED_BLOCKS : cap;
@@ -419,7 +419,7 @@ static int cuda_gather(void *dp, uintptr_t stream, const struct uccl__sg_sync_ar
      * than fit: every block spins until block 0 has seen its peers, so all
      * ranks' launches must be resident at once, with room left for another
      * spinning launch's block.  16 MiB in place on one H200 under MPS
-     * (stream_sync_floor.py, BENCHMARKS.md): 2 ranks 24.7 us with 2 blocks
+     * (stream_sync_floor.py, docs/benchmark-log.md): 2 ranks 24.7 us with 2 blocks
      * an SM for the group, 23.7 with 4; 4 ranks 96.2 and 93.5 */
     size_t per_sm = fit > 1 ? (size_t)fit - 1 : 1;
     size_t cap = per_sm * (size_t)kernels.sms[d->dev] / (size_t)ready->n; /* set by once_kernel */

@@ -277,7 +277,7 @@ const char uccl__sg_sync_src[] =
  * makes the done handshake and writes fin.  The three launches it replaces
  * (handshake, copies, handshake) left the GPU idle between them: 16 MiB
  * in place on one H200 shared by 4 ranks under MPS, 109-110 us a call
- * against 88-89 as one launch (benchmarks/stream_sync_floor.py, BENCHMARKS.md).
+ * against 88-89 as one launch (benchmarks/stream_sync_floor.py, docs/benchmark-log.md).
  * Every block spins until block 0 has seen its peers, so the grid is
  * bounded (cuda_gather) for the peers' launches to be resident beside it. */
 const char uccl__sg_gather_src[] =
