@@ -1,8 +1,9 @@
-/* Eager payloads on a socket control channel (proto.c's other half): a
- * message of at most UCCL_EAGER_MAX bytes travels right behind its RTS, and
- * the connection's reader reads it straight into the posted recv it will
- * match, or into a held buffer within the budget a well-behaved sender
- * never exceeds. */
+/* Eager payloads on a socket control channel (conn.h): a message of at
+ * most UCCL_EAGER_MAX bytes travels right behind its RTS, and the
+ * connection's reader (progress.c) reads it straight into the posted recv
+ * it will match, or into a held buffer within the budget a well-behaved
+ * sender never exceeds; once all of it is in, the protocol (proto.c)
+ * queues and matches it like any announced message. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 

@@ -1,7 +1,8 @@
-/* The stream data path (proto.c's other half): which transfers stream,
- * handing a transfer's bytes to the transport, and where the chunks a
- * transport receives land (the upcalls of transport.h), each checked
- * against what this side posted or advertised.
+/* The stream data path (conn.h): which transfers stream, handing a
+ * transfer's bytes to the transport, and where the chunks a transport
+ * receives land (the upcalls of transport.h), each checked against what
+ * this side posted or advertised.  The protocol (proto.c) calls it; it
+ * stands on the connection and its requests (conn.c) alone.
  *
  * A connection streams everything when its transport is not direct (TCP,
  * the shared-memory ring); a direct one streams only the transfers whose
@@ -71,9 +72,9 @@ void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
         /* A streamed send completes on our FIN, not when its bytes left the
          * sender: the FIN is ordered before any BYE we may send next. */
         if (r->op == UCCL_OP_WRITE_TARGET)
-            uccl__proto_answer(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
+            uccl__req_answer(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
         else if (r->op == UCCL_OP_RECV)
-            uccl__proto_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
+            uccl__req_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
         else
             uccl__req_complete(c, r, UCCL_OK, NULL);
     } else if (got > r->len) {
