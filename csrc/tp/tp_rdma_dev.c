@@ -1,6 +1,8 @@
 /* RDMA devices and memory (tp_rdma.h): which NICs this process uses, their
- * port, GID and protection domain, found once; and regions registered with
- * every one of them.
+ * port, GID and protection domain, found once; regions registered with
+ * every one of them; and the staging areas (page-locked, or plain,
+ * memory registered with every NIC) through which memory no NIC could
+ * register moves (tp_rdma_move.c's own chunk, tp_rdma_stage.c's ring).
  *
  * Discovery: UCCL_P2P_RDMA_DEV (comma-separated device names, each
  * optionally ":port") or else every device with an active port, at most
@@ -402,4 +404,58 @@ const struct uccl__rdma_mr *uccl__rdma_mr_of(uint64_t local_key)
         return NULL;
     }
     return m;
+}
+
+/* ---- staging areas ------------------------------------------------------------ */
+
+void uccl__rdma_area_free(struct uccl__rdma_area *a)
+{
+    const struct uccl__ibv *ib = uccl__ibv();
+    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_DEVS; i++)
+        if (a->mr[i])
+            ib->dereg_mr(a->mr[i]);
+    if (a->p && UCCL_MK_KIND(a->mk) == UCCL_MK_PINNED)
+        uccl__gpu_host_free(UCCL_MK_DEV(a->mk), a->p);
+    else
+        free(a->p);
+    memset(a, 0, sizeof(*a));
+}
+
+/* len bytes to stage memory of kind for_mk through: page-locked (portable)
+ * for GPU memory, page-aligned host memory otherwise; registered with every
+ * NIC. */
+int uccl__rdma_area_make(struct uccl__rdma_area *a, uint32_t for_mk, size_t len, int access)
+{
+    unsigned n;
+    const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
+    const struct uccl__ibv *ib = uccl__ibv();
+    if (!d || !ib)
+        return UCCL_ERR_UNAVAIL;
+    int gpu = UCCL_MK_ON_GPU(for_mk), dev = UCCL_MK_DEV(for_mk), rc = UCCL_OK;
+    void *p = NULL;
+    if (gpu)
+        rc = uccl__gpu_host_alloc(dev, len, &p);
+    else if (posix_memalign(&p, (size_t)sysconf(_SC_PAGESIZE), len))
+        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory for a %zu-byte staging buffer", len);
+    if (rc)
+        return rc;
+    *a = (struct uccl__rdma_area){.p = p, .len = len, .for_mk = for_mk,
+                                  .mk = gpu ? UCCL_MK(UCCL_MK_PINNED, dev) : UCCL_MK(UCCL_MK_HOST, 0)};
+    for (unsigned i = 0; i < n; i++) {
+        a->mr[i] = ib->reg_mr(d[i].pd, p, len, access);
+        if (!a->mr[i]) {
+            int e = errno;
+            uccl__rdma_area_free(a);
+            return uccl__err(UCCL_ERR_IO, "registering a %zu-byte staging buffer with %s: %s "
+                             "(ulimit -l?)", len, d[i].name, strerror(e));
+        }
+    }
+    return UCCL_OK;
+}
+
+/* GPU memory of one device stages through memory of that device; host
+ * memory through host memory. */
+uint32_t uccl__rdma_stage_kind(uint32_t mk)
+{
+    return UCCL_MK_ON_GPU(mk) ? UCCL_MK(UCCL_MK_DEVICE, UCCL_MK_DEV(mk)) : UCCL_MK(UCCL_MK_HOST, 0);
 }

@@ -1,11 +1,10 @@
 /* RDMA: memory no NIC could register (GPU memory without GPUDirect; any
  * memory under UCCL_P2P_RDMA_STAGE_ALL=1), staged through registered host
- * memory on its own side.
+ * memory on its own side: the staging ring (tp_rdma.h).
  *
  * Its own moves (sending or writing from it, reading into it) go through
- * one chunk of page-locked memory per connection (the "own" area, taken
- * by one move at a time: tp_rdma.c's uccl__rdma_move copies each chunk in
- * or out of it around the WRs).
+ * one chunk of page-locked memory per connection, the mover's business
+ * (tp_rdma_move.c).  This file carries the rest:
  *
  * What the peer must reach in it (a receive buffer, a window written to or
  * read from) cannot be addressed by the peer, so those transfers stream
@@ -76,9 +75,6 @@ struct sjob {
 };
 
 struct uccl__rdma_stage {
-    size_t chunk;
-    pthread_mutex_t own_mu;         /* one own move at a time */
-    struct uccl__rdma_area own;
     pthread_mutex_t mu;             /* everything below */
     pthread_cond_t cv;              /* the sender: a job, a credit, stop */
     int stop;
@@ -94,78 +90,10 @@ struct uccl__rdma_stage {
     int lent[RING_SLOTS];           /* the peer may write the slot */
 };
 
-/* ---- areas --------------------------------------------------------------------- */
-
-static void area_free(struct uccl__rdma_area *a)
+static struct uccl__rdma_stage *stage_of(struct uccl__conn *c)
 {
-    const struct uccl__ibv *ib = uccl__ibv();
-    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_DEVS; i++)
-        if (a->mr[i])
-            ib->dereg_mr(a->mr[i]);
-    if (a->p && UCCL_MK_KIND(a->mk) == UCCL_MK_PINNED)
-        uccl__gpu_host_free(UCCL_MK_DEV(a->mk), a->p);
-    else
-        free(a->p);
-    memset(a, 0, sizeof(*a));
+    return ((struct uccl__rdma_conn *)c->tp_priv)->stage;
 }
-
-/* len bytes to stage memory of kind for_mk through: page-locked (portable)
- * for GPU memory, page-aligned host memory otherwise; registered with every
- * NIC. */
-static int area_make(struct uccl__rdma_area *a, uint32_t for_mk, size_t len, int access)
-{
-    unsigned n;
-    const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
-    const struct uccl__ibv *ib = uccl__ibv();
-    if (!d || !ib)
-        return UCCL_ERR_UNAVAIL;
-    int gpu = UCCL_MK_ON_GPU(for_mk), dev = UCCL_MK_DEV(for_mk), rc = UCCL_OK;
-    void *p = NULL;
-    if (gpu)
-        rc = uccl__gpu_host_alloc(dev, len, &p);
-    else if (posix_memalign(&p, (size_t)sysconf(_SC_PAGESIZE), len))
-        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory for a %zu-byte staging buffer", len);
-    if (rc)
-        return rc;
-    *a = (struct uccl__rdma_area){.p = p, .len = len, .for_mk = for_mk,
-                                  .mk = gpu ? UCCL_MK(UCCL_MK_PINNED, dev) : UCCL_MK(UCCL_MK_HOST, 0)};
-    for (unsigned i = 0; i < n; i++) {
-        a->mr[i] = ib->reg_mr(d[i].pd, p, len, access);
-        if (!a->mr[i]) {
-            int e = errno;
-            area_free(a);
-            return uccl__err(UCCL_ERR_IO, "registering a %zu-byte staging buffer with %s: %s "
-                             "(ulimit -l?)", len, d[i].name, strerror(e));
-        }
-    }
-    return UCCL_OK;
-}
-
-/* GPU memory of one device stages through memory of that device; host
- * memory through host memory. */
-static uint32_t stage_kind(uint32_t mk)
-{
-    return UCCL_MK_ON_GPU(mk) ? UCCL_MK(UCCL_MK_DEVICE, UCCL_MK_DEV(mk)) : UCCL_MK(UCCL_MK_HOST, 0);
-}
-
-int uccl__rdma_own_take(struct uccl__rdma_stage *s, uint32_t mk,
-                        const struct uccl__rdma_area **a_p)
-{
-    pthread_mutex_lock(&s->own_mu);
-    int rc = UCCL_OK;
-    if (!s->own.p || s->own.for_mk != stage_kind(mk)) { /* another device's: replace it */
-        area_free(&s->own);
-        rc = area_make(&s->own, stage_kind(mk), s->chunk, IBV_ACCESS_LOCAL_WRITE_);
-    }
-    if (rc) {
-        pthread_mutex_unlock(&s->own_mu);
-        return rc;
-    }
-    *a_p = &s->own;
-    return UCCL_OK;
-}
-
-void uccl__rdma_own_give(struct uccl__rdma_stage *s) { pthread_mutex_unlock(&s->own_mu); }
 
 /* ---- life cycle ------------------------------------------------------------------- */
 
@@ -174,9 +102,7 @@ int uccl__rdma_stage_new(size_t chunk, struct uccl__rdma_stage **s_p)
     struct uccl__rdma_stage *s = calloc(1, sizeof(*s));
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    s->chunk = chunk;
     s->slot_bytes = chunk < SLOT_MAX ? chunk : SLOT_MAX;
-    pthread_mutex_init(&s->own_mu, NULL);
     pthread_mutex_init(&s->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -212,9 +138,7 @@ void uccl__rdma_stage_free(struct uccl__rdma_stage *s)
         STAILQ_REMOVE_HEAD(&s->jobs, link);
         free(j);
     }
-    area_free(&s->own);
-    area_free(&s->ring);
-    pthread_mutex_destroy(&s->own_mu);
+    uccl__rdma_area_free(&s->ring);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);
@@ -263,7 +187,7 @@ static int take_slot(struct uccl__conn *c, struct uccl__rdma_stage *s, const str
 static void *tx_main(void *arg)
 {
     struct uccl__conn *c = arg;
-    struct uccl__rdma_stage *s = uccl__rdma_stage_of(c);
+    struct uccl__rdma_stage *s = stage_of(c);
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (STAILQ_EMPTY(&s->jobs) && !s->stop)
@@ -314,7 +238,7 @@ static void *tx_main(void *arg)
 int uccl__rdma_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
                       uint64_t src_key, size_t len, void *cookie)
 {
-    struct uccl__rdma_stage *s = uccl__rdma_stage_of(c);
+    struct uccl__rdma_stage *s = stage_of(c);
     struct sjob *j = calloc(1, sizeof(*j));
     if (!j)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
@@ -379,7 +303,8 @@ static int on_ring(struct uccl__conn *c, struct uccl__rdma_stage *s, const struc
     if (!mr)
         return UCCL_ERR_PROTO;
     pthread_mutex_lock(&s->mu);
-    rc = area_make(&s->ring, stage_kind(mk), RING_SLOTS * s->slot_bytes, RING_ACCESS);
+    rc = uccl__rdma_area_make(&s->ring, uccl__rdma_stage_kind(mk), RING_SLOTS * s->slot_bytes,
+                              RING_ACCESS);
     for (unsigned i = 0; rc == UCCL_OK && i < RING_SLOTS; i++)
         s->lent[i] = 1;
     pthread_mutex_unlock(&s->mu);
@@ -450,7 +375,7 @@ static int on_credit(struct uccl__rdma_stage *s, const struct uccl__msg *m)
 
 int uccl__rdma_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
 {
-    struct uccl__rdma_stage *s = uccl__rdma_stage_of(c);
+    struct uccl__rdma_stage *s = stage_of(c);
     switch (m->type) {
     case UCCL_MSG_RING: return on_ring(c, s, m);
     case UCCL_MSG_DATA: return on_data(c, s, m);
