@@ -51,8 +51,8 @@ void uccl__conn_put(struct uccl__conn *c)
 {
     if (!c || atomic_fetch_sub(&c->refs, 1) != 1)
         return;
-    if (c->tp && c->tp->conn_free)
-        c->tp->conn_free(c);
+    if (c->link.tp && c->link.tp->conn_free)
+        c->link.tp->conn_free(&c->link);
     if (c->ctrl_fd >= 0)
         close(c->ctrl_fd);
     free_held(c);
@@ -73,11 +73,12 @@ struct uccl__conn *uccl__conn_new(struct uccl__local *loc, int is_connector, int
     if (!c)
         return NULL;
     atomic_init(&c->refs, 1);
-    atomic_init(&c->failed, 0);
-    c->local = loc;
-    c->is_connector = is_connector;
+    atomic_init(&c->link.failed, 0);
+    c->link.conn = c;
+    c->link.local = loc;
+    c->link.is_connector = is_connector;
     c->ctrl_fd = ctrl_fd;
-    c->peer_rank = -1;
+    c->link.peer_rank = -1;
     pthread_mutex_init(&c->mu, NULL);
     pthread_mutex_init(&c->ctrl_tx_mu, NULL);
     pthread_cond_init(&c->cv, NULL);
@@ -112,7 +113,7 @@ void uccl__req_get(struct uccl__req *r) { atomic_fetch_add(&r->refs, 1); }
 void uccl__req_put(struct uccl__req *r)
 {
     if (r && atomic_fetch_sub(&r->refs, 1) == 1) {
-        uccl__mem_release_hold(&r->conn->local->mem, r->hold);
+        uccl__mem_release_hold(&r->conn->link.local->mem, r->hold);
         uccl__conn_put(r->conn);
         free(r);
     }
@@ -207,7 +208,7 @@ void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, c
  * makes that close send its BYE only after this answer (uccl__conn_close),
  * or the peer would find its half of the exchange pending. */
 void uccl__req_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
-                        int status, const char *why)
+                      int status, const char *why)
 {
     uint64_t seq = r->seq;
     atomic_fetch_add(&c->answering, 1);
@@ -222,12 +223,12 @@ void uccl__req_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint6
 
 static void describe_peer(struct uccl__conn *c, char *buf, size_t len)
 {
-    if (c->peer_rank >= 0)
+    if (c->link.peer_rank >= 0)
         snprintf(buf, len, "connection %llu to %s:%d (rank %d)", (unsigned long long)c->id,
-                 c->peer_ip, c->peer_port, c->peer_rank);
+                 c->link.peer_ip, c->link.peer_port, c->link.peer_rank);
     else
-        snprintf(buf, len, "connection %llu to %s:%d", (unsigned long long)c->id, c->peer_ip,
-                 c->peer_port);
+        snprintf(buf, len, "connection %llu to %s:%d", (unsigned long long)c->id, c->link.peer_ip,
+                 c->link.peer_port);
 }
 
 struct fail_ctx { struct uccl__req **v; size_t n; };
@@ -252,7 +253,7 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
         snprintf(why, sizeof(why), "the endpoint was closed");
     }
     pthread_mutex_lock(&c->mu);
-    if (!atomic_compare_exchange_strong(&c->failed, &expect, 1)) {
+    if (!atomic_compare_exchange_strong(&c->link.failed, &expect, 1)) {
         pthread_mutex_unlock(&c->mu);
         return;
     }
@@ -276,8 +277,8 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
      * the rest): closing with unread bytes would send an RST, which makes
      * the peer's kernel drop our BYE before its engine reads it. */
     shutdown(c->ctrl_fd, status == UCCL_ERR_CLOSED ? SHUT_WR : SHUT_RDWR);
-    if (c->tp && c->tp->conn_shutdown)
-        c->tp->conn_shutdown(c);
+    if (c->link.tp && c->link.tp->conn_shutdown)
+        c->link.tp->conn_shutdown(&c->link);
     for (size_t i = 0; i < f.n; i++) {
         uccl__req_complete(c, f.v[i], status, "%s", c->fail_msg);
         uccl__req_put(f.v[i]);
@@ -290,8 +291,8 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
 
 int uccl__conn_ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline)
 {
-    if (c->ctrl_shm)
-        return c->tp->ctrl_send(c, buf, deadline);
+    if (c->link.ctrl_shm)
+        return c->link.tp->ctrl_send(&c->link, buf, deadline);
     return uccl__sock_send_all(c->ctrl_fd, buf, UCCL_MSG_SIZE, deadline);
 }
 
@@ -300,7 +301,7 @@ int uccl__conn_send_msg(struct uccl__conn *c, const struct uccl__msg *m)
     uint8_t buf[UCCL_MSG_SIZE];
     uccl__msg_encode(m, buf);
     pthread_mutex_lock(&c->ctrl_tx_mu);
-    int rc = uccl__conn_ctrl_write(c, buf, uccl__now_ns() + c->local->timeout_ns);
+    int rc = uccl__conn_ctrl_write(c, buf, uccl__now_ns() + c->link.local->timeout_ns);
     pthread_mutex_unlock(&c->ctrl_tx_mu);
     if (rc)
         uccl__conn_fail(c, rc == UCCL_ERR_TIMEOUT ? rc : UCCL_ERR_IO,

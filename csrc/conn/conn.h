@@ -37,7 +37,7 @@
 #include <sys/queue.h>
 
 #include "base/idmap.h"
-#include "mem/local.h"
+#include "tp/link.h"
 #include "tp/transport.h"
 #include "net/wire.h"
 
@@ -87,13 +87,13 @@ struct uccl__rts {               /* an RTS that arrived before its recv was post
     STAILQ_ENTRY(uccl__rts) link;
 };
 
-/* Eager sends: on a socket control channel a message of at most
- * UCCL_EAGER_MAX bytes travels right after its RTS, saving the CTS round
- * trip and the data-stream threads.  A sender keeps at most
- * UCCL_EAGER_INFLIGHT of them unanswered, so a receiver never holds more
- * than their product in bytes for recvs not yet posted. */
-#define UCCL_EAGER_MAX (64u << 10)
-#define UCCL_EAGER_INFLIGHT 16
+/* Eager sends (UCCL_EAGER_MAX, UCCL_EAGER_INFLIGHT: transport.h, whose
+ * eager slots are sized by them): on a socket control channel a message of
+ * at most UCCL_EAGER_MAX bytes travels right after its RTS, saving the CTS
+ * round trip and the data-stream threads; over shared memory it sits in a
+ * slot.  A sender keeps at most UCCL_EAGER_INFLIGHT of them unanswered, so
+ * a receiver never holds more than their product in bytes for recvs not
+ * yet posted. */
 #define UCCL_MSG_FLAG_EAGER 1u
 #define UCCL_MSG_FLAG_SLOT 2u   /* eager bytes are in shared-memory slot `offset` */
 #define UCCL_MSG_FLAG_STREAM 4u /* CTS, GO (aux): stream the bytes (proto_stream.c) */
@@ -119,30 +119,15 @@ struct uccl__job {
 };
 
 struct uccl__conn {
+    struct uccl__link link;      /* what the transport sees (link.h): the local side, the
+                                    peer, the handshake's terms, the transport, failed */
     uint64_t id;
     atomic_int refs;
-    struct uccl__local *local;   /* the endpoint's side: settings, identity, regions */
-    int is_connector;            /* connector sends/reads/writes, acceptor receives */
     int ctrl_fd;
     pthread_mutex_t ctrl_tx_mu;  /* one writer at a time on the control socket */
-    const struct uccl__tp_ops *tp;
-    void *tp_priv;
-    int direct;                  /* transport moves bytes with pull/push */
-    int ctrl_shm;                /* control messages use tp->ctrl_send/recv */
-    size_t chunk_bytes;
-    unsigned num_streams;
-    uint64_t token;
-    uint8_t secret[UCCL_SECRET_MAX]; /* connector: presented on every extra stream */
-    uint32_t secret_len;
-
-    char peer_ip[46];
-    int peer_port, peer_gpu, peer_rank;
-    uint32_t peer_pid;
-    char peer_host[UCCL_HOSTID_MAX];
 
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;
-    atomic_int failed;
     int peer_bye;                /* the peer closed on purpose: log quietly */
     atomic_int closing;          /* we are closing: whatever fails next is that close */
     atomic_int answering;        /* threads between finishing a request and telling the peer */

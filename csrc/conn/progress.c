@@ -32,9 +32,9 @@
 static int pump(struct uccl__conn *c)
 {
     int handled = 0;
-    while (c->ctrl_shm && !atomic_load(&c->failed)) {
+    while (c->link.ctrl_shm && !atomic_load(&c->link.failed)) {
         uint8_t buf[UCCL_MSG_SIZE];
-        if (!c->tp->ctrl_recv(c, buf))
+        if (!c->link.tp->ctrl_recv(&c->link, buf))
             return handled;
         struct uccl__msg m;
         int rc = uccl__msg_decode(buf, &m);
@@ -44,7 +44,7 @@ static int pump(struct uccl__conn *c)
             return rc;
         handled++;
     }
-    while (!atomic_load(&c->failed)) {
+    while (!atomic_load(&c->link.failed)) {
         int in_payload = c->erx.rts != NULL;
         char *into = in_payload ? c->erx.dst + c->erx.got : (char *)c->rxbuf + c->rxgot;
         size_t want = in_payload ? c->erx.rts->len - c->erx.got : sizeof(c->rxbuf) - c->rxgot;
@@ -110,9 +110,9 @@ static void svc_give_token(struct uccl__conn *c)
 static void *service_main(void *arg)
 {
     struct uccl__conn *c = arg;
-    while (!atomic_load(&c->failed)) {
+    while (!atomic_load(&c->link.failed)) {
         pthread_mutex_lock(&c->mu);
-        if (c->driver && !c->ctrl_shm) { /* a caller is reading: stay out of its way */
+        if (c->driver && !c->link.ctrl_shm) { /* a caller is reading: stay out of its way */
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += 50000000;
@@ -126,10 +126,10 @@ static void *service_main(void *arg)
         }
         pthread_mutex_unlock(&c->mu);
         struct pollfd p = {.fd = c->ctrl_fd, .events = POLLIN};
-        if (c->ctrl_shm) {
+        if (c->link.ctrl_shm) {
             /* Messages come through shared memory; the socket only carries
              * the peer's death (EOF), which pump() then reports. */
-            c->tp->ctrl_wait(c, 100);
+            c->link.tp->ctrl_wait(&c->link, 100);
             if (poll(&p, 1, 0) > 0) {
                 char b;
                 ssize_t n = recv(c->ctrl_fd, &b, 1, MSG_DONTWAIT);
@@ -139,7 +139,7 @@ static void *service_main(void *arg)
                  * them itself and lets go within its spin budget; wait for
                  * it (bounded) rather than fail a transfer the peer finished. */
                 int token = svc_take_token(c);
-                for (int i = 0; !token && i < 2000 && !atomic_load(&c->failed); i++) {
+                for (int i = 0; !token && i < 2000 && !atomic_load(&c->link.failed); i++) {
                     usleep(50);
                     token = svc_take_token(c);
                 }
@@ -159,7 +159,7 @@ static void *service_main(void *arg)
         int rc = pump(c);
         if (rc < 0)
             pump_failed(c, rc);
-        if (atomic_load(&c->failed))
+        if (atomic_load(&c->link.failed))
             uccl__proto_eager_drop(c); /* still the reader */
         svc_give_token(c);
         if (rc < 0)
@@ -180,7 +180,7 @@ int uccl__conn_drive_begin(struct uccl__conn *c)
     if (!c->started || uccl__conn_driving())
         return 0;
     pthread_mutex_lock(&c->mu);
-    if (c->driver || atomic_load(&c->failed)) {
+    if (c->driver || atomic_load(&c->link.failed)) {
         pthread_mutex_unlock(&c->mu);
         return 0;
     }
@@ -199,14 +199,14 @@ int uccl__conn_drive_begin(struct uccl__conn *c)
         }
         __asm__ __volatile__("" ::: "memory");
     }
-    if (c->ctrl_shm)
-        c->tp->ctrl_driving(c, 1);
+    if (c->link.ctrl_shm)
+        c->link.tp->ctrl_driving(&c->link, 1);
     return 1;
 }
 
 int uccl__conn_drive_pump(struct uccl__conn *c, int inline_copies)
 {
-    if (atomic_load(&c->failed))
+    if (atomic_load(&c->link.failed))
         return -1;
     uccl__conn_set_driving(inline_copies ? c : NULL); /* NULL: copies go to the worker */
     int rc = pump(c);
@@ -218,12 +218,12 @@ int uccl__conn_drive_pump(struct uccl__conn *c, int inline_copies)
 
 void uccl__conn_drive_end(struct uccl__conn *c)
 {
-    if (atomic_load(&c->failed))
+    if (atomic_load(&c->link.failed))
         uccl__proto_eager_drop(c); /* still the reader */
     pthread_mutex_lock(&c->mu);
     c->driver = 0;
-    if (c->ctrl_shm)
-        c->tp->ctrl_driving(c, 0);
+    if (c->link.ctrl_shm)
+        c->link.tp->ctrl_driving(&c->link, 0);
     if (c->pending.live > 0) /* still waiting for answers: the service thread takes over */
         pthread_cond_signal(&c->svc_cv);
     pthread_mutex_unlock(&c->mu);
@@ -249,7 +249,7 @@ void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget
 int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
 {
     uint64_t start = uccl__now_ns();
-    uint64_t spin = r->conn->local->spin_ns;
+    uint64_t spin = r->conn->link.local->spin_ns;
     /* A GPU copy of many megabytes is a wait of known length: waking from a
      * sleep costs more than polling through it (one ns per 500 bytes, the
      * copy engine's pace, up to 5 ms). */
@@ -292,12 +292,12 @@ int uccl__conn_start(struct uccl__conn *c)
     /* Under mu against a close racing the start: either the close sees
      * started and joins, or the start sees failed and starts nothing. */
     pthread_mutex_lock(&c->mu);
-    int rc = atomic_load(&c->failed) ? uccl__err(UCCL_ERR_CLOSED, "the endpoint was closed")
-           : c->tp->conn_start ? c->tp->conn_start(c) : UCCL_OK;
+    int rc = atomic_load(&c->link.failed) ? uccl__err(UCCL_ERR_CLOSED, "the endpoint was closed")
+           : c->link.tp->conn_start ? c->link.tp->conn_start(&c->link) : UCCL_OK;
     if (rc == UCCL_OK && pthread_create(&c->svc_thread, NULL, service_main, c))
         rc = uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
     if (rc == UCCL_OK && pthread_create(&c->worker_thread, NULL, uccl__conn_worker_main, c)) {
-        atomic_store(&c->failed, 1);
+        atomic_store(&c->link.failed, 1);
         pthread_mutex_unlock(&c->mu);
         pthread_join(c->svc_thread, NULL);
         return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
@@ -315,7 +315,7 @@ void uccl__conn_close(struct uccl__conn *c)
     /* Answers already owed go first (uccl__req_answer); bounded: 100 ms. */
     for (int i = 0; i < 2000 && atomic_load(&c->answering) > 0; i++)
         usleep(50);
-    if (!atomic_load(&c->failed) && c->started) {
+    if (!atomic_load(&c->link.failed) && c->started) {
         /* Tell the peer this is a close, not a crash; never wait long for it. */
         struct uccl__msg m = {.type = UCCL_MSG_BYE};
         uint8_t buf[UCCL_MSG_SIZE];
@@ -345,6 +345,6 @@ void uccl__conn_close(struct uccl__conn *c)
         if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN))
             break;
     }
-    if (c->tp && c->tp->conn_destroy)
-        c->tp->conn_destroy(c);
+    if (c->link.tp && c->link.tp->conn_destroy)
+        c->link.tp->conn_destroy(&c->link);
 }

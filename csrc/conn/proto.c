@@ -58,11 +58,11 @@ static uint64_t key_of(int kind, uint64_t id) { return uccl__proto_key(kind, id)
  * the source is host memory and the destination GPU memory. */
 static int peer_on_gpu(const struct uccl__conn *c, uint64_t peer_key)
 {
-    return c->tp->key_on_gpu && c->tp->key_on_gpu(peer_key);
+    return c->link.tp->key_on_gpu && c->link.tp->key_on_gpu(peer_key);
 }
 static int dst_copies(const struct uccl__conn *c, int dst_on_gpu, uint64_t src_peer_key)
 {
-    return (!dst_on_gpu && !c->tp->source_writes) || peer_on_gpu(c, src_peer_key);
+    return (!dst_on_gpu && !c->link.tp->source_writes) || peer_on_gpu(c, src_peer_key);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -74,7 +74,7 @@ static void try_match(struct uccl__conn *c)
         pthread_mutex_lock(&c->mu);
         struct uccl__req *r = TAILQ_FIRST(&c->posted);
         struct uccl__rts *rts = STAILQ_FIRST(&c->rtsq);
-        if (!r || !rts || atomic_load(&c->failed)) {
+        if (!r || !rts || atomic_load(&c->link.failed)) {
             pthread_mutex_unlock(&c->mu);
             return;
         }
@@ -115,9 +115,9 @@ static void try_match(struct uccl__conn *c)
         if (eager && slen == r->len) { /* the bytes are here (in held, or already in r->buf) */
             int rc = UCCL_OK;
             if (held || slot >= 0) {
-                rc = uccl__gpu_copy_kinds(r->buf, r->mkind,
-                                          held ? held : c->tp->eager_slot(c, (unsigned)slot),
-                                          UCCL_MK(UCCL_MK_HOST, 0), r->len, c->local->timeout_ns);
+                char *from = held ? held : c->link.tp->eager_slot(&c->link, (unsigned)slot);
+                rc = uccl__gpu_copy_kinds(r->buf, r->mkind, from, UCCL_MK(UCCL_MK_HOST, 0),
+                                          r->len, c->link.local->timeout_ns);
                 atomic_fetch_sub(&r->busy, 1);
             }
             free(held);
@@ -165,11 +165,11 @@ void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
 
 int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
 {
-    if (atomic_load(&c->failed))
+    if (atomic_load(&c->link.failed))
         return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
                          "%s", c->fail_msg);
     pthread_mutex_lock(&c->mu);
-    if (atomic_load(&c->failed)) { /* again under mu: conn_fail collects pending under it */
+    if (atomic_load(&c->link.failed)) { /* again under mu: conn_fail collects pending under it */
         pthread_mutex_unlock(&c->mu);
         return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
                          "%s", c->fail_msg);
@@ -204,9 +204,9 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         /* Eager bytes are copied by the CPU: host memory only. */
         if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT &&
             !UCCL_MK_ON_GPU(r->mkind)) {
-            if (!c->ctrl_shm && !c->direct) {
+            if (!c->link.ctrl_shm && !c->link.direct) {
                 r->eager = 1; /* bytes follow on the socket */
-            } else if (c->ctrl_shm && c->tp->eager_slot) {
+            } else if (c->link.ctrl_shm && c->link.tp->eager_slot) {
                 /* a free slot: freed by its own FIN/NACK, which may come out of order */
                 for (int i = 0; i < UCCL_EAGER_INFLIGHT && r->eager_slot < 0; i++)
                     if (!(c->eager_slots_busy & (1u << i)))
@@ -218,7 +218,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         c->eager_inflight += (unsigned)r->eager;
         pthread_mutex_unlock(&c->mu);
         if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
-            memcpy(c->tp->eager_slot(c, (unsigned)r->eager_slot), r->buf, r->len);
+            memcpy(c->link.tp->eager_slot(&c->link, (unsigned)r->eager_slot), r->buf, r->len);
         m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
                                .addr = (uint64_t)(uintptr_t)r->buf, .window = r->key_for_peer,
                                .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
@@ -226,7 +226,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
                                       ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
-        uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
+        uint64_t deadline = uccl__now_ns() + c->link.local->timeout_ns;
         rc = r->eager && r->eager_slot < 0
                  ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
                  : uccl__conn_ctrl_write(c, buf, deadline);
@@ -238,7 +238,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
     case UCCL_OP_READ:
         r->seq = ++c->next_op;
         uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_OP, r->seq), r);
-        if (r->op == UCCL_OP_READ && (!c->direct || c->tp->staged) && r->len > 0)
+        if (r->op == UCCL_OP_READ && (!c->link.direct || c->link.tp->staged) && r->len > 0)
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
         pthread_mutex_unlock(&c->mu);
         m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
@@ -274,7 +274,7 @@ static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
     if (t) {
         t->seq = m->seq;
         t->hold = hold;
-        t->local_key = hold ? hold->tp_key[c->tp->id] : 0;
+        t->local_key = hold ? hold->tp_key[c->link.tp->id] : 0;
         t->mkind = hold ? hold->gpu.mkind : 0;
     }
     return t;
@@ -283,8 +283,8 @@ static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
 static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
 {
     int st = UCCL_OK;
-    struct uccl__window *w = uccl__mem_window_check(&c->local->mem, c->id, m->window, m->token,
-                                                    m->offset, m->len, &st);
+    struct uccl__window *w = uccl__mem_window_check(&c->link.local->mem, c->id, m->window,
+                                                    m->token, m->offset, m->len, &st);
     if (!w) {
         LOG_WARN("connection %llu: refused %s of %llu bytes at offset %llu of window %llu: %s",
                  (unsigned long long)c->id, m->type == UCCL_MSG_WREQ ? "write" : "read",
@@ -297,33 +297,33 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     struct uccl__mr *hold = w->mr;
     free(w);
     if (m->len == 0) {
-        uccl__mem_release_hold(&c->local->mem, hold);
+        uccl__mem_release_hold(&c->link.local->mem, hold);
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
         return;
     }
     int local_gpu = hold && UCCL_MK_ON_GPU(hold->gpu.mkind);
     int write = m->type == UCCL_MSG_WREQ;
     /* memory the peer cannot reach (or no direct transport): the bytes stream */
-    int streamed = uccl__proto_streams(c, hold ? hold->tp_key[c->tp->id] : 0);
-    if (c->direct && !streamed && write && dst_copies(c, local_gpu, m->aux)) { /* we pull */
+    int streamed = uccl__proto_streams(c, hold ? hold->tp_key[c->link.tp->id] : 0);
+    if (c->link.direct && !streamed && write && dst_copies(c, local_gpu, m->aux)) { /* we pull */
         uccl__conn_push_job(c, UCCL_JOB_PULL_WRITE, NULL, m, local, hold);
         return;
     }
-    if (c->direct && !streamed && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
+    if (c->link.direct && !streamed && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
         /* host window, GPU reader: we push into its buffer, then OPDONE */
         uccl__conn_push_job(c, UCCL_JOB_PUSH_READ, NULL, m, local, hold);
         return;
     }
     uint64_t key_for_peer = 0;
-    if (c->direct && !streamed && c->tp->mem_key && hold) /* the hold keeps the region */
-        st = c->tp->mem_key(c, hold, (uintptr_t)local, &key_for_peer);
+    if (c->link.direct && !streamed && c->link.tp->mem_key && hold) /* the hold keeps the region */
+        st = c->link.tp->mem_key(&c->link, hold, (uintptr_t)local, &key_for_peer);
     struct uccl__req *t = st ? NULL : target_req(c, write ? UCCL_OP_WRITE_TARGET
                                                           : UCCL_OP_READ_TARGET, local, m, hold);
     if (!t) {
         if (st)
             LOG_WARN("connection %llu: refused a %s of window %llu: %s", (unsigned long long)c->id,
                      write ? "write" : "read", (unsigned long long)m->window, uccl_last_error());
-        uccl__mem_release_hold(&c->local->mem, hold);
+        uccl__mem_release_hold(&c->link.local->mem, hold);
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0,
                                (uint64_t)(int64_t)(st ? st : UCCL_ERR_NOMEM));
         return;
@@ -343,7 +343,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
      * holding the region until the connection ends: refused, loudly. */
     int dup = uccl__idmap_get(by_seq, seq_key) != NULL;
     /* Not after conn_fail collected `pending`: t would never be failed. */
-    int ok = !dup && !atomic_load(&c->failed) &&
+    int ok = !dup && !atomic_load(&c->link.failed) &&
              uccl__idmap_put(&c->pending, uccl__pending_key(t), t) == UCCL_OK; /* takes the creation ref */
     if (ok && uccl__idmap_put(by_seq, seq_key, t) != UCCL_OK) {
         uccl__idmap_del(&c->pending, uccl__pending_key(t));
@@ -359,7 +359,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         return;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
-                           .addr = c->direct && !streamed ? (uint64_t)(uintptr_t)local : 0,
+                           .addr = c->link.direct && !streamed ? (uint64_t)(uintptr_t)local : 0,
                            .token = key_for_peer, .aux = streamed ? UCCL_MSG_FLAG_STREAM : 0};
     uccl__conn_send_msg(c, &go);
 }
@@ -373,14 +373,15 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
                          m->type == UCCL_MSG_RREQ || m->type == UCCL_MSG_RDONE ||
                          m->type == UCCL_MSG_PDONE;
     if ((m->type <= UCCL_MSG_OPDONE || m->type == UCCL_MSG_RDONE || m->type == UCCL_MSG_PDONE) &&
-        from_connector == c->is_connector)
+        from_connector == c->link.is_connector)
         return uccl__err(UCCL_ERR_PROTO, "control message type %u sent the wrong way", m->type);
 
     switch (m->type) {
     case UCCL_MSG_RTS: {
         int slot = -1;
         if (m->aux & UCCL_MSG_FLAG_SLOT) {
-            if (!c->tp->eager_slot || m->offset >= UCCL_EAGER_INFLIGHT || m->len > UCCL_EAGER_MAX)
+            if (!c->link.tp->eager_slot || m->offset >= UCCL_EAGER_INFLIGHT ||
+                m->len > UCCL_EAGER_MAX)
                 return uccl__err(UCCL_ERR_PROTO, "eager slot %llu / %llu bytes out of range",
                                  (unsigned long long)m->offset, (unsigned long long)m->len);
             slot = (int)m->offset;
@@ -398,7 +399,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
                              (unsigned long long)m->seq);
-        if (m->len != r->len || r->eager || (c->direct && !c->tp->staged &&
+        if (m->len != r->len || r->eager || (c->link.direct && !c->link.tp->staged &&
                                              (m->aux & UCCL_MSG_FLAG_STREAM))) {
             uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu%s",
@@ -406,7 +407,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
                              r->eager ? " and went eagerly" : m->len == r->len
                              ? " (a stream this transport cannot carry)" : "");
         }
-        if (c->direct && !(m->aux & UCCL_MSG_FLAG_STREAM)) { /* we push into the recv buffer */
+        if (c->link.direct && !(m->aux & UCCL_MSG_FLAG_STREAM)) { /* we push into its buffer */
             r->remote_addr = m->addr;
             r->remote_key = m->token;
             uccl__conn_push_job(c, UCCL_JOB_PUSH_SEND, r, NULL, NULL, NULL);
@@ -448,10 +449,10 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     case UCCL_MSG_GO:
         r = inflight_get(c, UCCL_KEY_OP, m->seq, 0);
-        int streamed = !c->direct || (m->aux & UCCL_MSG_FLAG_STREAM); /* a write only */
+        int streamed = !c->link.direct || (m->aux & UCCL_MSG_FLAG_STREAM); /* a write only */
         if (!r || m->len != r->len || (r->op == UCCL_OP_READ && streamed) ||
-            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ) || (streamed && !c->tp->stream) ||
-            (c->direct && streamed && !c->tp->staged)) {
+            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ) ||
+            (streamed && !c->link.tp->stream) || (c->link.direct && streamed && !c->link.tp->staged)) {
             if (r)
                 uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "GO for unknown operation %llu",
@@ -514,7 +515,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
                              (unsigned long long)m->seq);
         int st = (int)(int64_t)m->aux;
         if (st == UCCL_OK && r->op == UCCL_OP_READ && r->len > 0 &&
-            !(c->direct && UCCL_MK_ON_GPU(r->mkind) && !r->go_seen)) {
+            !(c->link.direct && UCCL_MK_ON_GPU(r->mkind) && !r->go_seen)) {
             /* A read of bytes ends when they are here (streamed) or pulled
              * (direct), never on the target's word, except where the target
              * pushed them into our GPU memory (it had host memory). */
@@ -522,7 +523,8 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for read %llu, which needs no OPDONE",
                              (unsigned long long)m->seq);
         }
-        if (st == UCCL_OK && r->op == UCCL_OP_WRITE && r->len > 0 && !c->direct && !r->go_seen) {
+        if (st == UCCL_OK && r->op == UCCL_OP_WRITE && r->len > 0 && !c->link.direct &&
+            !r->go_seen) {
             uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for write %llu before its GO",
                              (unsigned long long)m->seq);
@@ -541,9 +543,9 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     }
     default:
-        if (c->tp->on_msg)
-            return c->tp->on_msg(c, m);
+        if (c->link.tp->on_msg)
+            return c->link.tp->on_msg(&c->link, m);
         return uccl__err(UCCL_ERR_PROTO, "control message type %u not used by transport %s",
-                         m->type, c->tp->name);
+                         m->type, c->link.tp->name);
     }
 }

@@ -15,7 +15,7 @@
  * held buffer, within the budget a well-behaved sender never exceeds. */
 int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
 {
-    if (c->is_connector || c->ctrl_shm || c->direct)
+    if (c->link.is_connector || c->link.ctrl_shm || c->link.direct)
         return uccl__err(UCCL_ERR_PROTO, "eager message on a connection that does not take them");
     if (m->len > UCCL_EAGER_MAX)
         return uccl__err(UCCL_ERR_PROTO, "eager message of %llu bytes (at most %u)",

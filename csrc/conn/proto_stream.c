@@ -17,7 +17,7 @@
 
 int uccl__proto_streams(const struct uccl__conn *c, uint64_t local_key)
 {
-    return !c->direct || (c->tp->staged && c->tp->staged(local_key));
+    return !c->link.direct || (c->link.tp->staged && c->link.tp->staged(local_key));
 }
 
 int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src,
@@ -27,7 +27,7 @@ int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const vo
         uccl__req_get(r); /* the transport's job holds it until tx_done... */
         atomic_fetch_add(&r->busy, 1); /* ...and reads its buffer till then */
     }
-    int rc = c->tp->stream(c, kind, id, src, src_key, len, r);
+    int rc = c->link.tp->stream(&c->link, kind, id, src, src_key, len, r);
     if (rc) {
         if (r) {
             atomic_fetch_sub(&r->busy, 1);

@@ -34,7 +34,7 @@ static void job_done(struct uccl__conn *c, struct uccl__job *j)
     if (j->busy_held)
         atomic_fetch_sub(&j->req->busy, 1);
     j->busy_held = 0;
-    uccl__mem_release_hold(&c->local->mem, j->hold);
+    uccl__mem_release_hold(&c->link.local->mem, j->hold);
     j->hold = NULL;
 }
 
@@ -48,7 +48,7 @@ void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
         struct uccl__job j = {.kind = kind, .req = r, .dst = dst, .hold = hold, .busy_held = busy};
         if (m)
             j.msg = *m;
-        if (!atomic_load(&c->failed))
+        if (!atomic_load(&c->link.failed))
             run_job(c, &j);
         job_done(c, &j);
         return;
@@ -70,7 +70,7 @@ void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
         j->msg = *m;
     j->dst = dst;
     pthread_mutex_lock(&c->mu);
-    if (atomic_load(&c->failed)) { /* the worker may be gone: nobody would run it */
+    if (atomic_load(&c->link.failed)) { /* the worker may be gone: nobody would run it */
         pthread_mutex_unlock(&c->mu);
         job_done(c, j);
         if (j->req)
@@ -106,7 +106,8 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
     case UCCL_JOB_PULL_READ:
         if (atomic_load(&r->state) != UCCL_REQ_PENDING)
             break; /* already finished or failed: its buffer is not ours to fill */
-        rc = c->tp->pull(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
+        rc = c->link.tp->pull(&c->link, r->buf, r->local_key, r->remote_addr, r->remote_key,
+                              r->len);
         if (rc) {
             uccl__conn_fail(c, rc, "copying %s %llu from the peer: %s",
                             j->kind == UCCL_JOB_PULL_RECV ? "message" : "read",
@@ -115,11 +116,11 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
         }
         job_done(c, j); /* done writing into r: only then may it complete */
         uccl__req_answer(c, r, j->kind == UCCL_JOB_PULL_RECV ? UCCL_MSG_FIN : UCCL_MSG_RDONE,
-                           r->len, UCCL_OK, NULL);
+                         r->len, UCCL_OK, NULL);
         break;
     case UCCL_JOB_PULL_WRITE:
-        rc = c->tp->pull(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,
-                         j->msg.aux, j->msg.len);
+        rc = c->link.tp->pull(&c->link, j->dst, j->hold ? j->hold->tp_key[c->link.tp->id] : 0,
+                              j->msg.addr, j->msg.aux, j->msg.len);
         if (rc)
             LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
                      uccl_last_error());
@@ -129,7 +130,8 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
     case UCCL_JOB_PUSH_WRITE:
         if (atomic_load(&r->state) != UCCL_REQ_PENDING)
             break;
-        rc = c->tp->push(c, r->buf, r->local_key, r->remote_addr, r->remote_key, r->len);
+        rc = c->link.tp->push(&c->link, r->buf, r->local_key, r->remote_addr, r->remote_key,
+                              r->len);
         if (rc) {
             uccl__conn_fail(c, rc, "copying %s %llu into the peer's GPU memory: %s",
                             j->kind == UCCL_JOB_PUSH_SEND ? "message" : "write",
@@ -138,11 +140,11 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
         }
         job_done(c, j);
         uccl__req_answer(c, r, j->kind == UCCL_JOB_PUSH_SEND ? UCCL_MSG_PDONE : UCCL_MSG_RDONE,
-                           r->len, UCCL_OK, NULL);
+                         r->len, UCCL_OK, NULL);
         break;
     case UCCL_JOB_PUSH_READ: /* our window into the reader's GPU buffer */
-        rc = c->tp->push(c, j->dst, j->hold ? j->hold->tp_key[c->tp->id] : 0, j->msg.addr,
-                         j->msg.aux, j->msg.len);
+        rc = c->link.tp->push(&c->link, j->dst, j->hold ? j->hold->tp_key[c->link.tp->id] : 0,
+                              j->msg.addr, j->msg.aux, j->msg.len);
         if (rc)
             LOG_WARN("connection %llu: one-sided copy failed: %s", (unsigned long long)c->id,
                      uccl_last_error());
@@ -157,7 +159,7 @@ void *uccl__conn_worker_main(void *arg)
     struct uccl__conn *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        while (STAILQ_EMPTY(&c->jobs) && !atomic_load(&c->failed))
+        while (STAILQ_EMPTY(&c->jobs) && !atomic_load(&c->link.failed))
             pthread_cond_wait(&c->cv, &c->mu);
         struct uccl__job *j = STAILQ_FIRST(&c->jobs);
         if (j)
@@ -165,7 +167,7 @@ void *uccl__conn_worker_main(void *arg)
         pthread_mutex_unlock(&c->mu);
         if (!j)
             break; /* failed and drained */
-        if (!atomic_load(&c->failed))
+        if (!atomic_load(&c->link.failed))
             run_job(c, j);
         job_done(c, j);
         if (j->req)

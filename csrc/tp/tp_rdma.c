@@ -46,9 +46,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "gpu/gpu.h"
-#include "net/handshake.h"
+#include "tp/handshake.h"
 #include "base/log.h"
 #include "net/sock.h"
 #include "base/status.h"
@@ -64,16 +64,16 @@ static int rdma_available(void)
     return uccl__rdma_devs(&n) ? UCCL_OK : UCCL_ERR_UNAVAIL;
 }
 
-static int rdma_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote_addr,
+static int rdma_pull(struct uccl__link *lk, void *dst, uint64_t local_key, uint64_t remote_addr,
                      uint64_t remote_key, size_t len)
 {
-    return uccl__rdma_move(c, 1, dst, local_key, remote_addr, remote_key, len, 1);
+    return uccl__rdma_move(lk, 1, dst, local_key, remote_addr, remote_key, len, 1);
 }
 
-static int rdma_push(struct uccl__conn *c, const void *src, uint64_t local_key,
+static int rdma_push(struct uccl__link *lk, const void *src, uint64_t local_key,
                      uint64_t remote_addr, uint64_t remote_key, size_t len)
 {
-    return uccl__rdma_move(c, 0, (char *)src, local_key, remote_addr, remote_key, len, 1);
+    return uccl__rdma_move(lk, 0, (char *)src, local_key, remote_addr, remote_key, len, 1);
 }
 
 /* ---- setting up ------------------------------------------------------------------ */
@@ -129,7 +129,7 @@ static int info_decode(const uint8_t in[INFO_SIZE], unsigned *nqp_p, unsigned *n
     return UCCL_OK;
 }
 
-static int rconn_new(struct uccl__conn *c, struct uccl__rdma_conn **t_p)
+static int rconn_new(struct uccl__link *lk, struct uccl__rdma_conn **t_p)
 {
     struct uccl__rdma_conn *t = calloc(1, sizeof(*t));
     if (!t)
@@ -146,9 +146,9 @@ static int rconn_new(struct uccl__conn *c, struct uccl__rdma_conn **t_p)
     for (unsigned i = 0; i < UCCL_RDMA_MAX_QPS; i++)
         pthread_mutex_init(&t->q[i].poll_mu, NULL);
     pthread_mutex_init(&t->own_mu, NULL);
-    c->tp_priv = t;
-    c->direct = 1;
-    c->num_streams = 1; /* one setup socket */
+    lk->tp_priv = t;
+    lk->direct = 1;
+    lk->num_streams = 1; /* one setup socket */
     *t_p = t;
     return UCCL_OK;
 }
@@ -240,26 +240,26 @@ static int qps_connect(struct uccl__rdma_conn *t, const struct peer_qp *p)
     return UCCL_OK;
 }
 
-static int rdma_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
+static int rdma_conn_accept(struct uccl__link *lk, const struct uccl__hello *peer,
                             struct uccl__hello *ack)
 {
     (void)peer;
     struct uccl__rdma_conn *t;
-    int rc = rconn_new(c, &t);
+    int rc = rconn_new(lk, &t);
     if (rc)
         return rc;
     ack->num_streams = 1;
     return UCCL_OK;
 }
 
-static unsigned rdma_streams_needed(const struct uccl__conn *c) { (void)c; return 1; }
+static unsigned rdma_streams_needed(const struct uccl__link *lk) { (void)lk; return 1; }
 
 /* Acceptor, in the listener: the connector's QPs came right behind its
  * HELLO_STREAM (so waiting for them is short); ours go back before the
  * listener's ACK, and the connection is whole before accept() sees it. */
-static int rdma_add_stream(struct uccl__conn *c, int fd, unsigned index)
+static int rdma_add_stream(struct uccl__link *lk, int fd, unsigned index)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     uint8_t buf[INFO_SIZE];
     struct peer_qp p[UCCL_RDMA_MAX_QPS];
     unsigned nqp, ndev, n;
@@ -285,14 +285,14 @@ static int rdma_add_stream(struct uccl__conn *c, int fd, unsigned index)
     return rc;
 }
 
-static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *ack,
+static int rdma_conn_connected(struct uccl__link *lk, const struct uccl__hello *ack,
                                uint64_t deadline)
 {
     if (ack->num_streams != 1)
         return uccl__err(UCCL_ERR_PROTO, "RDMA setup: the peer asked for %u sockets",
                          ack->num_streams);
     struct uccl__rdma_conn *t;
-    int rc = rconn_new(c, &t);
+    int rc = rconn_new(lk, &t);
     if (rc)
         return rc;
     unsigned n, nqp, ndev;
@@ -306,7 +306,7 @@ static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *a
     uint8_t mine[INFO_SIZE];
     if (rc == UCCL_OK) {
         info_encode(t, d, n, mine);
-        rc = uccl__open_setup_stream(c, deadline, mine, sizeof(mine), buf, sizeof(buf), &fd);
+        rc = uccl__open_setup_stream(lk, deadline, mine, sizeof(mine), buf, sizeof(buf), &fd);
     }
     if (rc == UCCL_OK)
         rc = info_decode(buf, &nqp, &ndev, p);
@@ -323,10 +323,10 @@ static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *a
     return rc;
 }
 
-static int rdma_conn_start(struct uccl__conn *c)
+static int rdma_conn_start(struct uccl__link *lk)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
-    if (pthread_create(&t->progress, NULL, uccl__rdma_progress_main, c))
+    struct uccl__rdma_conn *t = lk->tp_priv;
+    if (pthread_create(&t->progress, NULL, uccl__rdma_progress_main, lk))
         return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
     t->thread = 1;
     return UCCL_OK;
@@ -334,9 +334,9 @@ static int rdma_conn_start(struct uccl__conn *c)
 
 /* Every QP to ERR: the NIC flushes what is posted, and movers waiting on
  * their completions see them fail. */
-static void rdma_conn_shutdown(struct uccl__conn *c)
+static void rdma_conn_shutdown(struct uccl__link *lk)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     const struct uccl__ibv *ib = uccl__ibv();
     if (!t || !ib || atomic_exchange(&t->stop, 1))
         return;
@@ -348,12 +348,12 @@ static void rdma_conn_shutdown(struct uccl__conn *c)
         }
 }
 
-static void rdma_conn_destroy(struct uccl__conn *c)
+static void rdma_conn_destroy(struct uccl__link *lk)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     if (!t)
         return;
-    rdma_conn_shutdown(c);
+    rdma_conn_shutdown(lk);
     uccl__rdma_stage_join(t->stage);
     if (t->thread) {
         pthread_join(t->progress, NULL);
@@ -362,13 +362,13 @@ static void rdma_conn_destroy(struct uccl__conn *c)
 }
 
 /* With the last reference: no mover runs any more. */
-static void rdma_conn_free(struct uccl__conn *c)
+static void rdma_conn_free(struct uccl__link *lk)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     const struct uccl__ibv *ib = uccl__ibv();
     if (!t)
         return;
-    rdma_conn_destroy(c);
+    rdma_conn_destroy(lk);
     for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_QPS; i++) {
         if (t->q[i].qp)
             ib->destroy_qp(t->q[i].qp);
@@ -380,7 +380,7 @@ static void rdma_conn_free(struct uccl__conn *c)
     pthread_mutex_destroy(&t->own_mu);
     uccl__rdma_stage_free(t->stage);
     free(t);
-    c->tp_priv = NULL;
+    lk->tp_priv = NULL;
 }
 
 const struct uccl__tp_ops uccl__tp_rdma = {

@@ -62,11 +62,11 @@ struct uccl__rdma_mr {
 
 struct uccl__mem;
 struct uccl__mr;
-struct uccl__conn;
+struct uccl__link;
 struct uccl__msg;
 int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr);
 void uccl__rdma_mem_dereg(struct uccl__mem *mem, struct uccl__mr *mr);
-int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+int uccl__rdma_mem_key(struct uccl__link *lk, const struct uccl__mr *mr, uintptr_t addr,
                        uint64_t *key_p);
 /* The region behind a local key is staged (transport.h, `staged`). */
 int uccl__rdma_staged(uint64_t local_key);
@@ -126,7 +126,7 @@ struct uccl__rdma_conn {      /* a connection's tp_priv */
  * peer's raddr (its rkeys): READ them in, or WRITE them out, the last WR a
  * WRITE_WITH_IMM if imm; staged memory through the connection's own chunk.
  * Blocking; a failure fails the connection. */
-int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
+int uccl__rdma_move(struct uccl__link *lk, int read, char *local, uint64_t local_key,
                     uint64_t raddr, uint64_t rkey, size_t len, int imm);
 /* Post n (at most UCCL_RDMA_RQ_DEPTH) of the receives kept on every QP. */
 int uccl__rdma_post_recvs(struct uccl__rdma_qp *q, int n);
@@ -144,8 +144,8 @@ void uccl__rdma_stage_join(struct uccl__rdma_stage *s);
 void uccl__rdma_stage_free(struct uccl__rdma_stage *s);
 /* The ops: stream (a transfer into, or a read out of, memory the peer
  * cannot reach) and the staging ring's messages (RING, CREDIT, DATA). */
-int uccl__rdma_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+int uccl__rdma_stream(struct uccl__link *lk, int kind, uint64_t id, const void *src,
                       uint64_t src_key, size_t len, void *cookie);
-int uccl__rdma_on_msg(struct uccl__conn *c, const struct uccl__msg *m);
+int uccl__rdma_on_msg(struct uccl__link *lk, const struct uccl__msg *m);
 
 #endif

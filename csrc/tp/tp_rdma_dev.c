@@ -363,10 +363,10 @@ void uccl__rdma_mem_dereg(struct uccl__mem *mem, struct uccl__mr *mr)
     mr->tp_priv[UCCL_TP_RDMA] = NULL;
 }
 
-int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+int uccl__rdma_mem_key(struct uccl__link *lk, const struct uccl__mr *mr, uintptr_t addr,
                        uint64_t *key_p)
 {
-    (void)c;
+    (void)lk;
     (void)addr;
     const struct uccl__rdma_mr *m = mr->tp_priv[UCCL_TP_RDMA];
     unsigned n = 0;

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "gpu/gpu.h"
 #include "base/status.h"
 #include "tp/tp_rdma.h"
@@ -76,9 +76,9 @@ int uccl__rdma_post_recvs(struct uccl__rdma_qp *q, int n)
  * A failed receive (the peer's QP went away) is reported by the progress
  * thread only (report): a mover learns of failure from its own WRs.
  * Returns how many were handled. */
-static int progress_ex(struct uccl__conn *c, int report)
+static int progress_ex(struct uccl__link *lk, int report)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     int handled = 0;
     if (!atomic_load(&t->ready))
         return 0;
@@ -123,9 +123,9 @@ static int progress_ex(struct uccl__conn *c, int report)
             /* A closing peer says BYE on the control socket, which may be
              * read a moment after its QPs went: give it that moment, so a
              * clean close is not reported as a failure (as tp_tcp.c does). */
-            for (int k = 0; k < 50 && !atomic_load(&c->failed); k++)
+            for (int k = 0; k < 50 && !atomic_load(&lk->failed); k++)
                 usleep(2000);
-            uccl__conn_fail(c, UCCL_ERR_IO, "RDMA QP %u: %s", q->qp->qp_num,
+            uccl__conn_fail(lk->conn, UCCL_ERR_IO, "RDMA QP %u: %s", q->qp->qp_num,
                             recv_failed < 0 ? "reposting a receive failed"
                                             : wc_status_str(recv_failed));
         }
@@ -133,7 +133,7 @@ static int progress_ex(struct uccl__conn *c, int report)
     return handled;
 }
 
-static int progress(struct uccl__conn *c) { return progress_ex(c, 0); }
+static int progress(struct uccl__link *lk) { return progress_ex(lk, 0); }
 
 /* Sleep in growing steps: a 2-core machine must not lose a core to a poller. */
 static void backoff(unsigned *spins)
@@ -150,10 +150,10 @@ static void backoff(unsigned *spins)
 
 void *uccl__rdma_progress_main(void *arg)
 {
-    struct uccl__conn *c = arg;
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__link *lk = arg;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     while (!atomic_load(&t->stop)) {
-        if (progress_ex(c, 1) == 0)
+        if (progress_ex(lk, 1) == 0)
             usleep(2000); /* only receives to repost: they are deep, and RNR retries forever */
     }
     return NULL;
@@ -166,10 +166,10 @@ static uint32_t peer_rkey(const struct uccl__rdma_conn *t, unsigned qi, uint64_t
     return (uint32_t)(key >> (32 * (qi % t->peer_ndev)));
 }
 
-static int post_one(struct uccl__conn *c, struct rop *op, unsigned qi, int opcode, char *local,
+static int post_one(struct uccl__link *lk, struct rop *op, unsigned qi, int opcode, char *local,
                     uint32_t lkey, uint64_t raddr, uint64_t rkey, size_t len, uint32_t imm)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     struct uccl__rdma_qp *q = &t->q[qi];
     struct ibv_sge_s sge = {.addr = (uint64_t)(uintptr_t)local, .length = (uint32_t)len,
                             .lkey = lkey};
@@ -195,13 +195,13 @@ static int post_one(struct uccl__conn *c, struct rop *op, unsigned qi, int opcod
 
 /* Poll until all of op's WRs completed, one failed (unless draining: then
  * until all completed, flushed or not), or the deadline passes. */
-static int wait_op(struct uccl__conn *c, struct rop *op, uint64_t deadline, int drain)
+static int wait_op(struct uccl__link *lk, struct rop *op, uint64_t deadline, int drain)
 {
     unsigned spins = 0;
     while (atomic_load(&op->left) > 0) {
         if (!drain && atomic_load(&op->status))
             return UCCL_ERR_IO;
-        if (progress(c) > 0) {
+        if (progress(lk) > 0) {
             spins = 0;
             continue;
         }
@@ -213,14 +213,14 @@ static int wait_op(struct uccl__conn *c, struct rop *op, uint64_t deadline, int 
 }
 
 /* Wait until a slot frees on QP qi. */
-static int wait_slot(struct uccl__conn *c, struct rop *op, unsigned qi, uint64_t deadline)
+static int wait_slot(struct uccl__link *lk, struct rop *op, unsigned qi, uint64_t deadline)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     unsigned spins = 0;
     while (atomic_load(&t->q[qi].inflight) >= UCCL_RDMA_SQ_DEPTH) {
-        if (atomic_load(&op->status) || atomic_load(&c->failed))
+        if (atomic_load(&op->status) || atomic_load(&lk->failed))
             return UCCL_ERR_IO;
-        if (progress(c) > 0)
+        if (progress(lk) > 0)
             continue;
         if (uccl__now_ns() > deadline)
             return UCCL_ERR_TIMEOUT;
@@ -255,10 +255,10 @@ static void own_give(struct uccl__rdma_conn *t) { pthread_mutex_unlock(&t->own_m
  * ending in a WRITE_WITH_IMM once every other chunk has landed.  Memory no
  * NIC could register (staged) goes through the connection's own staging
  * chunk (own_take), one chunk at a time. */
-int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
+int uccl__rdma_move(struct uccl__link *lk, int read, char *local, uint64_t local_key,
                     uint64_t raddr, uint64_t rkey, size_t len, int imm)
 {
-    struct uccl__rdma_conn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     const struct uccl__rdma_mr *m = (const struct uccl__rdma_mr *)(uintptr_t)local_key;
     const char *what = read ? "RDMA READ" : "RDMA WRITE";
     if (len == 0)
@@ -280,7 +280,7 @@ int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_
     int rc = staged ? own_take(t, m->mkind, &sa) : UCCL_OK;
     int post_failed = rc != UCCL_OK;
     atomic_init(&op->refs, 1);
-    uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
+    uint64_t deadline = uccl__now_ns() + lk->local->timeout_ns;
     size_t nchunks = (len + t->chunk - 1) / t->chunk;
     uint32_t seq = atomic_fetch_add(&t->next_imm, 1);
     for (size_t k = 0; k < nchunks && rc == UCCL_OK; k++) {
@@ -291,29 +291,29 @@ int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_
         /* QPs are not ordered among themselves: the immediate, which tells
          * the receiver the message is whole, goes after every other chunk. */
         if (last_write)
-            rc = wait_op(c, op, deadline, 0);
+            rc = wait_op(lk, op, deadline, 0);
         if (rc == UCCL_OK)
-            rc = wait_slot(c, op, qi, deadline);
+            rc = wait_slot(lk, op, qi, deadline);
         if (rc == UCCL_OK && staged && !read) { /* into the staging chunk first */
-            rc = uccl__gpu_copy_kinds(at, sa->mk, local + off, m->mkind, n, c->local->timeout_ns);
+            rc = uccl__gpu_copy_kinds(at, sa->mk, local + off, m->mkind, n, lk->local->timeout_ns);
             post_failed = rc != UCCL_OK;
         }
         if (rc == UCCL_OK) {
-            rc = post_one(c, op, qi, read ? IBV_WR_RDMA_READ_ : last_write
+            rc = post_one(lk, op, qi, read ? IBV_WR_RDMA_READ_ : last_write
                           ? IBV_WR_RDMA_WRITE_WITH_IMM_ : IBV_WR_RDMA_WRITE_, at,
                           staged ? sa->mr[dev]->lkey : m->mr[dev]->lkey, raddr + off, rkey,
                           n, seq);
             post_failed = rc != UCCL_OK;
         }
         if (rc == UCCL_OK && staged) /* the chunk is reused: this one must be done */
-            rc = wait_op(c, op, deadline, 0);
+            rc = wait_op(lk, op, deadline, 0);
         if (rc == UCCL_OK && staged && read) { /* then out of it */
-            rc = uccl__gpu_copy_kinds(local + off, m->mkind, at, sa->mk, n, c->local->timeout_ns);
+            rc = uccl__gpu_copy_kinds(local + off, m->mkind, at, sa->mk, n, lk->local->timeout_ns);
             post_failed = rc != UCCL_OK;
         }
     }
     if (rc == UCCL_OK)
-        rc = wait_op(c, op, deadline, 0);
+        rc = wait_op(lk, op, deadline, 0);
     if (rc == UCCL_OK) {
         if (sa)
             own_give(t);
@@ -330,14 +330,14 @@ int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_
                  wc_status_str(st - 1), st - 1);
     else if (rc == UCCL_ERR_TIMEOUT)
         snprintf(msg, sizeof(msg), "%s of %zu bytes did not complete within %.0f s", what, len,
-                 (double)c->local->timeout_ns / 1e9);
+                 (double)lk->local->timeout_ns / 1e9);
     else
         snprintf(msg, sizeof(msg), "%s of %zu bytes stopped: the connection failed", what, len);
     /* Every QP to ERR (conn_shutdown): the NIC flushes what is left, and
      * only then may the caller reuse the buffer. */
     rc = rc == UCCL_ERR_TIMEOUT ? UCCL_ERR_TIMEOUT : UCCL_ERR_IO;
-    uccl__conn_fail(c, rc, "%s", msg);
-    wait_op(c, op, uccl__now_ns() + 5000000000ull, 1);
+    uccl__conn_fail(lk->conn, rc, "%s", msg);
+    wait_op(lk, op, uccl__now_ns() + 5000000000ull, 1);
     if (sa)
         own_give(t);
     rop_put(op);
