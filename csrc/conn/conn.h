@@ -1,7 +1,7 @@
 /* The connection layer: one connection between two endpoints, its requests
  * and the protocol they follow, identical for every transport.  Its files,
- * bottom to top; each calls only the files above it in this list, never
- * one below, so calls go one way:
+ * bottom to top; each calls only files listed before it, so calls go one
+ * way:
  *
  *   conn.c          a connection and its requests, which hold each other:
  *                   references, failure (which finishes every pending

@@ -13,6 +13,9 @@
 
 static void run_job(struct uccl__conn *c, struct uccl__job *j);
 
+/* ------------------------------------------------------------------------- */
+/* copy jobs                                                                  */
+
 /* The connection whose copies this thread makes itself: the one it drives
  * (progress.c, uccl__conn_drive) or posts to blocking, if any. */
 static _Thread_local struct uccl__conn *tls_driving;
