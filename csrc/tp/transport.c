@@ -1,5 +1,5 @@
-/* The transport registry (transport.h): a const table by wire id
- * (DESIGN.md §2.1), and what goes through it for the memory regions: the
+/* The transport registry (transport.h): a const table by wire id, and
+ * what goes through it for the memory regions: the
  * hooks that register a region with every transport available here, and
  * the keys of a region for one connection's transport (mem.h asks for
  * them as functions, knowing no transport). */
