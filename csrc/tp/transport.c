@@ -1,8 +1,8 @@
 /* The transport registry (transport.h): a const table by wire id, and
- * what goes through it for the memory regions: the
- * hooks that register a region with every transport available here, and
- * the keys of a region for one connection's transport (mem.h asks for
- * them as functions, knowing no transport). */
+ * what goes through it for the memory regions: the hooks that register a
+ * region with every transport available here, and the keys of a region
+ * for one connection's transport (mem.h asks for them as functions,
+ * knowing no transport). */
 #include "tp/transport.h"
 
 #include "base/status.h"
