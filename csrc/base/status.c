@@ -43,22 +43,6 @@ const char *uccl_last_error(void)
     return tls_errmsg;
 }
 
-long uccl__env_long(const char *name, long dflt, long lo, long hi, int *bad)
-{
-    const char *s = getenv(name);
-    if (!s || !*s)
-        return dflt;
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) {
-        uccl__err(UCCL_ERR_INVALID, "%s=%s: expected an integer in %ld..%ld", name, s, lo, hi);
-        *bad = 1;
-        return dflt;
-    }
-    return v;
-}
-
 uint64_t uccl__random64(void)
 {
     uint64_t v = 0;

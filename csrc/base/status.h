@@ -39,10 +39,6 @@ const char *uccl_status_str(int status);
 int uccl__err(int status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-/* Integer environment variable `name`: dflt when unset or empty; outside
- * lo..hi or not a number, dflt with *bad set and the reason recorded. */
-long uccl__env_long(const char *name, long dflt, long lo, long hi, int *bad);
-
 /* The last message recorded on this thread ("" if none). */
 const char *uccl_last_error(void);
 

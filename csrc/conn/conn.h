@@ -1,20 +1,32 @@
 /* The connection layer: one connection between two endpoints, its requests
- * and the protocol they follow, identical for every transport.
+ * and the protocol they follow, identical for every transport.  Its files,
+ * bottom to top; each calls only files listed before it, so calls go one
+ * way:
  *
- *   conn.c   the connection: life cycle, failure, the control channel, the
- *            service thread that reads it, callers driving it, the worker
- *            thread and its copy jobs
- *   proto.c  requests, and the two-sided and one-sided protocol: posting,
- *            matching, the messages and what each one does, and the
- *            stream data path the transports call
- *   proto_eager.c  eager payloads read off a socket control channel
- *   proto_stream.c the stream data path: which transfers stream, the bytes
- *            handed to the transport, where received chunks land
+ *   conn.c          a connection and its requests, which hold each other:
+ *                   references, failure (which finishes every pending
+ *                   request), the control channel's writes, requests made,
+ *                   finished, and answered (finished, then the peer told)
+ *   worker.c        copies: the jobs the protocol queues (a pull into a
+ *                   posted buffer, a push into the peer's GPU memory) and
+ *                   the worker thread that runs them, unless the caller
+ *                   driving the connection runs them itself
+ *   proto_stream.c  the stream data path: which transfers stream, the bytes
+ *                   handed to the transport, where received chunks land
+ *   proto.c         the protocol: posting, matching sends to receives, each
+ *                   control message and what it does
+ *   proto_eager.c   eager payloads read off a socket control channel, then
+ *                   matched like any announced message
+ *   progress.c      who reads the control channel and hands each message to
+ *                   the protocol: the service thread, or a caller driving
+ *                   the connection while it waits (uccl__req_wait); the
+ *                   threads' start, and close
  *
  * The endpoint layer (engine.c, listen.c, xfer.c) calls down into this one;
- * this one calls the transports (transport.h), the memory regions (mem.h)
- * and the layers below.  The two files are halves of one layer and call
- * each other through the functions at the end of this header. */
+ * this one calls the transports through their ops (transport.h), the memory
+ * regions (mem.h) and the layers below.  A transport calls back only
+ * through the upcalls at the end of transport.h (conn.c: send_msg, fail;
+ * proto_stream.c: rx_begin, rx_end, rx_abort, tx_done). */
 #ifndef UCCL_CONN_H
 #define UCCL_CONN_H
 
@@ -25,7 +37,7 @@
 #include <sys/queue.h>
 
 #include "base/idmap.h"
-#include "mem/local.h"
+#include "tp/link.h"
 #include "tp/transport.h"
 #include "net/wire.h"
 
@@ -75,13 +87,13 @@ struct uccl__rts {               /* an RTS that arrived before its recv was post
     STAILQ_ENTRY(uccl__rts) link;
 };
 
-/* Eager sends: on a socket control channel a message of at most
- * UCCL_EAGER_MAX bytes travels right after its RTS, saving the CTS round
- * trip and the data-stream threads.  A sender keeps at most
- * UCCL_EAGER_INFLIGHT of them unanswered, so a receiver never holds more
- * than their product in bytes for recvs not yet posted. */
-#define UCCL_EAGER_MAX (64u << 10)
-#define UCCL_EAGER_INFLIGHT 16
+/* Eager sends (UCCL_EAGER_MAX, UCCL_EAGER_INFLIGHT: transport.h, whose
+ * eager slots are sized by them): on a socket control channel a message of
+ * at most UCCL_EAGER_MAX bytes travels right after its RTS, saving the CTS
+ * round trip and the data-stream threads; over shared memory it sits in a
+ * slot.  A sender keeps at most UCCL_EAGER_INFLIGHT of them unanswered, so
+ * a receiver never holds more than their product in bytes for recvs not
+ * yet posted. */
 #define UCCL_MSG_FLAG_EAGER 1u
 #define UCCL_MSG_FLAG_SLOT 2u   /* eager bytes are in shared-memory slot `offset` */
 #define UCCL_MSG_FLAG_STREAM 4u /* CTS, GO (aux): stream the bytes (proto_stream.c) */
@@ -107,30 +119,15 @@ struct uccl__job {
 };
 
 struct uccl__conn {
+    struct uccl__link link;      /* what the transport sees (link.h): the local side, the
+                                    peer, the handshake's terms, the transport, failed */
     uint64_t id;
     atomic_int refs;
-    struct uccl__local *local;   /* the endpoint's side: settings, identity, regions */
-    int is_connector;            /* connector sends/reads/writes, acceptor receives */
     int ctrl_fd;
     pthread_mutex_t ctrl_tx_mu;  /* one writer at a time on the control socket */
-    const struct uccl__tp_ops *tp;
-    void *tp_priv;
-    int direct;                  /* transport moves bytes with pull/push */
-    int ctrl_shm;                /* control messages use tp->ctrl_send/recv */
-    size_t chunk_bytes;
-    unsigned num_streams;
-    uint64_t token;
-    uint8_t secret[UCCL_SECRET_MAX]; /* connector: presented on every extra stream */
-    uint32_t secret_len;
-
-    char peer_ip[46];
-    int peer_port, peer_gpu, peer_rank;
-    uint32_t peer_pid;
-    char peer_host[UCCL_HOSTID_MAX];
 
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;
-    atomic_int failed;
     int peer_bye;                /* the peer closed on purpose: log quietly */
     atomic_int closing;          /* we are closing: whatever fails next is that close */
     atomic_int answering;        /* threads between finishing a request and telling the peer */
@@ -165,9 +162,26 @@ struct uccl__conn {
     size_t eager_held;           /* receiver: bytes held for recvs not yet posted (under mu) */
 };
 
+/* The keys of a connection's tables: pending by the request's address;
+ * inflight and rx by (kind, id), kind above (rx: UCCL_DATA_*; inflight:
+ * UCCL_KEY_*, where LENT is a window the initiator copies from or into and
+ * RECV a recv the sender pushes into), id below. */
+enum { UCCL_KEY_SEND = 1, UCCL_KEY_OP = 2, UCCL_KEY_LENT = 3, UCCL_KEY_RECV = 4 };
+
+static inline uint64_t uccl__proto_key(int kind, uint64_t id)
+{
+    return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1));
+}
+
+static inline uint64_t uccl__pending_key(const struct uccl__req *r)
+{
+    return (uint64_t)(uintptr_t)r;
+}
+
 /* ---- for the endpoint layer ---------------------------------------------- */
 
-/* Requests (proto.c).  A request holds its connection. */
+/* Requests (conn.c; uccl__req_wait: progress.c).  A request holds its
+ * connection. */
 struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len);
 void uccl__req_get(struct uccl__req *r);
 /* A stream waits (flag slot, gen of pool f) until r finishes; released at
@@ -180,9 +194,9 @@ void uccl__req_put(struct uccl__req *r);
  * timeout_ns passes (UCCL_INPROGRESS). */
 int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns);
 
-/* Connections (conn.c).  new: one reference, not started; the endpoint
- * fills in the peer, the transport and the handshake's outcome, then
- * starts it. */
+/* Connections (conn.c; start and close: progress.c).  new: one reference,
+ * not started; the endpoint fills in the peer, the transport and the
+ * handshake's outcome, then starts it. */
 struct uccl__conn *uccl__conn_new(struct uccl__local *loc, int is_connector, int ctrl_fd);
 int uccl__conn_start(struct uccl__conn *c);
 void uccl__conn_get(struct uccl__conn *c);
@@ -194,7 +208,8 @@ void uccl__conn_close(struct uccl__conn *c);
  * so work that r's arrival triggers may run on the calling thread. */
 int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking);
 /* Drive c from the calling thread until r finishes or budget_ns passes;
- * returns at once if another thread already drives c. */
+ * returns at once if another thread already drives c (progress.c, as the
+ * pieces below). */
 void uccl__conn_drive(struct uccl__conn *c, struct uccl__req *r, uint64_t budget_ns);
 /* The pieces of uccl__conn_drive, for a thread that drives several
  * connections at once: begin (1: this thread is now c's reader), pump
@@ -207,29 +222,36 @@ void uccl__conn_drive_end(struct uccl__conn *c);
 /* (uccl__conn_fail and uccl__conn_send_msg, also used by the endpoint, are
  * declared in transport.h.) */
 
-/* ---- between conn.c and proto.c ------------------------------------------ */
+/* ---- inside the layer, by file, bottom to top ----------------------------- */
 
-/* proto.c */
-/* An announced message joins the receiver's queue and is matched if its
- * recv is posted. */
-void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts);
+/* conn.c */
 /* Take r out of the protocol's tables and finish it (drops the connection's
  * reference); nothing if it was finished already.  Without c->mu held. */
 void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt,
                         ...) __attribute__((format(printf, 4, 5)));
-/* Finish r here, then tell the peer (FIN, NACK, OPDONE, RDONE). */
-void uccl__proto_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
-                        int status, const char *why);
-/* A whole control message read by the connection's reader. */
-int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m);
-/* Free what the protocol keeps for c (with its last reference). */
-void uccl__proto_free(struct uccl__conn *c);
+/* Finish r here, then tell the peer (FIN, NACK, OPDONE, RDONE, PDONE). */
+void uccl__req_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
+                      int status, const char *why);
+/* Write one encoded message on the control channel; caller holds ctrl_tx_mu. */
+int uccl__conn_ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline);
+void uccl__conn_send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len,
+                            uint64_t aux);
 
-/* The key of a request in the inflight and rx tables: kind above, id below. */
-static inline uint64_t uccl__proto_key(int kind, uint64_t id)
-{
-    return ((uint64_t)kind << 56) | (id & ((1ull << 56) - 1));
-}
+/* worker.c */
+/* Queue a copy (UCCL_JOB_*) for the worker, or run it here if this thread
+ * drives c with inline copies.  Takes over `hold`; r may be NULL. */
+void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
+                         const struct uccl__msg *m, void *dst, struct uccl__mr *hold);
+/* Run fn(c) with c's copies made on this thread (unless it already drives a
+ * connection): a blocking caller pulls what is ready at once. */
+void uccl__conn_with_inline_copies(struct uccl__conn *c, void (*fn)(struct uccl__conn *));
+/* The connection whose copies this thread makes itself (NULL: none), and
+ * setting it, for the thread that drives c (progress.c). */
+struct uccl__conn *uccl__conn_driving(void);
+void uccl__conn_set_driving(struct uccl__conn *c);
+/* The worker thread (started by uccl__conn_start): runs queued copies
+ * until c fails. */
+void *uccl__conn_worker_main(void *arg);
 
 /* proto_stream.c */
 /* Do bytes bound for (or read out of) local memory with this local key
@@ -241,6 +263,13 @@ int uccl__proto_streams(const struct uccl__conn *c, uint64_t local_key);
 int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src,
                            uint64_t src_key, size_t len, struct uccl__req *r);
 
+/* proto.c */
+/* An announced message joins the receiver's queue and is matched if its
+ * recv is posted. */
+void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts);
+/* A whole control message read by the connection's reader. */
+int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m);
+
 /* proto_eager.c */
 /* An eager RTS on the socket: decide where its payload goes (c->erx), which
  * the reader then reads; eager_arrived once all of it is in. */
@@ -248,18 +277,5 @@ int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m);
 void uccl__proto_eager_arrived(struct uccl__conn *c);
 /* The reader lets go of a half-read eager payload (the connection failed). */
 void uccl__proto_eager_drop(struct uccl__conn *c);
-
-/* conn.c */
-/* Write one encoded message on the control channel; caller holds ctrl_tx_mu. */
-int uccl__conn_ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline);
-void uccl__conn_send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len,
-                            uint64_t aux);
-/* Queue a copy (UCCL_JOB_*) for the worker, or run it here if this thread
- * drives c with inline copies.  Takes over `hold`; r may be NULL. */
-void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
-                         const struct uccl__msg *m, void *dst, struct uccl__mr *hold);
-/* Run fn(c) with c's copies made on this thread (unless it already drives a
- * connection): a blocking caller pulls what is ready at once. */
-void uccl__conn_with_inline_copies(struct uccl__conn *c, void (*fn)(struct uccl__conn *));
 
 #endif

@@ -1,5 +1,9 @@
-/* Requests and the per-connection protocol, identical for every transport
- * (the connection that carries it is conn.c).
+/* The per-connection protocol, identical for every transport: posting a
+ * request, matching sends to receives, and each control message and what
+ * it does (conn.h).  It stands on the connection and its requests
+ * (conn.c), the copies (worker.c) and the stream data path
+ * (proto_stream.c); the connection's reader (progress.c) hands it each
+ * message, and proto_eager.c each eager message once its bytes are in.
  *
  * Two-sided (connector sends, acceptor receives; k-th send matches k-th recv):
  *   sender -> RTS{seq, len, addr}  (eager, len <= 64 KiB: the bytes come with
@@ -39,203 +43,26 @@
  * the peer may close at once and its BYE must not find that request pending.
  */
 #define _GNU_SOURCE
-#include <linux/futex.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "conn/conn.h"
 #include "base/log.h"
 #include "net/sock.h"
 #include "base/status.h"
 
-/* inflight keys (LENT: a window the initiator copies from or into; RECV: a
- * recv the sender pushes into) */
-enum { KEY_SEND = 1, KEY_OP = 2, KEY_LENT = 3, KEY_RECV = 4 };
-
 static uint64_t key_of(int kind, uint64_t id) { return uccl__proto_key(kind, id); }
-static uint64_t ptr_key(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* Direct transports: does the destination side make the copy?  Not where
  * the source is host memory and the destination GPU memory. */
 static int peer_on_gpu(const struct uccl__conn *c, uint64_t peer_key)
 {
-    return c->tp->key_on_gpu && c->tp->key_on_gpu(peer_key);
+    return c->link.tp->key_on_gpu && c->link.tp->key_on_gpu(peer_key);
 }
 static int dst_copies(const struct uccl__conn *c, int dst_on_gpu, uint64_t src_peer_key)
 {
-    return (!dst_on_gpu && !c->tp->source_writes) || peer_on_gpu(c, src_peer_key);
-}
-
-/* ------------------------------------------------------------------------- */
-/* requests                                                                   */
-
-struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t len)
-{
-    struct uccl__req *r = calloc(1, sizeof(*r));
-    if (!r)
-        return NULL;
-    atomic_init(&r->refs, 1);
-    atomic_init(&r->state, UCCL_REQ_PENDING);
-    r->op = op;
-    r->conn = c;
-    r->buf = buf;
-    r->len = len;
-    uccl__conn_get(c);
-    return r;
-}
-
-void uccl__req_get(struct uccl__req *r) { atomic_fetch_add(&r->refs, 1); }
-
-void uccl__req_put(struct uccl__req *r)
-{
-    if (r && atomic_fetch_sub(&r->refs, 1) == 1) {
-        uccl__mem_release_hold(&r->conn->local->mem, r->hold);
-        uccl__conn_put(r->conn);
-        free(r);
-    }
-}
-
-static void futex_wake_all(atomic_uint *w)
-{
-    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
-}
-
-/* First caller wins; later calls (a failure racing a success) are ignored. */
-static void req_finish(struct uccl__req *r, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void req_finish(struct uccl__req *r, int status, const char *fmt, ...)
-{
-    static const unsigned pending = UCCL_REQ_PENDING;
-    /* Claim with a private value so the message is written before waiters
-     * can see the final state. */
-    unsigned expect = pending;
-    if (!atomic_compare_exchange_strong(&r->state, &expect, 3u))
-        return;
-    r->status = status;
-    r->msg[0] = '\0';
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(r->msg, sizeof(r->msg), fmt, ap);
-        va_end(ap);
-    }
-    atomic_store(&r->state, status == UCCL_OK ? UCCL_REQ_DONE : UCCL_REQ_FAILED);
-    if (atomic_load(&r->sleepers) > 0) /* a wake is a syscall: only when someone sleeps */
-        futex_wake_all(&r->state);
-    uint32_t *slot = atomic_exchange(&r->flag, NULL); /* a waiting stream goes on */
-    if (slot)
-        uccl__gpu_flag_set(r->flags, slot, r->flag_gen);
-}
-
-/* Whoever takes the slot out of r (this, or req_finish) releases it, once:
- * published after the stream's wait was queued, checked again after. */
-void uccl__req_flag(struct uccl__req *r, struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen)
-{
-    r->flags = f;
-    r->flag_gen = gen;
-    atomic_store(&r->flag, slot);
-    if (atomic_load(&r->state) != UCCL_REQ_PENDING && (slot = atomic_exchange(&r->flag, NULL)))
-        uccl__gpu_flag_set(f, slot, gen);
-}
-
-void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why)
-{
-    req_finish(r, status, "%s", why);
-}
-
-/* Spin briefly (the answer often comes within microseconds), then sleep on
- * the state word: a 2-core machine must not lose a core to a waiter. */
-int uccl__req_wait(struct uccl__req *r, uint64_t timeout_ns)
-{
-    uint64_t start = uccl__now_ns();
-    uint64_t spin = r->conn->local->spin_ns;
-    /* A GPU copy of many megabytes is a wait of known length: waking from a
-     * sleep costs more than polling through it (one ns per 500 bytes, the
-     * copy engine's pace, up to 5 ms). */
-    if (UCCL_MK_ON_GPU(r->mkind) && spin > 0 && r->len / 500 > spin)
-        spin = r->len / 500 < 5000000 ? r->len / 500 : 5000000;
-    if (spin > timeout_ns)
-        spin = timeout_ns;
-    uccl__conn_drive(r->conn, r, spin);
-    for (int i = 0; i < 2000; i++) {
-        unsigned s = atomic_load(&r->state);
-        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
-            return UCCL_OK;
-        if ((i & 63) == 63 && uccl__now_ns() - start > 20000)
-            break;
-        __asm__ __volatile__("" ::: "memory");
-    }
-    for (;;) {
-        unsigned s = atomic_load(&r->state);
-        if (s == UCCL_REQ_DONE || s == UCCL_REQ_FAILED)
-            return UCCL_OK;
-        uint64_t now = uccl__now_ns();
-        if (now - start >= timeout_ns)
-            return UCCL_INPROGRESS;
-        uint64_t left = timeout_ns - (now - start);
-        struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
-        atomic_fetch_add(&r->sleepers, 1);
-        /* finish() stores the state before reading sleepers (both seq_cst):
-         * either it sees us or futex_wait sees the new state and returns. */
-        syscall(SYS_futex, (uint32_t *)&r->state, FUTEX_WAIT_PRIVATE, s, &ts, NULL, 0);
-        atomic_fetch_sub(&r->sleepers, 1);
-    }
-}
-
-/* ------------------------------------------------------------------------- */
-/* finishing requests                                                         */
-
-void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
-{
-    char msg[512] = "";
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, sizeof(msg), fmt, ap);
-        va_end(ap);
-    }
-    pthread_mutex_lock(&c->mu);
-    int held = uccl__idmap_del(&c->pending, ptr_key(r)) != NULL;
-    uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(KEY_SEND, r->seq)
-                : r->op == UCCL_OP_RECV ? key_of(KEY_RECV, r->seq)
-                : r->op == UCCL_OP_READ_TARGET || r->op == UCCL_OP_WRITE_TARGET
-                ? key_of(KEY_LENT, r->seq) : key_of(KEY_OP, r->seq);
-    if (uccl__idmap_get(&c->inflight, k1) == r)
-        uccl__idmap_del(&c->inflight, k1);
-    int dk = r->op == UCCL_OP_RECV ? UCCL_DATA_SEND : r->op == UCCL_OP_READ ? UCCL_DATA_READ
-           : r->op == UCCL_OP_WRITE_TARGET ? UCCL_DATA_WRITE : 0;
-    if (dk && uccl__idmap_get(&c->rx, key_of(dk, r->seq)) == r)
-        uccl__idmap_del(&c->rx, key_of(dk, r->seq));
-    if (r->posted) { /* a recv still waiting for its RTS */
-        TAILQ_REMOVE(&c->posted, r, link);
-        r->posted = 0;
-    }
-    pthread_mutex_unlock(&c->mu);
-    if (!held)
-        return;
-    req_finish(r, status, "%s", msg);
-    uccl__req_put(r);
-}
-
-/* Finish r here, then tell the peer (FIN, NACK, OPDONE).  In that order: once
- * told, the peer may close at once, and its BYE must not find r pending.
- * But finishing r may let our own caller close at once too: `answering`
- * makes that close send its BYE only after this answer (uccl__conn_close),
- * or the peer would find its half of the exchange pending. */
-void uccl__proto_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint64_t len,
-                        int status, const char *why)
-{
-    uint64_t seq = r->seq;
-    atomic_fetch_add(&c->answering, 1);
-    uccl__req_complete(c, r, status, why ? "%s" : NULL, why);
-    uccl__conn_send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE || type == UCCL_MSG_PDONE
-                                                  ? (uint64_t)(int64_t)status : 0);
-    atomic_fetch_sub(&c->answering, 1);
+    return (!dst_on_gpu && !c->link.tp->source_writes) || peer_on_gpu(c, src_peer_key);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -247,7 +74,7 @@ static void try_match(struct uccl__conn *c)
         pthread_mutex_lock(&c->mu);
         struct uccl__req *r = TAILQ_FIRST(&c->posted);
         struct uccl__rts *rts = STAILQ_FIRST(&c->rtsq);
-        if (!r || !rts || atomic_load(&c->failed)) {
+        if (!r || !rts || atomic_load(&c->link.failed)) {
             pthread_mutex_unlock(&c->mu);
             return;
         }
@@ -270,7 +97,7 @@ static void try_match(struct uccl__conn *c)
             stream = 1;
         } else if (rts->len == r->len && r->len > 0 && !rts->eager &&
                    !dst_copies(c, UCCL_MK_ON_GPU(r->mkind), rts->key)) {
-            uccl__idmap_put(&c->inflight, key_of(KEY_RECV, r->seq), r); /* until PDONE */
+            uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_RECV, r->seq), r); /* until PDONE */
             push = 1;
         }
         r->remote_addr = rts->addr;
@@ -288,9 +115,9 @@ static void try_match(struct uccl__conn *c)
         if (eager && slen == r->len) { /* the bytes are here (in held, or already in r->buf) */
             int rc = UCCL_OK;
             if (held || slot >= 0) {
-                rc = uccl__gpu_copy_kinds(r->buf, r->mkind,
-                                          held ? held : c->tp->eager_slot(c, (unsigned)slot),
-                                          UCCL_MK(UCCL_MK_HOST, 0), r->len, c->local->timeout_ns);
+                char *from = held ? held : c->link.tp->eager_slot(&c->link, (unsigned)slot);
+                rc = uccl__gpu_copy_kinds(r->buf, r->mkind, from, UCCL_MK(UCCL_MK_HOST, 0),
+                                          r->len, c->link.local->timeout_ns);
                 atomic_fetch_sub(&r->busy, 1);
             }
             free(held);
@@ -298,7 +125,7 @@ static void try_match(struct uccl__conn *c)
                 uccl__conn_fail(c, rc, "copying message %llu into its buffer: %s",
                                 (unsigned long long)r->seq, uccl_last_error());
             else
-                uccl__proto_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
+                uccl__req_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
             continue;
         }
         free(held);
@@ -309,9 +136,9 @@ static void try_match(struct uccl__conn *c)
                      "bytes but this recv posted %zu bytes; nothing was written",
                      (unsigned long long)c->id, (unsigned long long)r->seq,
                      (unsigned long long)slen, r->len);
-            uccl__proto_answer(c, r, UCCL_MSG_NACK, r->len, UCCL_ERR_MISMATCH, why);
+            uccl__req_answer(c, r, UCCL_MSG_NACK, r->len, UCCL_ERR_MISMATCH, why);
         } else if (r->len == 0) {
-            uccl__proto_answer(c, r, UCCL_MSG_FIN, 0, UCCL_OK, NULL);
+            uccl__req_answer(c, r, UCCL_MSG_FIN, 0, UCCL_OK, NULL);
         } else if (stream) {
             uccl__conn_send_simple(c, UCCL_MSG_CTS, r->seq, r->len, UCCL_MSG_FLAG_STREAM);
         } else if (push) {
@@ -338,16 +165,16 @@ void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
 
 int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
 {
-    if (atomic_load(&c->failed))
+    if (atomic_load(&c->link.failed))
         return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
                          "%s", c->fail_msg);
     pthread_mutex_lock(&c->mu);
-    if (atomic_load(&c->failed)) { /* again under mu: conn_fail collects pending under it */
+    if (atomic_load(&c->link.failed)) { /* again under mu: conn_fail collects pending under it */
         pthread_mutex_unlock(&c->mu);
         return uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO,
                          "%s", c->fail_msg);
     }
-    int rc = uccl__idmap_put(&c->pending, ptr_key(r), r);
+    int rc = uccl__idmap_put(&c->pending, uccl__pending_key(r), r);
     if (rc) {
         pthread_mutex_unlock(&c->mu);
         return rc;
@@ -372,14 +199,14 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         pthread_mutex_lock(&c->ctrl_tx_mu);
         pthread_mutex_lock(&c->mu);
         r->seq = ++c->next_send_seq;
-        uccl__idmap_put(&c->inflight, key_of(KEY_SEND, r->seq), r);
+        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_SEND, r->seq), r);
         r->eager_slot = -1;
         /* Eager bytes are copied by the CPU: host memory only. */
         if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT &&
             !UCCL_MK_ON_GPU(r->mkind)) {
-            if (!c->ctrl_shm && !c->direct) {
+            if (!c->link.ctrl_shm && !c->link.direct) {
                 r->eager = 1; /* bytes follow on the socket */
-            } else if (c->ctrl_shm && c->tp->eager_slot) {
+            } else if (c->link.ctrl_shm && c->link.tp->eager_slot) {
                 /* a free slot: freed by its own FIN/NACK, which may come out of order */
                 for (int i = 0; i < UCCL_EAGER_INFLIGHT && r->eager_slot < 0; i++)
                     if (!(c->eager_slots_busy & (1u << i)))
@@ -391,7 +218,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
         c->eager_inflight += (unsigned)r->eager;
         pthread_mutex_unlock(&c->mu);
         if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
-            memcpy(c->tp->eager_slot(c, (unsigned)r->eager_slot), r->buf, r->len);
+            memcpy(c->link.tp->eager_slot(&c->link, (unsigned)r->eager_slot), r->buf, r->len);
         m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
                                .addr = (uint64_t)(uintptr_t)r->buf, .window = r->key_for_peer,
                                .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
@@ -399,7 +226,7 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
                                       ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
         uint8_t buf[UCCL_MSG_SIZE];
         uccl__msg_encode(&m, buf);
-        uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
+        uint64_t deadline = uccl__now_ns() + c->link.local->timeout_ns;
         rc = r->eager && r->eager_slot < 0
                  ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
                  : uccl__conn_ctrl_write(c, buf, deadline);
@@ -410,8 +237,8 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
     case UCCL_OP_WRITE:
     case UCCL_OP_READ:
         r->seq = ++c->next_op;
-        uccl__idmap_put(&c->inflight, key_of(KEY_OP, r->seq), r);
-        if (r->op == UCCL_OP_READ && (!c->direct || c->tp->staged) && r->len > 0)
+        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_OP, r->seq), r);
+        if (r->op == UCCL_OP_READ && (!c->link.direct || c->link.tp->staged) && r->len > 0)
             uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
         pthread_mutex_unlock(&c->mu);
         m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
@@ -447,7 +274,7 @@ static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
     if (t) {
         t->seq = m->seq;
         t->hold = hold;
-        t->local_key = hold ? hold->tp_key[c->tp->id] : 0;
+        t->local_key = hold ? hold->tp_key[c->link.tp->id] : 0;
         t->mkind = hold ? hold->gpu.mkind : 0;
     }
     return t;
@@ -456,8 +283,8 @@ static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
 static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
 {
     int st = UCCL_OK;
-    struct uccl__window *w = uccl__mem_window_check(&c->local->mem, c->id, m->window, m->token,
-                                                    m->offset, m->len, &st);
+    struct uccl__window *w = uccl__mem_window_check(&c->link.local->mem, c->id, m->window,
+                                                    m->token, m->offset, m->len, &st);
     if (!w) {
         LOG_WARN("connection %llu: refused %s of %llu bytes at offset %llu of window %llu: %s",
                  (unsigned long long)c->id, m->type == UCCL_MSG_WREQ ? "write" : "read",
@@ -470,33 +297,33 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     struct uccl__mr *hold = w->mr;
     free(w);
     if (m->len == 0) {
-        uccl__mem_release_hold(&c->local->mem, hold);
+        uccl__mem_release_hold(&c->link.local->mem, hold);
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
         return;
     }
     int local_gpu = hold && UCCL_MK_ON_GPU(hold->gpu.mkind);
     int write = m->type == UCCL_MSG_WREQ;
     /* memory the peer cannot reach (or no direct transport): the bytes stream */
-    int streamed = uccl__proto_streams(c, hold ? hold->tp_key[c->tp->id] : 0);
-    if (c->direct && !streamed && write && dst_copies(c, local_gpu, m->aux)) { /* we pull */
+    int streamed = uccl__proto_streams(c, hold ? hold->tp_key[c->link.tp->id] : 0);
+    if (c->link.direct && !streamed && write && dst_copies(c, local_gpu, m->aux)) { /* we pull */
         uccl__conn_push_job(c, UCCL_JOB_PULL_WRITE, NULL, m, local, hold);
         return;
     }
-    if (c->direct && !streamed && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
+    if (c->link.direct && !streamed && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
         /* host window, GPU reader: we push into its buffer, then OPDONE */
         uccl__conn_push_job(c, UCCL_JOB_PUSH_READ, NULL, m, local, hold);
         return;
     }
     uint64_t key_for_peer = 0;
-    if (c->direct && !streamed && c->tp->mem_key && hold) /* the hold keeps the region */
-        st = c->tp->mem_key(c, hold, (uintptr_t)local, &key_for_peer);
+    if (c->link.direct && !streamed && c->link.tp->mem_key && hold) /* the hold keeps the region */
+        st = c->link.tp->mem_key(&c->link, hold, (uintptr_t)local, &key_for_peer);
     struct uccl__req *t = st ? NULL : target_req(c, write ? UCCL_OP_WRITE_TARGET
                                                           : UCCL_OP_READ_TARGET, local, m, hold);
     if (!t) {
         if (st)
             LOG_WARN("connection %llu: refused a %s of window %llu: %s", (unsigned long long)c->id,
                      write ? "write" : "read", (unsigned long long)m->window, uccl_last_error());
-        uccl__mem_release_hold(&c->local->mem, hold);
+        uccl__mem_release_hold(&c->link.local->mem, hold);
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0,
                                (uint64_t)(int64_t)(st ? st : UCCL_ERR_NOMEM));
         return;
@@ -510,16 +337,16 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
      * our window (direct read, or a push into our GPU window) and says
      * RDONE: t waits in pending, failed with the connection. */
     struct uccl__idmap *by_seq = write && streamed ? &c->rx : &c->inflight;
-    uint64_t seq_key = key_of(write && streamed ? UCCL_DATA_WRITE : KEY_LENT, t->seq);
+    uint64_t seq_key = key_of(write && streamed ? UCCL_DATA_WRITE : UCCL_KEY_LENT, t->seq);
     pthread_mutex_lock(&c->mu);
     /* A seq still in use (the peer chose it) would orphan its request,
      * holding the region until the connection ends: refused, loudly. */
     int dup = uccl__idmap_get(by_seq, seq_key) != NULL;
     /* Not after conn_fail collected `pending`: t would never be failed. */
-    int ok = !dup && !atomic_load(&c->failed) &&
-             uccl__idmap_put(&c->pending, ptr_key(t), t) == UCCL_OK; /* takes the creation ref */
+    int ok = !dup && !atomic_load(&c->link.failed) &&
+             uccl__idmap_put(&c->pending, uccl__pending_key(t), t) == UCCL_OK; /* takes the creation ref */
     if (ok && uccl__idmap_put(by_seq, seq_key, t) != UCCL_OK) {
-        uccl__idmap_del(&c->pending, ptr_key(t));
+        uccl__idmap_del(&c->pending, uccl__pending_key(t));
         ok = 0;
     }
     pthread_mutex_unlock(&c->mu);
@@ -532,7 +359,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         return;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
-                           .addr = c->direct && !streamed ? (uint64_t)(uintptr_t)local : 0,
+                           .addr = c->link.direct && !streamed ? (uint64_t)(uintptr_t)local : 0,
                            .token = key_for_peer, .aux = streamed ? UCCL_MSG_FLAG_STREAM : 0};
     uccl__conn_send_msg(c, &go);
 }
@@ -546,14 +373,15 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
                          m->type == UCCL_MSG_RREQ || m->type == UCCL_MSG_RDONE ||
                          m->type == UCCL_MSG_PDONE;
     if ((m->type <= UCCL_MSG_OPDONE || m->type == UCCL_MSG_RDONE || m->type == UCCL_MSG_PDONE) &&
-        from_connector == c->is_connector)
+        from_connector == c->link.is_connector)
         return uccl__err(UCCL_ERR_PROTO, "control message type %u sent the wrong way", m->type);
 
     switch (m->type) {
     case UCCL_MSG_RTS: {
         int slot = -1;
         if (m->aux & UCCL_MSG_FLAG_SLOT) {
-            if (!c->tp->eager_slot || m->offset >= UCCL_EAGER_INFLIGHT || m->len > UCCL_EAGER_MAX)
+            if (!c->link.tp->eager_slot || m->offset >= UCCL_EAGER_INFLIGHT ||
+                m->len > UCCL_EAGER_MAX)
                 return uccl__err(UCCL_ERR_PROTO, "eager slot %llu / %llu bytes out of range",
                                  (unsigned long long)m->offset, (unsigned long long)m->len);
             slot = (int)m->offset;
@@ -567,11 +395,11 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     }
     case UCCL_MSG_CTS:
-        r = inflight_get(c, KEY_SEND, m->seq, 0); /* stays until FIN */
+        r = inflight_get(c, UCCL_KEY_SEND, m->seq, 0); /* stays until FIN */
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "CTS for unknown message %llu",
                              (unsigned long long)m->seq);
-        if (m->len != r->len || r->eager || (c->direct && !c->tp->staged &&
+        if (m->len != r->len || r->eager || (c->link.direct && !c->link.tp->staged &&
                                              (m->aux & UCCL_MSG_FLAG_STREAM))) {
             uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "CTS for %llu bytes, message %llu has %zu%s",
@@ -579,7 +407,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
                              r->eager ? " and went eagerly" : m->len == r->len
                              ? " (a stream this transport cannot carry)" : "");
         }
-        if (c->direct && !(m->aux & UCCL_MSG_FLAG_STREAM)) { /* we push into the recv buffer */
+        if (c->link.direct && !(m->aux & UCCL_MSG_FLAG_STREAM)) { /* we push into its buffer */
             r->remote_addr = m->addr;
             r->remote_key = m->token;
             uccl__conn_push_job(c, UCCL_JOB_PUSH_SEND, r, NULL, NULL, NULL);
@@ -590,7 +418,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     case UCCL_MSG_NACK:
     case UCCL_MSG_FIN:
-        r = inflight_get(c, KEY_SEND, m->seq, 1);
+        r = inflight_get(c, UCCL_KEY_SEND, m->seq, 1);
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "%s for unknown message %llu",
                              m->type == UCCL_MSG_FIN ? "FIN" : "NACK", (unsigned long long)m->seq);
@@ -620,11 +448,11 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__conn_fail(c, UCCL_ERR_IO, "the peer closed its endpoint");
         return UCCL_OK;
     case UCCL_MSG_GO:
-        r = inflight_get(c, KEY_OP, m->seq, 0);
-        int streamed = !c->direct || (m->aux & UCCL_MSG_FLAG_STREAM); /* a write only */
+        r = inflight_get(c, UCCL_KEY_OP, m->seq, 0);
+        int streamed = !c->link.direct || (m->aux & UCCL_MSG_FLAG_STREAM); /* a write only */
         if (!r || m->len != r->len || (r->op == UCCL_OP_READ && streamed) ||
-            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ) || (streamed && !c->tp->stream) ||
-            (c->direct && streamed && !c->tp->staged)) {
+            (r->op != UCCL_OP_WRITE && r->op != UCCL_OP_READ) ||
+            (streamed && !c->link.tp->stream) || (c->link.direct && streamed && !c->link.tp->staged)) {
             if (r)
                 uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "GO for unknown operation %llu",
@@ -657,7 +485,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__req_put(r);
         return UCCL_OK;
     case UCCL_MSG_RDONE:
-        r = inflight_get(c, KEY_LENT, m->seq, 1);
+        r = inflight_get(c, UCCL_KEY_LENT, m->seq, 1);
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "RDONE for unknown operation %llu",
                              (unsigned long long)m->seq);
@@ -665,7 +493,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__req_put(r);
         return UCCL_OK;
     case UCCL_MSG_PDONE: {
-        r = inflight_get(c, KEY_RECV, m->seq, 1);
+        r = inflight_get(c, UCCL_KEY_RECV, m->seq, 1);
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "PDONE for message %llu, which was not pushed",
                              (unsigned long long)m->seq);
@@ -681,13 +509,13 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     }
     case UCCL_MSG_OPDONE: {
-        r = inflight_get(c, KEY_OP, m->seq, 0);
+        r = inflight_get(c, UCCL_KEY_OP, m->seq, 0);
         if (!r)
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for unknown operation %llu",
                              (unsigned long long)m->seq);
         int st = (int)(int64_t)m->aux;
         if (st == UCCL_OK && r->op == UCCL_OP_READ && r->len > 0 &&
-            !(c->direct && UCCL_MK_ON_GPU(r->mkind) && !r->go_seen)) {
+            !(c->link.direct && UCCL_MK_ON_GPU(r->mkind) && !r->go_seen)) {
             /* A read of bytes ends when they are here (streamed) or pulled
              * (direct), never on the target's word, except where the target
              * pushed them into our GPU memory (it had host memory). */
@@ -695,7 +523,8 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for read %llu, which needs no OPDONE",
                              (unsigned long long)m->seq);
         }
-        if (st == UCCL_OK && r->op == UCCL_OP_WRITE && r->len > 0 && !c->direct && !r->go_seen) {
+        if (st == UCCL_OK && r->op == UCCL_OP_WRITE && r->len > 0 && !c->link.direct &&
+            !r->go_seen) {
             uccl__req_put(r);
             return uccl__err(UCCL_ERR_PROTO, "OPDONE for write %llu before its GO",
                              (unsigned long long)m->seq);
@@ -714,26 +543,9 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     }
     default:
-        if (c->tp->on_msg)
-            return c->tp->on_msg(c, m);
+        if (c->link.tp->on_msg)
+            return c->link.tp->on_msg(&c->link, m);
         return uccl__err(UCCL_ERR_PROTO, "control message type %u not used by transport %s",
-                         m->type, c->tp->name);
-    }
-}
-
-void uccl__proto_free(struct uccl__conn *c)
-{
-    for (struct uccl__rts *rts; (rts = STAILQ_FIRST(&c->rtsq));) {
-        STAILQ_REMOVE_HEAD(&c->rtsq, link);
-        free(rts->data);
-        free(rts);
-    }
-    if (c->erx.rts) {
-        free(c->erx.rts->data);
-        free(c->erx.rts);
-    }
-    if (c->erx.direct) {
-        atomic_fetch_sub(&c->erx.direct->busy, 1);
-        uccl__req_put(c->erx.direct);
+                         m->type, c->link.tp->name);
     }
 }

@@ -1,8 +1,9 @@
-/* Eager payloads on a socket control channel (proto.c's other half): a
- * message of at most UCCL_EAGER_MAX bytes travels right behind its RTS, and
- * the connection's reader reads it straight into the posted recv it will
- * match, or into a held buffer within the budget a well-behaved sender
- * never exceeds. */
+/* Eager payloads on a socket control channel (conn.h): a message of at
+ * most UCCL_EAGER_MAX bytes travels right behind its RTS, and the
+ * connection's reader (progress.c) reads it straight into the posted recv
+ * it will match, or into a held buffer within the budget a well-behaved
+ * sender never exceeds; once all of it is in, the protocol (proto.c)
+ * queues and matches it like any announced message. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 
@@ -14,7 +15,7 @@
  * held buffer, within the budget a well-behaved sender never exceeds. */
 int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
 {
-    if (c->is_connector || c->ctrl_shm || c->direct)
+    if (c->link.is_connector || c->link.ctrl_shm || c->link.direct)
         return uccl__err(UCCL_ERR_PROTO, "eager message on a connection that does not take them");
     if (m->len > UCCL_EAGER_MAX)
         return uccl__err(UCCL_ERR_PROTO, "eager message of %llu bytes (at most %u)",

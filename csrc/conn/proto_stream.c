@@ -1,7 +1,8 @@
-/* The stream data path (proto.c's other half): which transfers stream,
- * handing a transfer's bytes to the transport, and where the chunks a
- * transport receives land (the upcalls of transport.h), each checked
- * against what this side posted or advertised.
+/* The stream data path (conn.h): which transfers stream, handing a
+ * transfer's bytes to the transport, and where the chunks a transport
+ * receives land (the upcalls of transport.h), each checked against what
+ * this side posted or advertised.  The protocol (proto.c) calls it; it
+ * stands on the connection and its requests (conn.c) alone.
  *
  * A connection streams everything when its transport is not direct (TCP,
  * the shared-memory ring); a direct one streams only the transfers whose
@@ -16,7 +17,7 @@
 
 int uccl__proto_streams(const struct uccl__conn *c, uint64_t local_key)
 {
-    return !c->direct || (c->tp->staged && c->tp->staged(local_key));
+    return !c->link.direct || (c->link.tp->staged && c->link.tp->staged(local_key));
 }
 
 int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const void *src,
@@ -26,7 +27,7 @@ int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const vo
         uccl__req_get(r); /* the transport's job holds it until tx_done... */
         atomic_fetch_add(&r->busy, 1); /* ...and reads its buffer till then */
     }
-    int rc = c->tp->stream(c, kind, id, src, src_key, len, r);
+    int rc = c->link.tp->stream(&c->link, kind, id, src, src_key, len, r);
     if (rc) {
         if (r) {
             atomic_fetch_sub(&r->busy, 1);
@@ -71,9 +72,9 @@ void uccl__conn_rx_end(struct uccl__conn *c, struct uccl__req *r, uint64_t len)
         /* A streamed send completes on our FIN, not when its bytes left the
          * sender: the FIN is ordered before any BYE we may send next. */
         if (r->op == UCCL_OP_WRITE_TARGET)
-            uccl__proto_answer(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
+            uccl__req_answer(c, r, UCCL_MSG_OPDONE, r->len, UCCL_OK, NULL);
         else if (r->op == UCCL_OP_RECV)
-            uccl__proto_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
+            uccl__req_answer(c, r, UCCL_MSG_FIN, r->len, UCCL_OK, NULL);
         else
             uccl__req_complete(c, r, UCCL_OK, NULL);
     } else if (got > r->len) {

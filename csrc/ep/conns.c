@@ -104,8 +104,8 @@ int uccl_ep_accept(uccl_ep_t *ep, uint64_t timeout_ns, uint64_t *conn_p, char ip
     ep->acceptq_len--;
     struct uccl__conn *c = uccl__idmap_get(&ep->conns, id);
     if (c) {
-        snprintf(ip, 46, "%s", c->peer_ip);
-        *gpu_p = c->peer_gpu;
+        snprintf(ip, 46, "%s", c->link.peer_ip);
+        *gpu_p = c->link.peer_gpu;
     }
     pthread_mutex_unlock(&ep->mu);
     *conn_p = id;
@@ -125,10 +125,10 @@ int uccl_ep_conn_transport(uccl_ep_t *ep, uint64_t conn, char *buf, size_t len)
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
         return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    if (c->tp == &uccl__tp_shm)
-        snprintf(buf, len, "shm-%s", c->direct ? "cma" : "ring");
+    if (c->link.tp == &uccl__tp_shm)
+        snprintf(buf, len, "shm-%s", c->link.direct ? "cma" : "ring");
     else
-        snprintf(buf, len, "%s", c->tp->name);
+        snprintf(buf, len, "%s", c->link.tp->name);
     uccl__conn_put(c);
     return UCCL_OK;
 }
@@ -138,7 +138,7 @@ int uccl_ep_conn_peer_rank(uccl_ep_t *ep, uint64_t conn, int *rank_p)
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
         return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    *rank_p = c->peer_rank;
+    *rank_p = c->link.peer_rank;
     uccl__conn_put(c);
     return UCCL_OK;
 }

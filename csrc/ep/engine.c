@@ -14,7 +14,7 @@
 
 #include "load/cuda_loader.h"
 #include "ep/engine.h"
-#include "net/handshake.h"
+#include "tp/handshake.h"
 #include "base/log.h"
 #include "net/sock.h"
 #include "base/config.h"
@@ -117,7 +117,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     pthread_cond_init(&ep->cv, NULL);
     SLIST_INIT(&ep->remotes);
     ep->done_floor = 1; /* ids start at 1 */
-    uccl__mem_init(&loc->mem);
+    uccl__mem_init(&loc->mem, &uccl__tp_mem_hooks);
     uccl__pool_lazy_init(&loc->copy_pool);
     uccl__gate_init(&ep->gate);
     loc->gpu_idx = o->gpu_idx;
@@ -304,18 +304,18 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
         close(fd);
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     }
-    c->token = uccl__random64();
-    c->num_streams = ep->local.num_streams;
-    c->chunk_bytes = ep->local.chunk_bytes;
-    c->peer_rank = -1;
-    c->peer_port = port;
-    c->peer_gpu = remote_gpu;
-    c->secret_len = (uint32_t)secret_len;
-    memcpy(c->secret, secret, secret_len);
-    snprintf(c->peer_ip, sizeof(c->peer_ip), "%s", ip);
+    c->link.token = uccl__random64();
+    c->link.num_streams = ep->local.num_streams;
+    c->link.chunk_bytes = ep->local.chunk_bytes;
+    c->link.peer_rank = -1;
+    c->link.peer_port = port;
+    c->link.peer_gpu = remote_gpu;
+    c->link.secret_len = (uint32_t)secret_len;
+    memcpy(c->link.secret, secret, secret_len);
+    snprintf(c->link.peer_ip, sizeof(c->link.peer_ip), "%s", ip);
 
     struct uccl__hello ack;
-    rc = uccl__handshake(c, fd, UCCL_HELLO_CONN, 0, deadline, &ack);
+    rc = uccl__handshake(&c->link, fd, UCCL_HELLO_CONN, 0, deadline, &ack);
     if (rc)
         goto err_conn;
     if (expect_rank >= 0 && ack.rank != expect_rank) {
@@ -324,16 +324,16 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
                        expect_rank);
         goto err_conn;
     }
-    c->peer_rank = ack.rank;
-    c->peer_pid = ack.pid;
-    c->peer_gpu = ack.gpu_idx;
-    snprintf(c->peer_host, sizeof(c->peer_host), "%s", ack.host_id);
+    c->link.peer_rank = ack.rank;
+    c->link.peer_pid = ack.pid;
+    c->link.peer_gpu = ack.gpu_idx;
+    snprintf(c->link.peer_host, sizeof(c->link.peer_host), "%s", ack.host_id);
     if (ack.transport >= UCCL_TP_COUNT || !uccl__tp_registry[ack.transport]) {
         rc = uccl__err(UCCL_ERR_PROTO, "peer chose transport %u, unknown here", ack.transport);
         goto err_conn;
     }
-    c->tp = uccl__tp_registry[ack.transport];
-    rc = c->tp->conn_connected(c, &ack, deadline);
+    c->link.tp = uccl__tp_registry[ack.transport];
+    rc = c->link.tp->conn_connected(&c->link, &ack, deadline);
     if (rc)
         goto err_conn;
     rc = uccl__ep_add_conn(ep, c, 0);
@@ -344,7 +344,8 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
         uccl__ep_del_conn(ep, c->id);
         goto err_conn;
     }
-    LOG_INFO("connection %llu to %s:%d over %s", (unsigned long long)c->id, ip, port, c->tp->name);
+    LOG_INFO("connection %llu to %s:%d over %s", (unsigned long long)c->id, ip, port,
+             c->link.tp->name);
     *conn_p = c->id;
     return UCCL_OK;
 
@@ -364,7 +365,8 @@ int uccl_ep_connect_meta(uccl_ep_t *ep, const uint8_t *meta, size_t meta_len, ui
     struct uccl__remote *r;
     SLIST_FOREACH(r, &ep->remotes, link) {
         struct uccl__conn *c = uccl__idmap_get(&ep->conns, r->conn_id);
-        if (strcmp(r->ip, m.ip) == 0 && r->port == (int)m.port && c && !atomic_load(&c->failed)) {
+        if (strcmp(r->ip, m.ip) == 0 && r->port == (int)m.port && c &&
+            !atomic_load(&c->link.failed)) {
             *conn_p = r->conn_id;
             pthread_mutex_unlock(&ep->mu);
             return UCCL_OK;
@@ -440,7 +442,7 @@ static void stop_conn(void *arg, uint64_t conn_id, uint64_t mr_id)
         n = 1;
     }
     for (size_t i = 0; i < n; i++) {
-        if (!v[i]->is_connector)
+        if (!v[i]->link.is_connector)
             uccl__conn_fail(v[i], UCCL_ERR_TIMEOUT, "region %llu was deregistered while the "
                             "peer was still reading or writing it", (unsigned long long)mr_id);
         uccl__conn_put(v[i]);
@@ -465,7 +467,7 @@ int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr,
     struct uccl__conn *c = conn ? uccl__ep_conn_get(ep, conn) : NULL;
     if (conn && !c)
         return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    int acceptor = !c || !c->is_connector;
+    int acceptor = !c || !c->link.is_connector;
     if (c)
         uccl__conn_put(c);
     if (!acceptor)

@@ -23,7 +23,7 @@
 
 #include "conn/conn.h"
 #include "base/idmap.h"
-#include "mem/local.h"
+#include "tp/link.h"
 #include "ep/uccl.h"
 
 #define UCCL_ACCEPTQ_MAX 1024

@@ -3,7 +3,7 @@
  * export record, the peer maps the range through it.
  *
  * The same checks as a transfer's: the key is that of a live registration
- * of this endpoint and covers the range (uccl__mem_keys); the peer is a
+ * of this endpoint and covers the range (uccl__tp_mem_keys); the peer is a
  * connection of this endpoint over shared memory with direct copies (so its
  * process id came through the job's authenticated handshake), and the
  * mapping is of a range inside what the peer's record exports
@@ -22,10 +22,10 @@ static int ipc_conn(uccl_ep_t *ep, uint64_t conn_id, const char *what, struct uc
     if (!c)
         return uccl__err(UCCL_ERR_NOTFOUND, "%s: no connection %llu", what,
                          (unsigned long long)conn_id);
-    if (c->tp->id != UCCL_TP_SHM || !c->direct) {
+    if (c->link.tp->id != UCCL_TP_SHM || !c->link.direct) {
         int rc = uccl__err(UCCL_ERR_INVALID, "%s: connection %llu is %s%s, not shared memory "
-                           "with CUDA IPC", what, (unsigned long long)conn_id, c->tp->name,
-                           c->tp->id == UCCL_TP_SHM ? " without direct copies" : "");
+                           "with CUDA IPC", what, (unsigned long long)conn_id, c->link.tp->name,
+                           c->link.tp->id == UCCL_TP_SHM ? " without direct copies" : "");
         uccl__conn_put(c);
         return rc;
     }
@@ -44,8 +44,8 @@ int uccl_ep_ipc_key(uccl_ep_t *ep, uint64_t conn_id, uint64_t mr_id, uintptr_t p
         return rc;
     uint64_t local_key = 0, peer_key = 0;
     uint32_t mkind = 0;
-    rc = uccl__mem_keys(&ep->local.mem, mr_id, ptr, len, c->tp, c, &local_key, &peer_key,
-                        &mkind);
+    rc = uccl__tp_mem_keys(&ep->local.mem, mr_id, ptr, len, &c->link, &local_key, &peer_key,
+                           &mkind);
     uccl__conn_put(c);
     if (rc)
         return rc;
@@ -70,7 +70,7 @@ int uccl_ep_ipc_map(uccl_ep_t *ep, uint64_t conn_id, uint64_t key, uint64_t addr
     struct uccl__conn *c;
     if ((rc = ipc_conn(ep, conn_id, "mapping a peer's device memory", &c)))
         return rc;
-    uint32_t pid = c->peer_pid;
+    uint32_t pid = c->link.peer_pid;
     uccl__conn_put(c);
     struct uccl__gpu_import *imp = NULL;
     rc = uccl__gpu_import_get(pid, key, addr, len, dev, ptr_p, &imp);

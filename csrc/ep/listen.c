@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "ep/engine.h"
-#include "net/handshake.h"
+#include "tp/handshake.h"
 #include "base/log.h"
 #include "net/sock.h"
 #include "base/status.h"
@@ -66,7 +66,8 @@ static void start_accepted(struct uccl__ep *ep, struct uccl__conn *c)
     if (rc == UCCL_OK)
         rc = uccl__conn_start(c);
     if (rc) {
-        LOG_WARN("accepted connection from %s could not start: %s", c->peer_ip, uccl_last_error());
+        LOG_WARN("accepted connection from %s could not start: %s", c->link.peer_ip,
+                 uccl_last_error());
         if (c->id)
             uccl__ep_del_conn(ep, c->id);
         uccl__conn_close(c);
@@ -74,7 +75,7 @@ static void start_accepted(struct uccl__ep *ep, struct uccl__conn *c)
         return;
     }
     LOG_INFO("accepted connection %llu from %s:%d over %s", (unsigned long long)c->id,
-             c->peer_ip, c->peer_port, c->tp->name);
+             c->link.peer_ip, c->link.peer_port, c->link.tp->name);
 }
 
 /* Returns 1 if the fd now belongs to a connection, 0 if the caller closes it. */
@@ -102,7 +103,7 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
             uccl__send_ack(p->fd, &ep->local, UCCL_ERR_PROTO, NULL);
             return 0;
         }
-        if (inc->conn->tp->add_stream(inc->conn, p->fd, h.stream_index)) {
+        if (inc->conn->link.tp->add_stream(&inc->conn->link, p->fd, h.stream_index)) {
             LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
             uccl__send_ack(p->fd, &ep->local, UCCL_ERR_PROTO, NULL);
             return 0;
@@ -139,21 +140,21 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
         uccl__send_ack(p->fd, &ep->local, UCCL_ERR_NOMEM, NULL);
         return 0;
     }
-    c->tp = uccl__tp_registry[tp_id];
-    c->token = h.conn_token;
-    c->num_streams = h.num_streams;
-    c->chunk_bytes = h.chunk_bytes;
-    c->peer_gpu = h.gpu_idx;
-    c->peer_rank = h.rank;
-    c->peer_pid = h.pid;
-    c->peer_port = (int)h.listen_port;
-    snprintf(c->peer_host, sizeof(c->peer_host), "%s", h.host_id);
-    snprintf(c->peer_ip, sizeof(c->peer_ip), "%s", p->name);
-    c->peer_ip[strcspn(c->peer_ip, ":")] = '\0';
+    c->link.tp = uccl__tp_registry[tp_id];
+    c->link.token = h.conn_token;
+    c->link.num_streams = h.num_streams;
+    c->link.chunk_bytes = h.chunk_bytes;
+    c->link.peer_gpu = h.gpu_idx;
+    c->link.peer_rank = h.rank;
+    c->link.peer_pid = h.pid;
+    c->link.peer_port = (int)h.listen_port;
+    snprintf(c->link.peer_host, sizeof(c->link.peer_host), "%s", h.host_id);
+    snprintf(c->link.peer_ip, sizeof(c->link.peer_ip), "%s", p->name);
+    c->link.peer_ip[strcspn(c->link.peer_ip, ":")] = '\0';
     ack.transport = (uint32_t)tp_id;
     ack.num_streams = h.num_streams;
     ack.chunk_bytes = h.chunk_bytes;
-    if (c->tp->conn_accept(c, &h, &ack)) {
+    if (c->link.tp->conn_accept(&c->link, &h, &ack)) {
         LOG_WARN("refused connection from %s: %s", p->name, uccl_last_error());
         uccl__send_ack(p->fd, &ep->local, UCCL_ERR_UNAVAIL, NULL);
         c->ctrl_fd = -1; /* the caller closes it */
@@ -161,7 +162,7 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
         return 0;
     }
     uccl__send_ack(p->fd, &ep->local, UCCL_OK, &ack);
-    unsigned need = c->tp->streams_needed ? c->tp->streams_needed(c) : 0;
+    unsigned need = c->link.tp->streams_needed ? c->link.tp->streams_needed(&c->link) : 0;
     if (need == 0) {
         start_accepted(ep, c);
         return 1;
@@ -174,7 +175,7 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
     *inc = (struct incomplete){.conn = c, .need = need,
                                 .deadline = uccl__now_ns() + UCCL_HANDSHAKE_NS};
     pthread_mutex_lock(&ep->mu);
-    uccl__idmap_put(&ep->incomplete, c->token, inc);
+    uccl__idmap_put(&ep->incomplete, c->link.token, inc);
     pthread_mutex_unlock(&ep->mu);
     return 1;
 }
@@ -199,7 +200,7 @@ static void expire_incomplete(struct uccl__ep *ep, int all)
     for (unsigned i = 0; i < e.n; i++) {
         if (!all)
             LOG_WARN("dropped connection from %s: its data streams did not arrive",
-                     v[i]->conn->peer_ip);
+                     v[i]->conn->link.peer_ip);
         uccl__conn_close(v[i]->conn);
         uccl__conn_put(v[i]->conn);
         free(v[i]);

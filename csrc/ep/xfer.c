@@ -88,7 +88,7 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
         return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    if ((op == UCCL_XFER_RECV) == c->is_connector) {
+    if ((op == UCCL_XFER_RECV) == c->link.is_connector) {
         rc = uccl__err(UCCL_ERR_INVALID, "%s on conn_id %llu: connections are one-way; the side "
                        "that called connect() sends, reads and writes, the side that called "
                        "accept() receives", op_name(op), (unsigned long long)conn);
@@ -101,8 +101,8 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
         goto out;
     }
     r->capacity = capacity && op == UCCL_XFER_RECV;
-    rc = uccl__mem_keys(&ep->local.mem, mr, ptr, len, c->tp, c, &r->local_key, &r->key_for_peer,
-                        &r->mkind);
+    rc = uccl__tp_mem_keys(&ep->local.mem, mr, ptr, len, &c->link, &r->local_key,
+                           &r->key_for_peer, &r->mkind);
     void *ev = NULL; /* device memory: the caller's stream reaches this call */
     if (rc == UCCL_OK && UCCL_MK_ON_GPU(r->mkind) && len > 0 && stream != UCCL_STREAM_NONE)
         rc = uccl__gpu_event_record(UCCL_MK_DEV(r->mkind), stream, &ev);

@@ -8,24 +8,20 @@
 #include <time.h>
 
 #include "base/status.h"
-#include "tp/transport.h"
 
 #define WINDOW_SWEEP 256 /* windows looked at per pass of dereg's sweep */
 
-void uccl__mem_init(struct uccl__mem *m)
+void uccl__mem_init(struct uccl__mem *m, const struct uccl__mem_hooks *hooks)
 {
+    m->hooks = hooks;
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);
 }
 
-/* A region no peer can reach any more: undo each transport's registration. */
+/* A region no peer can reach any more: undo its registration. */
 static void mr_free(struct uccl__mem *m, struct uccl__mr *mr)
 {
-    for (int i = 0; i < UCCL_TP_COUNT; i++) {
-        const struct uccl__tp_ops *tp = uccl__tp_registry[i];
-        if (tp && tp->mem_dereg && mr->tp_priv[i])
-            tp->mem_dereg(m, mr);
-    }
+    m->hooks->dereg(m, mr);
     uccl__gpu_export_free(mr->gexp);
     free(mr);
 }
@@ -76,11 +72,7 @@ int uccl__mem_reg(struct uccl__mem *m, uintptr_t addr, size_t len, uint64_t *mr_
         snprintf(mr->gexp_err, sizeof(mr->gexp_err), "%s", uccl_last_error());
     for (int i = 0; i < UCCL_TP_COUNT; i++)
         mr->tp_key[i] = info.mkind;
-    for (int i = 0; i < UCCL_TP_COUNT && rc == UCCL_OK; i++) {
-        const struct uccl__tp_ops *tp = uccl__tp_registry[i];
-        if (tp && tp->mem_reg && tp->available() == UCCL_OK)
-            rc = tp->mem_reg(m, mr);
-    }
+    rc = m->hooks->reg(m, mr);
     if (rc) {
         mr_free(m, mr);
         return rc;
@@ -231,8 +223,8 @@ size_t uccl__mem_room(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t
     return len;
 }
 
-int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len,
-                   const struct uccl__tp_ops *tp, struct uccl__conn *c, uint64_t *local_key_p,
+int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len, int tp_id,
+                   uccl__mem_key_fn peer_key_fn, void *arg, uint64_t *local_key_p,
                    uint64_t *peer_key_p, uint32_t *mkind_p)
 {
     int rc = UCCL_OK;
@@ -242,8 +234,8 @@ int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t le
     struct uccl__gpu_info info = mr ? mr->gpu : (struct uccl__gpu_info){0};
     const struct uccl__gpu_export *gexp = mr ? mr->gexp : NULL;
     if (mr) { /* the keys a direct transport will need (0 for CMA) */
-        *local_key_p = mr->tp_key[tp->id];
-        rc = tp->mem_key ? tp->mem_key(c, mr, ptr, &peer_key) : UCCL_OK;
+        *local_key_p = mr->tp_key[tp_id];
+        rc = peer_key_fn ? peer_key_fn(arg, mr, ptr, &peer_key) : UCCL_OK;
     }
     /* Device memory still the registered allocation?  Under the lock: a
      * racing dereg frees the export record this reads. */

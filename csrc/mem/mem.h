@@ -8,12 +8,15 @@
  * removes the region's windows at once (no new access can start) and then
  * waits for the holds to go.
  *
- * One mutex guards the tables.  Nothing here calls into connections or the
- * endpoint: the endpoint and the protocol (conn.c, proto.c) call down into
- * this file, and dereg() asks its caller, through a callback, to stop
- * accesses that do not end in time.  reg() classifies the memory (host,
- * page-locked, device: gpu.h) and exports device memory for CUDA IPC; this
- * is also where memory will be registered with an RDMA device. */
+ * One mutex guards the tables.  Nothing here calls into the transports,
+ * connections or the endpoint: they call down into this file, and what
+ * this file needs of them it is given as functions.  reg() classifies the
+ * memory (host, page-locked, device: gpu.h) and exports device memory for
+ * CUDA IPC, then registers it through the hooks its owner gave at init
+ * (every transport available here: an RDMA device's MRs), which free()
+ * undoes; keys() asks, under the lock, a caller's function for what a peer
+ * needs to reach the memory (a transport's mem_key); dereg() asks its
+ * caller, through a callback, to stop accesses that do not end in time. */
 #ifndef UCCL_MEM_H
 #define UCCL_MEM_H
 
@@ -25,9 +28,7 @@
 #include "base/idmap.h"
 #include "net/wire.h"
 
-struct uccl__conn;
-struct uccl__tp_ops;
-
+struct uccl__mem;
 struct uccl__mr {
     uint64_t id;
     uintptr_t addr;
@@ -50,7 +51,19 @@ struct uccl__window {
     struct uccl__mr *mr;         /* in a window_check result: the hold to release */
 };
 
+/* What registers a region with the means of moving bytes, given by the
+ * memory's owner (the endpoint: every transport, tp/transport.c). */
+struct uccl__mem_hooks {
+    /* A new region, classified: fill mr->tp_key[] and tp_priv[] (an lkey,
+     * a record); an error fails the registration, and dereg then undoes
+     * what was done. */
+    int (*reg)(struct uccl__mem *m, struct uccl__mr *mr);
+    /* The region is out of every peer's reach: undo reg. */
+    void (*dereg)(struct uccl__mem *m, struct uccl__mr *mr);
+};
+
 struct uccl__mem {
+    const struct uccl__mem_hooks *hooks;
     pthread_mutex_t mu;          /* everything below, and every region's counters */
     pthread_cond_t cv;           /* a region's last hold went */
     uint64_t next_mr_id, next_window_id;
@@ -59,11 +72,12 @@ struct uccl__mem {
                                       advertising the same range again gives it again */
 };
 
-void uccl__mem_init(struct uccl__mem *m);
+void uccl__mem_init(struct uccl__mem *m, const struct uccl__mem_hooks *hooks);
 /* Free every region and window; no access may be under way any more. */
 void uccl__mem_fini(struct uccl__mem *m);
 
-/* Register [addr, addr + len) with every transport available here. */
+/* Register [addr, addr + len) (through the hooks: with every transport
+ * available here). */
 int uccl__mem_reg(struct uccl__mem *m, uintptr_t addr, size_t len, uint64_t *mr_p);
 
 /* Called by dereg for each connection that was offered a window of the
@@ -80,13 +94,19 @@ int uccl__mem_dereg(struct uccl__mem *m, uint64_t mr_id, uint64_t timeout_ns,
  * ptr: it takes at most what the region holds (nothing can land beyond it). */
 size_t uccl__mem_room(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len);
 
+/* What a peer needs besides the address to reach addr inside region mr
+ * (a transport's mem_key: an rkey, an export record's address), asked
+ * under the regions' lock; arg is the caller's. */
+typedef int (*uccl__mem_key_fn)(void *arg, const struct uccl__mr *mr, uintptr_t addr,
+                                uint64_t *key_p);
+
 /* Is [ptr, ptr + len) inside region mr_id, and (device memory) still the
- * allocation that was registered?  If so, the keys transport tp needs to
- * move it over connection c: local_key (this side's, from mem_reg: the
- * memory kind unless the transport registers) and peer_key (what the peer
- * needs to reach it, from mem_key), and the memory's kind (gpu.h). */
-int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len,
-                   const struct uccl__tp_ops *tp, struct uccl__conn *c, uint64_t *local_key_p,
+ * allocation that was registered?  If so, the keys transport tp_id needs
+ * to move it: local_key (this side's, from its registration: the memory
+ * kind unless the transport registers) and peer_key (from peer_key_fn,
+ * 0 without one), and the memory's kind (gpu.h). */
+int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len, int tp_id,
+                   uccl__mem_key_fn peer_key_fn, void *arg, uint64_t *local_key_p,
                    uint64_t *peer_key_p, uint32_t *mkind_p);
 
 /* Offer [addr, addr + len) of region mr_id to the peer of connection conn_id. */

@@ -20,18 +20,14 @@
  * (devices there); a transfer is cut into chunks striped round-robin over
  * the QPs, so several NICs and several QPs carry one message.
  *
- * Completions: each QP has its own CQ.  A mover posts its chunks signaled,
- * with a shared counter as wr_id, and polls the CQs (spinning briefly, then
- * sleeping in growing steps) until its counter drains; any thread that polls
- * hands each completion to its owner.  A progress thread per connection
- * polls too, slowly, to repost consumed receives.  A failed completion or a
- * timeout fails the connection, which moves every QP to ERR: the NIC
- * flushes what is left, so a mover never returns while its WRs may still
- * write into its buffer.
+ * The movers and their completions are tp_rdma_move.c's; this file sets
+ * connections up and takes them down: the QPs made and connected with the
+ * peer's, the progress thread started, every QP moved to ERR on a failure
+ * (the NIC flushes what is posted), the ops table.
  *
  * Memory no NIC could register (GPU memory without GPUDirect) is staged on
- * its own side (tp_rdma_stage.c): the moves of that side go through a
- * page-locked chunk, chunk by chunk, here in uccl__rdma_move; what the peer
+ * its own side: the moves of that side go through a page-locked chunk,
+ * chunk by chunk, in uccl__rdma_move (tp_rdma_move.c); what the peer
  * would have to address (a receive buffer, a window written to or read
  * from) is never advertised (its key is 0, `staged`): the protocol streams
  * those transfers instead (proto_stream.c), and tp_rdma_stage.c carries the
@@ -41,9 +37,7 @@
  * peer only ever reaches memory registered and lent to it: regions
  * advertised to it, and the slots of the ring. */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
 #include <errno.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,52 +46,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "gpu/gpu.h"
-#include "net/handshake.h"
+#include "tp/handshake.h"
 #include "base/log.h"
 #include "net/sock.h"
+#include "base/config.h"
 #include "base/status.h"
 #include "tp/tp_rdma.h"
 
-#define MAX_QPS 16
-#define SQ_DEPTH 128          /* send WRs in flight per QP */
-#define RQ_DEPTH 64           /* receives kept posted per QP (WRITE_WITH_IMM consumes one) */
-#define RECV_WR_ID 0          /* wr_id of those receives (a mover's is its struct rop) */
 #define INFO_MAGIC 0x41524355u /* "UCRA" */
 #define INFO_SIZE 512
 #define QP_INFO 28
-
-struct rop {                  /* one mover's WRs, shared with whoever polls */
-    atomic_int refs;          /* the mover, plus one per WR posted */
-    atomic_int left;          /* WRs not completed */
-    atomic_int status;        /* first failed wc status + 1, 0 if none */
-    atomic_uint bad_qp;
-};
-
-struct rqp {
-    struct ibv_qp_s *qp;
-    struct ibv_cq_s *cq;
-    unsigned dev;             /* index into the devices */
-    uint32_t psn;
-    atomic_int inflight;      /* send WRs posted, not completed */
-    pthread_mutex_t poll_mu;  /* one poller per CQ at a time */
-};
-
-struct rconn {
-    unsigned nqp, peer_ndev;
-    struct rqp q[MAX_QPS];
-    size_t chunk;
-    int sl, tc;
-    atomic_int stop;
-    atomic_int ready;         /* QPs at RTS */
-    atomic_int recv_broken;   /* a receive failed, seen by a mover: the progress thread tells */
-    atomic_uint imm_seen;     /* WRITE_WITH_IMMs that landed here */
-    atomic_uint next_imm;
-    int thread;
-    pthread_t progress;
-    struct uccl__rdma_stage *stage; /* memory no NIC could register (tp_rdma_stage.c) */
-};
 
 static int rdma_available(void)
 {
@@ -105,304 +65,16 @@ static int rdma_available(void)
     return uccl__rdma_devs(&n) ? UCCL_OK : UCCL_ERR_UNAVAIL;
 }
 
-static void rop_put(struct rop *op)
-{
-    if (atomic_fetch_sub(&op->refs, 1) == 1)
-        free(op);
-}
-
-static const char *wc_status_str(int s)
-{
-    switch (s) {
-    case IBV_WC_SUCCESS_: return "success";
-    case 4: return "local protection error";
-    case IBV_WC_WR_FLUSH_ERR_: return "flushed (the QP is in the error state)";
-    case IBV_WC_REM_ACCESS_ERR_: return "remote access error (bad rkey, range or rights)";
-    case IBV_WC_RETRY_EXC_ERR_: return "transport retry count exceeded (peer gone?)";
-    case IBV_WC_RNR_RETRY_EXC_ERR_: return "receiver not ready, retries exceeded";
-    default: return "error";
-    }
-}
-
-/* ---- completions ------------------------------------------------------------- */
-
-static int post_recvs(struct rqp *q, int n)
-{
-    struct ibv_recv_wr_s wr[RQ_DEPTH];
-    if (n > RQ_DEPTH)
-        n = RQ_DEPTH;
-    for (int i = 0; i < n; i++)
-        wr[i] = (struct ibv_recv_wr_s){.wr_id = RECV_WR_ID, .next = i + 1 < n ? &wr[i + 1] : NULL};
-    struct ibv_recv_wr_s *bad;
-    return n > 0 ? uccl__ibv_post_recv(q->qp, wr, &bad) : 0;
-}
-
-/* Poll every CQ of the connection once; completions go to their owners.
- * A failed receive (the peer's QP went away) is reported by the progress
- * thread only (report): a mover learns of failure from its own WRs.
- * Returns how many were handled. */
-static int progress_ex(struct uccl__conn *c, int report)
-{
-    struct rconn *t = c->tp_priv;
-    int handled = 0;
-    if (!atomic_load(&t->ready))
-        return 0;
-    for (unsigned i = 0; i < t->nqp; i++) {
-        struct rqp *q = &t->q[i];
-        if (pthread_mutex_trylock(&q->poll_mu))
-            continue;
-        struct ibv_wc_s wc[32];
-        int n = uccl__ibv_poll_cq(q->cq, 32, wc);
-        int reposts = 0, recv_failed = 0;
-        for (int k = 0; k < n; k++) {
-            /* By wr_id, not opcode: a NIC leaves the opcode of an error
-             * completion undefined. */
-            if (wc[k].wr_id == RECV_WR_ID) { /* one of our standing receives */
-                if (wc[k].status == IBV_WC_SUCCESS_) {
-                    atomic_fetch_add(&t->imm_seen, 1);
-                    reposts++;
-                } else {
-                    recv_failed = wc[k].status;
-                }
-                continue;
-            }
-            struct rop *op = (struct rop *)(uintptr_t)wc[k].wr_id;
-            atomic_fetch_sub(&q->inflight, 1);
-            if (wc[k].status != IBV_WC_SUCCESS_) {
-                int none = 0;
-                atomic_compare_exchange_strong(&op->status, &none, wc[k].status + 1);
-                atomic_store(&op->bad_qp, i);
-            }
-            atomic_fetch_sub(&op->left, 1);
-            rop_put(op);
-        }
-        if (reposts && !atomic_load(&t->stop) && post_recvs(q, reposts))
-            recv_failed = -1;
-        pthread_mutex_unlock(&q->poll_mu);
-        handled += n;
-        if (recv_failed && !report)
-            atomic_store(&t->recv_broken, recv_failed);
-        if (report && !recv_failed)
-            recv_failed = atomic_exchange(&t->recv_broken, 0);
-        if (recv_failed && report && !atomic_load(&t->stop)) {
-            /* A closing peer says BYE on the control socket, which may be
-             * read a moment after its QPs went: give it that moment, so a
-             * clean close is not reported as a failure (as tp_tcp.c does). */
-            for (int k = 0; k < 50 && !atomic_load(&c->failed); k++)
-                usleep(2000);
-            uccl__conn_fail(c, UCCL_ERR_IO, "RDMA QP %u: %s", q->qp->qp_num,
-                            recv_failed < 0 ? "reposting a receive failed"
-                                            : wc_status_str(recv_failed));
-        }
-    }
-    return handled;
-}
-
-static int progress(struct uccl__conn *c) { return progress_ex(c, 0); }
-
-/* Sleep in growing steps: a 2-core machine must not lose a core to a poller. */
-static void backoff(unsigned *spins)
-{
-    if (*spins < 64) {
-        (*spins)++;
-        sched_yield();
-        return;
-    }
-    unsigned us = *spins < 1000 ? 20 + (*spins - 64) : 1000;
-    (*spins)++;
-    usleep(us);
-}
-
-static void *progress_main(void *arg)
-{
-    struct uccl__conn *c = arg;
-    struct rconn *t = c->tp_priv;
-    while (!atomic_load(&t->stop)) {
-        if (progress_ex(c, 1) == 0)
-            usleep(2000); /* only receives to repost: they are deep, and RNR retries forever */
-    }
-    return NULL;
-}
-
-/* ---- movers -------------------------------------------------------------------- */
-
-static uint32_t peer_rkey(const struct rconn *t, unsigned qi, uint64_t key)
-{
-    return (uint32_t)(key >> (32 * (qi % t->peer_ndev)));
-}
-
-static int post_one(struct uccl__conn *c, struct rop *op, unsigned qi, int opcode, char *local,
-                    uint32_t lkey, uint64_t raddr, uint64_t rkey, size_t len, uint32_t imm)
-{
-    struct rconn *t = c->tp_priv;
-    struct rqp *q = &t->q[qi];
-    struct ibv_sge_s sge = {.addr = (uint64_t)(uintptr_t)local, .length = (uint32_t)len,
-                            .lkey = lkey};
-    struct ibv_send_wr_s wr = {.wr_id = (uint64_t)(uintptr_t)op, .sg_list = &sge, .num_sge = 1,
-                               .opcode = opcode, .send_flags = IBV_SEND_SIGNALED_,
-                               .imm_data = htonl(imm)};
-    wr.wr.rdma.remote_addr = raddr;
-    wr.wr.rdma.rkey = peer_rkey(t, qi, rkey);
-    struct ibv_send_wr_s *bad;
-    atomic_fetch_add(&op->refs, 1);
-    atomic_fetch_add(&op->left, 1);
-    atomic_fetch_add(&q->inflight, 1);
-    int rc = uccl__ibv_post_send(q->qp, &wr, &bad);
-    if (rc) {
-        atomic_fetch_sub(&q->inflight, 1);
-        atomic_fetch_sub(&op->left, 1);
-        atomic_fetch_sub(&op->refs, 1);
-        return uccl__err(UCCL_ERR_IO, "ibv_post_send on QP %u failed: %s", q->qp->qp_num,
-                         strerror(rc));
-    }
-    return UCCL_OK;
-}
-
-/* Poll until all of op's WRs completed, one failed (unless draining: then
- * until all completed, flushed or not), or the deadline passes. */
-static int wait_op(struct uccl__conn *c, struct rop *op, uint64_t deadline, int drain)
-{
-    unsigned spins = 0;
-    while (atomic_load(&op->left) > 0) {
-        if (!drain && atomic_load(&op->status))
-            return UCCL_ERR_IO;
-        if (progress(c) > 0) {
-            spins = 0;
-            continue;
-        }
-        if (uccl__now_ns() > deadline)
-            return UCCL_ERR_TIMEOUT;
-        backoff(&spins);
-    }
-    return atomic_load(&op->status) ? UCCL_ERR_IO : UCCL_OK;
-}
-
-/* Wait until a slot frees on QP qi. */
-static int wait_slot(struct uccl__conn *c, struct rop *op, unsigned qi, uint64_t deadline)
-{
-    struct rconn *t = c->tp_priv;
-    unsigned spins = 0;
-    while (atomic_load(&t->q[qi].inflight) >= SQ_DEPTH) {
-        if (atomic_load(&op->status) || atomic_load(&c->failed))
-            return UCCL_ERR_IO;
-        if (progress(c) > 0)
-            continue;
-        if (uccl__now_ns() > deadline)
-            return UCCL_ERR_TIMEOUT;
-        backoff(&spins);
-    }
-    return UCCL_OK;
-}
-
-/* Move len bytes between local (its region's key from mem_reg) and the
- * peer's raddr (its rkeys): READ them in, or WRITE them out, with imm
- * ending in a WRITE_WITH_IMM once every other chunk has landed.  Memory no
- * NIC could register (staged) goes through the connection's own staging
- * chunk (tp_rdma_stage.c), one chunk at a time. */
-int uccl__rdma_move(struct uccl__conn *c, int read, char *local, uint64_t local_key,
-                    uint64_t raddr, uint64_t rkey, size_t len, int imm)
-{
-    struct rconn *t = c->tp_priv;
-    const struct uccl__rdma_mr *m = (const struct uccl__rdma_mr *)(uintptr_t)local_key;
-    const char *what = read ? "RDMA READ" : "RDMA WRITE";
-    if (len == 0)
-        return UCCL_OK;
-    unsigned ndev = 0;
-    uccl__rdma_devs(&ndev);
-    int staged = uccl__rdma_staged(local_key);
-    if (!staged && (!m || m->magic != UCCL_RDMA_MR_MAGIC || m->err[0] || m->n != ndev))
-        return uccl__err(UCCL_ERR_UNAVAIL, "%s of %zu bytes: the local buffer cannot move over "
-                         "RDMA: %s", what, len, m && m->magic == UCCL_RDMA_MR_MAGIC && m->err[0]
-                         ? m->err : "it is not registered with every NIC");
-    if (rkey == 0) /* staged memory there streams (proto_stream.c): never addressed */
-        return uccl__err(UCCL_ERR_PROTO, "%s of %zu bytes: the peer gave no rkey for its "
-                         "buffer", what, len);
-    struct rop *op = calloc(1, sizeof(*op));
-    if (!op)
-        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    const struct uccl__rdma_area *sa = NULL;
-    int rc = staged ? uccl__rdma_own_take(t->stage, m->mkind, &sa) : UCCL_OK;
-    int post_failed = rc != UCCL_OK;
-    atomic_init(&op->refs, 1);
-    uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
-    size_t nchunks = (len + t->chunk - 1) / t->chunk;
-    uint32_t seq = atomic_fetch_add(&t->next_imm, 1);
-    for (size_t k = 0; k < nchunks && rc == UCCL_OK; k++) {
-        unsigned qi = (unsigned)((k + seq) % t->nqp), dev = t->q[qi].dev;
-        size_t off = k * t->chunk, n = len - off < t->chunk ? len - off : t->chunk;
-        int last_write = !read && imm && k + 1 == nchunks;
-        char *at = staged ? sa->p : local + off;
-        /* QPs are not ordered among themselves: the immediate, which tells
-         * the receiver the message is whole, goes after every other chunk. */
-        if (last_write)
-            rc = wait_op(c, op, deadline, 0);
-        if (rc == UCCL_OK)
-            rc = wait_slot(c, op, qi, deadline);
-        if (rc == UCCL_OK && staged && !read) { /* into the staging chunk first */
-            rc = uccl__gpu_copy_kinds(at, sa->mk, local + off, m->mkind, n, c->local->timeout_ns);
-            post_failed = rc != UCCL_OK;
-        }
-        if (rc == UCCL_OK) {
-            rc = post_one(c, op, qi, read ? IBV_WR_RDMA_READ_ : last_write
-                          ? IBV_WR_RDMA_WRITE_WITH_IMM_ : IBV_WR_RDMA_WRITE_, at,
-                          staged ? sa->mr[dev]->lkey : m->mr[dev]->lkey, raddr + off, rkey,
-                          n, seq);
-            post_failed = rc != UCCL_OK;
-        }
-        if (rc == UCCL_OK && staged) /* the chunk is reused: this one must be done */
-            rc = wait_op(c, op, deadline, 0);
-        if (rc == UCCL_OK && staged && read) { /* then out of it */
-            rc = uccl__gpu_copy_kinds(local + off, m->mkind, at, sa->mk, n, c->local->timeout_ns);
-            post_failed = rc != UCCL_OK;
-        }
-    }
-    if (rc == UCCL_OK)
-        rc = wait_op(c, op, deadline, 0);
-    if (rc == UCCL_OK) {
-        if (sa)
-            uccl__rdma_own_give(t->stage);
-        rop_put(op);
-        return UCCL_OK;
-    }
-    int st = atomic_load(&op->status);
-    char msg[300];
-    if (post_failed)
-        snprintf(msg, sizeof(msg), "%s of %zu bytes: %s", what, len, uccl_last_error());
-    else if (st)
-        snprintf(msg, sizeof(msg), "%s of %zu bytes failed on QP %u: %s (wc status %d)", what,
-                 len, t->q[atomic_load(&op->bad_qp) % t->nqp].qp->qp_num,
-                 wc_status_str(st - 1), st - 1);
-    else if (rc == UCCL_ERR_TIMEOUT)
-        snprintf(msg, sizeof(msg), "%s of %zu bytes did not complete within %.0f s", what, len,
-                 (double)c->local->timeout_ns / 1e9);
-    else
-        snprintf(msg, sizeof(msg), "%s of %zu bytes stopped: the connection failed", what, len);
-    /* Every QP to ERR (conn_shutdown): the NIC flushes what is left, and
-     * only then may the caller reuse the buffer. */
-    rc = rc == UCCL_ERR_TIMEOUT ? UCCL_ERR_TIMEOUT : UCCL_ERR_IO;
-    uccl__conn_fail(c, rc, "%s", msg);
-    wait_op(c, op, uccl__now_ns() + 5000000000ull, 1);
-    if (sa)
-        uccl__rdma_own_give(t->stage);
-    rop_put(op);
-    return uccl__err(rc, "%s", msg);
-}
-
-struct uccl__rdma_stage *uccl__rdma_stage_of(struct uccl__conn *c)
-{
-    return ((struct rconn *)c->tp_priv)->stage;
-}
-
-static int rdma_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote_addr,
+static int rdma_pull(struct uccl__link *lk, void *dst, uint64_t local_key, uint64_t remote_addr,
                      uint64_t remote_key, size_t len)
 {
-    return uccl__rdma_move(c, 1, dst, local_key, remote_addr, remote_key, len, 1);
+    return uccl__rdma_move(lk, 1, dst, local_key, remote_addr, remote_key, len, 1);
 }
 
-static int rdma_push(struct uccl__conn *c, const void *src, uint64_t local_key,
+static int rdma_push(struct uccl__link *lk, const void *src, uint64_t local_key,
                      uint64_t remote_addr, uint64_t remote_key, size_t len)
 {
-    return uccl__rdma_move(c, 0, (char *)src, local_key, remote_addr, remote_key, len, 1);
+    return uccl__rdma_move(lk, 0, (char *)src, local_key, remote_addr, remote_key, len, 1);
 }
 
 /* ---- setting up ------------------------------------------------------------------ */
@@ -414,7 +86,7 @@ static uint32_t get32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 |
 
 /* This side's QPs, as the peer needs them: magic, QP count, device count,
  * then per QP: number, PSN, LID, MTU, link layer, GID. */
-static void info_encode(const struct rconn *t, const struct uccl__rdma_dev *d, unsigned ndev,
+static void info_encode(const struct uccl__rdma_conn *t, const struct uccl__rdma_dev *d, unsigned ndev,
                         uint8_t out[INFO_SIZE])
 {
     memset(out, 0, INFO_SIZE);
@@ -437,9 +109,9 @@ static int info_decode(const uint8_t in[INFO_SIZE], unsigned *nqp_p, unsigned *n
     if (get32(in) != INFO_MAGIC)
         return uccl__err(UCCL_ERR_PROTO, "RDMA setup: bad magic 0x%08x", get32(in));
     unsigned nqp = get32(in + 4) & 0xffff, ndev = get32(in + 4) >> 16;
-    if (nqp < 1 || nqp > MAX_QPS || ndev < 1 || ndev > UCCL_RDMA_MAX_DEVS)
+    if (nqp < 1 || nqp > UCCL_RDMA_MAX_QPS || ndev < 1 || ndev > UCCL_RDMA_MAX_DEVS)
         return uccl__err(UCCL_ERR_PROTO, "RDMA setup: %u QPs on %u devices (allowed 1..%d on "
-                         "1..%d)", nqp, ndev, MAX_QPS, UCCL_RDMA_MAX_DEVS);
+                         "1..%d)", nqp, ndev, UCCL_RDMA_MAX_QPS, UCCL_RDMA_MAX_DEVS);
     for (unsigned i = 0; i < nqp; i++) {
         const uint8_t *p = in + 8 + i * QP_INFO;
         uint32_t w = get32(p + 8);
@@ -458,31 +130,38 @@ static int info_decode(const uint8_t in[INFO_SIZE], unsigned *nqp_p, unsigned *n
     return UCCL_OK;
 }
 
-static int rconn_new(struct uccl__conn *c, struct rconn **t_p)
+static int rconn_new(struct uccl__link *lk, struct uccl__rdma_conn **t_p)
 {
-    struct rconn *t = calloc(1, sizeof(*t));
+    struct uccl__rdma_conn *t = calloc(1, sizeof(*t));
     if (!t)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    int bad = 0;
-    t->nqp = (unsigned)uccl__env_long("UCCL_P2P_RDMA_QPS", 2, 1, MAX_QPS, &bad);
-    t->chunk = (size_t)uccl__env_long("UCCL_P2P_RDMA_CHUNK_KB", 512, 4, 1 << 20, &bad) * 1024;
-    t->sl = (int)uccl__env_long("UCCL_P2P_RDMA_SL", 0, 0, 15, &bad);
-    t->tc = (int)uccl__env_long("UCCL_P2P_RDMA_TC", 0, 0, 255, &bad);
-    if (bad || uccl__rdma_stage_new(t->chunk, &t->stage)) {
+    _Static_assert(UCCL_RDMA_MAX_QPS == 16, "base/config.h: UCCL_P2P_RDMA_QPS is 1..16");
+    long nqp, chunk, sl, tc;
+    int bad;
+    if ((bad = uccl__cfg_long(UCCL_CFG_P2P_RDMA_QPS, &nqp)) ||
+        (bad = uccl__cfg_long(UCCL_CFG_P2P_RDMA_CHUNK_KB, &chunk)) ||
+        (bad = uccl__cfg_long(UCCL_CFG_P2P_RDMA_SL, &sl)) ||
+        (bad = uccl__cfg_long(UCCL_CFG_P2P_RDMA_TC, &tc))) {
         free(t);
-        return bad ? UCCL_ERR_INVALID : UCCL_ERR_NOMEM;
+        return bad;
     }
-    for (unsigned i = 0; i < MAX_QPS; i++)
+    t->nqp = (unsigned)nqp, t->chunk = (size_t)chunk, t->sl = (int)sl, t->tc = (int)tc;
+    if (uccl__rdma_stage_new(t->chunk, &t->stage)) {
+        free(t);
+        return UCCL_ERR_NOMEM;
+    }
+    for (unsigned i = 0; i < UCCL_RDMA_MAX_QPS; i++)
         pthread_mutex_init(&t->q[i].poll_mu, NULL);
-    c->tp_priv = t;
-    c->direct = 1;
-    c->num_streams = 1; /* one setup socket */
+    pthread_mutex_init(&t->own_mu, NULL);
+    lk->tp_priv = t;
+    lk->direct = 1;
+    lk->num_streams = 1; /* one setup socket */
     *t_p = t;
     return UCCL_OK;
 }
 
 /* Create nqp QPs (each with its CQ), take them to INIT, post receives. */
-static int qps_create(struct rconn *t, unsigned nqp)
+static int qps_create(struct uccl__rdma_conn *t, unsigned nqp)
 {
     unsigned ndev;
     const struct uccl__rdma_dev *d = uccl__rdma_devs(&ndev);
@@ -491,15 +170,15 @@ static int qps_create(struct rconn *t, unsigned nqp)
         return UCCL_ERR_UNAVAIL;
     t->nqp = nqp;
     for (unsigned i = 0; i < nqp; i++) {
-        struct rqp *q = &t->q[i];
+        struct uccl__rdma_qp *q = &t->q[i];
         q->dev = i % ndev;
         const struct uccl__rdma_dev *dv = &d[q->dev];
-        q->cq = ib->create_cq(dv->ctx, SQ_DEPTH + RQ_DEPTH + 16, NULL, NULL, 0);
+        q->cq = ib->create_cq(dv->ctx, UCCL_RDMA_SQ_DEPTH + UCCL_RDMA_RQ_DEPTH + 16, NULL, NULL, 0);
         if (!q->cq)
             return uccl__err(UCCL_ERR_IO, "ibv_create_cq on %s failed: %s", dv->name,
                              strerror(errno));
         struct ibv_qp_init_attr_s ia = {.send_cq = q->cq, .recv_cq = q->cq, .qp_type = IBV_QPT_RC_,
-                                        .cap = {.max_send_wr = SQ_DEPTH, .max_recv_wr = RQ_DEPTH,
+                                        .cap = {.max_send_wr = UCCL_RDMA_SQ_DEPTH, .max_recv_wr = UCCL_RDMA_RQ_DEPTH,
                                                 .max_send_sge = 1, .max_recv_sge = 1}};
         q->qp = ib->create_qp(dv->pd, &ia);
         if (!q->qp)
@@ -516,7 +195,7 @@ static int qps_create(struct rconn *t, unsigned nqp)
         int rc = ib->modify_qp(q->qp, &a, IBV_QP_STATE_ | IBV_QP_PKEY_INDEX_ | IBV_QP_PORT_ |
                                               IBV_QP_ACCESS_FLAGS_);
         if (rc == 0)
-            rc = post_recvs(q, RQ_DEPTH);
+            rc = uccl__rdma_post_recvs(q, UCCL_RDMA_RQ_DEPTH);
         if (rc)
             return uccl__err(UCCL_ERR_IO, "QP %u to INIT on %s: %s", q->qp->qp_num, dv->name,
                              strerror(rc));
@@ -525,13 +204,13 @@ static int qps_create(struct rconn *t, unsigned nqp)
 }
 
 /* INIT -> RTR -> RTS against the peer's QPs. */
-static int qps_connect(struct rconn *t, const struct peer_qp *p)
+static int qps_connect(struct uccl__rdma_conn *t, const struct peer_qp *p)
 {
     unsigned ndev;
     const struct uccl__rdma_dev *d = uccl__rdma_devs(&ndev);
     const struct uccl__ibv *ib = uccl__ibv();
     for (unsigned i = 0; i < t->nqp; i++) {
-        struct rqp *q = &t->q[i];
+        struct uccl__rdma_qp *q = &t->q[i];
         const struct uccl__rdma_dev *dv = &d[q->dev];
         if (p[i].link != dv->link_layer)
             return uccl__err(UCCL_ERR_UNAVAIL, "RDMA: %s here is %s, the peer's NIC is %s", dv->name,
@@ -568,28 +247,28 @@ static int qps_connect(struct rconn *t, const struct peer_qp *p)
     return UCCL_OK;
 }
 
-static int rdma_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
+static int rdma_conn_accept(struct uccl__link *lk, const struct uccl__hello *peer,
                             struct uccl__hello *ack)
 {
     (void)peer;
-    struct rconn *t;
-    int rc = rconn_new(c, &t);
+    struct uccl__rdma_conn *t;
+    int rc = rconn_new(lk, &t);
     if (rc)
         return rc;
     ack->num_streams = 1;
     return UCCL_OK;
 }
 
-static unsigned rdma_streams_needed(const struct uccl__conn *c) { (void)c; return 1; }
+static unsigned rdma_streams_needed(const struct uccl__link *lk) { (void)lk; return 1; }
 
 /* Acceptor, in the listener: the connector's QPs came right behind its
  * HELLO_STREAM (so waiting for them is short); ours go back before the
  * listener's ACK, and the connection is whole before accept() sees it. */
-static int rdma_add_stream(struct uccl__conn *c, int fd, unsigned index)
+static int rdma_add_stream(struct uccl__link *lk, int fd, unsigned index)
 {
-    struct rconn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     uint8_t buf[INFO_SIZE];
-    struct peer_qp p[MAX_QPS];
+    struct peer_qp p[UCCL_RDMA_MAX_QPS];
     unsigned nqp, ndev, n;
     uint64_t deadline = uccl__now_ns() + 2000000000ull;
     if (index != 0 || t->q[0].qp)
@@ -613,14 +292,14 @@ static int rdma_add_stream(struct uccl__conn *c, int fd, unsigned index)
     return rc;
 }
 
-static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *ack,
+static int rdma_conn_connected(struct uccl__link *lk, const struct uccl__hello *ack,
                                uint64_t deadline)
 {
     if (ack->num_streams != 1)
         return uccl__err(UCCL_ERR_PROTO, "RDMA setup: the peer asked for %u sockets",
                          ack->num_streams);
-    struct rconn *t;
-    int rc = rconn_new(c, &t);
+    struct uccl__rdma_conn *t;
+    int rc = rconn_new(lk, &t);
     if (rc)
         return rc;
     unsigned n, nqp, ndev;
@@ -630,11 +309,11 @@ static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *a
     int fd = -1;
     rc = qps_create(t, t->nqp);
     uint8_t buf[INFO_SIZE];
-    struct peer_qp p[MAX_QPS];
+    struct peer_qp p[UCCL_RDMA_MAX_QPS];
     uint8_t mine[INFO_SIZE];
     if (rc == UCCL_OK) {
         info_encode(t, d, n, mine);
-        rc = uccl__open_setup_stream(c, deadline, mine, sizeof(mine), buf, sizeof(buf), &fd);
+        rc = uccl__open_setup_stream(lk, deadline, mine, sizeof(mine), buf, sizeof(buf), &fd);
     }
     if (rc == UCCL_OK)
         rc = info_decode(buf, &nqp, &ndev, p);
@@ -651,10 +330,10 @@ static int rdma_conn_connected(struct uccl__conn *c, const struct uccl__hello *a
     return rc;
 }
 
-static int rdma_conn_start(struct uccl__conn *c)
+static int rdma_conn_start(struct uccl__link *lk)
 {
-    struct rconn *t = c->tp_priv;
-    if (pthread_create(&t->progress, NULL, progress_main, c))
+    struct uccl__rdma_conn *t = lk->tp_priv;
+    if (pthread_create(&t->progress, NULL, uccl__rdma_progress_main, lk))
         return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
     t->thread = 1;
     return UCCL_OK;
@@ -662,9 +341,9 @@ static int rdma_conn_start(struct uccl__conn *c)
 
 /* Every QP to ERR: the NIC flushes what is posted, and movers waiting on
  * their completions see them fail. */
-static void rdma_conn_shutdown(struct uccl__conn *c)
+static void rdma_conn_shutdown(struct uccl__link *lk)
 {
-    struct rconn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     const struct uccl__ibv *ib = uccl__ibv();
     if (!t || !ib || atomic_exchange(&t->stop, 1))
         return;
@@ -676,12 +355,12 @@ static void rdma_conn_shutdown(struct uccl__conn *c)
         }
 }
 
-static void rdma_conn_destroy(struct uccl__conn *c)
+static void rdma_conn_destroy(struct uccl__link *lk)
 {
-    struct rconn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     if (!t)
         return;
-    rdma_conn_shutdown(c);
+    rdma_conn_shutdown(lk);
     uccl__rdma_stage_join(t->stage);
     if (t->thread) {
         pthread_join(t->progress, NULL);
@@ -690,23 +369,25 @@ static void rdma_conn_destroy(struct uccl__conn *c)
 }
 
 /* With the last reference: no mover runs any more. */
-static void rdma_conn_free(struct uccl__conn *c)
+static void rdma_conn_free(struct uccl__link *lk)
 {
-    struct rconn *t = c->tp_priv;
+    struct uccl__rdma_conn *t = lk->tp_priv;
     const struct uccl__ibv *ib = uccl__ibv();
     if (!t)
         return;
-    rdma_conn_destroy(c);
-    for (unsigned i = 0; ib && i < MAX_QPS; i++) {
+    rdma_conn_destroy(lk);
+    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_QPS; i++) {
         if (t->q[i].qp)
             ib->destroy_qp(t->q[i].qp);
         if (t->q[i].cq)
             ib->destroy_cq(t->q[i].cq);
         pthread_mutex_destroy(&t->q[i].poll_mu);
     }
-    uccl__rdma_stage_free(t->stage); /* after the QPs that used it */
+    uccl__rdma_area_free(&t->own); /* after the QPs that used them */
+    pthread_mutex_destroy(&t->own_mu);
+    uccl__rdma_stage_free(t->stage);
     free(t);
-    c->tp_priv = NULL;
+    lk->tp_priv = NULL;
 }
 
 const struct uccl__tp_ops uccl__tp_rdma = {

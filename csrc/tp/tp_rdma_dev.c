@@ -1,6 +1,8 @@
 /* RDMA devices and memory (tp_rdma.h): which NICs this process uses, their
- * port, GID and protection domain, found once; and regions registered with
- * every one of them.
+ * port, GID and protection domain, found once; regions registered with
+ * every one of them; and the staging areas (page-locked, or plain,
+ * memory registered with every NIC) through which memory no NIC could
+ * register moves (tp_rdma_move.c's own chunk, tp_rdma_stage.c's ring).
  *
  * Discovery: UCCL_P2P_RDMA_DEV (comma-separated device names, each
  * optionally ":port") or else every device with an active port, at most
@@ -21,6 +23,7 @@
 
 #include "base/log.h"
 #include "mem/mem.h"
+#include "base/config.h"
 #include "base/status.h"
 #include "tp/tp_rdma.h"
 
@@ -65,9 +68,8 @@ static int gid_type(const struct uccl__ibv *ib, struct uccl__rdma_dev *d, int id
 
 static int pick_gid(const struct uccl__ibv *ib, struct uccl__rdma_dev *d, int tbl_len)
 {
-    int bad = 0;
-    long forced = uccl__env_long("UCCL_P2P_RDMA_GID_INDEX", -1, -1, 1023, &bad);
-    if (bad) {
+    long forced;
+    if (uccl__cfg_long(UCCL_CFG_P2P_RDMA_GID_INDEX, &forced)) {
         snprintf(why, sizeof(why), "%s", uccl_last_error());
         return -1;
     }
@@ -181,7 +183,8 @@ static void discover(void)
             ib->free_device_list(list);
         return;
     }
-    const char *sel = getenv("UCCL_P2P_RDMA_DEV");
+    const char *sel = NULL;
+    uccl__cfg_str(UCCL_CFG_P2P_RDMA_DEV, &sel);
     char states[300] = "", names[200] = "";
     for (int i = 0; i < n; i++)
         snprintf(names + strlen(names), sizeof(names) - strlen(names), "%s%s", i ? ", " : "",
@@ -310,9 +313,10 @@ int uccl__rdma_mem_reg(struct uccl__mem *mem, struct uccl__mr *mr)
     if (!d || !ib)
         return UCCL_OK; /* no RDMA here: nothing to register */
     /* For tests without a GPU, and to rule GPUDirect out: stage everything. */
-    int bad = 0, stage_all = (int)uccl__env_long("UCCL_P2P_RDMA_STAGE_ALL", 0, 0, 1, &bad);
-    if (bad)
-        return UCCL_ERR_INVALID;
+    long stage_all;
+    int rc = uccl__cfg_long(UCCL_CFG_P2P_RDMA_STAGE_ALL, &stage_all);
+    if (rc)
+        return rc;
     struct uccl__rdma_mr *m = calloc(1, sizeof(*m));
     if (!m)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
@@ -361,10 +365,10 @@ void uccl__rdma_mem_dereg(struct uccl__mem *mem, struct uccl__mr *mr)
     mr->tp_priv[UCCL_TP_RDMA] = NULL;
 }
 
-int uccl__rdma_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+int uccl__rdma_mem_key(struct uccl__link *lk, const struct uccl__mr *mr, uintptr_t addr,
                        uint64_t *key_p)
 {
-    (void)c;
+    (void)lk;
     (void)addr;
     const struct uccl__rdma_mr *m = mr->tp_priv[UCCL_TP_RDMA];
     unsigned n = 0;
@@ -402,4 +406,58 @@ const struct uccl__rdma_mr *uccl__rdma_mr_of(uint64_t local_key)
         return NULL;
     }
     return m;
+}
+
+/* ---- staging areas ------------------------------------------------------------ */
+
+void uccl__rdma_area_free(struct uccl__rdma_area *a)
+{
+    const struct uccl__ibv *ib = uccl__ibv();
+    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_DEVS; i++)
+        if (a->mr[i])
+            ib->dereg_mr(a->mr[i]);
+    if (a->p && UCCL_MK_KIND(a->mk) == UCCL_MK_PINNED)
+        uccl__gpu_host_free(UCCL_MK_DEV(a->mk), a->p);
+    else
+        free(a->p);
+    memset(a, 0, sizeof(*a));
+}
+
+/* len bytes to stage memory of kind for_mk through: page-locked (portable)
+ * for GPU memory, page-aligned host memory otherwise; registered with every
+ * NIC. */
+int uccl__rdma_area_make(struct uccl__rdma_area *a, uint32_t for_mk, size_t len, int access)
+{
+    unsigned n;
+    const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
+    const struct uccl__ibv *ib = uccl__ibv();
+    if (!d || !ib)
+        return UCCL_ERR_UNAVAIL;
+    int gpu = UCCL_MK_ON_GPU(for_mk), dev = UCCL_MK_DEV(for_mk), rc = UCCL_OK;
+    void *p = NULL;
+    if (gpu)
+        rc = uccl__gpu_host_alloc(dev, len, &p);
+    else if (posix_memalign(&p, (size_t)sysconf(_SC_PAGESIZE), len))
+        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory for a %zu-byte staging buffer", len);
+    if (rc)
+        return rc;
+    *a = (struct uccl__rdma_area){.p = p, .len = len, .for_mk = for_mk,
+                                  .mk = gpu ? UCCL_MK(UCCL_MK_PINNED, dev) : UCCL_MK(UCCL_MK_HOST, 0)};
+    for (unsigned i = 0; i < n; i++) {
+        a->mr[i] = ib->reg_mr(d[i].pd, p, len, access);
+        if (!a->mr[i]) {
+            int e = errno;
+            uccl__rdma_area_free(a);
+            return uccl__err(UCCL_ERR_IO, "registering a %zu-byte staging buffer with %s: %s "
+                             "(ulimit -l?)", len, d[i].name, strerror(e));
+        }
+    }
+    return UCCL_OK;
+}
+
+/* GPU memory of one device stages through memory of that device; host
+ * memory through host memory. */
+uint32_t uccl__rdma_stage_kind(uint32_t mk)
+{
+    return UCCL_MK_ON_GPU(mk) ? UCCL_MK(UCCL_MK_DEVICE, UCCL_MK_DEV(mk)) : UCCL_MK(UCCL_MK_HOST, 0);
 }

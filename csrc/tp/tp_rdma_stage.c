@@ -1,11 +1,10 @@
 /* RDMA: memory no NIC could register (GPU memory without GPUDirect; any
  * memory under UCCL_P2P_RDMA_STAGE_ALL=1), staged through registered host
- * memory on its own side.
+ * memory on its own side: the staging ring (tp_rdma.h).
  *
  * Its own moves (sending or writing from it, reading into it) go through
- * one chunk of page-locked memory per connection (the "own" area, taken
- * by one move at a time: tp_rdma.c's uccl__rdma_move copies each chunk in
- * or out of it around the WRs).
+ * one chunk of page-locked memory per connection, the mover's business
+ * (tp_rdma_move.c).  This file carries the rest:
  *
  * What the peer must reach in it (a receive buffer, a window written to or
  * read from) cannot be addressed by the peer, so those transfers stream
@@ -49,7 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "gpu/gpu.h"
 #include "net/sock.h"
 #include "base/status.h"
@@ -76,9 +75,6 @@ struct sjob {
 };
 
 struct uccl__rdma_stage {
-    size_t chunk;
-    pthread_mutex_t own_mu;         /* one own move at a time */
-    struct uccl__rdma_area own;
     pthread_mutex_t mu;             /* everything below */
     pthread_cond_t cv;              /* the sender: a job, a credit, stop */
     int stop;
@@ -94,78 +90,10 @@ struct uccl__rdma_stage {
     int lent[RING_SLOTS];           /* the peer may write the slot */
 };
 
-/* ---- areas --------------------------------------------------------------------- */
-
-static void area_free(struct uccl__rdma_area *a)
+static struct uccl__rdma_stage *stage_of(struct uccl__link *lk)
 {
-    const struct uccl__ibv *ib = uccl__ibv();
-    for (unsigned i = 0; ib && i < UCCL_RDMA_MAX_DEVS; i++)
-        if (a->mr[i])
-            ib->dereg_mr(a->mr[i]);
-    if (a->p && UCCL_MK_KIND(a->mk) == UCCL_MK_PINNED)
-        uccl__gpu_host_free(UCCL_MK_DEV(a->mk), a->p);
-    else
-        free(a->p);
-    memset(a, 0, sizeof(*a));
+    return ((struct uccl__rdma_conn *)lk->tp_priv)->stage;
 }
-
-/* len bytes to stage memory of kind for_mk through: page-locked (portable)
- * for GPU memory, page-aligned host memory otherwise; registered with every
- * NIC. */
-static int area_make(struct uccl__rdma_area *a, uint32_t for_mk, size_t len, int access)
-{
-    unsigned n;
-    const struct uccl__rdma_dev *d = uccl__rdma_devs(&n);
-    const struct uccl__ibv *ib = uccl__ibv();
-    if (!d || !ib)
-        return UCCL_ERR_UNAVAIL;
-    int gpu = UCCL_MK_ON_GPU(for_mk), dev = UCCL_MK_DEV(for_mk), rc = UCCL_OK;
-    void *p = NULL;
-    if (gpu)
-        rc = uccl__gpu_host_alloc(dev, len, &p);
-    else if (posix_memalign(&p, (size_t)sysconf(_SC_PAGESIZE), len))
-        rc = uccl__err(UCCL_ERR_NOMEM, "out of memory for a %zu-byte staging buffer", len);
-    if (rc)
-        return rc;
-    *a = (struct uccl__rdma_area){.p = p, .len = len, .for_mk = for_mk,
-                                  .mk = gpu ? UCCL_MK(UCCL_MK_PINNED, dev) : UCCL_MK(UCCL_MK_HOST, 0)};
-    for (unsigned i = 0; i < n; i++) {
-        a->mr[i] = ib->reg_mr(d[i].pd, p, len, access);
-        if (!a->mr[i]) {
-            int e = errno;
-            area_free(a);
-            return uccl__err(UCCL_ERR_IO, "registering a %zu-byte staging buffer with %s: %s "
-                             "(ulimit -l?)", len, d[i].name, strerror(e));
-        }
-    }
-    return UCCL_OK;
-}
-
-/* GPU memory of one device stages through memory of that device; host
- * memory through host memory. */
-static uint32_t stage_kind(uint32_t mk)
-{
-    return UCCL_MK_ON_GPU(mk) ? UCCL_MK(UCCL_MK_DEVICE, UCCL_MK_DEV(mk)) : UCCL_MK(UCCL_MK_HOST, 0);
-}
-
-int uccl__rdma_own_take(struct uccl__rdma_stage *s, uint32_t mk,
-                        const struct uccl__rdma_area **a_p)
-{
-    pthread_mutex_lock(&s->own_mu);
-    int rc = UCCL_OK;
-    if (!s->own.p || s->own.for_mk != stage_kind(mk)) { /* another device's: replace it */
-        area_free(&s->own);
-        rc = area_make(&s->own, stage_kind(mk), s->chunk, IBV_ACCESS_LOCAL_WRITE_);
-    }
-    if (rc) {
-        pthread_mutex_unlock(&s->own_mu);
-        return rc;
-    }
-    *a_p = &s->own;
-    return UCCL_OK;
-}
-
-void uccl__rdma_own_give(struct uccl__rdma_stage *s) { pthread_mutex_unlock(&s->own_mu); }
 
 /* ---- life cycle ------------------------------------------------------------------- */
 
@@ -174,9 +102,7 @@ int uccl__rdma_stage_new(size_t chunk, struct uccl__rdma_stage **s_p)
     struct uccl__rdma_stage *s = calloc(1, sizeof(*s));
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    s->chunk = chunk;
     s->slot_bytes = chunk < SLOT_MAX ? chunk : SLOT_MAX;
-    pthread_mutex_init(&s->own_mu, NULL);
     pthread_mutex_init(&s->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -212,9 +138,7 @@ void uccl__rdma_stage_free(struct uccl__rdma_stage *s)
         STAILQ_REMOVE_HEAD(&s->jobs, link);
         free(j);
     }
-    area_free(&s->own);
-    area_free(&s->ring);
-    pthread_mutex_destroy(&s->own_mu);
+    uccl__rdma_area_free(&s->ring);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);
@@ -224,10 +148,10 @@ void uccl__rdma_stage_free(struct uccl__rdma_stage *s)
 
 /* Under mu: a slot the peer lent, asking for its ring first (once).  Waits
  * for a credit until the connection's timeout. */
-static int take_slot(struct uccl__conn *c, struct uccl__rdma_stage *s, const struct sjob *j,
+static int take_slot(struct uccl__link *lk, struct uccl__rdma_stage *s, const struct sjob *j,
                      unsigned *slot_p)
 {
-    uint64_t deadline = uccl__now_ns() + c->local->timeout_ns;
+    uint64_t deadline = uccl__now_ns() + lk->local->timeout_ns;
     for (;;) {
         for (unsigned i = 0; i < PEER_SLOTS; i++)
             if (s->peer[i].state == PEER_FREE) {
@@ -241,7 +165,7 @@ static int take_slot(struct uccl__conn *c, struct uccl__rdma_stage *s, const str
             s->asked = 1;
             struct uccl__msg m = {.type = UCCL_MSG_RING, .seq = j->id, .token = (uint64_t)j->kind};
             pthread_mutex_unlock(&s->mu);
-            int rc = uccl__conn_send_msg(c, &m);
+            int rc = uccl__conn_send_msg(lk->conn, &m);
             pthread_mutex_lock(&s->mu);
             if (rc)
                 return rc;
@@ -250,7 +174,7 @@ static int take_slot(struct uccl__conn *c, struct uccl__rdma_stage *s, const str
         uint64_t now = uccl__now_ns();
         if (now >= deadline)
             return uccl__err(UCCL_ERR_TIMEOUT, "the peer lent no slot of its staging ring "
-                             "within %.0f s", (double)c->local->timeout_ns / 1e9);
+                             "within %.0f s", (double)lk->local->timeout_ns / 1e9);
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         uint64_t ns = (uint64_t)ts.tv_nsec + (deadline - now);
@@ -262,8 +186,8 @@ static int take_slot(struct uccl__conn *c, struct uccl__rdma_stage *s, const str
 
 static void *tx_main(void *arg)
 {
-    struct uccl__conn *c = arg;
-    struct uccl__rdma_stage *s = uccl__rdma_stage_of(c);
+    struct uccl__link *lk = arg;
+    struct uccl__rdma_stage *s = stage_of(lk);
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (STAILQ_EMPTY(&s->jobs) && !s->stop)
@@ -274,27 +198,27 @@ static void *tx_main(void *arg)
         int rc = UCCL_OK;
         for (size_t off = 0; off < j->len && rc == UCCL_OK;) {
             unsigned slot = 0;
-            rc = take_slot(c, s, j, &slot);
+            rc = take_slot(lk, s, j, &slot);
             if (rc)
                 break;
             uint64_t addr = s->peer[slot].addr, keys = s->peer[slot].keys;
             size_t n = j->len - off < s->peer[slot].len ? j->len - off : s->peer[slot].len;
             pthread_mutex_unlock(&s->mu);
-            rc = uccl__rdma_move(c, 0, (char *)j->src + off, j->src_key, addr, keys, n, 0);
+            rc = uccl__rdma_move(lk, 0, (char *)j->src + off, j->src_key, addr, keys, n, 0);
             if (rc == UCCL_OK) { /* landed (the WRITEs completed): the receiver may copy */
                 pthread_mutex_lock(&s->mu);
                 s->peer[slot].state = PEER_WAIT; /* before the DATA: its CREDIT may come at once */
                 pthread_mutex_unlock(&s->mu);
                 struct uccl__msg m = {.type = UCCL_MSG_DATA, .seq = j->id, .len = n,
                                       .offset = off, .token = (uint64_t)j->kind, .aux = slot};
-                rc = uccl__conn_send_msg(c, &m);
+                rc = uccl__conn_send_msg(lk->conn, &m);
             }
             off += n;
             pthread_mutex_lock(&s->mu);
         }
         STAILQ_REMOVE_HEAD(&s->jobs, link);
         pthread_mutex_unlock(&s->mu);
-        uccl__conn_tx_done(c, j->cookie, rc);
+        uccl__conn_tx_done(lk->conn, j->cookie, rc);
         free(j);
         pthread_mutex_lock(&s->mu);
     }
@@ -305,16 +229,16 @@ static void *tx_main(void *arg)
     for (struct sjob *j; (j = STAILQ_FIRST(&left));) {
         STAILQ_REMOVE_HEAD(&left, link);
         uccl__err(UCCL_ERR_CLOSED, "the connection failed before the data was sent");
-        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
+        uccl__conn_tx_done(lk->conn, j->cookie, UCCL_ERR_CLOSED);
         free(j);
     }
     return NULL;
 }
 
-int uccl__rdma_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+int uccl__rdma_stream(struct uccl__link *lk, int kind, uint64_t id, const void *src,
                       uint64_t src_key, size_t len, void *cookie)
 {
-    struct uccl__rdma_stage *s = uccl__rdma_stage_of(c);
+    struct uccl__rdma_stage *s = stage_of(lk);
     struct sjob *j = calloc(1, sizeof(*j));
     if (!j)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
@@ -323,7 +247,7 @@ int uccl__rdma_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
     pthread_mutex_lock(&s->mu);
     int rc = s->stop ? uccl__err(UCCL_ERR_CLOSED, "the connection is shutting down") : UCCL_OK;
     if (rc == UCCL_OK && !s->thread) {
-        if (pthread_create(&s->tx, NULL, tx_main, c))
+        if (pthread_create(&s->tx, NULL, tx_main, lk))
             rc = uccl__err(UCCL_ERR_NOMEM, "pthread_create failed (the RDMA stream thread)");
         else
             s->thread = 1;
@@ -340,7 +264,7 @@ int uccl__rdma_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
 
 /* ---- receiving ------------------------------------------------------------------------ */
 
-static int send_credit(struct uccl__conn *c, struct uccl__rdma_stage *s, unsigned slot)
+static int send_credit(struct uccl__link *lk, struct uccl__rdma_stage *s, unsigned slot)
 {
     unsigned n;
     uccl__rdma_devs(&n);
@@ -350,7 +274,7 @@ static int send_credit(struct uccl__conn *c, struct uccl__rdma_stage *s, unsigne
     struct uccl__msg m = {.type = UCCL_MSG_CREDIT, .aux = slot, .len = s->slot_bytes,
                           .addr = (uint64_t)(uintptr_t)(s->ring.p + slot * s->slot_bytes),
                           .window = keys};
-    return uccl__conn_send_msg(c, &m);
+    return uccl__conn_send_msg(lk->conn, &m);
 }
 
 static int data_kind_ok(uint64_t kind)
@@ -360,7 +284,7 @@ static int data_kind_ok(uint64_t kind)
 
 /* RING: the peer streams transfer (kind, seq) into this side, which makes
  * its ring for the memory that transfer lands in and lends every slot. */
-static int on_ring(struct uccl__conn *c, struct uccl__rdma_stage *s, const struct uccl__msg *m)
+static int on_ring(struct uccl__link *lk, struct uccl__rdma_stage *s, const struct uccl__msg *m)
 {
     char *dst;
     uint64_t key;
@@ -370,16 +294,17 @@ static int on_ring(struct uccl__conn *c, struct uccl__rdma_stage *s, const struc
     if (!data_kind_ok(m->token))
         return uccl__err(UCCL_ERR_PROTO, "RDMA staging ring asked for a transfer of kind %llu",
                          (unsigned long long)m->token);
-    int rc = uccl__conn_rx_begin(c, (int)m->token, m->seq, 0, 0, &dst, &key, &r);
+    int rc = uccl__conn_rx_begin(lk->conn, (int)m->token, m->seq, 0, 0, &dst, &key, &r);
     if (rc)
         return rc;
     const struct uccl__rdma_mr *mr = uccl__rdma_mr_of(key);
     uint32_t mk = mr ? mr->mkind : 0;
-    uccl__conn_rx_abort(c, r);
+    uccl__conn_rx_abort(lk->conn, r);
     if (!mr)
         return UCCL_ERR_PROTO;
     pthread_mutex_lock(&s->mu);
-    rc = area_make(&s->ring, stage_kind(mk), RING_SLOTS * s->slot_bytes, RING_ACCESS);
+    rc = uccl__rdma_area_make(&s->ring, uccl__rdma_stage_kind(mk), RING_SLOTS * s->slot_bytes,
+                              RING_ACCESS);
     for (unsigned i = 0; rc == UCCL_OK && i < RING_SLOTS; i++)
         s->lent[i] = 1;
     pthread_mutex_unlock(&s->mu);
@@ -387,12 +312,12 @@ static int on_ring(struct uccl__conn *c, struct uccl__rdma_stage *s, const struc
         return uccl__err(rc, "making the RDMA staging ring the peer asked for: %s",
                          uccl_last_error());
     for (unsigned i = 0; rc == UCCL_OK && i < RING_SLOTS; i++)
-        rc = send_credit(c, s, i);
+        rc = send_credit(lk, s, i);
     return rc;
 }
 
 /* DATA: a chunk sits in a slot; checked, copied out, the slot lent again. */
-static int on_data(struct uccl__conn *c, struct uccl__rdma_stage *s, const struct uccl__msg *m)
+static int on_data(struct uccl__link *lk, struct uccl__rdma_stage *s, const struct uccl__msg *m)
 {
     pthread_mutex_lock(&s->mu);
     const char *bad = !s->ring.p ? "no ring was lent"
@@ -410,23 +335,24 @@ static int on_data(struct uccl__conn *c, struct uccl__rdma_stage *s, const struc
     char *dst;
     uint64_t key;
     struct uccl__req *r;
-    int rc = uccl__conn_rx_begin(c, (int)m->token, m->seq, m->offset, m->len, &dst, &key, &r);
+    int rc = uccl__conn_rx_begin(lk->conn, (int)m->token, m->seq, m->offset, m->len, &dst, &key,
+                                 &r);
     if (rc)
         return rc;
     const struct uccl__rdma_mr *mr = uccl__rdma_mr_of(key);
     rc = mr ? uccl__gpu_copy_kinds(dst, mr->mkind, s->ring.p + slot * s->slot_bytes, s->ring.mk,
-                                   m->len, c->local->timeout_ns)
+                                   m->len, lk->local->timeout_ns)
             : UCCL_ERR_PROTO;
     if (rc) {
-        uccl__conn_rx_abort(c, r);
+        uccl__conn_rx_abort(lk->conn, r);
         return uccl__err(rc, "copying a staged chunk of transfer %llu out of the RDMA staging "
                          "ring: %s", (unsigned long long)m->seq, uccl_last_error());
     }
-    uccl__conn_rx_end(c, r, m->len);
+    uccl__conn_rx_end(lk->conn, r, m->len);
     pthread_mutex_lock(&s->mu);
     s->lent[slot] = 1;
     pthread_mutex_unlock(&s->mu);
-    return send_credit(c, s, slot);
+    return send_credit(lk, s, slot);
 }
 
 /* CREDIT: a slot of the peer's ring is ours to write once. */
@@ -448,12 +374,12 @@ static int on_credit(struct uccl__rdma_stage *s, const struct uccl__msg *m)
                                     (unsigned long long)m->aux, (unsigned long long)m->len);
 }
 
-int uccl__rdma_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
+int uccl__rdma_on_msg(struct uccl__link *lk, const struct uccl__msg *m)
 {
-    struct uccl__rdma_stage *s = uccl__rdma_stage_of(c);
+    struct uccl__rdma_stage *s = stage_of(lk);
     switch (m->type) {
-    case UCCL_MSG_RING: return on_ring(c, s, m);
-    case UCCL_MSG_DATA: return on_data(c, s, m);
+    case UCCL_MSG_RING: return on_ring(lk, s, m);
+    case UCCL_MSG_DATA: return on_data(lk, s, m);
     case UCCL_MSG_CREDIT: return on_credit(s, m);
     default:
         return uccl__err(UCCL_ERR_PROTO, "control message type %u not used over RDMA", m->type);

@@ -31,7 +31,7 @@
 #include <stdatomic.h>
 #include <unistd.h>
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "base/pool.h"
 #include "base/log.h"
 #include "net/sock.h"
@@ -103,26 +103,26 @@ static int shm_available(void)
  * stops the copy within one piece: its waiter is waiting for us to leave. */
 #define CMA_PIECE (64u << 20)
 
-static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t len)
+static int cma_copy(struct uccl__link *lk, void *local, uint64_t remote, size_t len)
 {
     size_t done = 0;
     while (done < len) {
-        if (atomic_load(&c->failed))
+        if (atomic_load(&lk->failed))
             return uccl__err(UCCL_ERR_IO, "connection failed during the copy");
         size_t n0 = len - done < CMA_PIECE ? len - done : CMA_PIECE;
         struct iovec l = {(char *)local + done, n0};
         struct iovec r = {(void *)(uintptr_t)(remote + done), n0};
-        ssize_t n = process_vm_readv((pid_t)c->peer_pid, &l, 1, &r, 1, 0);
+        ssize_t n = process_vm_readv((pid_t)lk->peer_pid, &l, 1, &r, 1, 0);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             return uccl__err(UCCL_ERR_IO, "process_vm_readv of %zu bytes at 0x%llx in pid %u: %s",
                              n0,
-                             (unsigned long long)(remote + done), c->peer_pid, strerror(errno));
+                             (unsigned long long)(remote + done), lk->peer_pid, strerror(errno));
         }
         if (n == 0)
             return uccl__err(UCCL_ERR_IO, "CMA copy made no progress at 0x%llx in pid %u",
-                             (unsigned long long)(remote + done), c->peer_pid);
+                             (unsigned long long)(remote + done), lk->peer_pid);
         done += (size_t)n;
     }
     return UCCL_OK;
@@ -140,7 +140,7 @@ static int cma_copy(struct uccl__conn *c, void *local, uint64_t remote, size_t l
 #define MAX_PARTS 16
 
 struct split {
-    struct uccl__conn *c;
+    struct uccl__link *lk;
     char *local;
     uint64_t remote;
     size_t len, step;
@@ -154,7 +154,7 @@ static void copy_part(void *arg, int i)
 {
     struct split *s = arg;
     size_t off = s->step * (size_t)i, end = i == s->parts - 1 ? s->len : off + s->step;
-    s->rc[i] = cma_copy(s->c, s->local + off, s->remote + off, end - off);
+    s->rc[i] = cma_copy(s->lk, s->local + off, s->remote + off, end - off);
     if (s->rc[i] && atomic_fetch_add(&s->failed, 1) == 0)
         snprintf(s->err, sizeof(s->err), "%s", uccl_last_error());
 }
@@ -168,15 +168,15 @@ static int copy_parts(struct uccl__pool *pool, size_t len)
     return parts < 1 ? 1 : parts > (size_t)width ? width : (int)parts;
 }
 
-static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, size_t len)
+static int cma_copy_split(struct uccl__link *lk, void *local, uint64_t remote, size_t len)
 {
-    struct uccl__pool *pool = uccl__pool_lazy_get(&c->local->copy_pool);
+    struct uccl__pool *pool = uccl__pool_lazy_get(&lk->local->copy_pool);
     int parts = copy_parts(pool, len);
     if (parts <= 1)
-        return cma_copy(c, local, remote, len);
+        return cma_copy(lk, local, remote, len);
     if (parts > MAX_PARTS)
         parts = MAX_PARTS;
-    struct split s = {.c = c, .local = local, .remote = remote, .len = len, .parts = parts,
+    struct split s = {.lk = lk, .local = local, .remote = remote, .len = len, .parts = parts,
                       .step = (len / (size_t)parts) & ~(size_t)4095}; /* page-aligned */
     uccl__pool_run(pool, parts, copy_part, &s);
     for (int i = 0; i < parts; i++)
@@ -185,17 +185,17 @@ static int cma_copy_split(struct uccl__conn *c, void *local, uint64_t remote, si
     return UCCL_OK;
 }
 
-static int shm_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote,
+static int shm_pull(struct uccl__link *lk, void *dst, uint64_t local_key, uint64_t remote,
                     uint64_t remote_key, size_t len)
 {
     /* Host memory both sides: CMA, which needs no keys (the kernel checks
      * ptrace rights).  A GPU on either side: the copy engine. */
     if (remote_key || UCCL_MK_KIND(local_key) == UCCL_MK_DEVICE)
-        return uccl__shm_ipc_pull(c, dst, local_key, remote, remote_key, len);
-    return cma_copy_split(c, dst, remote, len);
+        return uccl__shm_ipc_pull(lk, dst, local_key, remote, remote_key, len);
+    return cma_copy_split(lk, dst, remote, len);
 }
 
-static struct shm_conn *shm_new(struct uccl__conn *c)
+static struct shm_conn *shm_new(struct uccl__link *lk)
 {
     struct shm_conn *s = calloc(1, sizeof(*s));
     if (!s)
@@ -203,11 +203,11 @@ static struct shm_conn *shm_new(struct uccl__conn *c)
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     STAILQ_INIT(&s->jobs);
-    c->tp_priv = s;
+    lk->tp_priv = s;
     return s;
 }
 
-static int map_segment(struct uccl__conn *c, struct shm_conn *s, int fd, int ring)
+static int map_segment(struct uccl__link *lk, struct shm_conn *s, int fd, int ring)
 {
     s->seg_len = seg_bytes(ring);
     s->seg = mmap(NULL, s->seg_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -216,23 +216,24 @@ static int map_segment(struct uccl__conn *c, struct shm_conn *s, int fd, int rin
         return uccl__err(UCCL_ERR_IO, "mmap of shared segment %s: %s", s->name, strerror(errno));
     }
     struct ctrl_q *q = (struct ctrl_q *)s->seg;
-    s->q_out = &q[c->is_connector ? 0 : 1];
-    s->q_in = &q[c->is_connector ? 1 : 0];
+    s->q_out = &q[lk->is_connector ? 0 : 1];
+    s->q_in = &q[lk->is_connector ? 1 : 0];
     if (ring) {
         char *rings = s->seg + CTRL_BYTES + EAGER_BYTES;
-        s->out = rings + (c->is_connector ? 0 : RING_DIR_BYTES);
-        s->in = rings + (c->is_connector ? RING_DIR_BYTES : 0);
+        s->out = rings + (lk->is_connector ? 0 : RING_DIR_BYTES);
+        s->in = rings + (lk->is_connector ? RING_DIR_BYTES : 0);
     }
-    c->ctrl_shm = 1;
+    lk->ctrl_shm = 1;
     return UCCL_OK;
 }
 
-static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer, struct uccl__hello *ack)
+static int shm_conn_accept(struct uccl__link *lk, const struct uccl__hello *peer,
+                           struct uccl__hello *ack)
 {
-    struct shm_conn *s = shm_new(c);
+    struct shm_conn *s = shm_new(lk);
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    int mode = c->local->shm_mode;
+    int mode = lk->local->shm_mode;
     uint64_t cookie = 0;
     struct iovec l = {&cookie, sizeof(cookie)};
     struct iovec r = {(void *)(uintptr_t)peer->probe_addr, sizeof(cookie)};
@@ -246,7 +247,7 @@ static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
         LOG_INFO("CMA to pid %u not permitted (%s): using the shared-memory ring", peer->pid,
                  n < 0 ? strerror(errno) : "probe mismatch");
     int ring = !(cma_ok && mode != 1);
-    c->direct = !ring;
+    lk->direct = !ring;
     ack->shm_mode = (uint32_t)ring;
     snprintf(s->name, sizeof(s->name), "/uccl-%d-%016llx", (int)getpid(),
              (unsigned long long)uccl__random64());
@@ -259,21 +260,22 @@ static int shm_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer,
         rc = uccl__err(UCCL_ERR_UNAVAIL, "ftruncate(%s, %zu): %s", s->name, seg_bytes(ring),
                        strerror(errno));
     if (rc == UCCL_OK)
-        rc = map_segment(c, s, fd, ring);
+        rc = map_segment(lk, s, fd, ring);
     close(fd);
     snprintf(ack->shm_name, sizeof(ack->shm_name), "%s", s->name + 1);
     return rc;
 }
 
-static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ack, uint64_t deadline)
+static int shm_conn_connected(struct uccl__link *lk, const struct uccl__hello *ack,
+                              uint64_t deadline)
 {
     (void)deadline;
-    struct shm_conn *s = shm_new(c);
+    struct shm_conn *s = shm_new(lk);
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     int ring = ack->shm_mode == 1;
-    c->direct = !ring;
-    if (c->direct) {
+    lk->direct = !ring;
+    if (lk->direct) {
         /* Reads are pulled by this side (the initiator copies into its own
          * buffer), so CMA must work this way round too. */
         uint64_t cookie = 0;
@@ -298,7 +300,7 @@ static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
     if (fstat(fd, &st) < 0 || (size_t)st.st_size != seg_bytes(ring) || st.st_uid != geteuid())
         rc = uccl__err(UCCL_ERR_PROTO, "shared segment %s has the wrong size or owner", s->name);
     if (rc == UCCL_OK)
-        rc = map_segment(c, s, fd, ring);
+        rc = map_segment(lk, s, fd, ring);
     close(fd);
     if (rc == UCCL_OK)
         shm_unlink(s->name); /* both sides have it mapped: nothing is left behind */
@@ -306,19 +308,19 @@ static int shm_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
 }
 
 /* Jobs that will never be sent: their requests learn it now. */
-static void fail_jobs(struct uccl__conn *c, struct ring_jobs *q)
+static void fail_jobs(struct uccl__link *lk, struct ring_jobs *q)
 {
     for (struct ring_job *j; (j = STAILQ_FIRST(q));) {
         STAILQ_REMOVE_HEAD(q, link);
-        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
+        uccl__conn_tx_done(lk->conn, j->cookie, UCCL_ERR_CLOSED);
         free(j);
     }
 }
 
 static void *ring_tx_main(void *arg)
 {
-    struct uccl__conn *c = arg;
-    struct shm_conn *s = c->tp_priv;
+    struct uccl__link *lk = arg;
+    struct shm_conn *s = lk->tp_priv;
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (STAILQ_EMPTY(&s->jobs) && !s->stop)
@@ -346,7 +348,7 @@ static void *ring_tx_main(void *arg)
             size_t n = j->len - off < RING_SLOT_BYTES ? j->len - off : RING_SLOT_BYTES;
             rc = uccl__gpu_copy_kinds(s->out + (size_t)slot * RING_SLOT_BYTES,
                                       UCCL_MK(UCCL_MK_HOST, 0), j->src + off, (uint32_t)j->src_key,
-                                      n, c->local->timeout_ns);
+                                      n, lk->local->timeout_ns);
             if (rc) {
                 pthread_mutex_lock(&s->mu);
                 s->busy[slot] = 0;
@@ -354,13 +356,13 @@ static void *ring_tx_main(void *arg)
             }
             struct uccl__msg m = {.type = UCCL_MSG_DATA, .seq = j->id, .len = n, .offset = off,
                                   .token = (uint64_t)j->kind, .aux = slot};
-            rc = uccl__conn_send_msg(c, &m);
+            rc = uccl__conn_send_msg(lk->conn, &m);
             off += n;
             pthread_mutex_lock(&s->mu);
         }
         STAILQ_REMOVE_HEAD(&s->jobs, link);
         pthread_mutex_unlock(&s->mu);
-        uccl__conn_tx_done(c, j->cookie, rc);
+        uccl__conn_tx_done(lk->conn, j->cookie, rc);
         free(j);
         pthread_mutex_lock(&s->mu);
     }
@@ -368,25 +370,25 @@ static void *ring_tx_main(void *arg)
     struct ring_jobs left = STAILQ_HEAD_INITIALIZER(left);
     STAILQ_CONCAT(&left, &s->jobs);
     pthread_mutex_unlock(&s->mu);
-    fail_jobs(c, &left);
+    fail_jobs(lk, &left);
     return NULL;
 }
 
-static int shm_conn_start(struct uccl__conn *c)
+static int shm_conn_start(struct uccl__link *lk)
 {
-    struct shm_conn *s = c->tp_priv;
-    if (c->direct)
+    struct shm_conn *s = lk->tp_priv;
+    if (lk->direct)
         return UCCL_OK;
-    if (pthread_create(&s->tx, NULL, ring_tx_main, c))
+    if (pthread_create(&s->tx, NULL, ring_tx_main, lk))
         return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
     s->thread = 1;
     return UCCL_OK;
 }
 
-static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+static int shm_stream(struct uccl__link *lk, int kind, uint64_t id, const void *src,
                       uint64_t src_key, size_t len, void *cookie)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     struct ring_job *j = calloc(1, sizeof(*j));
     if (!j)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
@@ -404,10 +406,10 @@ static int shm_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
     return UCCL_OK;
 }
 
-static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
+static int shm_on_msg(struct uccl__link *lk, const struct uccl__msg *m)
 {
-    struct shm_conn *s = c->tp_priv;
-    if (c->direct || !s->in)
+    struct shm_conn *s = lk->tp_priv;
+    if (lk->direct || !s->in)
         return uccl__err(UCCL_ERR_PROTO, "ring message on a CMA connection");
     if (m->aux >= RING_SLOTS)
         return uccl__err(UCCL_ERR_PROTO, "ring slot %llu out of range (%d slots)",
@@ -430,23 +432,24 @@ static int shm_on_msg(struct uccl__conn *c, const struct uccl__msg *m)
     char *dst;
     uint64_t dst_key;
     struct uccl__req *r;
-    int rc = uccl__conn_rx_begin(c, (int)m->token, m->seq, m->offset, m->len, &dst, &dst_key, &r);
+    int rc = uccl__conn_rx_begin(lk->conn, (int)m->token, m->seq, m->offset, m->len, &dst,
+                                 &dst_key, &r);
     if (rc)
         return rc;
     rc = uccl__gpu_copy_kinds(dst, (uint32_t)dst_key, s->in + (size_t)m->aux * RING_SLOT_BYTES,
-                              UCCL_MK(UCCL_MK_HOST, 0), m->len, c->local->timeout_ns);
+                              UCCL_MK(UCCL_MK_HOST, 0), m->len, lk->local->timeout_ns);
     if (rc) {
-        uccl__conn_rx_abort(c, r);
+        uccl__conn_rx_abort(lk->conn, r);
         return rc;
     }
-    uccl__conn_rx_end(c, r, m->len);
+    uccl__conn_rx_end(lk->conn, r, m->len);
     struct uccl__msg cr = {.type = UCCL_MSG_CREDIT, .aux = m->aux};
-    return uccl__conn_send_msg(c, &cr);
+    return uccl__conn_send_msg(lk->conn, &cr);
 }
 
-static char *shm_eager_slot(struct uccl__conn *c, unsigned idx)
+static char *shm_eager_slot(struct uccl__link *lk, unsigned idx)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     return s->seg + CTRL_BYTES + (size_t)idx * UCCL_EAGER_MAX;
 }
 
@@ -456,13 +459,13 @@ static void futex_shared(atomic_uint *w, int op, unsigned val, int timeout_ms)
     syscall(SYS_futex, (uint32_t *)w, op, val, op == FUTEX_WAIT ? &ts : NULL, NULL, 0);
 }
 
-static int shm_ctrl_send(struct uccl__conn *c, const uint8_t *msg, uint64_t deadline)
+static int shm_ctrl_send(struct uccl__link *lk, const uint8_t *msg, uint64_t deadline)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     struct ctrl_q *q = s->q_out;
     unsigned t = atomic_load_explicit(&q->tail, memory_order_relaxed);
     while (t - atomic_load_explicit(&q->head, memory_order_acquire) >= CTRL_SLOTS) {
-        if (atomic_load(&c->failed))
+        if (atomic_load(&lk->failed))
             return uccl__err(UCCL_ERR_IO, "connection failed");
         if (uccl__now_ns() > deadline)
             return uccl__err(UCCL_ERR_TIMEOUT, "the peer stopped reading control messages");
@@ -475,9 +478,9 @@ static int shm_ctrl_send(struct uccl__conn *c, const uint8_t *msg, uint64_t dead
     return UCCL_OK;
 }
 
-static int shm_ctrl_recv(struct uccl__conn *c, uint8_t *msg)
+static int shm_ctrl_recv(struct uccl__link *lk, uint8_t *msg)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     struct ctrl_q *q = s->q_in;
     unsigned h = atomic_load_explicit(&q->head, memory_order_relaxed);
     if (h == atomic_load_explicit(&q->tail, memory_order_acquire))
@@ -488,21 +491,21 @@ static int shm_ctrl_recv(struct uccl__conn *c, uint8_t *msg)
 }
 
 /* Sleep until there is a message nobody else is reading, or timeout_ms. */
-static void shm_ctrl_wait(struct uccl__conn *c, int timeout_ms)
+static void shm_ctrl_wait(struct uccl__link *lk, int timeout_ms)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     struct ctrl_q *q = s->q_in;
     unsigned h = atomic_load_explicit(&q->head, memory_order_relaxed);
     atomic_store(&q->sleeping, 1);
     unsigned t = atomic_load(&q->tail); /* seq_cst: pairs with the producer's store */
-    if ((t == h || atomic_load(&q->driving)) && !atomic_load(&c->failed))
+    if ((t == h || atomic_load(&q->driving)) && !atomic_load(&lk->failed))
         futex_shared(&q->tail, FUTEX_WAIT, t, timeout_ms);
     atomic_store(&q->sleeping, 0);
 }
 
-static void shm_ctrl_driving(struct uccl__conn *c, int on)
+static void shm_ctrl_driving(struct uccl__link *lk, int on)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     struct ctrl_q *q = s->q_in;
     atomic_store(&q->driving, (unsigned)on);
     /* Messages the driver left behind: the service thread takes them. */
@@ -511,9 +514,9 @@ static void shm_ctrl_driving(struct uccl__conn *c, int on)
         futex_shared(&q->tail, FUTEX_WAKE, 1, 0);
 }
 
-static void shm_conn_shutdown(struct uccl__conn *c)
+static void shm_conn_shutdown(struct uccl__link *lk)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     if (!s)
         return;
     pthread_mutex_lock(&s->mu);
@@ -524,29 +527,29 @@ static void shm_conn_shutdown(struct uccl__conn *c)
         futex_shared(&s->q_in->tail, FUTEX_WAKE, 1, 0);
 }
 
-static void shm_conn_destroy(struct uccl__conn *c)
+static void shm_conn_destroy(struct uccl__link *lk)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     if (!s)
         return;
-    shm_conn_shutdown(c);
+    shm_conn_shutdown(lk);
     if (s->thread) {
         pthread_join(s->tx, NULL);
         s->thread = 0;
     }
-    fail_jobs(c, &s->jobs);
+    fail_jobs(lk, &s->jobs);
     if (s->owner) {
         shm_unlink(s->name); /* in case the peer never opened it */
         s->owner = 0;
     }
 }
 
-static void shm_free(struct uccl__conn *c)
+static void shm_free(struct uccl__link *lk)
 {
-    struct shm_conn *s = c->tp_priv;
+    struct shm_conn *s = lk->tp_priv;
     if (!s)
         return;
-    shm_conn_destroy(c);
+    shm_conn_destroy(lk);
     /* Unmapped only with the last reference: a caller still driving the
      * connection (it holds a request, hence the connection) may touch the
      * queues until it notices the failure. */
@@ -555,7 +558,7 @@ static void shm_free(struct uccl__conn *c)
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);
-    c->tp_priv = NULL;
+    lk->tp_priv = NULL;
 }
 
 const struct uccl__tp_ops uccl__tp_shm = {

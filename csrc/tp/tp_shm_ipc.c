@@ -14,14 +14,14 @@
 #define _GNU_SOURCE
 #include "tp/tp_shm_ipc.h"
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "gpu/gpu.h"
 #include "base/status.h"
 
-int uccl__shm_ipc_mem_key(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+int uccl__shm_ipc_mem_key(struct uccl__link *lk, const struct uccl__mr *mr, uintptr_t addr,
                           uint64_t *key_p)
 {
-    if (!c->direct || !UCCL_MK_ON_GPU(mr->gpu.mkind)) { /* host memory, or the ring stages */
+    if (!lk->direct || !UCCL_MK_ON_GPU(mr->gpu.mkind)) { /* host memory, or the ring stages */
         *key_p = 0;
         return UCCL_OK;
     }
@@ -37,40 +37,40 @@ int uccl__shm_ipc_key_on_gpu(uint64_t peer_key) { return peer_key != 0; }
 
 /* The device whose context maps the peer's memory and runs the copy: the
  * local memory's, else the endpoint's GPU, else the first. */
-static int copy_dev(struct uccl__conn *c, uint64_t local_key)
+static int copy_dev(struct uccl__link *lk, uint64_t local_key)
 {
     if (UCCL_MK_KIND(local_key) != UCCL_MK_HOST)
         return UCCL_MK_DEV(local_key);
-    return c->local->gpu_idx >= 0 ? c->local->gpu_idx : 0;
+    return lk->local->gpu_idx >= 0 ? lk->local->gpu_idx : 0;
 }
 
-static int ipc_copy(struct uccl__conn *c, char *local, uint64_t local_key, uint64_t remote,
+static int ipc_copy(struct uccl__link *lk, char *local, uint64_t local_key, uint64_t remote,
                     uint64_t remote_key, size_t len, int to_peer)
 {
     if (remote_key == 0) /* proto.c pushes only into, and pulls through IPC only from, GPUs */
         return uccl__err(UCCL_ERR_PROTO, "a GPU copy with the peer's host memory at 0x%llx",
                          (unsigned long long)remote);
-    int dev = copy_dev(c, local_key);
+    int dev = copy_dev(lk, local_key);
     void *mapped;
     struct uccl__gpu_import *imp;
-    int rc = uccl__gpu_import_get(c->peer_pid, remote_key, remote, len, dev, &mapped, &imp);
+    int rc = uccl__gpu_import_get(lk->peer_pid, remote_key, remote, len, dev, &mapped, &imp);
     if (rc)
         return rc;
     int split = UCCL_MK_KIND(local_key) != UCCL_MK_HOST; /* not from/to pageable memory */
-    rc = to_peer ? uccl__gpu_copy(dev, mapped, local, len, split, c->local->timeout_ns)
-                 : uccl__gpu_copy(dev, local, mapped, len, split, c->local->timeout_ns);
+    rc = to_peer ? uccl__gpu_copy(dev, mapped, local, len, split, lk->local->timeout_ns)
+                 : uccl__gpu_copy(dev, local, mapped, len, split, lk->local->timeout_ns);
     uccl__gpu_import_put(imp);
     return rc;
 }
 
-int uccl__shm_ipc_pull(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote,
+int uccl__shm_ipc_pull(struct uccl__link *lk, void *dst, uint64_t local_key, uint64_t remote,
                        uint64_t remote_key, size_t len)
 {
-    return ipc_copy(c, dst, local_key, remote, remote_key, len, 0);
+    return ipc_copy(lk, dst, local_key, remote, remote_key, len, 0);
 }
 
-int uccl__shm_ipc_push(struct uccl__conn *c, const void *src, uint64_t local_key,
+int uccl__shm_ipc_push(struct uccl__link *lk, const void *src, uint64_t local_key,
                        uint64_t remote, uint64_t remote_key, size_t len)
 {
-    return ipc_copy(c, (char *)src, local_key, remote, remote_key, len, 1);
+    return ipc_copy(lk, (char *)src, local_key, remote, remote_key, len, 1);
 }

@@ -19,9 +19,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include "conn/conn.h"
+#include "tp/transport.h"
 #include "gpu/gpu.h"
-#include "net/handshake.h"
+#include "tp/handshake.h"
 #include "base/log.h"
 #include "net/sock.h"
 #include "base/status.h"
@@ -43,7 +43,7 @@ struct tcp_stream {
     unsigned idx;
     int threads;
     pthread_t tx, rx;
-    struct uccl__conn *conn;
+    struct uccl__link *link;
 };
 
 /* A stream thread's page-locked chunk, made on its first GPU chunk. */
@@ -52,10 +52,10 @@ struct stage {
     int dev;
 };
 
-static int stage_get(struct uccl__conn *c, struct stage *st, int dev, char **buf_p)
+static int stage_get(struct uccl__link *lk, struct stage *st, int dev, char **buf_p)
 {
     if (!st->buf) {
-        int rc = uccl__gpu_host_alloc(dev, c->chunk_bytes, (void **)&st->buf);
+        int rc = uccl__gpu_host_alloc(dev, lk->chunk_bytes, (void **)&st->buf);
         if (rc)
             return rc;
         st->dev = dev;
@@ -83,37 +83,38 @@ struct tcp_conn {
 
 static int tcp_available(void) { return UCCL_OK; }
 
-static struct tcp_conn *tcp_new(struct uccl__conn *c)
+static struct tcp_conn *tcp_new(struct uccl__link *lk)
 {
     struct tcp_conn *t = calloc(1, sizeof(*t));
     if (!t)
         return NULL;
-    t->n = c->num_streams;
+    t->n = lk->num_streams;
     for (unsigned i = 0; i < UCCL_MAX_STREAMS; i++) {
         t->s[i].fd = -1;
         t->s[i].idx = i;
-        t->s[i].conn = c;
+        t->s[i].link = lk;
     }
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
     STAILQ_INIT(&t->jobs);
-    c->tp_priv = t;
-    c->direct = 0;
+    lk->tp_priv = t;
+    lk->direct = 0;
     return t;
 }
 
-static int tcp_conn_accept(struct uccl__conn *c, const struct uccl__hello *peer, struct uccl__hello *ack)
+static int tcp_conn_accept(struct uccl__link *lk, const struct uccl__hello *peer,
+                           struct uccl__hello *ack)
 {
     (void)peer;
     (void)ack;
-    return tcp_new(c) ? UCCL_OK : uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    return tcp_new(lk) ? UCCL_OK : uccl__err(UCCL_ERR_NOMEM, "out of memory");
 }
 
-static unsigned tcp_streams_needed(const struct uccl__conn *c) { return c->num_streams; }
+static unsigned tcp_streams_needed(const struct uccl__link *lk) { return lk->num_streams; }
 
-static int tcp_add_stream(struct uccl__conn *c, int fd, unsigned index)
+static int tcp_add_stream(struct uccl__link *lk, int fd, unsigned index)
 {
-    struct tcp_conn *t = c->tp_priv;
+    struct tcp_conn *t = lk->tp_priv;
     if (index >= t->n || t->s[index].fd >= 0)
         return uccl__err(UCCL_ERR_PROTO, "stream index %u duplicated or out of range (%u streams)",
                          index, t->n);
@@ -122,15 +123,16 @@ static int tcp_add_stream(struct uccl__conn *c, int fd, unsigned index)
     return UCCL_OK;
 }
 
-static int tcp_conn_connected(struct uccl__conn *c, const struct uccl__hello *ack, uint64_t deadline)
+static int tcp_conn_connected(struct uccl__link *lk, const struct uccl__hello *ack,
+                              uint64_t deadline)
 {
     (void)ack;
-    struct tcp_conn *t = tcp_new(c);
+    struct tcp_conn *t = tcp_new(lk);
     if (!t)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     for (unsigned i = 0; i < t->n; i++) {
         int fd;
-        int rc = uccl__open_stream(c, i, deadline, &fd);
+        int rc = uccl__open_stream(lk, i, deadline, &fd);
         if (rc)
             return rc;
         uccl__sock_set_nonblock(fd, 0);
@@ -140,12 +142,12 @@ static int tcp_conn_connected(struct uccl__conn *c, const struct uccl__hello *ac
 }
 
 /* Account a dispatched chunk; the thread that accounts the last byte ends the job. */
-static void account(struct uccl__conn *c, struct tcp_job *j, size_t n, int failed)
+static void account(struct uccl__link *lk, struct tcp_job *j, size_t n, int failed)
 {
     if (failed)
         atomic_store(&j->err, 1);
     if (atomic_fetch_add(&j->accounted, n) + n == j->len) {
-        uccl__conn_tx_done(c, j->cookie, atomic_load(&j->err) ? UCCL_ERR_IO : UCCL_OK);
+        uccl__conn_tx_done(lk->conn, j->cookie, atomic_load(&j->err) ? UCCL_ERR_IO : UCCL_OK);
         free(j);
     }
 }
@@ -160,7 +162,7 @@ static int send_chunk(int fd, const uint8_t *hdr, const char *data, size_t len)
 /* Stopped: what was never handed out fails now, so its request (and any
  * region it holds) is let go at once, not at endpoint close; chunks in
  * flight account for themselves. */
-static void fail_queued(struct uccl__conn *c, struct tcp_conn *t)
+static void fail_queued(struct uccl__link *lk, struct tcp_conn *t)
 {
     pthread_mutex_lock(&t->mu);
     STAILQ_HEAD(, tcp_job) left = STAILQ_HEAD_INITIALIZER(left);
@@ -168,15 +170,15 @@ static void fail_queued(struct uccl__conn *c, struct tcp_conn *t)
     pthread_mutex_unlock(&t->mu);
     for (struct tcp_job *j; (j = STAILQ_FIRST(&left));) {
         STAILQ_REMOVE_HEAD(&left, link);
-        account(c, j, j->len - j->next_off, 1);
+        account(lk, j, j->len - j->next_off, 1);
     }
 }
 
 static void *tx_main(void *arg)
 {
     struct tcp_stream *s = arg;
-    struct uccl__conn *c = s->conn;
-    struct tcp_conn *t = c->tp_priv;
+    struct uccl__link *lk = s->link;
+    struct tcp_conn *t = lk->tp_priv;
     struct stage st = {0};
     for (;;) {
         pthread_mutex_lock(&t->mu);
@@ -188,7 +190,7 @@ static void *tx_main(void *arg)
         }
         struct tcp_job *j = STAILQ_FIRST(&t->jobs);
         size_t off = j->next_off;
-        size_t len = j->len - off < c->chunk_bytes ? j->len - off : c->chunk_bytes;
+        size_t len = j->len - off < lk->chunk_bytes ? j->len - off : lk->chunk_bytes;
         j->next_off += len;
         if (j->next_off == j->len) /* fully handed out: leave the queue */
             STAILQ_REMOVE_HEAD(&t->jobs, link);
@@ -201,21 +203,21 @@ static void *tx_main(void *arg)
         int rc = UCCL_OK;
         if (UCCL_MK_ON_GPU(j->src_key)) { /* device to host first */
             char *buf;
-            rc = stage_get(c, &st, UCCL_MK_DEV(j->src_key), &buf);
+            rc = stage_get(lk, &st, UCCL_MK_DEV(j->src_key), &buf);
             if (rc == UCCL_OK)
                 rc = uccl__gpu_copy(UCCL_MK_DEV(j->src_key), buf, from, len, 0,
-                                    c->local->timeout_ns);
+                                    lk->local->timeout_ns);
             from = buf;
         }
         if (rc == UCCL_OK)
             rc = send_chunk(s->fd, hdr, from, len);
         if (rc)
-            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
-        account(c, j, len, rc != UCCL_OK);
+            uccl__conn_fail(lk->conn, UCCL_ERR_IO, "%s", uccl_last_error());
+        account(lk, j, len, rc != UCCL_OK);
         if (rc)
             break;
     }
-    fail_queued(c, t);
+    fail_queued(lk, t);
     stage_free(&st);
     return NULL;
 }
@@ -229,60 +231,60 @@ static int recv_full(int fd, void *buf, size_t len)
 /* A data stream ended between chunks.  A closing peer says BYE on the
  * control socket, which may be read a moment after this EOF: give the
  * control path that moment so a clean close is not reported as a failure. */
-static void stream_ended(struct uccl__conn *c)
+static void stream_ended(struct uccl__link *lk)
 {
     char why[256];
     snprintf(why, sizeof(why), "%s", uccl_last_error());
-    for (int i = 0; i < 50 && !atomic_load(&c->failed); i++)
+    for (int i = 0; i < 50 && !atomic_load(&lk->failed); i++)
         usleep(2000);
-    uccl__conn_fail(c, UCCL_ERR_IO, "%s", why);
+    uccl__conn_fail(lk->conn, UCCL_ERR_IO, "%s", why);
 }
 
 static void *rx_main(void *arg)
 {
     struct tcp_stream *s = arg;
-    struct uccl__conn *c = s->conn;
+    struct uccl__link *lk = s->link;
     uint8_t hdr[UCCL_CHUNK_HDR_SIZE];
     struct stage st = {0};
-    while (!atomic_load(&c->failed)) {
+    while (!atomic_load(&lk->failed)) {
         struct uccl__chunk_hdr h;
         char *dst, *into;
         uint64_t dst_key;
         struct uccl__req *r;
         int rc = recv_full(s->fd, hdr, sizeof(hdr));
         if (rc) {
-            stream_ended(c);
+            stream_ended(lk);
             break;
         }
-        rc = uccl__chunk_decode(hdr, c->chunk_bytes, &h);
+        rc = uccl__chunk_decode(hdr, lk->chunk_bytes, &h);
         if (rc == UCCL_OK)
-            rc = uccl__conn_rx_begin(c, h.kind, h.id, h.offset, h.len, &dst, &dst_key, &r);
+            rc = uccl__conn_rx_begin(lk->conn, h.kind, h.id, h.offset, h.len, &dst, &dst_key, &r);
         if (rc) {
-            uccl__conn_fail(c, UCCL_ERR_PROTO, "%s", uccl_last_error());
+            uccl__conn_fail(lk->conn, UCCL_ERR_PROTO, "%s", uccl_last_error());
             break;
         }
         into = dst;
         int on_gpu = UCCL_MK_ON_GPU(dst_key);
         if (on_gpu)
-            rc = stage_get(c, &st, UCCL_MK_DEV(dst_key), &into);
+            rc = stage_get(lk, &st, UCCL_MK_DEV(dst_key), &into);
         if (rc == UCCL_OK)
             rc = recv_full(s->fd, into, h.len);
         if (rc == UCCL_OK && on_gpu) /* host to device */
-            rc = uccl__gpu_copy(UCCL_MK_DEV(dst_key), dst, into, h.len, 0, c->local->timeout_ns);
+            rc = uccl__gpu_copy(UCCL_MK_DEV(dst_key), dst, into, h.len, 0, lk->local->timeout_ns);
         if (rc) {
-            uccl__conn_rx_abort(c, r);
-            uccl__conn_fail(c, UCCL_ERR_IO, "%s", uccl_last_error());
+            uccl__conn_rx_abort(lk->conn, r);
+            uccl__conn_fail(lk->conn, UCCL_ERR_IO, "%s", uccl_last_error());
             break;
         }
-        uccl__conn_rx_end(c, r, h.len);
+        uccl__conn_rx_end(lk->conn, r, h.len);
     }
     stage_free(&st);
     return NULL;
 }
 
-static int tcp_conn_start(struct uccl__conn *c)
+static int tcp_conn_start(struct uccl__link *lk)
 {
-    struct tcp_conn *t = c->tp_priv;
+    struct tcp_conn *t = lk->tp_priv;
     for (unsigned i = 0; i < t->n; i++) {
         struct tcp_stream *s = &t->s[i];
         if (s->fd < 0)
@@ -302,10 +304,10 @@ static int tcp_conn_start(struct uccl__conn *c)
     return UCCL_OK;
 }
 
-static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *src,
+static int tcp_stream(struct uccl__link *lk, int kind, uint64_t id, const void *src,
                       uint64_t src_key, size_t len, void *cookie)
 {
-    struct tcp_conn *t = c->tp_priv;
+    struct tcp_conn *t = lk->tp_priv;
     struct tcp_job *j = calloc(1, sizeof(*j));
     if (!j)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
@@ -327,9 +329,9 @@ static int tcp_stream(struct uccl__conn *c, int kind, uint64_t id, const void *s
     return UCCL_OK;
 }
 
-static void tcp_conn_shutdown(struct uccl__conn *c)
+static void tcp_conn_shutdown(struct uccl__link *lk)
 {
-    struct tcp_conn *t = c->tp_priv;
+    struct tcp_conn *t = lk->tp_priv;
     if (!t)
         return;
     pthread_mutex_lock(&t->mu);
@@ -341,12 +343,12 @@ static void tcp_conn_shutdown(struct uccl__conn *c)
             shutdown(t->s[i].fd, SHUT_RDWR);
 }
 
-static void tcp_conn_destroy(struct uccl__conn *c)
+static void tcp_conn_destroy(struct uccl__link *lk)
 {
-    struct tcp_conn *t = c->tp_priv;
+    struct tcp_conn *t = lk->tp_priv;
     if (!t || t->destroyed)
         return;
-    tcp_conn_shutdown(c);
+    tcp_conn_shutdown(lk);
     for (unsigned i = 0; i < t->n; i++) {
         if (t->s[i].threads) {
             pthread_join(t->s[i].tx, NULL);
@@ -357,7 +359,7 @@ static void tcp_conn_destroy(struct uccl__conn *c)
     /* Jobs never fully handed out: no thread references them any more. */
     for (struct tcp_job *j; (j = STAILQ_FIRST(&t->jobs));) {
         STAILQ_REMOVE_HEAD(&t->jobs, link);
-        uccl__conn_tx_done(c, j->cookie, UCCL_ERR_CLOSED);
+        uccl__conn_tx_done(lk->conn, j->cookie, UCCL_ERR_CLOSED);
         free(j);
     }
     for (unsigned i = 0; i < t->n; i++)
@@ -368,15 +370,15 @@ static void tcp_conn_destroy(struct uccl__conn *c)
     t->destroyed = 1;
 }
 
-static void tcp_free(struct uccl__conn *c)
+static void tcp_free(struct uccl__link *lk)
 {
-    struct tcp_conn *t = c->tp_priv;
-    tcp_conn_destroy(c);
+    struct tcp_conn *t = lk->tp_priv;
+    tcp_conn_destroy(lk);
     if (t) {
         pthread_mutex_destroy(&t->mu);
         pthread_cond_destroy(&t->cv);
         free(t);
-        c->tp_priv = NULL;
+        lk->tp_priv = NULL;
     }
 }
 

@@ -14,11 +14,15 @@
  *    engine asks the protocol where each chunk may land (uccl__conn_rx_begin,
  *    below), which checks it against what that side posted or advertised.
  *
- * Calls go one way, down: the protocol calls the ops; a transport calls
- * back into the protocol only through the upcalls declared at the end of
- * this file (where stream bytes land, that they left, that the connection
- * failed, a control message to send), and into the layers below it
- * (handshake.c, pool.c, sock.c, wire.c).
+ * A transport sees a connection only as its link (link.h): this side's
+ * settings and identity, the peer, the handshake's terms, its own state
+ * (tp_priv) and what it decided at setup (direct, ctrl_shm); every op takes
+ * the link.  Calls go one way, down: the protocol calls the ops; a
+ * transport calls back into the connection layer only through the upcalls
+ * declared at the end of this file (where stream bytes land, that they
+ * left, that the connection failed, a control message to send), which take
+ * the link's opaque handle lk->conn, and into its own layer and those below
+ * (handshake.c, pool.c, sock.c, wire.c, mem.c, gpu.h).
  *
  * Adding a transport = one new tp_<name>.c exporting a const ops table, and
  * one line in the registry (transport.c).
@@ -45,12 +49,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mem/mem.h"
 #include "net/wire.h"
+#include "tp/link.h"
 
 struct uccl__conn;
-struct uccl__mem;
-struct uccl__mr;
 struct uccl__req;
+
+/* Eager messages (the protocol's, conn.h): at most UCCL_EAGER_MAX bytes
+ * each, at most UCCL_EAGER_INFLIGHT unanswered per sender; a transport
+ * with eager slots (below) has this many of this size. */
+#define UCCL_EAGER_MAX (64u << 10)
+#define UCCL_EAGER_INFLIGHT 16
 
 struct uccl__tp_ops {
     const char *name;
@@ -66,37 +76,40 @@ struct uccl__tp_ops {
 
     /* Acceptor, on HELLO_CONN: check the peer's fields, set up local state
      * and fill the ACK.  Bounded by the handshake deadline. */
-    int (*conn_accept)(struct uccl__conn *c, const struct uccl__hello *peer,
+    int (*conn_accept)(struct uccl__link *lk, const struct uccl__hello *peer,
                        struct uccl__hello *ack);
 
     /* Connector, after a positive ACK: finish local state (map a segment,
      * open extra streams).  May block until deadline_ns. */
-    int (*conn_connected)(struct uccl__conn *c, const struct uccl__hello *ack,
+    int (*conn_connected)(struct uccl__link *lk, const struct uccl__hello *ack,
                           uint64_t deadline_ns);
 
     /* Acceptor: how many HELLO_STREAM sockets complete this connection, and
      * take one of them (the engine has checked token and secret). */
-    unsigned (*streams_needed)(const struct uccl__conn *c);
-    int (*add_stream)(struct uccl__conn *c, int fd, unsigned index);
+    unsigned (*streams_needed)(const struct uccl__link *lk);
+    int (*add_stream)(struct uccl__link *lk, int fd, unsigned index);
 
     /* Start the transport's threads.  Never blocks. */
-    int (*conn_start)(struct uccl__conn *c);
+    int (*conn_start)(struct uccl__link *lk);
 
     /* Memory registration, per endpoint (its region table, mem.h) and
      * region (NULL: nothing to do): RDMA registers with the device
      * (ibv_reg_mr), CUDA IPC exports a handle.  What it makes lives in
-     * mr->tp_key[id] (an lkey, say) and mr->tp_priv[id].  reg() calls it for
-     * every transport available in this process; dereg() calls mem_dereg
-     * once no peer access is in flight. */
+     * mr->tp_key[id] (an lkey, say) and mr->tp_priv[id].  The regions call
+     * them through uccl__tp_mem_hooks (below): mem_reg at reg() for every
+     * transport available in this process, mem_dereg once no peer can
+     * reach the region any more (dereg(), or its last hold). */
     int (*mem_reg)(struct uccl__mem *mem, struct uccl__mr *mr);
     void (*mem_dereg)(struct uccl__mem *mem, struct uccl__mr *mr);
 
     /* What a peer needs besides the address to reach addr, inside region
-     * mr, over c (an rkey; the address of a GPU export record); 0 where the
+     * mr, over lk (an rkey; the address of a GPU export record); 0 where the
      * address is enough (CMA).  It travels with the address in RTS, CTS,
-     * WREQ, RREQ or GO.  Called under the regions' lock; an error (memory
-     * that cannot be shared with this peer) fails the transfer. */
-    int (*mem_key)(struct uccl__conn *c, const struct uccl__mr *mr, uintptr_t addr,
+     * WREQ, RREQ or GO.  Called under the regions' lock (uccl__tp_mem_keys),
+     * or with the region held from dereg() (a window's target, proto.c);
+     * never blocks.  An error (memory that cannot be shared with this peer)
+     * fails the transfer. */
+    int (*mem_key)(struct uccl__link *lk, const struct uccl__mr *mr, uintptr_t addr,
                    uint64_t *key_p);
 
     /* Direct transports: is the peer's memory behind a key it sent (its
@@ -120,57 +133,58 @@ struct uccl__tp_ops {
      * ever pulls, so a process's memory is written by its own threads alone;
      * an RDMA transport posts a READ and polls its completion here.  Blocking;
      * runs on the connection's worker thread or a caller driving it. */
-    int (*pull)(struct uccl__conn *c, void *dst, uint64_t local_key, uint64_t remote_addr,
+    int (*pull)(struct uccl__link *lk, void *dst, uint64_t local_key, uint64_t remote_addr,
                 uint64_t remote_key, size_t len);
     /* ... and the other way, where the destination cannot pull (key_on_gpu):
      * copy len bytes of src (with its local_key) to the peer's remote_addr. */
-    int (*push)(struct uccl__conn *c, const void *src, uint64_t local_key, uint64_t remote_addr,
+    int (*push)(struct uccl__link *lk, const void *src, uint64_t local_key, uint64_t remote_addr,
                 uint64_t remote_key, size_t len);
 
     /* Stream mover (also, on a direct transport with `staged`, for the
      * transfers that stream): queue len > 0 bytes for the peer, tagged (kind, id).
-     * Never blocks; calls uccl__conn_tx_done(c, cookie, status) once the
-     * bytes have left the buffer.  `cookie` is a struct uccl__req *.
+     * Never blocks; calls uccl__conn_tx_done(lk->conn, cookie, status) once
+     * the bytes have left the buffer.  `cookie` is a struct uccl__req *.
      * src_key is src's local key: GPU memory (gpu.h) is staged through
      * page-locked buffers, as is GPU memory that rx_begin hands out. */
-    int (*stream)(struct uccl__conn *c, int kind, uint64_t id, const void *src, uint64_t src_key,
+    int (*stream)(struct uccl__link *lk, int kind, uint64_t id, const void *src, uint64_t src_key,
                   size_t len, void *cookie);
 
     /* Optional control channel replacing the control socket for messages
      * (same host: queues in shared memory, no system call per message).  The
      * socket then only tells that the peer is gone.  ctrl_send: one message,
-     * waiting for room until deadline_ns; caller holds conn->ctrl_tx_mu.
+     * waiting for room until deadline_ns; the caller holds the connection's
+     * writer lock (one sender at a time).
      * ctrl_recv: 1 if a message was read, 0 if none (only the connection's
      * current reader calls it).  ctrl_wait: sleep until a message may be
      * there, or timeout_ms. */
-    int (*ctrl_send)(struct uccl__conn *c, const uint8_t *msg, uint64_t deadline_ns);
-    int (*ctrl_recv)(struct uccl__conn *c, uint8_t *msg);
-    void (*ctrl_wait)(struct uccl__conn *c, int timeout_ms);
+    int (*ctrl_send)(struct uccl__link *lk, const uint8_t *msg, uint64_t deadline_ns);
+    int (*ctrl_recv)(struct uccl__link *lk, uint8_t *msg);
+    void (*ctrl_wait)(struct uccl__link *lk, int timeout_ms);
     /* A caller starts (on=1) or stops driving: while one drives, producers
      * need not wake the service thread, which saves a wake-up per message. */
-    void (*ctrl_driving)(struct uccl__conn *c, int on);
+    void (*ctrl_driving)(struct uccl__link *lk, int on);
 
     /* Optional eager slots (same host): UCCL_EAGER_INFLIGHT slots of
      * UCCL_EAGER_MAX bytes in shared memory, connector -> acceptor.  Returns
      * slot `idx` of this side's outgoing (connector) or incoming (acceptor)
      * area, or NULL if the transport has none. */
-    char *(*eager_slot)(struct uccl__conn *c, unsigned idx);
+    char *(*eager_slot)(struct uccl__link *lk, unsigned idx);
 
     /* A control message of a type the protocol does not know (UCCL_MSG_DATA /
      * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the service
      * thread; must not wait for the peer. */
-    int (*on_msg)(struct uccl__conn *c, const struct uccl__msg *m);
+    int (*on_msg)(struct uccl__link *lk, const struct uccl__msg *m);
 
     /* Unblock every thread of the transport (failure or close).  Idempotent,
      * callable from any thread, never blocks. */
-    void (*conn_shutdown)(struct uccl__conn *c);
+    void (*conn_shutdown)(struct uccl__link *lk);
 
     /* Join the transport's threads and release its resources (sockets,
      * mappings).  Idempotent; never called from the transport's threads. */
-    void (*conn_destroy)(struct uccl__conn *c);
+    void (*conn_destroy)(struct uccl__link *lk);
 
     /* Free what conn_destroy left (called with the last reference). */
-    void (*conn_free)(struct uccl__conn *c);
+    void (*conn_free)(struct uccl__link *lk);
 };
 
 extern const struct uccl__tp_ops uccl__tp_tcp;
@@ -182,7 +196,20 @@ extern const struct uccl__tp_ops uccl__tp_rdma;
 extern const struct uccl__tp_ops *const uccl__tp_registry[UCCL_TP_COUNT];
 extern const char *const uccl__tp_names[UCCL_TP_COUNT];
 
-/* ---- upcalls: what a transport may call in the protocol (proto.c, conn.c) ----
+/* What the memory regions (mem.h) ask of the transports, through the
+ * registry: the hooks an endpoint gives its regions at init (registration
+ * with every transport available here, undone when the region goes), and
+ * a region's keys for the transport of one link (uccl__mem_keys, asking
+ * that transport's mem_key under the regions' lock). */
+extern const struct uccl__mem_hooks uccl__tp_mem_hooks;
+int uccl__tp_mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t len,
+                      struct uccl__link *lk, uint64_t *local_key_p, uint64_t *peer_key_p,
+                      uint32_t *mkind_p);
+
+/* ---- upcalls: what a transport may call in the connection layer ----------
+ *
+ * Each takes the opaque connection of a link (lk->conn).  conn.c has
+ * send_msg and fail, proto_stream.c the rest.
  *
  * Stream receive path, for each arriving chunk: rx_begin validates (kind,
  * id, offset, len) against what this side posted or advertised and returns
