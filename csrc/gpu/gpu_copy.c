@@ -56,7 +56,7 @@ static unsigned lanes_wanted(void)
     _Static_assert(MAX_STREAMS == 8, "base/config.h: UCCL_P2P_CUDA_STREAMS is 1..8");
     static int n; /* UCCL_P2P_CUDA_STREAMS, read once (a benign race: same value) */
     if (!n) {
-        long v; /* a bad value: the default here; endpoint creation raises on it */
+        long v; /* a bad value: the default here (endpoint creation raises on it) */
         n = uccl__cfg_long(UCCL_CFG_P2P_CUDA_STREAMS, &v) ? 2 : (int)v;
     }
     return (unsigned)n;

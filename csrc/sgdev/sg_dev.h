@@ -122,7 +122,8 @@ struct uccl__sg_dev {
     int (*memops)(void *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n);
     /* Queue n copies (any mix of sizes) on `stream`, in one go where the
      * device can (CUDA: one launch of the copy kernel up to
-     * UCCL_SG_KERNEL_COPY_BYTES in all, else one copy-engine copy each).
+     * UCCL_SG_KERNEL_COPY_BYTES in all and as many copies as the kernel's
+     * segments, UCCL__K_COPY_SEGS; else one copy-engine copy each).
      * Rounds and posts call it. */
     int (*copies)(void *d, uintptr_t stream, const struct uccl_sg_copy *cs, int n);
     /* Queue the reduction a on `stream`.  The first one of an element

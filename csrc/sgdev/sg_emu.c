@@ -17,7 +17,6 @@
 #include <time.h>
 
 #include "sgdev/sg_dev.h"
-#include "net/sock.h"
 #include "base/status.h"
 
 #define STUCK_NS 30000000000ull /* a wait longer than this is reported and passed */

@@ -2,22 +2,23 @@
  *
  * A connection is set up by the endpoint over its control socket
  * (handshake.c: secret, host identity); the transport then adds what it
- * needs (TCP data streams, a shared-memory segment, later CUDA IPC handles
- * or RDMA queue pairs).  The two-sided and one-sided protocol (rendezvous,
+ * needs (TCP data streams, a shared-memory segment, RDMA queue pairs).  The two-sided and one-sided protocol (rendezvous,
  * size checks, advertised windows) lives in proto.c and is the same for
  * every transport; a transport only moves bytes, in one of two ways:
  *
  *  - direct: the local process copies straight from/to the peer's memory
- *    given its address (CMA process_vm_readv/writev; later cuMemcpy from a
- *    CUDA IPC mapping, or RDMA READ/WRITE with the key carried in `key`).
+ *    given its address (CMA process_vm_readv/writev; a copy-engine copy from
+ *    or into a CUDA IPC mapping; RDMA READ/WRITE with the key carried in
+ *    `key`).
  *  - stream: the bytes travel tagged (kind, id, offset) and the peer's
  *    engine asks the protocol where each chunk may land (uccl__conn_rx_begin,
  *    below), which checks it against what that side posted or advertised.
  *
  * A transport sees a connection only as its link (link.h): this side's
  * settings and identity, the peer, the handshake's terms, its own state
- * (tp_priv) and what it decided at setup (direct, ctrl_shm); every op takes
- * the link.  Calls go one way, down: the protocol calls the ops; a
+ * (tp_priv) and what it decided at setup (direct, ctrl_shm); every op on
+ * a connection takes the link (the process-wide ones, available, mem_reg,
+ * mem_dereg, key_on_gpu and staged, take none).  Calls go one way, down: the protocol calls the ops; a
  * transport calls back into the connection layer only through the upcalls
  * declared at the end of this file (where stream bytes land, that they
  * left, that the connection failed, a control message to send), which take
@@ -129,8 +130,10 @@ struct uccl__tp_ops {
 
     /* Direct mover (NULL, or the connection's `direct` flag clear, when the
      * transport streams): copy len bytes from the peer's remote_addr (with its
-     * remote_key) into dst (whose region has local_key).  The protocol only
-     * ever pulls, so a process's memory is written by its own threads alone;
+     * remote_key) into dst (whose region has local_key).  The destination
+     * pulls, except where the transport has source_writes (RDMA: the
+     * source WRITEs into the destination's advertised buffer) and where the
+     * destination is GPU memory the source must push into (push, below);
      * an RDMA transport posts a READ and polls its completion here.  Blocking;
      * runs on the connection's worker thread or a caller driving it. */
     int (*pull)(struct uccl__link *lk, void *dst, uint64_t local_key, uint64_t remote_addr,
@@ -171,8 +174,9 @@ struct uccl__tp_ops {
     char *(*eager_slot)(struct uccl__link *lk, unsigned idx);
 
     /* A control message of a type the protocol does not know (UCCL_MSG_DATA /
-     * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the service
-     * thread; must not wait for the peer. */
+     * UCCL_MSG_CREDIT for the shared-memory ring).  Runs on the connection's
+     * reader: its service thread, or a caller driving the connection; must
+     * not wait for the peer. */
     int (*on_msg)(struct uccl__link *lk, const struct uccl__msg *m);
 
     /* Unblock every thread of the transport (failure or close).  Idempotent,

@@ -18,7 +18,7 @@
 //
 // Any number of threads, warps and blocks may enqueue at once; commands run
 // in the order of their sequence numbers, each exactly once.  Needs sm_70+.
-// The layout below is csrc/ring.h's, byte for byte.
+// The layout below is csrc/ring/ring.h's, byte for byte.
 //
 // A put that times out (UCCL_RING_ETIMEOUT; e.g. a ring paused longer than
 // the endpoint's timeout) leaves its ticket unused: the ring stops there,
@@ -50,8 +50,8 @@ struct uccl_ring_dev {
     unsigned long long stuck;    // host-mapped: 1 + a ticket whose thread gave up (below)
     unsigned long long pad[5];
 };
-static_assert(sizeof(uccl_ring_cmd) == 64, "csrc/ring.h's layout");
-static_assert(sizeof(uccl_ring_dev) == 128, "csrc/ring.h's layout");
+static_assert(sizeof(uccl_ring_cmd) == 64, "csrc/ring/ring.h's layout");
+static_assert(sizeof(uccl_ring_dev) == 128, "csrc/ring/ring.h's layout");
 
 // Device-memory copies of the host-written counters.  Many waiting threads
 // read these (L2), and one thread at a time, at most every
