@@ -1434,7 +1434,7 @@ def _suite(rank, ws, port, variant="full"):
     os.environ.update(VARIANTS[variant])   # before _reduce.py reads them
     import torch.distributed as dist
     import uccl_collective  # noqa: F401  registers "uccl"
-    from uccl_collective import _reduce
+    from uccl_collective.backend import _reduce
     in_effect = {"UCCL_PG_ALGO": _reduce.ALGO, "UCCL_PG_SMALL_KB": _reduce.SMALL_BYTES >> 10,
                  "UCCL_PG_PIECE_KB": _reduce.PIECE_BYTES >> 10, "UCCL_PG_WINDOW": _reduce.WINDOW}
     for k, v in VARIANTS[variant].items():
