@@ -1,4 +1,4 @@
-"""The torch.distributed backend "uccl" (uccl_collective/backend.py) against Gloo.
+"""The torch.distributed backend "uccl" (uccl_collective/backend/) against Gloo.
 
 Jobs of real spawned ranks on loopback (the launcher and the byte helpers come
 from test_collective.py): one job per world size (2, 3, 4) runs the whole plan
@@ -402,7 +402,7 @@ def _case_reduce(R, i, p):
     b = x.clone()
     dist.reduce(b, dst=root, op=_op("SUM" if op == "AVG" else op), group=R.gloo)
     _reraise(err)
-    if me != root:   # the backend only writes the root's tensor (backend.py reduce())
+    if me != root:   # the backend only writes the root's tensor (_algorithms.py reduce())
         _same(a, x, f"non-root tensor (root is {root}) must not change")
         return
     if op == "AVG":

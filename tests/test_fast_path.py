@@ -86,7 +86,7 @@ class Pg:
     def __init__(self, sg, n):
         self._runner = Runner("test", 10.0)
         self.sg = sg
-        self.fp = _engine.FastPath(self._runner.token, n)
+        self.fp = _engine.FastPath(self._runner, n)
         self.fp.set_group(sg, sg.c, sg.dev)
         self.fp.codes[(SUM, torch.float32)] = (_engine.DT_F32, _engine.RED_SUM)
         self.fp.codes[(SUM, torch.int64)] = ()   # a dtype the kernel does not take
@@ -183,7 +183,7 @@ def states(pg):
     test_the_c_path_takes_only_an_engine_group; closed, its round raises:
     test_a_closed_group_raises_as_the_python_path_does.)"""
     fp, r, sg = pg.fp, pg._runner, pg.sg
-    tok = r.token
+    tok = r   # the runner is the token (its C base)
 
     def setter(obj, attr, value):
         old = getattr(obj, attr)
@@ -341,17 +341,17 @@ def test_the_backend_gives_the_c_path_its_state():
     try:
         d, r = pg._d, pg._runner
         fp = d.fp
-        assert fp.token is r.token and fp.closed is False and fp.group is None
+        assert fp.token is r and isinstance(r, _engine.Token)
+        assert fp.closed is False and fp.group is None
         assert fp.codes is d.codes and fp.codes == {}
         assert pg._fast_allreduce == fp.allreduce and pg._fast_allgather == fp.allgather
-        tok = r.token
-        assert tok.busy is False and not r._q and tok.closed is None and tok.poisoned is None
-        assert r.inline(lambda: tok.busy) == (True, True) and tok.busy is False
+        assert r.busy is False and not r._q and r.closed is None and r.poisoned is None
+        assert r.inline(lambda: r.busy) == (True, True) and r.busy is False
         assert bk.ProcessGroupUCCL.allreduce.__code__.co_names[0] == "_fast_allreduce"
         assert bk.ProcessGroupUCCL._allgather_base.__code__.co_names[0] == "_fast_allgather"
     finally:
         pg.shutdown()
-    assert fp.closed is True and tok.closed
+    assert fp.closed is True and r.closed
 
 
 def test_the_dispatch_gives_the_c_path_the_stream_group():
@@ -364,7 +364,7 @@ def test_the_dispatch_gives_the_c_path_the_stream_group():
 
         def stream_group(self, dev, timeout_s):
             return groups[0]
-    d = dispatch.Dispatch(Ctx(), Runner("test", 5.0).token, 0, 2, 5.0, StreamWork, None)
+    d = dispatch.Dispatch(Ctx(), Runner("test", 5.0), 0, 2, 5.0, StreamWork, None)
     try:
         d.sg_off = False   # (as where UCCL_STREAM_ORDERED is on)
         assert d.stream_group(0) is groups[0]

@@ -1,5 +1,5 @@
 """The stream-ordered groups' protocol (csrc/sgroup.c, sg_call.c, through
-uccl_collective/_stream_group.py) on the CPU: ranks are threads of this
+uccl_collective/core/stream_group.py) on the CPU: ranks are threads of this
 process, the shared page is the real one (a file in /dev/shm), and each
 CUDA stream is the engine's emulated stream (csrc/sg_emu.c: a thread that
 runs the queued writes, waits, copies, reductions and events in order).

@@ -1,5 +1,5 @@
 """Stream-ordered point-to-point messages (csrc/sg_p2p.c, through
-uccl_collective/_stream_group.py's StreamGroup.p2p) on the CPU: ranks are
+uccl_collective/core/stream_group.py's StreamGroup.p2p) on the CPU: ranks are
 threads, the page is the real shared file, streams are the engine's
 emulated streams (test_stream_group.py's harness).  What is checked: the
 bytes of every message, whatever order the ranks post in; that posting

@@ -18,7 +18,7 @@
  * the Work) took the host to 15-16 us (BENCHMARKS.md, session 11).
  *
  * What it does is exactly the dispatch's second row's common case, nothing
- * more: the same checks (Dispatch.fast and fast_red: a blocking call, no
+ * more: the same checks (Dispatch.fast and kernel_codes: a blocking call, no
  * profiler, the group open, dense contiguous CUDA tensors on the group's
  * device, no graph capture, an operator and dtype whose kernel codes are
  * cached), the token taken and given back under the runner's lock, the
@@ -241,7 +241,7 @@ static long long ll_of(struct uccl__py_fast *f, PyObject *t, int name)
     return PyErr_Occurred() ? -1 : as_ll(call0(f, t, name));
 }
 
-/* The engine's (dtype, operator) codes cached by Dispatch.fast_red for
+/* The engine's (dtype, operator) codes cached by Dispatch.kernel_codes for
  * (hash(opts.reduceOp), t.dtype): 0, or -1 where none are (decline). */
 static int red_codes(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject *opts,
                      PyObject *t, int *dtype, int *op)

@@ -4,14 +4,17 @@
  * fast path, py_fastpath.c, for its round), so that the group's calls keep
  * their issue order on every rank.
  *
- *   Token(lock, cv, q)
+ *   Token(cv, q)
  *
- * lock is the runner's lock (an RLock) and cv the Condition over it; q is
- * the runner's queue of tasks waiting for the token.  The token keeps its
- * own state: taken or not (busy), and why the group refuses new tasks
- * (closed, poisoned: a reason, or None).  Python reads and sets those as
- * attributes while holding the lock; C takes the lock through the bound
- * methods given here (no attribute is looked up by name on a call).
+ * cv is the runner's Condition (over its lock), q the runner's queue of
+ * tasks waiting for the token; the runner (backend/_work.py's Runner) is a
+ * subclass, which passes its own.  The token keeps its own state: taken or
+ * not (busy), and why the group refuses new tasks (closed, poisoned: a
+ * reason, or None).  Python reads and sets those as attributes while
+ * holding the lock; C takes the lock, and wakes the Condition's waiters,
+ * through the bound methods taken here once (cv.acquire, cv.release,
+ * cv.notify_all: the lock's own acquire and release), so no attribute is
+ * looked up by name on a call.
  *
  * Taking it: the lock, then the token only when it is free, nothing is
  * queued, and the group is neither closed nor poisoned.  Giving it back:
@@ -213,16 +216,16 @@ static PyObject *Token_run(PyObject *op, PyObject *const *args, Py_ssize_t nargs
 static int Token_init(PyObject *op, PyObject *args, PyObject *kw)
 {
     uccl__py_token *t = (uccl__py_token *)op;
-    static char *kwlist[] = {"lock", "cv", "q", NULL};
-    PyObject *lk, *cv, *q;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO:Token", kwlist, &lk, &cv, &q))
+    static char *kwlist[] = {"cv", "q", NULL};
+    PyObject *cv, *q;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO:Token", kwlist, &cv, &q))
         return -1;
     if (t->acquire) {
         PyErr_SetString(PyExc_RuntimeError, "Token.__init__ called twice");
         return -1;
     }
-    t->acquire = PyObject_GetAttrString(lk, "acquire");
-    t->release = t->acquire ? PyObject_GetAttrString(lk, "release") : NULL;
+    t->acquire = PyObject_GetAttrString(cv, "acquire");
+    t->release = t->acquire ? PyObject_GetAttrString(cv, "release") : NULL;
     t->notify_all = t->release ? PyObject_GetAttrString(cv, "notify_all") : NULL;
     if (!t->notify_all)
         return -1;
@@ -351,13 +354,14 @@ static PyType_Slot Token_slots[] = {
     {Py_tp_methods, Token_methods},
     {Py_tp_getset, Token_getset},
     {Py_tp_new, PyType_GenericNew},
-    {Py_tp_doc, "Token(lock, cv, q): the execution token of a process group's calls."},
+    {Py_tp_doc, "Token(cv, q): the execution token of a process group's calls (the base of "
+                "the backend's Runner)."},
     {0, NULL},
 };
 
 PyType_Spec uccl__py_token_spec = {
     .name = "uccl_collective._engine.Token",
     .basicsize = sizeof(uccl__py_token),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
     .slots = Token_slots,
 };

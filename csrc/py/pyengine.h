@@ -172,8 +172,8 @@ PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args);
 /* ---- py_token.c ---- */
 typedef struct {
     PyObject_HEAD
-    PyObject *acquire, *release; /* the runner's lock's bound methods */
-    PyObject *notify_all;        /* its Condition's */
+    PyObject *acquire, *release; /* the runner's Condition's (its lock's), bound */
+    PyObject *notify_all;        /* the Condition's, bound */
     PyObject *q;                 /* the runner's queue: tasks waiting for the token */
     PyObject *closed, *poisoned; /* why the group refuses new tasks (None: it does not) */
     int busy;                    /* taken */

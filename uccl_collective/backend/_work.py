@@ -125,19 +125,20 @@ def _execute(task: Task) -> None:
     task.fn = None
 
 
-class Runner:
-    """The FIFO of one process group.  A thread holding the *token* runs the
-    head task: the caller of a blocking operation, a waiter, or the group's
-    runner thread (which takes queued tasks nobody is waiting for).
+class Runner(_engine.Token):
+    """The FIFO of one process group, and its execution *token*: a thread
+    holding the token runs the head task (the caller of a blocking
+    operation, a waiter, or the group's runner thread, which takes queued
+    tasks nobody is waiting for), or an inline call.
 
-    The token is a C object (_engine.Token, csrc/py/py_token.c), so that
-    the backend's one-call routes take it in C as a task takes it here
-    (core/dispatch.py, rows 1 and 2): whoever holds it runs the group's
-    next call, in issue order.  It keeps whether it is taken (busy), and why
-    the group refuses new tasks (closed, poisoned); it reads this runner's
-    queue and takes this runner's lock, and wakes its waiters when given
-    back with tasks queued.  Its fields change under the lock, as the
-    queue does.
+    The token is this object's C part (_engine.Token, csrc/py/py_token.c),
+    so that the backend's one-call routes take it in C as a task takes it
+    here (core/dispatch.py, rows 1 and 2): whoever holds it runs the
+    group's next call, in issue order.  It keeps whether it is taken
+    (busy) and why the group refuses new tasks (closed, poisoned: a reason,
+    or None), which this class reads and sets under its lock, as it
+    changes its queue; it is given the Condition and the queue, and takes
+    the lock, gives the token back and wakes the waiters through them.
 
     Futures are completed on separate delivery threads, never on the runner
     thread nor under the lock: a future's callbacks run on the thread that
@@ -150,36 +151,35 @@ class Runner:
     def __init__(self, name: str, timeout_s: float):
         self._name, self.timeout_s = name, timeout_s
         self._q: collections.deque[Task] = collections.deque()
-        lock = threading.RLock()
-        self._cv = threading.Condition(lock)
-        self.token = _engine.Token(lock, self._cv, self._q)
-        #: inline(fn, *args) -> (True, fn(*args)) run on this thread holding
-        #: the token, as a task at the head of the queue would run; or
-        #: (False, None) without running it when a task is queued or
-        #: running, or the group is closed or poisoned (the caller then
-        #: takes the general path, which queues or raises).  For calls that
-        #: go straight to the engine: nothing else of the group's can start
-        #: while fn runs.  (The token's own call: one C call, no frame here.)
-        self.inline = self.token.run
+        self._cv = threading.Condition(threading.RLock())
+        super().__init__(self._cv, self._q)
         self._thread: threading.Thread | None = None
         self._delivery: ThreadPoolExecutor | None = None
+
+    #: inline(fn, *args) -> (True, fn(*args)) run on this thread holding the
+    #: token, as a task at the head of the queue would run; or (False, None)
+    #: without running it when a task is queued or running, or the group is
+    #: closed or poisoned (the caller then takes the general path, which
+    #: queues or raises).  For calls that go straight to the engine: nothing
+    #: else of the group's can start while fn runs.  (The token's own call,
+    #: in C: Token.run.)
+    inline = _engine.Token.run
 
     @property
     def _busy(self) -> bool:
         """Whether the token is taken (a task or an inline call runs)."""
-        return self.token.busy
+        return self.busy
 
     def submit(self, task: Task, run_now: bool | str, deadline: float) -> None:
         """run_now True: run it on this thread (after those ahead of it);
         "if-idle": only when nothing is ahead of it; False: the runner
         thread runs it."""
         with self._cv:
-            tok = self.token
-            why = tok.refused   # closed, else poisoned, else None
+            why = self.refused   # closed, else poisoned, else None
             if why:
                 raise UcclError(f"process group {self._name}: {why}")
             if run_now == IF_IDLE:
-                run_now = not tok.busy and not self._q
+                run_now = not self.busy and not self._q
             self._q.append(task)
             if not run_now:
                 if self._thread is None:
@@ -193,8 +193,7 @@ class Runner:
     def poison(self, why: str) -> None:
         """Refuse new tasks from now on (the ranks' orders no longer agree)."""
         with self._cv:
-            tok = self.token
-            tok.poisoned = tok.poisoned or why
+            self.poisoned = self.poisoned or why
 
     def run_here(self, task: Task) -> bool:
         """A blocking call's task run on this thread at once, holding the
@@ -210,15 +209,14 @@ class Runner:
         """Under the lock, token free, queue not empty: run the head task
         without the lock."""
         task = self._q.popleft()
-        tok = self.token
-        tok.busy = True
+        self.busy = True
         self._cv.release()
         try:
             _execute(task)
         finally:
             self._cv.acquire()
             task.ran = True
-            tok.busy = False
+            self.busy = False
             self._cv.notify_all()
         if task.future is not None:  # someone holds its future: complete it
             self._deliver(task)
@@ -228,7 +226,7 @@ class Runner:
         flight) on a delivery thread."""
         def settle() -> None:
             task.settle_pending(time.monotonic() + self.timeout_s)
-        if self._delivery is None and not self.token.closed:
+        if self._delivery is None and not self.closed:
             self._delivery = ThreadPoolExecutor(self.DELIVERY_THREADS,
                                                 thread_name_prefix=f"uccl-pg-{self._name}-fut")
         try:
@@ -265,10 +263,9 @@ class Runner:
         not started by then is taken off the queue, and the group refuses
         what comes after (its ranks no longer agree on the order: NCCL
         aborts the communicator)."""
-        tok = self.token
         with self._cv:
             while not task.ran:
-                if run_here and not tok.busy and self._q:
+                if run_here and not self.busy and self._q:
                     self._run_head()
                     continue
                 left = deadline - time.monotonic()
@@ -278,21 +275,20 @@ class Runner:
                     if give_up and task in self._q:
                         self._q.remove(task)
                         task.ran, task.error, task.fn = True, err, None
-                        tok.poisoned = (f"an operation did not start within the group's "
-                                        f"timeout ({self.timeout_s:g} s), so the ranks no "
-                                        "longer agree on what comes next")
+                        self.poisoned = (f"an operation did not start within the group's "
+                                         f"timeout ({self.timeout_s:g} s), so the ranks no "
+                                         "longer agree on what comes next")
                         if task.future is not None:
                             self._deliver(task)
                     raise err
                 self._cv.wait(min(left, 1.0))
 
     def _loop(self) -> None:
-        tok = self.token
         with self._cv:
             while True:
-                if tok.closed and not self._q:
+                if self.closed and not self._q:
                     return
-                if not tok.busy and self._q:
+                if not self.busy and self._q:
                     self._run_head()
                 else:
                     self._cv.wait()
@@ -301,8 +297,7 @@ class Runner:
         """No new tasks; those queued still run (their transfers fail once
         the endpoint is closed) so every Work settles."""
         with self._cv:
-            tok = self.token
-            tok.closed = tok.closed or why
+            self.closed = self.closed or why
             self._cv.notify_all()
             thread, ex = self._thread, self._delivery
         if thread is not None and thread is not threading.current_thread():

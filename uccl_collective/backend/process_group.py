@@ -148,12 +148,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         #: the operator of a reduction, checked for its dtype (_reduce.Ops)
         self._reduce_fn = _reduce.Ops().check
         #: the routes: every call is handed to it
-        self._d = Dispatch(self._ctx, self._runner.token, rank, size, self._timeout, StreamWork,
+        self._d = Dispatch(self._ctx, self._runner, rank, size, self._timeout, StreamWork,
                            self._reduce_fn)
-        #: its first row, one C call, bound here: the first thing allreduce
-        #: and _allgather_base do (fast_allreduce(tensors, opts) and
-        #: fast_allgather(out, inp, opts): a StreamWork, or None)
-        self._fast_allreduce, self._fast_allgather = self._d.allreduce_c, self._d.allgather_c
+        # allreduce and _allgather_base, the calls of a GPU training step's
+        # hot path, hand theirs to the dispatch's first two rows, bound here
+        # once: one C call (a StreamWork, or None), then a stream-ordered
+        # round (a StreamWork, or None)
+        d = self._d
+        self._fast_allreduce, self._fast_allgather = d.allreduce_c, d.allgather_c
+        self._round_allreduce, self._round_allgather = d.allreduce, d.allgather
         self._alg = Algorithms(self._ctx, self._d, rank, size,
                                _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size)))
         self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
@@ -208,11 +211,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         once.  result and uses hold the operation's tensors (lists of them
         too).  prof: the operation's profiler name and input tensors
         (_profiling)."""
-        d = self._d
-        if d.closed:
-            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
-        fn, dev, end, sg = d.task(fn, result, uses, p2p, sync)
+        fn, dev, end, sg = self._d.task(fn, result, uses, p2p, sync)   # UcclError: shut down
         task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
         if end is not None:
             task.gpu_end, task.stream, task.check = end, sg.torch_stream, sg.check
@@ -269,7 +269,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
         w = self._fast_allgather(output_tensor, input_tensor, opts)
         if w is None:
-            w = self._d.allgather(output_tensor, input_tensor, opts)
+            w = self._round_allgather(output_tensor, input_tensor, opts)
         if w is not None:
             return w
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
@@ -330,7 +330,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         w = self._fast_allreduce(tensors, opts)
         if w is None:
-            w = self._d.allreduce(tensors, opts)
+            w = self._round_allreduce(tensors, opts)
         if w is not None:
             return w
         what = "all_reduce"

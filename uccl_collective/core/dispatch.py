@@ -65,7 +65,7 @@ The process group's calls (backend/process_group.py), first row that holds:
   ====  ===============================================  ====================================
 
 Rows 1 and 2 take the same facts; row 1 is their common case made in C
-(its checks mirror fast() and fast_red(); tests/test_fast_path.py holds
+(its checks mirror fast() and kernel_codes(); tests/test_fast_path.py holds
 them to it), and it declines (None) wherever anything differs, the first
 call included: row 2 makes the stream group and caches the codes.
 
@@ -121,25 +121,6 @@ def _tensors(*groups: Any):
             stack.extend(x)
 
 
-def _cuda_device(*groups: Any) -> int | None:
-    """The CUDA device of an operation's tensors (nested in lists), or None
-    when all are on the CPU.  One device per operation, as with NCCL (and
-    no mixing of CPU and CUDA tensors)."""
-    dev, cpu = None, False
-    for x in _tensors(*groups):
-        if not x.is_cuda:
-            cpu = True
-        elif dev is not None and x.device.index != dev:
-            raise ValueError(f"the CUDA tensors of one operation must be on one device, "
-                             f"got cuda:{dev} and cuda:{x.device.index}")
-        else:
-            dev = x.device.index
-    if dev is not None and cpu:
-        raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
-                         "them all on one device")
-    return dev
-
-
 def _dense_cuda(*ts: Any) -> int | None:
     """The device of contiguous dense CUDA tensors all on one device, else
     None.  On every blocking call's fast path: one call per check (the
@@ -162,7 +143,8 @@ class Dispatch:
     its StreamCtx, the cached kernel codes, open or shut down) and the calls
     that choose them (rows 1-6 of the module's table).
 
-    ctx: the group's CollectiveContext; token: its runner's _engine.Token;
+    ctx: the group's CollectiveContext; token: its _engine.Token (the
+    backend's Runner, a subclass);
     work: the Work of a round (backend StreamWork: (group, round, result,
     caller stream)); check_op(opts, dtype, what): the operator, checked
     (raises for a bad one), as the backend's general path checks it."""
@@ -229,21 +211,19 @@ class Dispatch:
             refuse_capture(dev, "uccl")
         return sg
 
-    def fast_red(self, opts: Any, what: str, t: Any, *more: Any) -> tuple | None:
-        """(group, dtype code, operator code) for a blocking reduction that
-        goes straight to the engine (fast, and a dtype and operator its
-        kernel takes), or None.  The operator's check is made once per
+    def kernel_codes(self, sg: Any, opts: Any, dtype: Any, what: str) -> tuple:
+        """The (dtype, operator) codes of the engine's reduction kernel for a
+        blocking reduction that fast() sent here, or () where the kernel
+        does not take them.  Cached per (operator, dtype) in the C path's
+        own table (row 1 reads it); the operator's check is made once per
         (operator, dtype): a bad one raises here as on the general path."""
-        sg = self.fast(opts, t, *more)
-        if sg is None:
-            return None
         ro = opts.reduceOp
-        key = (hash(ro) if HASH_IS_OP else ro.op.value, t.dtype)
+        key = (hash(ro) if HASH_IS_OP else ro.op.value, dtype)
         codes = self.codes.get(key)
         if codes is None:
-            rop = self._check_op(opts, t.dtype, what)   # checked (a bad one raises)
-            codes = self.codes[key] = sg.reduce_codes(t.dtype, rop) or ()
-        return (sg, *codes) if codes else None
+            rop = self._check_op(opts, dtype, what)   # checked (a bad one raises)
+            codes = self.codes[key] = sg.reduce_codes(dtype, rop) or ()
+        return codes
 
     def round(self, sg: Any, result: list, call: Callable[..., int], *args: Any) -> Any:
         """call(caller's stream, True, 0, *args) -> round (an engine call that
@@ -256,11 +236,13 @@ class Dispatch:
 
     def allreduce(self, tensors: Any, opts: Any) -> Any:
         """Row 2 of all_reduce (row 1 declined): its Work, or None."""
-        fast = self.fast_red(opts, "all_reduce", tensors[0]) if len(tensors) == 1 else None
-        if fast is None:   # (never a sparse tensor: fast takes strided ones only)
+        sg = self.fast(opts, tensors[0]) if len(tensors) == 1 else None
+        if sg is None:   # (never a sparse tensor: fast takes strided ones only)
             return None
         t = tensors[0]
-        return self.round(fast[0], [t], fast[0].c.allreduce, t.data_ptr(), t.numel(), *fast[1:])
+        codes = self.kernel_codes(sg, opts, t.dtype, "all_reduce")
+        return self.round(sg, [t], sg.c.allreduce, t.data_ptr(), t.numel(), *codes) \
+            if codes else None
 
     def allgather(self, out: Any, inp: Any, opts: Any) -> Any:
         """Row 2 of all_gather_into_tensor (row 1 declined): its Work, or None."""
@@ -272,19 +254,23 @@ class Dispatch:
 
     def reduce_scatter(self, out: Any, inp: Any, opts: Any) -> Any:
         """Row 2 of reduce_scatter_tensor: its Work, or None."""
-        fast = self.fast_red(opts, "reduce_scatter_tensor", out, inp)
-        if fast is None or out.dtype != inp.dtype or inp.numel() != self.size * out.numel():
+        sg = self.fast(opts, out, inp)
+        if sg is None:
             return None
-        return self.round(fast[0], [out], fast[0].c.reduce_scatter, out.data_ptr(),
-                          inp.data_ptr(), out.numel(), *fast[1:])
+        codes = self.kernel_codes(sg, opts, out.dtype, "reduce_scatter_tensor")
+        if not codes or out.dtype != inp.dtype or inp.numel() != self.size * out.numel():
+            return None
+        return self.round(sg, [out], sg.c.reduce_scatter, out.data_ptr(), inp.data_ptr(),
+                          out.numel(), *codes)
 
     def reduce(self, tensors: Any, t: Any, root: int, opts: Any) -> Any:
         """Row 2 of reduce (t: tensors[0], checked): its Work, or None."""
-        fast = self.fast_red(opts, "reduce", tensors[0])
-        if fast is None:
+        sg = self.fast(opts, tensors[0])
+        if sg is None:
             return None
-        return self.round(fast[0], list(tensors), fast[0].c.reduce, t.data_ptr(), t.numel(),
-                          *fast[1:], root)
+        codes = self.kernel_codes(sg, opts, tensors[0].dtype, "reduce")
+        return self.round(sg, list(tensors), sg.c.reduce, t.data_ptr(), t.numel(), *codes,
+                          root) if codes else None
 
     def broadcast(self, tensors: Any, t: Any, root: int, opts: Any) -> Any:
         """Row 2 of broadcast (t: tensors[0], checked): its Work, or None."""
@@ -298,8 +284,25 @@ class Dispatch:
     def task(self, fn: Callable, result: Any, uses: Any, p2p: bool, sync: bool) -> tuple:
         """The plane a task runs on, from its tensors (result and uses, lists
         of them too): (fn as it runs there, its CUDA device or None, the event
-        its stream-ordered work completes or None, its stream group or None)."""
-        dev = _cuda_device(result, uses)
+        its stream-ordered work completes or None, its stream group or None).
+        UcclError where the group is shut down."""
+        if self.closed:
+            raise UcclError(f"uccl process group (rank {self.rank}) is shut down")
+        # The CUDA device of the tensors, or None when all are on the CPU.
+        # One device per operation, as with NCCL (and no mixing of CPU and
+        # CUDA tensors).
+        dev, cpu = None, False
+        for x in _tensors(result, uses):
+            if not x.is_cuda:
+                cpu = True
+            elif dev is not None and x.device.index != dev:
+                raise ValueError(f"the CUDA tensors of one operation must be on one device, "
+                                 f"got cuda:{dev} and cuda:{x.device.index}")
+            else:
+                dev = x.device.index
+        if dev is not None and cpu:
+            raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); "
+                             "put them all on one device")
         sg = None if dev is None or p2p else self.stream_group(dev)
         end = None
         if sg is not None:
