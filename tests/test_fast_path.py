@@ -1,9 +1,10 @@
 """The backend's blocking all_reduce and all_gather_into_tensor in one C call
 (csrc/py/py_fastpath.c: _engine.FastPath.allreduce / allgather, the first
-row of core/dispatch.py) on the CPU's emulated device.  Its checks read torch's tensors and options through their
-Python attributes, so a stand-in whose is_cuda is True, over a CPU tensor,
-takes it here; the ranks are threads with emulated groups and streams, as
-in test_stream_group.py.  On CUDA tensors the same call runs under every
+row of core/dispatch.py) on the CPU's emulated device.  Its checks read
+torch's tensors and options through their Python attributes, so a
+stand-in whose is_cuda is True, over a CPU tensor, takes it here; the
+ranks are threads with emulated groups and streams, as in
+test_stream_group.py.  On CUDA tensors the same call runs under every
 dist.all_reduce and all_gather_into_tensor of tests/test_gpu_collective.py
 (GPU machine).
 

@@ -9,7 +9,12 @@ one for collectives, one for send/recv (_anysource.py: receive from any
 source).  Ordering follows NCCL: on every rank the group's operations reach
 a peer in the order they were issued, and are matched in that order (``tag``
 is not used for matching).  Reductions are computed with torch on the
-receiving rank (_reduce.py).
+receiving rank (_reduce.py), or by the engine's kernel.
+
+ProcessGroupUCCL adapts torch's API: each method checks its arguments,
+shapes the tensors and makes the Work; the route a call takes is its
+Dispatch's (core/dispatch.py: the table of facts and routes), and what a
+task does is _algorithms.py's.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from .. import _engine
 from ..core import stream_group
 from ..core.collective import CollectiveContext
 from ..core.dispatch import HASH_IS_OP, Dispatch
-from ..p2p import UcclError, UcclTimeoutError
+from ..p2p import UcclTimeoutError
 from . import _anysource, _barrier, _profiling, _reduce, _sparse
 from ._algorithms import Algorithms, _Staged
 from ._work import IF_IDLE, P2PWork, Runner, StreamWork, Task, Work

@@ -37,7 +37,8 @@ from . import dispatch
 from .gpu_ring import GpuRing, Remote
 # (StreamHandle, NO_STREAM and stream_args: names this module has always offered)
 from .handles import Handle, StreamHandle, _flatten_handles, _handle  # noqa: F401
-from .stream_group import NO_STREAM, StreamGroup, enabled as _stream_ordered, stream_args  # noqa: F401
+from .stream_group import NO_STREAM, StreamGroup, stream_args  # noqa: F401
+from .stream_group import enabled as _stream_ordered
 
 __all__ = [
     "CollectiveContext", "Handle", "P2POp", "init_collective", "get_collective",

@@ -13,71 +13,75 @@ group's state, the dtype and the operator) and picks the route; the callers
 adapt their API (the backend's argument checks, shapes and Works; the
 context's checks and handles) and hand the call here.
 
-The process group's calls (backend/process_group.py), first row that holds:
+The process group's calls (backend/process_group.py); the first row whose
+facts hold is the route:
 
-  ====  ===============================================  ====================================
-  row   facts                                            route
-  ====  ===============================================  ====================================
-  1     all_reduce of one tensor or all_gather_into_     C fast path (Dispatch.allreduce_c,
-        tensor; blocking; no profiler; group open;       allgather_c: FastPath.allreduce /
-        dense contiguous CUDA tensors on the device of   allgather): the token, one round on
-        the group's stream group; no capture; the token  the caller's stream, a StreamWork.
-        free; for all_reduce, the (operator, dtype)      hash(ReduceOp) must be the
-        kernel codes already cached; for all_gather the  operator's number (HASH_IS_OP),
-        dtypes equal and output = size x input          else the backend leaves it off
-  2     all_reduce (one tensor), all_gather_into_        stream-ordered round, inline: one
-        tensor, reduce_scatter_tensor, reduce,           engine call under the token
-        broadcast; blocking; no profiler; group open;    (round); a StreamWork.  A capture
-        dense contiguous CUDA tensors of one device;     raises (refuse_capture); a bad
-        the group has a stream group there (made at the  operator raises (check_op); the
-        first such call: every peer on this host over    token taken by a task: row 3-5,
-        shared memory with CUDA IPC, UCCL_STREAM_ORDERED behind it
-        not 0, more than one rank); the token free; for
-        reductions, a kernel for (operator, dtype); the
-        shapes match (allgather: output = size x input,
-        reduce_scatter: input = size x output)
-  3     any other collective on CUDA tensors (any        stream-ordered task (task ->
-        layout); not a send/recv; the group has a        _on_stream): a Task whose rounds
-        stream group on their device                     go through StreamCtx (xctx) on the
-                                                         group's stream, after an event of
-                                                         the caller's; reductions by the
-                                                         engine's kernel where it has the
-                                                         (operator, dtype), else torch ops
-                                                         on that stream (_reduce_gpu); a
-                                                         capture raises
-  4     CUDA tensors, no stream group (peers on other    host-driven engine task (task ->
-        hosts, UCCL_STREAM_ORDERED=0), or a send/recv    _on_gpu): the engine's operations
-        on the p2p channel                               ordered after the current stream;
-                                                         torch's kernels on the caller's
-                                                         stream when run inline and
-                                                         blocking, else on the group's
-                                                         stream for the device
-  5     CPU tensors                                      Gloo-style CPU task: the engine
-                                                         moves bytes, torch reduces (split
-                                                         over threads); run on the calling
-                                                         thread when blocking and the token
-                                                         is free (Runner.run_here), else
-                                                         queued
-  6     send / recv of a CUDA tensor; the group has a    stream-ordered message (p2p): posted
-        stream group on its device                       on the pair's stream, P2PWork; a
-                                                         capture raises.  Else a task of the
-                                                         p2p channel (rows 4, 5)
-  ====  ===============================================  ====================================
+ row  facts                                     route
+ ---  ----------------------------------------  -------------------------------------------
+ 1    all_reduce of one tensor, or              the C fast path (FastPath.allreduce,
+      all_gather_into_tensor; blocking; no      allgather; bound as Dispatch.allreduce_c,
+      profiler; group open; dense contiguous    allgather_c): the token, one round on the
+      CUDA tensors on the device of the         caller's stream, a StreamWork.  Set up
+      group's stream group; no capture; the     only where hash(ReduceOp) is the
+      token free; all_reduce: the (operator,    operator's number (HASH_IS_OP).
+      dtype) kernel codes already cached;
+      all_gather: dtypes equal, output =
+      size x input
+ 2    all_reduce (one tensor),                  a stream-ordered round, inline
+      all_gather_into_tensor,                   (Dispatch.allreduce, allgather,
+      reduce_scatter_tensor, reduce,            reduce_scatter, reduce, broadcast):
+      broadcast; blocking; no profiler; group   one engine call under the token, a
+      open; dense contiguous CUDA tensors of    StreamWork.  A capture raises
+      one device; the group has a stream        (refuse_capture), a bad operator raises
+      group there (made at the first such       (check_op); the token not free: rows 3-5,
+      call: every peer on this host over        queued behind what holds it
+      shared memory with CUDA IPC,
+      UCCL_STREAM_ORDERED not 0, more than
+      one rank); the token free; reductions:
+      a kernel for (operator, dtype); shapes
+      match (all_gather: output = size x
+      input; reduce_scatter: input = size x
+      output)
+ 3    any other call on CUDA tensors (any       a stream-ordered task (task, _on_stream):
+      layout), not a send/recv; the group has   a Task whose exchanges are rounds through
+      a stream group on their device            StreamCtx (xctx) on the group's stream,
+                                                after an event of the caller's; its
+                                                reductions by the engine's kernel where
+                                                it has the (operator, dtype), else torch
+                                                ops on that stream (_reduce_gpu).  A
+                                                capture raises
+ 4    CUDA tensors and no stream group (peers   a task of the host-driven engine (task,
+      on other hosts, UCCL_STREAM_ORDERED=0),   _on_gpu): the engine's operations ordered
+      or a send/recv that is not row 6          after the current stream; torch's kernels
+                                                on the caller's stream when run inline
+                                                and blocking, else on the group's stream
+                                                for the device
+ 5    CPU tensors                               the Gloo-style CPU task: the engine moves
+                                                the bytes, torch reduces (split over
+                                                threads); the backend's Runner runs it on
+                                                the calling thread when blocking and the
+                                                token is free, else queues it
+ 6    send / recv of a CUDA tensor; the group   a stream-ordered message (p2p): posted on
+      has a stream group on its device          the pair's stream, a P2PWork.  A capture
+                                                raises.  (Else a task of the p2p
+                                                channel: row 4 or 5)
 
 Rows 1 and 2 take the same facts; row 1 is their common case made in C
-(its checks mirror fast() and kernel_codes(); tests/test_fast_path.py holds
-them to it), and it declines (None) wherever anything differs, the first
-call included: row 2 makes the stream group and caches the codes.
+(csrc/py/py_fastpath.c: its checks mirror fast() and kernel_codes();
+tests/test_fast_path.py holds them to it), and it declines (None) wherever
+anything differs, the first call included: row 2 makes the stream group
+and caches the codes.  The group shut down: every row raises UcclError
+(row 1 declines, row 2 declines and the task raises).
 
 CollectiveContext's allgather and iallgather (core/collective.py), for a
-context whose every peer is reached through this engine:
+context whose every peer is reached through this engine (allgather()):
 
-  7     the output one flat tensor, CUDA tensors, the    stream-ordered round (allgather):
-        context's stream group on their device           blocking: on the caller's stream;
-                                                         iallgather: recorded in an event,
-                                                         a StreamHandle; a capture raises
-  8     otherwise                                        the engine (host-driven; CUDA
-                                                         ordered after the current stream)
+ 7    the output one flat tensor; CUDA          a stream-ordered round: blocking, on the
+      tensors; the context's stream group on    caller's stream; iallgather, recorded in
+      their device                              an event, a StreamHandle.  A capture
+                                                raises
+ 8    otherwise                                 the engine (host-driven; CUDA ordered
+                                                after the current stream)
 
 (A context with peers through torch.distributed, use_copy_engine_for_intra
 =False, composes its own allgather from point-to-point calls.)
