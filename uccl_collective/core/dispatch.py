@@ -148,10 +148,10 @@ class Dispatch:
     that choose them (rows 1-6 of the module's table).
 
     ctx: the group's CollectiveContext; token: its _engine.Token (the
-    backend's Runner, a subclass);
-    work: the Work of a round (backend StreamWork: (group, round, result,
-    caller stream)); check_op(opts, dtype, what): the operator, checked
-    (raises for a bad one), as the backend's general path checks it."""
+    backend's Runner, a subclass); work: the Work of a round (the backend's
+    StreamWork(group, round, result, caller stream)); check_op(opts, dtype,
+    what): the operator, checked (raises for a bad one), as the backend's
+    general path checks it."""
 
     def __init__(self, ctx: Any, token: Any, rank: int, size: int, timeout: float,
                  work: Callable, check_op: Callable):
