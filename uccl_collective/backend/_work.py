@@ -312,7 +312,7 @@ class Work(dist._Work):
     expect).
 
     On CUDA tensors of a group whose ranks share a host (stream-ordered
-    exchanges, _stream_group.py) wait() orders the caller's current stream
+    exchanges, core/stream_group.py) wait() orders the caller's current stream
     after the operation and returns without waiting for the GPU, as
     ProcessGroupNCCL's does; is_completed() tells whether the GPU is past
     it; get_future()'s value is ready on the host once the operation is
