@@ -14,7 +14,7 @@ group, per call, after --warmup calls:
                  back: what one launch costs the host here
 
 Then, --c-rounds times in turn, dist total with the backend's C call
-(csrc/py_fastpath.c) and with it off (the Python fast path it replaces),
+(csrc/py/py_fastpath.c) and with it off (the Python fast path it replaces),
 and the median of each: the two in one process, since the host's pace
 moves between processes more than between these two.
 
@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from bench_common import parse_sizes  # noqa: E402 (this folder is on sys.path)
-from uccl_collective import _reduce, _stream_group
+from uccl_collective.backend import _reduce
+from uccl_collective.core import stream_group as _stream_group
 
 
 def loop_us(fn, iters: int, sync) -> tuple[float, float]:
@@ -65,14 +66,19 @@ def span_us(fn, iters: int) -> float:
 def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
     """Host time of each piece of ProcessGroupUCCL.allreduce's fast path, each
     in a loop of its own (the ones that communicate run on every rank)."""
-    from uccl_collective import _work
+    from uccl_collective.backend import _work
     t = torch.ones(1, device=dev)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False   # as torch sets it for a blocking call: the fast path
     idx = dev.index
     raw = _stream_group._raw_stream
-    fast = be._fast_red(opts, "all_reduce", t)
-    if fast is None:
+    d = be._d   # the group's dispatch (core/dispatch.py)
+
+    def checks():   # row 2's checks (what the C call makes in C)
+        got = d.fast(opts, t)
+        return got, (d.kernel_codes(got, opts, t.dtype, "all_reduce") if got else ())
+    fast = checks()
+    if fast[0] is None or not fast[1]:
         raise SystemExit("the backend's fast path does not apply here")
     w = _work.StreamWork(sg, 1, [t], raw(idx))
 
@@ -92,12 +98,12 @@ def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
         ("python: an empty call", host(lambda: None)),
         ("torch.cuda.current_stream()", host(lambda: torch.cuda.current_stream(idx))),
         ("_raw_stream(dev)", host(lambda: raw(idx))),
-        ("be._fast_red(opts, ...)", host(lambda: be._fast_red(opts, "all_reduce", t))),
+        ("be._d.fast + kernel_codes(opts, ...)", host(checks)),
         ("be._runner.inline(no-op)", host(lambda: be._runner.inline(lambda: 0))),
         ("StreamWork(...) made", host(lambda: _work.StreamWork(sg, 1, [t], raw(idx)))),
         ("StreamWork.wait()", host(w.wait)),
         ("engine allreduce (C)", host(lambda: sg.c.allreduce(raw(idx), True, 0, t.data_ptr(), 1,
-                                                              *fast[1:]))),
+                                                              *fast[1]))),
         ("be.allreduce([t], opts) + wait()", host(lambda: be.allreduce([t], opts).wait())),
         ("dist.all_reduce(t)", host(lambda: dist.all_reduce(t, group=upg))),
     ]
@@ -105,9 +111,10 @@ def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
 
 def c_path_ab(upg, dev, world: int, sizes, iters: int, warmup: int, rounds: int, sync):
     """[(op, bytes, us with the C call, us with the Python fast path)], the
-    medians of rounds taken in turn."""
-    from uccl_collective import backend as bk
-    on = (bk._fast_allreduce, bk._fast_allgather)
+    medians of rounds taken in turn (the C call switched off on the group's
+    backend, which binds the dispatch's first row per group)."""
+    be = upg._get_backend(dev)
+    on = (be._fast_allreduce, be._fast_allgather)
     off = (lambda *a: None, lambda *a: None)
     rows = []
     try:
@@ -120,7 +127,7 @@ def c_path_ab(upg, dev, world: int, sizes, iters: int, warmup: int, rounds: int,
                 got = ([], [])
                 for _ in range(rounds):
                     for i, fns in enumerate((on, off)):
-                        bk._fast_allreduce, bk._fast_allgather = fns
+                        be._fast_allreduce, be._fast_allgather = fns
                         for _ in range(warmup):
                             fn()
                         sync()
@@ -128,7 +135,7 @@ def c_path_ab(upg, dev, world: int, sizes, iters: int, warmup: int, rounds: int,
                         got[i].append(loop_us(fn, iters, sync)[1])
                 rows.append((op, size, statistics.median(got[0]), statistics.median(got[1])))
     finally:
-        bk._fast_allreduce, bk._fast_allgather = on
+        be._fast_allreduce, be._fast_allgather = on
     return rows
 
 
@@ -159,7 +166,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     upg = dist.new_group(backend="uccl", timeout=timedelta(seconds=60))
     be = upg._get_backend(dev)
-    sg = be._stream_group(idx)
+    sg = be._d.stream_group(idx)
     sync = torch.cuda.synchronize
     raw = _stream_group._raw_stream
     rows = []

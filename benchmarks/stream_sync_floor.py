@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from bench_common import parse_size  # noqa: E402 (this folder is on sys.path)
-from uccl_collective import _stream_group
+from uccl_collective.core import stream_group as _stream_group
 
 GEQ = 0                    # CU_STREAM_WAIT_VALUE_GEQ
 HOST_REGISTER = 1 | 2      # CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
@@ -306,7 +306,7 @@ def main() -> None:
     if args.sm_grids:
         sm_rows(args, idx, rank, world, ys, peers, gpu_us, s)
     upg = dist.new_group(backend="uccl")
-    sg = upg._get_backend(torch.device("cuda", idx))._stream_group(idx)
+    sg = upg._get_backend(torch.device("cuda", idx))._d.stream_group(idx)
     raw = _stream_group._raw_stream
     gpu_us(f"engine, in place, {args.size} B",
            lambda: sg.c.allgather(raw(idx), True, 0, ys[rank].data_ptr(), args.size, y.data_ptr()))

@@ -1,4 +1,4 @@
-"""The torch.distributed backend "uccl" (uccl_collective/backend.py) against Gloo.
+"""The torch.distributed backend "uccl" (uccl_collective/backend/) against Gloo.
 
 Jobs of real spawned ranks on loopback (the launcher and the byte helpers come
 from test_collective.py): one job per world size (2, 3, 4) runs the whole plan
@@ -402,7 +402,7 @@ def _case_reduce(R, i, p):
     b = x.clone()
     dist.reduce(b, dst=root, op=_op("SUM" if op == "AVG" else op), group=R.gloo)
     _reraise(err)
-    if me != root:   # the backend only writes the root's tensor (backend.py reduce())
+    if me != root:   # the backend only writes the root's tensor (_algorithms.py reduce())
         _same(a, x, f"non-root tensor (root is {root}) must not change")
         return
     if op == "AVG":
@@ -1434,7 +1434,7 @@ def _suite(rank, ws, port, variant="full"):
     os.environ.update(VARIANTS[variant])   # before _reduce.py reads them
     import torch.distributed as dist
     import uccl_collective  # noqa: F401  registers "uccl"
-    from uccl_collective import _reduce
+    from uccl_collective.backend import _reduce
     in_effect = {"UCCL_PG_ALGO": _reduce.ALGO, "UCCL_PG_SMALL_KB": _reduce.SMALL_BYTES >> 10,
                  "UCCL_PG_PIECE_KB": _reduce.PIECE_BYTES >> 10, "UCCL_PG_WINDOW": _reduce.WINDOW}
     for k, v in VARIANTS[variant].items():

@@ -1,9 +1,10 @@
 """The backend's blocking all_reduce and all_gather_into_tensor in one C call
-(csrc/py_fastpath.c: _engine.fast_allreduce / fast_allgather) on the CPU's
-emulated device.  Its checks read torch's tensors and options through their
-Python attributes, so a stand-in whose is_cuda is True, over a CPU tensor,
-takes it here; the ranks are threads with emulated groups and streams, as
-in test_stream_group.py.  On CUDA tensors the same call runs under every
+(csrc/py/py_fastpath.c: _engine.FastPath.allreduce / allgather, the first
+row of core/dispatch.py) on the CPU's emulated device.  Its checks read
+torch's tensors and options through their Python attributes, so a
+stand-in whose is_cuda is True, over a CPU tensor, takes it here; the
+ranks are threads with emulated groups and streams, as in
+test_stream_group.py.  On CUDA tensors the same call runs under every
 dist.all_reduce and all_gather_into_tensor of tests/test_gpu_collective.py
 (GPU machine).
 
@@ -11,7 +12,8 @@ Checked: the bytes of both collectives on 2 and 3 ranks; every case where
 the Python path must decide instead (the call returns None and nothing is
 published: the next rounds still meet); the runner's token given back
 after a round and after a round's error, which is raised as the Python
-path raises it."""
+path raises it; and that the backend gives the C path its own state (the
+runner's token, the stream group, the codes, closed) and calls it first."""
 from __future__ import annotations
 
 import threading
@@ -23,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from uccl_collective import _engine
-from uccl_collective import _stream_group as sgm
-from uccl_collective import backend as bk
-from uccl_collective._work import Runner, StreamWork, Task
+from uccl_collective.backend import process_group as bk
+from uccl_collective.backend._work import Runner, StreamWork, Task
+from uccl_collective.core import dispatch
 from uccl_collective.p2p import UcclError
 from test_stream_group import (  # noqa: F401 - the fixtures are autouse
     _callers, caller_streams, close_all, drain, make_groups, no_stale_words, on_ranks,
@@ -62,7 +64,7 @@ class Switch:
     capturing = False
 
 
-pytestmark = pytest.mark.skipif(not bk._HASH_IS_OP, reason="this torch's hash(ReduceOp) is not "
+pytestmark = pytest.mark.skipif(not dispatch.HASH_IS_OP, reason="this torch's hash(ReduceOp) is not "
                                 "its operator's number, so the backend leaves the C path off")
 
 
@@ -79,16 +81,16 @@ def fake_cuda_hooks():
 
 
 class Pg:
-    """What the C path reads of a ProcessGroupUCCL."""
+    """A group's C path as its Dispatch sets it up: a FastPath over its
+    runner's token, given its stream group and its cached codes."""
 
     def __init__(self, sg, n):
-        self._closed, self._sg, self._n = False, sg, n
         self._runner = Runner("test", 10.0)
-        self._red_codes = {(SUM, torch.float32): (_engine.DT_F32, _engine.RED_SUM),
-                           (SUM, torch.int64): ()}   # a dtype the kernel does not take
-
-    def size(self):
-        return self._n
+        self.sg = sg
+        self.fp = _engine.FastPath(self._runner, n)
+        self.fp.set_group(sg, sg.c, sg.dev)
+        self.fp.codes[(SUM, torch.float32)] = (_engine.DT_F32, _engine.RED_SUM)
+        self.fp.codes[(SUM, torch.int64)] = ()   # a dtype the kernel does not take
 
 
 def sync_opts():
@@ -110,10 +112,10 @@ def test_the_c_path_moves_the_bytes_of_both_collectives(n):
         kept = []
         for i, s in enumerate(sizes):
             x = data[i][r].clone()
-            w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+            w = pgs[r].fp.allreduce([FakeCuda(x)], sync_opts())
             assert isinstance(w, StreamWork) and w._caller == _callers.stream
             out = torch.full((n * s,), float("nan"))   # poisoned
-            g = _engine.fast_allgather(pgs[r], FakeCuda(out), FakeCuda(data[i][r]), sync_opts())
+            g = pgs[r].fp.allgather(FakeCuda(out), FakeCuda(data[i][r]), sync_opts())
             assert isinstance(g, StreamWork) and g._k == w._k + 1
             assert not pgs[r]._runner._busy, "the token was not given back"
             kept.append((x, out))
@@ -135,29 +137,29 @@ def declines(pg, x, out):
     async_o = dist.AllreduceOptions()   # asyncOp defaults to True
     t, y = FakeCuda(x), FakeCuda(out)
     cases = {
-        "no options": lambda: _engine.fast_allreduce(pg, [t], None),
-        "an asynchronous call": lambda: _engine.fast_allreduce(pg, [t], async_o),
-        "two tensors": lambda: _engine.fast_allreduce(pg, [t, t], o),
-        "a tuple": lambda: _engine.fast_allreduce(pg, (t,), o),
-        "not a tensor": lambda: _engine.fast_allreduce(pg, [object()], o),
-        "a CPU tensor": lambda: _engine.fast_allreduce(pg, [x], o),
-        "is_cuda False": lambda: _engine.fast_allreduce(pg, [not_cuda(x)], o),
-        "another device": lambda: _engine.fast_allreduce(pg, [FakeCuda(x, dev=1)], o),
-        "a sparse layout": lambda: _engine.fast_allreduce(pg, [FakeCuda(x, layout=torch.sparse_coo)],
+        "no options": lambda: pg.fp.allreduce([t], None),
+        "an asynchronous call": lambda: pg.fp.allreduce([t], async_o),
+        "two tensors": lambda: pg.fp.allreduce([t, t], o),
+        "a tuple": lambda: pg.fp.allreduce((t,), o),
+        "not a tensor": lambda: pg.fp.allreduce([object()], o),
+        "a CPU tensor": lambda: pg.fp.allreduce([x], o),
+        "is_cuda False": lambda: pg.fp.allreduce([not_cuda(x)], o),
+        "another device": lambda: pg.fp.allreduce([FakeCuda(x, dev=1)], o),
+        "a sparse layout": lambda: pg.fp.allreduce([FakeCuda(x, layout=torch.sparse_coo)],
                                                           o),
-        "not contiguous": lambda: _engine.fast_allreduce(pg, [FakeCuda(x.view(2, -1).t())], o),
-        "codes not cached": lambda: _engine.fast_allreduce(pg, [FakeCuda(x.double())], o),
-        "a dtype the kernel does not take": lambda: _engine.fast_allreduce(
-            pg, [FakeCuda(x.long())], o),
-        "another operator": lambda: _engine.fast_allreduce(pg, [t], max_opts()),
-        "all_gather, dtypes differ": lambda: _engine.fast_allgather(pg, y, FakeCuda(x.double()),
+        "not contiguous": lambda: pg.fp.allreduce([FakeCuda(x.view(2, -1).t())], o),
+        "codes not cached": lambda: pg.fp.allreduce([FakeCuda(x.double())], o),
+        "a dtype the kernel does not take": lambda: pg.fp.allreduce(
+            [FakeCuda(x.long())], o),
+        "another operator": lambda: pg.fp.allreduce([t], max_opts()),
+        "all_gather, dtypes differ": lambda: pg.fp.allgather(y, FakeCuda(x.double()),
                                                                      o),
-        "all_gather, output not world x input": lambda: _engine.fast_allgather(
-            pg, FakeCuda(out[:-1]), t, o),
-        "all_gather, output world x input + 1": lambda: _engine.fast_allgather(
-            pg, FakeCuda(torch.zeros(2 * x.numel() + 1)), t, o),
-        "all_gather, input on another device": lambda: _engine.fast_allgather(
-            pg, y, FakeCuda(x, dev=1), o),
+        "all_gather, output not world x input": lambda: pg.fp.allgather(
+            FakeCuda(out[:-1]), t, o),
+        "all_gather, output world x input + 1": lambda: pg.fp.allgather(
+            FakeCuda(torch.zeros(2 * x.numel() + 1)), t, o),
+        "all_gather, input on another device": lambda: pg.fp.allgather(
+            y, FakeCuda(x, dev=1), o),
     }
     got = {name: fn() for name, fn in cases.items()}
     assert got == dict.fromkeys(cases), {k: v for k, v in got.items() if v is not None}
@@ -177,25 +179,46 @@ def max_opts():
 
 def states(pg):
     """The switches of the group, the runner and torch that send a call to
-    the Python path, one at a time: (name, set, reset)."""
-    r = pg._runner
-    sg = pg._sg
+    the Python path, one at a time: (name, set, reset).  (The group's
+    engine object is the FastPath's own, type-checked when set: see
+    test_the_c_path_takes_only_an_engine_group; closed, its round raises:
+    test_a_closed_group_raises_as_the_python_path_does.)"""
+    fp, r, sg = pg.fp, pg._runner, pg.sg
+    tok = r   # the runner is the token (its C base)
 
     def setter(obj, attr, value):
         old = getattr(obj, attr)
         return lambda: setattr(obj, attr, value), lambda: setattr(obj, attr, old)
+
+    def group(*args):
+        return lambda: fp.set_group(*args)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_lock():   # another thread queueing or running a task holds the runner's lock
+        def hold():
+            with r._cv:
+                held.set()
+                release.wait(10)
+        threading.Thread(target=hold, daemon=True).start()
+        assert held.wait(10)
+
+    def let_go():
+        release.set()
+        with r._cv:   # the holder is gone
+            pass
+        held.clear()
+        release.clear()
     return [
         ("the profiler on", *setter(Switch, "profiler", True)),
         ("a graph capturing", *setter(Switch, "capturing", True)),
-        ("the group shut down", *setter(pg, "_closed", True)),
-        ("no stream group yet", *setter(pg, "_sg", None)),
-        ("a task running", *setter(r, "_busy", True)),
+        ("the group shut down", *setter(fp, "closed", True)),
+        ("no stream group yet", group(None, None, -1), group(sg, sg.c, sg.dev)),
+        ("a task running", *setter(tok, "busy", True)),
         ("a task queued", lambda: r._q.append(Task(lambda: None, [])), r._q.clear),
-        ("the runner closed", *setter(r, "_closed", "closed")),
-        ("the runner poisoned", *setter(r, "_poisoned", "poisoned")),
-        ("the group on another device", *setter(sg, "dev", 1)),
-        ("the group's engine object closed", *setter(sg, "c", None)),
-        ("the group's engine object not one", *setter(sg, "c", object())),
+        ("the runner closed", *setter(tok, "closed", "closed")),
+        ("the runner poisoned", *setter(tok, "poisoned", "poisoned")),
+        ("the runner's lock held", hold_lock, let_go),
+        ("the group on another device", group(sg, sg.c, 1), group(sg, sg.c, sg.dev)),
     ]
 
 
@@ -211,13 +234,13 @@ def test_every_case_of_the_python_path_is_declined_and_publishes_nothing():
         for name, on, off in states(pgs[r]):
             on()
             try:
-                assert _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts()) is None, name
-                assert _engine.fast_allgather(pgs[r], FakeCuda(out), FakeCuda(x),
+                assert pgs[r].fp.allreduce([FakeCuda(x)], sync_opts()) is None, name
+                assert pgs[r].fp.allgather(FakeCuda(out), FakeCuda(x),
                                               sync_opts()) is None, name
             finally:
                 off()
         # nothing was published: the first round that runs is round 1 on both ranks
-        w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+        w = pgs[r].fp.allreduce([FakeCuda(x)], sync_opts())
         assert w is not None and w._k == 1, w
         return x
     res, err, streams = on_ranks(n, rank)
@@ -241,9 +264,9 @@ def test_a_round_that_fails_raises_and_gives_the_token_back():
         with pytest.raises(UcclError) as e:
             for _ in range(3):   # (raises at the first: its round compares the calls)
                 if r == 0:
-                    _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+                    pgs[r].fp.allreduce([FakeCuda(x)], sync_opts())
                 else:
-                    _engine.fast_allgather(pgs[r], FakeCuda(out), FakeCuda(x), sync_opts())
+                    pgs[r].fp.allgather(FakeCuda(out), FakeCuda(x), sync_opts())
         assert not pgs[r]._runner._busy, "the token was not given back"
         return str(e.value), x, out   # kept alive until the streams drained
     res, err, streams = on_ranks(n, rank)
@@ -261,7 +284,7 @@ def test_a_closed_group_raises_as_the_python_path_does():
     _callers.stream = _engine._sg_emu_stream()
     try:
         with pytest.raises(ValueError, match="stream-ordered group is closed"):
-            _engine.fast_allreduce(pg, [FakeCuda(torch.ones(4))], sync_opts())
+            pg.fp.allreduce([FakeCuda(torch.ones(4))], sync_opts())
         assert not pg._runner._busy, "the token was not given back"
     finally:
         close_all(groups, [_callers.stream])
@@ -283,7 +306,7 @@ def test_a_task_queued_for_the_runner_thread_during_the_round_is_woken():
             time.sleep(0.5)
         else:
             threading.Timer(0.1, pgs[0]._runner.submit, (task, False, time.monotonic() + 10)).start()
-        w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+        w = pgs[r].fp.allreduce([FakeCuda(x)], sync_opts())
         return w, time.monotonic(), x
     res, err, streams = on_ranks(n, rank)
     assert err == [None] * n, err
@@ -295,24 +318,62 @@ def test_a_task_queued_for_the_runner_thread_during_the_round_is_woken():
     close_all(groups, streams)
 
 
-def test_the_backend_has_what_the_c_path_reads():
-    """The names csrc/py_fastpath.c reads of a ProcessGroupUCCL and its
-    runner (a rename in backend.py would make it decline every call)."""
+def test_the_c_path_takes_only_an_engine_group():
+    groups = make_groups(2)
+    pg = Pg(groups[0], 2)
+    try:
+        for c in (None, object(), groups[0]):
+            with pytest.raises(TypeError, match="not a StreamGroup of the engine"):
+                pg.fp.set_group(groups[0], c, 0)
+        assert pg.fp.group is groups[0]   # unchanged by the refusals
+        with pytest.raises(TypeError, match="not a Token"):
+            _engine.FastPath(object(), 2)
+    finally:
+        close_all(groups, [])
+
+
+def test_the_backend_gives_the_c_path_its_state():
+    """The C path reads only its own state, which the backend keeps: a
+    FastPath over the runner's token (the token a task holds is the one the
+    C call takes), closed when the group shuts down; the group's
+    allreduce and _allgather_base call it first."""
     from datetime import timedelta
     pg = bk.ProcessGroupUCCL(dist.HashStore(), 0, 1, timedelta(seconds=30))
     try:
-        assert pg._closed is False and pg._sg is None and isinstance(pg._red_codes, dict)
-        assert pg.size() == 1
-        r = pg._runner
-        assert r._busy is False and not r._q and not r._closed and not r._poisoned
-        assert r._cv._lock.acquire(False) and r._cv.notify_all() is None
-        r._cv._lock.release()
+        d, r = pg._d, pg._runner
+        fp = d.fp
+        assert fp.token is r and isinstance(r, _engine.Token)
+        assert fp.closed is False and fp.group is None
+        assert fp.codes is d.codes and fp.codes == {}
+        assert pg._fast_allreduce == fp.allreduce and pg._fast_allgather == fp.allgather
+        assert r.busy is False and not r._q and r.closed is None and r.poisoned is None
+        assert r.inline(lambda: r.busy) == (True, True) and r.busy is False
         assert bk.ProcessGroupUCCL.allreduce.__code__.co_names[0] == "_fast_allreduce"
         assert bk.ProcessGroupUCCL._allgather_base.__code__.co_names[0] == "_fast_allgather"
-        for name in ("dev", "c"):
-            assert name in sgm.StreamGroup.__init__.__code__.co_names, name
     finally:
         pg.shutdown()
+    assert fp.closed is True and r.closed
+
+
+def test_the_dispatch_gives_the_c_path_the_stream_group():
+    """The stream group the dispatch makes at a group's first CUDA call is
+    the one the C path then runs its rounds on."""
+    groups = make_groups(2)
+
+    class Ctx:
+        rank, world_size, timeout_s = 0, 2, 5.0
+
+        def stream_group(self, dev, timeout_s):
+            return groups[0]
+    d = dispatch.Dispatch(Ctx(), Runner("test", 5.0), 0, 2, 5.0, StreamWork, None)
+    try:
+        d.sg_off = False   # (as where UCCL_STREAM_ORDERED is on)
+        assert d.stream_group(0) is groups[0]
+        assert d.fp.group is groups[0] and d.sctx is not None
+        d.close()
+        assert d.fp.closed is True
+    finally:
+        close_all(groups, [])
 
 
 def test_an_interrupt_in_a_check_is_raised_not_swallowed():
@@ -328,7 +389,7 @@ def test_an_interrupt_in_a_check_is_raised_not_swallowed():
     _callers.stream = _engine._sg_emu_stream()
     try:
         with pytest.raises(KeyboardInterrupt):
-            _engine.fast_allreduce(pg, [FakeCuda(torch.ones(4))], sync_opts())
+            pg.fp.allreduce([FakeCuda(torch.ones(4))], sync_opts())
         assert not pg._runner._busy
     finally:
         close_all(groups, [_callers.stream])
@@ -348,11 +409,11 @@ def test_a_task_submitted_during_the_round_waits_for_it():
         x = torch.ones(4)
         if r == 1:
             time.sleep(0.5)
-            return _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts()), x
+            return pgs[r].fp.allreduce([FakeCuda(x)], sync_opts()), x
         task = Task(lambda: started.append(time.monotonic() - t0), [])
         tm = threading.Timer(0.1, pgs[0]._runner.submit, (task, True, time.monotonic() + 10))
         tm.start()
-        w = _engine.fast_allreduce(pgs[r], [FakeCuda(x)], sync_opts())
+        w = pgs[r].fp.allreduce([FakeCuda(x)], sync_opts())
         tm.join(10)
         return w, x
     res, err, streams = on_ranks(n, rank)

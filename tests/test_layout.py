@@ -235,7 +235,7 @@ def test_the_checker_catches_a_circle():
     calls = _calls(_sources())
     calls["base/log.c"]["base/status.c"].add("uccl__err")
     calls["base/status.c"]["base/log.c"].add("uccl__log")
-    assert ["base/log.c", "base/status.c"] in _circles(calls)
+    assert any({"base/log.c", "base/status.c"} <= set(c) for c in _circles(calls))
 
 
 def test_only_the_module_header_includes_python():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from uccl_collective import p2p
-from uccl_collective._rendezvous import NO_CONN
+from uccl_collective.p2p._rendezvous import NO_CONN
 
 from _harness import addr, all_poison, poisoned, rand_bytes
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from uccl_collective import _engine
-from uccl_collective import _stream_group as sgm
+from uccl_collective.core import stream_group as sgm
 from uccl_collective.p2p import UcclError, UcclTimeoutError
 from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: autouse
     Ctx, Store, _callers, caller_streams, close_all, drain, make_groups, no_stale_words, on_ranks)

@@ -1,5 +1,5 @@
 """The stream-ordered groups' protocol (csrc/sgroup.c, sg_call.c, through
-uccl_collective/_stream_group.py) on the CPU: ranks are threads of this
+uccl_collective/core/stream_group.py) on the CPU: ranks are threads of this
 process, the shared page is the real one (a file in /dev/shm), and each
 CUDA stream is the engine's emulated stream (csrc/sg_emu.c: a thread that
 runs the queued writes, waits, copies, reductions and events in order).
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_collective import _engine
-from uccl_collective import _stream_group as sgm
+from uccl_collective.core import stream_group as sgm
 from uccl_collective.p2p import UcclError, UcclTimeoutError
 
 R = dist.ReduceOp.RedOpType
@@ -634,7 +634,7 @@ def test_the_fast_path_runs_only_with_nothing_of_the_group_ahead():
     runner's token when no task is queued or running; else declines, and
     the call takes the general path behind the task (the order the ranks
     share).  A task submitted while the inline call runs waits for it."""
-    from uccl_collective._work import Runner, Task
+    from uccl_collective.backend._work import Runner, Task
     r = Runner("test", 10.0)
     assert r.inline(lambda: 42) == (True, 42)
     gate, order = threading.Event(), []
@@ -670,7 +670,7 @@ def test_a_blocking_task_runs_here_only_with_nothing_ahead():
     """Runner.run_here (the backend's blocking CPU calls): runs the task on
     this thread when nothing is queued or running, keeping its error as a
     queued task's; else leaves it to submit (behind what is ahead)."""
-    from uccl_collective._work import Runner, Task
+    from uccl_collective.backend._work import Runner, Task
     r = Runner("test", 10.0)
     who = []
     t = Task(lambda: who.append(threading.current_thread()), [])

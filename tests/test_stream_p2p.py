@@ -1,5 +1,5 @@
 """Stream-ordered point-to-point messages (csrc/sg_p2p.c, through
-uccl_collective/_stream_group.py's StreamGroup.p2p) on the CPU: ranks are
+uccl_collective/core/stream_group.py's StreamGroup.p2p) on the CPU: ranks are
 threads, the page is the real shared file, streams are the engine's
 emulated streams (test_stream_group.py's harness).  What is checked: the
 bytes of every message, whatever order the ranks post in; that posting
@@ -20,7 +20,7 @@ from uccl_collective.p2p import UcclError
 from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: autouse
     PAGE, RANK_BYTES, Ctx, _callers, caller_streams, close_all, drain, make_groups,
     no_stale_words, on_ranks)
-from uccl_collective import _stream_group as sgm
+from uccl_collective.core import stream_group as sgm
 
 P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sgroup.h
 CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64   # struct p2p_chan (csrc/sg_page.h)

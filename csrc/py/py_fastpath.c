@@ -1,60 +1,62 @@
-/* The "uccl" backend's blocking all_reduce and all_gather_into_tensor on
- * CUDA tensors in one C call (uccl_collective/backend.py: allreduce and
- * _allgather_base call fast_allreduce / fast_allgather first).
+/* The FastPath type (pyengine.h): the "uccl" backend's blocking all_reduce
+ * and all_gather_into_tensor on CUDA tensors in one C call, the first row
+ * of uccl_collective/core/dispatch.py's table (the backend calls
+ * FastPath.allreduce / allgather before anything else).
+ *
+ *   FastPath(token, size)
+ *
+ * One per process group, over its runner's Token (py_token.c) and its size.
+ * The dispatch keeps it up to date through its methods: set_group(group, c,
+ * dev) once the group's stream group is made (the Python StreamGroup, for
+ * the Work; its engine object; its device), `closed` when the group shuts
+ * down, and `codes`, the dict it fills with the kernel's codes per
+ * (hash(reduceOp), dtype).  The calls read only these fields.
  *
  * Why C: for a small tensor the host's time is the call.  On one H100
  * shared by 2 processes under MPS a 1 MiB all_reduce's launches run at
  * 10.6 us a call, and the Python fast path (its checks, the runner's token,
  * the Work) took the host to 15-16 us (BENCHMARKS.md, session 11).
  *
- * What it does is exactly that Python path's common case, nothing more:
- * the same checks (_fast, _fast_red: a blocking call, no profiler, the
- * group open, dense contiguous CUDA tensors on the group's device, no
- * graph capture, an operator and dtype whose kernel codes the group has
- * cached), the runner's token taken and given back under its lock as
- * Runner.inline does, the engine's round on the caller's stream, and the
- * StreamWork.  Wherever anything differs (the first call, which makes the
- * stream group and caches the codes; a task queued; a capture, which must
- * raise; an attribute missing) it returns None and the caller takes the
- * Python path, which decides and raises as before.  Raised here: the
- * round's own error, as the Python path would raise it, and an exception
- * that is not an Exception (KeyboardInterrupt, SystemExit) raised by
- * anything it calls, which is never swallowed.
+ * What it does is exactly the dispatch's second row's common case, nothing
+ * more: the same checks (Dispatch.fast and kernel_codes: a blocking call, no
+ * profiler, the group open, dense contiguous CUDA tensors on the group's
+ * device, no graph capture, an operator and dtype whose kernel codes are
+ * cached), the token taken and given back under the runner's lock, the
+ * engine's round on the caller's stream, and the StreamWork.  Wherever
+ * anything differs (the first call, which makes the stream group and
+ * caches the codes; a task queued; a capture, which must raise; an
+ * attribute missing) it returns None and the caller takes the dispatch's
+ * next row, which decides and raises as before.  Raised here: the round's
+ * own error, as the Python path would raise it, and an exception that is
+ * not an Exception (KeyboardInterrupt, SystemExit) raised by anything it
+ * calls, which is never swallowed.
  *
  * torch is reached only through its Python objects, given once by
- * fast_setup() (this module never links against libtorch); a test that
- * patches torch.cuda or backend.py's module globals does not reach this
- * path, only fast_setup() does. */
+ * fast_setup() (this module never links against libtorch): the tensors'
+ * and the options' public attributes, read by name; a test that patches
+ * torch.cuda or the backend's module globals does not reach this path,
+ * only fast_setup() does. */
 #include "py/pyengine.h"
 
 #include "sg/sgroup.h"
 
-/* attribute and method names, interned once */
+/* the tensors' and options' attributes and methods, interned once */
 enum {
-    N_ASYNC, N_REDUCE_OP, N_CLOSED, N_SG, N_RUNNER, N_RED_CODES, N_C, N_DEV, N_IS_CUDA,
-    N_LAYOUT, N_IS_CONTIGUOUS, N_GET_DEVICE, N_DTYPE, N_DATA_PTR, N_NUMEL, N_ELEMENT_SIZE,
-    N_CV, N_BUSY, N_Q, N_POISONED, N_ACQUIRE, N_RELEASE, N_NOTIFY_ALL, N_SIZE, N_COUNT
+    N_ASYNC, N_REDUCE_OP, N_IS_CUDA, N_LAYOUT, N_IS_CONTIGUOUS, N_GET_DEVICE, N_DTYPE,
+    N_DATA_PTR, N_NUMEL, N_ELEMENT_SIZE, N_COUNT
 };
 _Static_assert(N_COUNT == UCCL__PY_FAST_NAMES, "struct uccl__py_fast's names");
 static const char *const names[N_COUNT] = {
-    "asyncOp", "reduceOp", "_closed", "_sg", "_runner", "_red_codes", "c", "dev", "is_cuda",
-    "layout", "is_contiguous", "get_device", "dtype", "data_ptr", "numel", "element_size",
-    "_cv", "_busy", "_q", "_poisoned", "acquire", "release", "notify_all", "size",
+    "asyncOp", "reduceOp", "is_cuda", "layout", "is_contiguous", "get_device", "dtype",
+    "data_ptr", "numel", "element_size",
 };
-
-/* The module's state where fast_setup() ran, else NULL. */
-static uccl__py_state *fast_of(PyObject *module)
-{
-    uccl__py_state *st = PyModule_GetState(module);
-    return st->fast.hook[UCCL__PY_FAST_WORK] ? st : NULL;
-}
 
 /* fast_setup(tensor_type, strided, profiler_enabled, capturing, raw_stream, work_type).
  * The hooks it replaces are kept (in `retired`) for good: a call on
  * another thread may be using them, and this runs a few times at most. */
 PyObject *uccl__py_fast_setup(PyObject *module, PyObject *args)
 {
-    struct uccl__py_fast *f = &((uccl__py_state *)PyModule_GetState(module))->fast;
+    struct uccl__py_fast *f = &uccl__py_state_of(module)->fast;
     PyObject *h[UCCL__PY_FAST_HOOKS];
     if (!PyArg_ParseTuple(args, "OOOOOO:fast_setup", &h[0], &h[1], &h[2], &h[3], &h[4], &h[5]))
         return NULL;
@@ -90,6 +92,13 @@ void uccl__py_fast_clear(struct uccl__py_fast *f)
     Py_CLEAR(f->retired);
     for (int i = 0; i < N_COUNT; i++)
         Py_CLEAR(f->name[i]);
+}
+
+/* The hooks where fast_setup() ran, else NULL. */
+static struct uccl__py_fast *fast_of(uccl__py_fastpath *self)
+{
+    struct uccl__py_fast *f = &uccl__py_state_of(self->module)->fast;
+    return f->hook[UCCL__PY_FAST_WORK] ? f : NULL;
 }
 
 /* After a check that failed with an error: an Exception is cleared (the
@@ -133,19 +142,6 @@ static int attr_is(struct uccl__py_fast *f, PyObject *o, int name, PyObject *v)
     return a != NULL && a == v;
 }
 
-/* Whether o.name is false (0 also when it cannot be read). */
-static int attr_false(struct uccl__py_fast *f, PyObject *o, int name)
-{
-    PyObject *a = get(f, o, name);
-    if (!a)
-        return 0;
-    int t = PyObject_IsTrue(a);
-    Py_DECREF(a);
-    if (t < 0)
-        soft();
-    return t == 0;
-}
-
 /* A non-negative integer, or -1 (soft()); steals o. */
 static long long as_ll(PyObject *o)
 {
@@ -186,159 +182,52 @@ static long long dense_cuda(struct uccl__py_fast *f, PyObject *t)
     return as_ll(call0(f, t, N_GET_DEVICE));
 }
 
-/* What one call needs, gathered by the checks (new references; zeroed
- * before them). */
-struct call {
-    PyObject *sg, *c, *runner, *cv; /* cv: Runner._cv, whose acquire and release are its lock's */
-    PyObject *stream;               /* the caller's raw stream, as StreamWork takes it */
-    uint64_t caller;                /* ... as the round takes it */
-};
-
-static void call_free(struct call *k)
-{
-    Py_XDECREF(k->sg);
-    Py_XDECREF(k->c);
-    Py_XDECREF(k->runner);
-    Py_XDECREF(k->cv);
-    Py_XDECREF(k->stream);
-}
-
-/* The checks of backend._fast that read no tensor (a blocking call, the
+/* The checks of Dispatch.fast that read no tensor (a blocking call, the
  * group open, no profiler): made first, as an asynchronous call, the most
  * common one declined, needs no more.  1 passed, 0 declined. */
-static int call_checks(struct uccl__py_fast *f, PyObject *pg, PyObject *opts)
+static int call_checks(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject *opts)
 {
-    return opts != Py_None && attr_is(f, opts, N_ASYNC, Py_False) &&
-           attr_false(f, pg, N_CLOSED) && hook_false(f, UCCL__PY_FAST_PROFILING);
+    return opts != Py_None && attr_is(f, opts, N_ASYNC, Py_False) && !self->closed &&
+           hook_false(f, UCCL__PY_FAST_PROFILING);
 }
 
-/* The rest of backend._fast's checks, for tensors (dense CUDA, on device
- * dev) that were checked: 0 and *k filled, or -1 (decline). */
-static int group_checks(uccl__py_state *st, PyObject *pg, long long dev, struct call *k)
+/* The rest of Dispatch.fast's checks, for tensors (dense CUDA, on device
+ * dev) that were checked: the group there, no capture; 0 and the caller's
+ * stream (new reference: as StreamWork takes it) in *stream and *caller
+ * (as the round takes it), or -1 (decline). */
+static int group_checks(struct uccl__py_fast *f, uccl__py_fastpath *self, long long dev,
+                        PyObject **stream, uint64_t *caller)
 {
-    struct uccl__py_fast *f = &st->fast;
-    if (dev < 0 || !(k->sg = get(f, pg, N_SG)) || k->sg == Py_None)
+    if (dev < 0 || !self->group || dev != self->dev ||
+        !hook_false(f, UCCL__PY_FAST_CAPTURING)) /* capturing: the Python path refuses it */
         return -1;
-    PyObject *d = get(f, k->sg, N_DEV); /* sg.dev, handed to raw_stream as _streamed does */
-    long long sg_dev = d && PyLong_Check(d) ? PyLong_AsLongLong(d) : -1;
-    if (sg_dev != dev || !(k->c = get(f, k->sg, N_C)) ||
-        !PyObject_TypeCheck(k->c, (PyTypeObject *)st->sg_type) ||
-        !hook_false(f, UCCL__PY_FAST_CAPTURING)) { /* capturing: the Python path refuses it */
-        Py_XDECREF(d);
+    PyObject *d = PyLong_FromLong(self->dev); /* handed to raw_stream as Dispatch.round does */
+    *stream = d ? PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_RAW_STREAM], d, NULL)
+                : NULL;
+    Py_XDECREF(d);
+    if (!*stream || !uccl__py_to_u64(*stream, caller)) {
         soft();
         return -1;
     }
-    k->stream = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_RAW_STREAM], d, NULL);
-    Py_DECREF(d);
-    if (!k->stream || !uccl__py_to_u64(k->stream, &k->caller)) {
-        soft();
-        return -1;
-    }
-    if (!(k->runner = get(f, pg, N_RUNNER)))
-        return -1;
-    return (k->cv = get(f, k->runner, N_CV)) ? 0 : -1;
+    return 0;
 }
 
-/* The error set now, if any, kept in *e (the first one wins; later ones
- * are dropped). */
-struct err {
-    PyObject *t, *v, *tb;
-};
-
-static void keep(struct err *e)
-{
-    if (!PyErr_Occurred())
-        return;
-    if (e->t) {
-        PyErr_Clear();
-        return;
-    }
-    PyErr_Fetch(&e->t, &e->v, &e->tb);
-}
-
-/* Runner.inline's first half: the token, when nothing of the group is
- * queued or running and it is open; 0 taken, -1 declined.  The lock is
- * only tried: a holder is running or queueing a task, so decline. */
-static int take_token(struct uccl__py_fast *f, PyObject *runner, PyObject *cv)
-{
-    PyObject *got = PyObject_CallMethodObjArgs(cv, f->name[N_ACQUIRE], Py_False, NULL);
-    Py_XDECREF(got);
-    if (got != Py_True) {
-        if (!got)
-            soft();
-        return -1;
-    }
-    int free = attr_false(f, runner, N_BUSY) && attr_false(f, runner, N_Q) &&
-               attr_false(f, runner, N_CLOSED) && attr_false(f, runner, N_POISONED);
-    if (free && PyObject_SetAttr(runner, f->name[N_BUSY], Py_True) < 0) {
-        soft();
-        free = 0;
-    }
-    struct err e = {0};
-    keep(&e); /* (an interrupt while reading: released first, then raised) */
-    PyObject *r = PyObject_CallMethodObjArgs(cv, f->name[N_RELEASE], NULL);
-    Py_XDECREF(r);
-    keep(&e);
-    if (e.t) {
-        if (free) /* not keeping it: nothing ran */
-            (void)PyObject_SetAttr(runner, f->name[N_BUSY], Py_False);
-        PyErr_Restore(e.t, e.v, e.tb);
-        return -1;
-    }
-    return free ? 0 : -1;
-}
-
-/* Its second half, as inline's `finally`: the token given back and
- * whoever waits for it woken (only a queued task does).  An error in
- * this part replaces the round's, as in Python; else the round's stays.
- * The lock's acquire is retried: a signal handler may interrupt it. */
-static void give_token(struct uccl__py_fast *f, PyObject *runner, PyObject *cv)
-{
-    struct err round = {0}, e = {0};
-    PyErr_Fetch(&round.t, &round.v, &round.tb);
-    PyObject *got = NULL;
-    for (int tries = 0; !got && tries < 100; tries++)
-        if (!(got = PyObject_CallMethodObjArgs(cv, f->name[N_ACQUIRE], NULL)))
-            keep(&e);
-    if (PyObject_SetAttr(runner, f->name[N_BUSY], Py_False) < 0) /* (no lock: still freed) */
-        keep(&e);
-    if (got) {
-        if (!attr_false(f, runner, N_Q)) {
-            keep(&e);
-            PyObject *n = PyObject_CallMethodObjArgs(cv, f->name[N_NOTIFY_ALL], NULL);
-            Py_XDECREF(n);
-        }
-        keep(&e);
-        PyObject *r = PyObject_CallMethodObjArgs(cv, f->name[N_RELEASE], NULL);
-        Py_XDECREF(r);
-        keep(&e);
-    }
-    Py_XDECREF(got);
-    if (e.t) {
-        Py_XDECREF(round.t);
-        Py_XDECREF(round.v);
-        Py_XDECREF(round.tb);
-        PyErr_Restore(e.t, e.v, e.tb);
-    } else {
-        PyErr_Restore(round.t, round.v, round.tb);
-    }
-}
-
-/* The round under the token, then its Work (StreamWork(sg, k, [result],
- * caller)); the round's error raised; None where the token is taken. */
-static PyObject *run(struct uccl__py_fast *f, struct call *k, PyObject *result, int gather,
+/* The round under the token, then its Work (StreamWork(group, k, [result],
+ * stream)); the round's error raised; None where the token is taken. */
+static PyObject *run(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject *stream,
+                     uint64_t caller, PyObject *result, int gather,
                      const struct uccl__py_coll_args *a)
 {
-    if (take_token(f, k->runner, k->cv))
+    if (uccl__py_token_try(self->token))
         return decline();
-    PyObject *r = uccl__py_sg_fast_round((uccl__py_sgroup *)k->c, k->caller, gather, a);
-    give_token(f, k->runner, k->cv);
+    PyObject *r = uccl__py_sg_fast_round(self->c, caller, gather, a);
+    uccl__py_token_give(self->token);
     if (r && PyErr_Occurred()) /* the round ran, but giving the token back was interrupted */
         Py_CLEAR(r);
     PyObject *w = NULL, *lst = r ? PyList_New(1) : NULL;
     if (lst) {
         PyList_SetItem(lst, 0, Py_NewRef(result));
-        w = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_WORK], k->sg, r, lst, k->stream,
+        w = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_WORK], self->group, r, lst, stream,
                                          NULL);
     }
     Py_XDECREF(lst);
@@ -352,20 +241,19 @@ static long long ll_of(struct uccl__py_fast *f, PyObject *t, int name)
     return PyErr_Occurred() ? -1 : as_ll(call0(f, t, name));
 }
 
-/* The engine's (dtype, operator) codes cached by backend._fast_red for
+/* The engine's (dtype, operator) codes cached by Dispatch.kernel_codes for
  * (hash(opts.reduceOp), t.dtype): 0, or -1 where none are (decline). */
-static int red_codes(struct uccl__py_fast *f, PyObject *pg, PyObject *opts, PyObject *t,
-                     int *dtype, int *op)
+static int red_codes(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject *opts,
+                     PyObject *t, int *dtype, int *op)
 {
     int rc = -1;
-    PyObject *ro = NULL, *dt = NULL, *cache = NULL, *hv = NULL, *key = NULL;
+    PyObject *ro = NULL, *dt = NULL, *hv = NULL, *key = NULL;
     Py_hash_t h;
     if (!(ro = get(f, opts, N_REDUCE_OP)) || (h = PyObject_Hash(ro)) == -1 ||
-        !(dt = get(f, t, N_DTYPE)) || !(cache = get(f, pg, N_RED_CODES)) ||
-        !PyDict_Check(cache) || !(hv = PyLong_FromSsize_t(h)) ||
+        !(dt = get(f, t, N_DTYPE)) || !(hv = PyLong_FromSsize_t(h)) ||
         !(key = PyTuple_Pack(2, hv, dt)))
         goto out;
-    PyObject *codes = PyDict_GetItemWithError(cache, key); /* borrowed */
+    PyObject *codes = PyDict_GetItemWithError(self->codes, key); /* borrowed */
     if (codes && PyTuple_Check(codes) && PyTuple_Size(codes) == 2) {
         long long a = as_ll(Py_NewRef(PyTuple_GetItem(codes, 0)));
         long long b = as_ll(Py_NewRef(PyTuple_GetItem(codes, 1)));
@@ -379,61 +267,61 @@ out:
     soft();
     Py_XDECREF(key);
     Py_XDECREF(hv);
-    Py_XDECREF(cache);
     Py_XDECREF(dt);
     Py_XDECREF(ro);
     return rc;
 }
 
-/* fast_allreduce(pg, tensors, opts) -> StreamWork, or None: take the Python path */
-PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* allreduce(tensors, opts) -> StreamWork, or None: take the dispatch's next row */
+static PyObject *FP_allreduce(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    uccl__py_state *st = fast_of(module);
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "fast_allreduce(pg, tensors, opts): %zd arguments",
-                            nargs);
-    PyObject *pg = args[0], *ts = args[1], *opts = args[2];
-    if (!st || !PyList_Check(ts) || PyList_Size(ts) != 1)
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "allreduce(tensors, opts): %zd arguments", nargs);
+    PyObject *ts = args[0], *opts = args[1];
+    struct uccl__py_fast *f = fast_of(self);
+    if (!f || !PyList_Check(ts) || PyList_Size(ts) != 1)
         Py_RETURN_NONE;
-    struct uccl__py_fast *f = &st->fast;
-    if (!call_checks(f, pg, opts))
+    if (!call_checks(f, self, opts))
         return decline();
     PyObject *t = Py_NewRef(PyList_GetItem(ts, 0)), *w = NULL; /* ours: the list may change */
-    struct call k = {0};
+    PyObject *stream = NULL;
+    uint64_t caller = 0;
     struct uccl__py_coll_args a = {0};
     long long ptr = -1, n = -1;
-    if (!group_checks(st, pg, dense_cuda(f, t), &k) &&
-        !red_codes(f, pg, opts, t, &a.dtype, &a.op) &&
+    if (!group_checks(f, self, dense_cuda(f, t), &stream, &caller) &&
+        !red_codes(f, self, opts, t, &a.dtype, &a.op) &&
         (ptr = ll_of(f, t, N_DATA_PTR)) >= 0 && (n = ll_of(f, t, N_NUMEL)) >= 0) {
         a.a = (uintptr_t)ptr;
         a.count = (size_t)n;
-        w = run(f, &k, t, 0, &a);
+        w = run(f, self, stream, caller, t, 0, &a);
     } else {
         w = decline();
     }
-    call_free(&k);
+    Py_XDECREF(stream);
     Py_DECREF(t);
     return w;
 }
 
-/* fast_allgather(pg, output, input, opts) -> StreamWork, or None */
-PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* allgather(output, input, opts) -> StreamWork, or None */
+static PyObject *FP_allgather(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    uccl__py_state *st = fast_of(module);
-    if (nargs != 4)
-        return PyErr_Format(PyExc_TypeError,
-                            "fast_allgather(pg, output, input, opts): %zd arguments", nargs);
-    PyObject *pg = args[0], *out = args[1], *inp = args[2], *opts = args[3];
-    if (!st)
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "allgather(output, input, opts): %zd arguments",
+                            nargs);
+    PyObject *out = args[0], *inp = args[1], *opts = args[2];
+    struct uccl__py_fast *f = fast_of(self);
+    if (!f)
         Py_RETURN_NONE;
-    struct uccl__py_fast *f = &st->fast;
-    if (!call_checks(f, pg, opts))
+    if (!call_checks(f, self, opts))
         return decline();
-    struct call k = {0};
+    PyObject *stream = NULL;
+    uint64_t caller = 0;
     long long dev = dense_cuda(f, out);
     if (dev < 0 || PyErr_Occurred() || dense_cuda(f, inp) != dev ||
-        group_checks(st, pg, dev, &k)) {
-        call_free(&k);
+        group_checks(f, self, dev, &stream, &caller)) {
+        Py_XDECREF(stream);
         return decline();
     }
     PyObject *dto = get(f, out, N_DTYPE), *dti = dto ? get(f, inp, N_DTYPE) : NULL;
@@ -443,16 +331,179 @@ PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ss
     long long no = ll_of(f, out, N_NUMEL), ni = ll_of(f, inp, N_NUMEL);
     long long es = ll_of(f, inp, N_ELEMENT_SIZE), src = ll_of(f, inp, N_DATA_PTR);
     long long dst = ll_of(f, out, N_DATA_PTR);
-    long long world = ll_of(f, pg, N_SIZE);
+    long long world = self->size;
     PyObject *w;
     if (same && no >= 0 && ni >= 0 && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
-        no % world == 0 && no / world == ni && (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
+        no % world == 0 && no / world == ni &&
+        (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
         struct uccl__py_coll_args a = {.a = (uintptr_t)src, .b = (uintptr_t)dst,
                                        .count = (size_t)ni * (size_t)es};
-        w = run(f, &k, out, 1, &a);
+        w = run(f, self, stream, caller, out, 1, &a);
     } else {
         w = decline();
     }
-    call_free(&k);
+    Py_XDECREF(stream);
     return w;
 }
+
+/* ---- the state the dispatch keeps --------------------------------------------------- */
+
+/* set_group(group, c, dev): the group's stream group (the Python StreamGroup,
+ * its engine object, its device); set_group(None, None, -1): none */
+static PyObject *FP_set_group(PyObject *op, PyObject *args)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    PyObject *group, *c;
+    int dev;
+    if (!PyArg_ParseTuple(args, "OOi:set_group", &group, &c, &dev))
+        return NULL;
+    if (group == Py_None) {
+        Py_CLEAR(self->group);
+        Py_CLEAR(self->c);
+        self->dev = -1;
+        Py_RETURN_NONE;
+    }
+    PyObject *sg_type = uccl__py_state_of(self->module)->sg_type;
+    if (!PyObject_TypeCheck(c, (PyTypeObject *)sg_type))
+        return PyErr_Format(PyExc_TypeError, "set_group: %R is not a StreamGroup of the engine",
+                            c);
+    if (dev < 0)
+        return PyErr_Format(PyExc_ValueError, "set_group: device %d", dev);
+    PyObject *old_g = self->group, *old_c = (PyObject *)self->c;
+    self->group = Py_NewRef(group);
+    self->c = (uccl__py_sgroup *)Py_NewRef(c);
+    self->dev = dev;
+    Py_XDECREF(old_g);
+    Py_XDECREF(old_c);
+    Py_RETURN_NONE;
+}
+
+static int FP_init(PyObject *op, PyObject *args, PyObject *kw)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    static char *kwlist[] = {"token", "size", NULL};
+    PyObject *tok;
+    long long size;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL:FastPath", kwlist, &tok, &size))
+        return -1;
+    if (self->module) {
+        PyErr_SetString(PyExc_RuntimeError, "FastPath.__init__ called twice");
+        return -1;
+    }
+    if (!(self->module = uccl__py_module_of(Py_TYPE(op))))
+        return -1;
+    if (!PyObject_TypeCheck(tok, (PyTypeObject *)uccl__py_state_of(self->module)->token_type)) {
+        PyErr_Format(PyExc_TypeError, "FastPath: %R is not a Token", tok);
+        return -1;
+    }
+    if (size < 1) {
+        PyErr_Format(PyExc_ValueError, "FastPath: a group of %lld", size);
+        return -1;
+    }
+    if (!(self->codes = PyDict_New()))
+        return -1;
+    self->token = (uccl__py_token *)Py_NewRef(tok);
+    self->size = size;
+    self->dev = -1;
+    return 0;
+}
+
+static int FP_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    Py_VISIT(Py_TYPE(op));
+    Py_VISIT(self->module);
+    Py_VISIT(self->token);
+    Py_VISIT(self->group);
+    Py_VISIT(self->c);
+    Py_VISIT(self->codes);
+    return 0;
+}
+
+static int FP_clear(PyObject *op)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    Py_CLEAR(self->token);
+    Py_CLEAR(self->group);
+    Py_CLEAR(self->c);
+    Py_CLEAR(self->codes);
+    Py_CLEAR(self->module);
+    return 0;
+}
+
+static void FP_dealloc(PyObject *op)
+{
+    PyTypeObject *tp = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    FP_clear(op);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *get_closed(PyObject *op, void *unused)
+{
+    (void)unused;
+    return PyBool_FromLong(((uccl__py_fastpath *)op)->closed);
+}
+
+static int set_closed(PyObject *op, PyObject *v, void *unused)
+{
+    (void)unused;
+    int b = v ? PyObject_IsTrue(v) : -1;
+    if (b < 0) {
+        if (!v)
+            PyErr_SetString(PyExc_AttributeError, "closed cannot be deleted");
+        return -1;
+    }
+    ((uccl__py_fastpath *)op)->closed = b;
+    return 0;
+}
+
+/* codes, token, group: the fields (read-only; codes is the dict itself) */
+static PyObject *get_field(PyObject *op, void *which)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    PyObject *v = which == (void *)0 ? self->codes
+                  : which == (void *)1 ? (PyObject *)self->token : self->group;
+    return Py_NewRef(v ? v : Py_None);
+}
+
+static PyGetSetDef FP_getset[] = {
+    {"closed", get_closed, set_closed, "the group is shut down: every call declines", NULL},
+    {"codes", get_field, NULL, "(hash(reduceOp), dtype) -> the kernel's (dtype, op) codes, or ()",
+     (void *)0},
+    {"token", get_field, NULL, "the runner's Token", (void *)1},
+    {"group", get_field, NULL, "the stream group set by set_group, or None", (void *)2},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef FP_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))FP_allreduce, METH_FASTCALL,
+     "allreduce(tensors, opts) -> the blocking CUDA all_reduce's Work, or None"},
+    {"allgather", (PyCFunction)(void (*)(void))FP_allgather, METH_FASTCALL,
+     "allgather(out, inp, opts) -> the blocking CUDA all_gather_into_tensor's Work, or None"},
+    {"set_group", FP_set_group, METH_VARARGS,
+     "set_group(group, c, dev): the stream group (set_group(None, None, -1): none)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot FP_slots[] = {
+    {Py_tp_init, FP_init},
+    {Py_tp_dealloc, FP_dealloc},
+    {Py_tp_traverse, FP_traverse},
+    {Py_tp_clear, FP_clear},
+    {Py_tp_methods, FP_methods},
+    {Py_tp_getset, FP_getset},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_doc, "FastPath(token, size): a process group's blocking CUDA all_reduce and "
+                "all_gather_into_tensor in one call."},
+    {0, NULL},
+};
+
+PyType_Spec uccl__py_fastpath_spec = {
+    .name = "uccl_collective._engine.FastPath",
+    .basicsize = sizeof(uccl__py_fastpath),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = FP_slots,
+};

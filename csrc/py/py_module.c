@@ -1,98 +1,13 @@
-/* The module uccl_collective._engine (pyengine.h): its state (the
- * exception classes), engine statuses raised as exceptions, argument
- * converters, and multi-phase init, which adds the Endpoint and
- * Communicator types and the constants. */
+/* The module uccl_collective._engine (pyengine.h), the top of its files:
+ * its functions, and multi-phase init, which makes the exception classes,
+ * adds the types (Endpoint, Communicator, StreamGroup, GpuRing, Token,
+ * FastPath) and the constants; its state's traverse and clear. */
 #include "py/pyengine.h"
 #include "sg/sgroup.h"
 
 #include <string.h>
-#include <time.h>
 
 #include "net/wire.h"
-
-uint64_t uccl__py_mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static uccl__py_state *state_of(PyObject *module)
-{
-    return (uccl__py_state *)PyModule_GetState(module);
-}
-
-
-/* Raise the exception that fits status, with the engine's message. */
-PyObject *uccl__py_raise(PyObject *module, int status, const char *msg)
-{
-    uccl__py_state *st = state_of(module);
-    PyObject *type;
-    switch (status) {
-    case UCCL_ERR_NOTFOUND:
-        type = st->unknown_id_error;
-        break;
-    case UCCL_ERR_INVALID:
-    case UCCL_ERR_MISMATCH:
-    case UCCL_ERR_CLOSED:
-        type = PyExc_ValueError;
-        break;
-    case UCCL_ERR_TIMEOUT:
-        type = st->timeout_error;
-        break;
-    case UCCL_ERR_NOMEM:
-        return PyErr_NoMemory();
-    default:
-        type = st->error;
-    }
-    PyErr_Format(type, "%s", msg && *msg ? msg : uccl_status_str(status));
-    return NULL;
-}
-
-PyObject *uccl__py_module_of(PyTypeObject *tp)
-{
-    PyObject *mro = PyObject_GetAttrString((PyObject *)tp, "__mro__");
-    if (!mro)
-        return NULL;
-    PyObject *found = NULL;
-    for (Py_ssize_t i = 0; i < PyTuple_Size(mro) && !found; i++) {
-        PyObject *m = PyType_GetModule((PyTypeObject *)PyTuple_GetItem(mro, i));
-        if (m && PyModule_GetDef(m) == &uccl__py_module_def) {
-            Py_INCREF(m);
-            found = m;
-        }
-        PyErr_Clear();
-    }
-    Py_DECREF(mro);
-    if (!found)
-        PyErr_Format(PyExc_TypeError, "%R: cannot find the _engine module", (PyObject *)tp);
-    return found;
-}
-
-int uccl__py_to_u64(PyObject *o, void *out)
-{
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "expected a non-negative integer (pointer or id), got %R", o);
-        return 0;
-    }
-    *(uint64_t *)out = v;
-    return 1;
-}
-
-int uccl__py_to_size(PyObject *o, void *out)
-{
-    Py_ssize_t v = PyLong_AsSsize_t(o);
-    if (v == -1 && PyErr_Occurred())
-        return 0;
-    if (v < 0) {
-        PyErr_Format(PyExc_ValueError, "size must be >= 0, got %zd", v);
-        return 0;
-    }
-    *(size_t *)out = (size_t)v;
-    return 1;
-}
 
 static PyObject *mod_parse_metadata(PyObject *module, PyObject *args)
 {
@@ -200,11 +115,8 @@ static PyMethodDef module_methods[] = {
     {"_sg_emu_stream_idle", uccl__py_sg_emu_stream_idle, METH_VARARGS,
      "_sg_emu_stream_idle(stream, timeout_s) -> True once what it queued has run"},
     {"fast_setup", uccl__py_fast_setup, METH_VARARGS,
-     "fast_setup(tensor, strided, profiler_enabled, capturing, raw_stream, work): torch's pieces"},
-    {"fast_allreduce", (PyCFunction)(void (*)(void))uccl__py_fast_allreduce, METH_FASTCALL,
-     "fast_allreduce(pg, tensors, opts) -> the blocking CUDA all_reduce's Work, or None"},
-    {"fast_allgather", (PyCFunction)(void (*)(void))uccl__py_fast_allgather, METH_FASTCALL,
-     "fast_allgather(pg, out, inp, opts) -> the blocking CUDA all_gather's Work, or None"},
+     "fast_setup(tensor, strided, profiler_enabled, capturing, raw_stream, work): torch's "
+     "pieces, for FastPath's calls"},
     {"config", uccl__py_config, METH_VARARGS,
      "config(name[, text]): an environment variable of the configuration table, parsed"},
     {"config_table", uccl__py_config_table, METH_NOARGS,
@@ -216,7 +128,7 @@ static PyMethodDef module_methods[] = {
 
 static int module_exec(PyObject *m)
 {
-    uccl__py_state *st = state_of(m);
+    uccl__py_state *st = uccl__py_state_of(m);
     st->error = PyErr_NewExceptionWithDoc("uccl_collective.UcclError",
                                           "A transfer or connection failed.", PyExc_RuntimeError,
                                           NULL);
@@ -273,6 +185,20 @@ static int module_exec(PyObject *m)
     Py_DECREF(ring_type);
     if (rc < 0)
         return -1;
+    PyObject *token_type = PyType_FromModuleAndSpec(m, &uccl__py_token_spec, NULL);
+    if (!token_type)
+        return -1;
+    rc = PyModule_AddObjectRef(m, "Token", token_type);
+    st->token_type = token_type; /* the reference made here */
+    if (rc < 0)
+        return -1;
+    PyObject *fp_type = PyType_FromModuleAndSpec(m, &uccl__py_fastpath_spec, NULL);
+    if (!fp_type)
+        return -1;
+    rc = PyModule_AddObjectRef(m, "FastPath", fp_type);
+    Py_DECREF(fp_type);
+    if (rc < 0)
+        return -1;
     if (PyModule_AddIntConstant(m, "OP_SEND", UCCL_XFER_SEND) < 0 ||
         PyModule_AddIntConstant(m, "OP_RECV", UCCL_XFER_RECV) < 0 ||
         PyModule_AddIntConstant(m, "OP_WRITE", UCCL_XFER_WRITE) < 0 ||
@@ -302,22 +228,24 @@ static int module_exec(PyObject *m)
 
 static int module_traverse(PyObject *m, visitproc visit, void *arg)
 {
-    uccl__py_state *st = state_of(m);
+    uccl__py_state *st = uccl__py_state_of(m);
     Py_VISIT(st->error);
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->unknown_id_error);
     Py_VISIT(st->sg_type);
+    Py_VISIT(st->token_type);
     return uccl__py_fast_traverse(&st->fast, visit, arg);
 }
 
 static int module_clear(PyObject *m)
 {
-    uccl__py_state *st = state_of(m);
+    uccl__py_state *st = uccl__py_state_of(m);
     Py_CLEAR(st->error);
     Py_CLEAR(st->timeout_error);
-    uccl__py_fast_clear(&st->fast); /* first: the fast path reads sg_type while set up */
+    uccl__py_fast_clear(&st->fast); /* first: FastPath reads the hooks while set up */
     Py_CLEAR(st->unknown_id_error);
     Py_CLEAR(st->sg_type);
+    Py_CLEAR(st->token_type);
     return 0;
 }
 

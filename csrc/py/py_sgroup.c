@@ -1,5 +1,5 @@
 /* The StreamGroup type (pyengine.h): a stream-ordered group (sgroup.h) for
- * uccl_collective/_stream_group.py, which makes the shared file and the
+ * uccl_collective/core/stream_group.py, which makes the shared file and the
  * group's stream.
  *
  *   StreamGroup(endpoint, conns, rank, size, dev, page, page_len, timeout_s, stream)

@@ -1,5 +1,5 @@
 /* Host memory registered for the GPU: the page of a stream-ordered group
- * (uccl_collective/_stream_group.py), which every process of the group maps
+ * (uccl_collective/core/stream_group.py), which every process of the group maps
  * and whose words the streams write and wait for (sgroup.h).  Private to
  * the package: the names start with an underscore. */
 #include "py/pyengine.h"

@@ -1,8 +1,10 @@
-/* The extension module uccl_collective._engine, internal to its three
- * files (the only ones that include Python.h):
+/* The extension module uccl_collective._engine, internal to its files
+ * (the only ones that include Python.h, through this header), bottom to
+ * top: a file calls only files listed before it here, never one after:
  *
- *   py_module.c    the module: its state (the exceptions), engine statuses
- *                  raised as exceptions, argument converters, module init
+ *   py_base.c      the module's state, engine statuses raised as
+ *                  exceptions, the module found from a type, the clock,
+ *                  the argument converters
  *   py_endpoint.c  the Endpoint type, over an engine endpoint (uccl.h)
  *   py_comm.c      the Communicator type, over an Endpoint (coll.h)
  *   py_ring.c      the GpuRing type and the kernel functions (ring.h)
@@ -10,8 +12,13 @@
  *   py_sgroup.c    the StreamGroup type, over a stream-ordered group (sgroup.h)
  *   py_sgroup_mod.c  the module's functions for stream-ordered groups, and
  *                  StreamGroup's methods for the emulated device's tests
- *   py_fastpath.c  the backend's blocking all_reduce / all_gather_into_tensor
- *                  on CUDA tensors in one call (fast_allreduce, fast_allgather)
+ *   py_token.c     the Token type: a process group's execution token
+ *   py_fastpath.c  the FastPath type: the backend's blocking all_reduce /
+ *                  all_gather_into_tensor on CUDA tensors in one call
+ *   py_module.c    the module: its functions, init (the exceptions, the
+ *                  types, the constants), traverse and clear
+ *
+ * so no two files call each other, directly or round a circle.
  *
  * Conventions (DESIGN.md §2.6): multi-phase init, heap types, the GIL
  * released around everything that can block, waits cut into slices with
@@ -32,7 +39,7 @@
 #define UCCL_PY_SLICE_NS 100000000ull /* 100 ms between signal checks */
 
 /* What py_fastpath.c calls of torch's (given by fast_setup) and the names
- * it reads, interned. */
+ * of torch's attributes it reads, interned. */
 enum {
     UCCL__PY_FAST_TENSOR,     /* torch.Tensor */
     UCCL__PY_FAST_STRIDED,    /* torch.strided */
@@ -42,7 +49,7 @@ enum {
     UCCL__PY_FAST_WORK,       /* _work.StreamWork */
     UCCL__PY_FAST_HOOKS
 };
-#define UCCL__PY_FAST_NAMES 24 /* py_fastpath.c: its names, asserted equal */
+#define UCCL__PY_FAST_NAMES 10 /* py_fastpath.c: its names, asserted equal */
 struct uccl__py_fast {
     PyObject *hook[UCCL__PY_FAST_HOOKS];
     PyObject *retired; /* a list: the hooks fast_setup() replaced, kept */
@@ -54,6 +61,7 @@ typedef struct {
     PyObject *timeout_error; /* UcclTimeoutError(UcclError, TimeoutError) */
     PyObject *unknown_id_error; /* UcclUnknownIdError(ValueError, RuntimeError) */
     PyObject *sg_type;       /* StreamGroup */
+    PyObject *token_type;    /* Token */
     struct uccl__py_fast fast; /* py_fastpath.c; empty until fast_setup() */
 } uccl__py_state;
 
@@ -67,8 +75,9 @@ typedef struct {
     int closed;
 } uccl__py_endpoint;
 
-/* ---- py_module.c ---- */
-extern struct PyModuleDef uccl__py_module_def;
+/* ---- py_base.c ---- */
+extern struct PyModuleDef uccl__py_module_def; /* (py_module.c's; module_of compares it) */
+uccl__py_state *uccl__py_state_of(PyObject *module);
 uint64_t uccl__py_mono_ns(void);
 /* Raise the exception that fits status (ValueError, UcclError,
  * UcclTimeoutError, MemoryError) with msg; returns NULL. */
@@ -160,10 +169,39 @@ PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int gat
 PyObject *uccl__py_sg_emu_counts(PyObject *op, PyObject *unused);
 PyObject *uccl__py_sg_emu_renumber(PyObject *op, PyObject *args);
 
+/* ---- py_token.c ---- */
+typedef struct {
+    PyObject_HEAD
+    PyObject *acquire, *release; /* the runner's Condition's (its lock's), bound */
+    PyObject *notify_all;        /* the Condition's, bound */
+    PyObject *q;                 /* the runner's queue: tasks waiting for the token */
+    PyObject *closed, *poisoned; /* why the group refuses new tasks (None: it does not) */
+    int busy;                    /* taken */
+} uccl__py_token;
+
+extern PyType_Spec uccl__py_token_spec;
+/* Take the token if it is free, only trying its lock: 0 taken, -1 not
+ * (an exception set only for one that is not an Exception). */
+int uccl__py_token_try(uccl__py_token *t);
+/* Give it back, waking the runner's waiters when a task is queued; the
+ * error set before stays unless giving back fails (then that one). */
+void uccl__py_token_give(uccl__py_token *t);
+
 /* ---- py_fastpath.c ---- */
+typedef struct {
+    PyObject_HEAD
+    PyObject *module;       /* strong ref: the hooks (the state's fast) */
+    uccl__py_token *token;  /* the runner's */
+    PyObject *group;        /* the Python StreamGroup (for the Work), or NULL */
+    uccl__py_sgroup *c;     /* its engine object, or NULL */
+    PyObject *codes;        /* (hash(reduceOp), dtype) -> (dtype code, op code), or () */
+    long long size;
+    int dev;                /* the group's device, or -1 */
+    int closed;
+} uccl__py_fastpath;
+
+extern PyType_Spec uccl__py_fastpath_spec;
 PyObject *uccl__py_fast_setup(PyObject *module, PyObject *args);
-PyObject *uccl__py_fast_allreduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *uccl__py_fast_allgather(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 int uccl__py_fast_traverse(struct uccl__py_fast *f, visitproc visit, void *arg);
 void uccl__py_fast_clear(struct uccl__py_fast *f);
 

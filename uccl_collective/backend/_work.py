@@ -31,9 +31,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import _engine
+from ..core.stream_group import _raw_stream
 from . import _profiling
-from ._stream_group import _raw_stream
-from .p2p import UcclError, UcclTimeoutError
+from ..p2p import UcclError, UcclTimeoutError
 
 #: Runner.submit's run_now for point-to-point posts: run here only when
 #: nothing is ahead (a post must not wait behind a long collective).
@@ -124,10 +125,20 @@ def _execute(task: Task) -> None:
     task.fn = None
 
 
-class Runner:
-    """The FIFO of one process group.  A thread holding the *token* runs the
-    head task: the caller of a blocking operation, a waiter, or the group's
-    runner thread (which takes queued tasks nobody is waiting for).
+class Runner(_engine.Token):
+    """The FIFO of one process group, and its execution *token*: a thread
+    holding the token runs the head task (the caller of a blocking
+    operation, a waiter, or the group's runner thread, which takes queued
+    tasks nobody is waiting for), or an inline call.
+
+    The token is this object's C part (_engine.Token, csrc/py/py_token.c),
+    so that the backend's one-call routes take it in C as a task takes it
+    here (core/dispatch.py, rows 1 and 2): whoever holds it runs the
+    group's next call, in issue order.  It keeps whether it is taken
+    (busy) and why the group refuses new tasks (closed, poisoned: a reason,
+    or None), which this class reads and sets under its lock, as it
+    changes its queue; it is given the Condition and the queue, and takes
+    the lock, gives the token back and wakes the waiters through them.
 
     Futures are completed on separate delivery threads, never on the runner
     thread nor under the lock: a future's callbacks run on the thread that
@@ -140,24 +151,35 @@ class Runner:
     def __init__(self, name: str, timeout_s: float):
         self._name, self.timeout_s = name, timeout_s
         self._q: collections.deque[Task] = collections.deque()
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closed: str | None = None
-        self._poisoned: str | None = None
+        self._cv = threading.Condition(threading.RLock())
+        super().__init__(self._cv, self._q)
         self._thread: threading.Thread | None = None
         self._delivery: ThreadPoolExecutor | None = None
+
+    #: inline(fn, *args) -> (True, fn(*args)) run on this thread holding the
+    #: token, as a task at the head of the queue would run; or (False, None)
+    #: without running it when a task is queued or running, or the group is
+    #: closed or poisoned (the caller then takes the general path, which
+    #: queues or raises).  For calls that go straight to the engine: nothing
+    #: else of the group's can start while fn runs.  (The token's own call,
+    #: in C: Token.run.)
+    inline = _engine.Token.run
+
+    @property
+    def _busy(self) -> bool:
+        """Whether the token is taken (a task or an inline call runs)."""
+        return self.busy
 
     def submit(self, task: Task, run_now: bool | str, deadline: float) -> None:
         """run_now True: run it on this thread (after those ahead of it);
         "if-idle": only when nothing is ahead of it; False: the runner
         thread runs it."""
         with self._cv:
-            if self._closed:
-                raise UcclError(f"process group {self._name}: {self._closed}")
-            if self._poisoned:
-                raise UcclError(f"process group {self._name}: {self._poisoned}")
+            why = self.refused   # closed, else poisoned, else None
+            if why:
+                raise UcclError(f"process group {self._name}: {why}")
             if run_now == IF_IDLE:
-                run_now = not self._busy and not self._q
+                run_now = not self.busy and not self._q
             self._q.append(task)
             if not run_now:
                 if self._thread is None:
@@ -168,29 +190,10 @@ class Runner:
                 return
         self.drive(task, deadline, give_up=True)
 
-    def inline(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
-        """fn(*args) on this thread holding the token, as a task at the head
-        of the queue would run: (True, its result); or (False, None) without
-        running it when a task is queued or running, or the group is closed
-        or poisoned (the caller then takes the general path, which queues or
-        raises).  For calls that go straight to the engine: nothing else of
-        the group's can start while fn runs."""
-        with self._cv:
-            if self._busy or self._q or self._closed or self._poisoned:
-                return False, None
-            self._busy = True
-        try:
-            return True, fn(*args)
-        finally:
-            with self._cv:
-                self._busy = False
-                if self._q:   # only a queued task waits for the token (drive, _loop)
-                    self._cv.notify_all()
-
     def poison(self, why: str) -> None:
         """Refuse new tasks from now on (the ranks' orders no longer agree)."""
         with self._cv:
-            self._poisoned = self._poisoned or why
+            self.poisoned = self.poisoned or why
 
     def run_here(self, task: Task) -> bool:
         """A blocking call's task run on this thread at once, holding the
@@ -206,14 +209,14 @@ class Runner:
         """Under the lock, token free, queue not empty: run the head task
         without the lock."""
         task = self._q.popleft()
-        self._busy = True
+        self.busy = True
         self._cv.release()
         try:
             _execute(task)
         finally:
             self._cv.acquire()
             task.ran = True
-            self._busy = False
+            self.busy = False
             self._cv.notify_all()
         if task.future is not None:  # someone holds its future: complete it
             self._deliver(task)
@@ -223,7 +226,7 @@ class Runner:
         flight) on a delivery thread."""
         def settle() -> None:
             task.settle_pending(time.monotonic() + self.timeout_s)
-        if self._delivery is None and not self._closed:
+        if self._delivery is None and not self.closed:
             self._delivery = ThreadPoolExecutor(self.DELIVERY_THREADS,
                                                 thread_name_prefix=f"uccl-pg-{self._name}-fut")
         try:
@@ -262,7 +265,7 @@ class Runner:
         aborts the communicator)."""
         with self._cv:
             while not task.ran:
-                if run_here and not self._busy and self._q:
+                if run_here and not self.busy and self._q:
                     self._run_head()
                     continue
                 left = deadline - time.monotonic()
@@ -272,9 +275,9 @@ class Runner:
                     if give_up and task in self._q:
                         self._q.remove(task)
                         task.ran, task.error, task.fn = True, err, None
-                        self._poisoned = (f"an operation did not start within the group's "
-                                          f"timeout ({self.timeout_s:g} s), so the ranks no "
-                                          "longer agree on what comes next")
+                        self.poisoned = (f"an operation did not start within the group's "
+                                         f"timeout ({self.timeout_s:g} s), so the ranks no "
+                                         "longer agree on what comes next")
                         if task.future is not None:
                             self._deliver(task)
                     raise err
@@ -283,9 +286,9 @@ class Runner:
     def _loop(self) -> None:
         with self._cv:
             while True:
-                if self._closed and not self._q:
+                if self.closed and not self._q:
                     return
-                if not self._busy and self._q:
+                if not self.busy and self._q:
                     self._run_head()
                 else:
                     self._cv.wait()
@@ -294,7 +297,7 @@ class Runner:
         """No new tasks; those queued still run (their transfers fail once
         the endpoint is closed) so every Work settles."""
         with self._cv:
-            self._closed = self._closed or why
+            self.closed = self.closed or why
             self._cv.notify_all()
             thread, ex = self._thread, self._delivery
         if thread is not None and thread is not threading.current_thread():
@@ -309,7 +312,7 @@ class Work(dist._Work):
     expect).
 
     On CUDA tensors of a group whose ranks share a host (stream-ordered
-    exchanges, _stream_group.py) wait() orders the caller's current stream
+    exchanges, core/stream_group.py) wait() orders the caller's current stream
     after the operation and returns without waiting for the GPU, as
     ProcessGroupNCCL's does; is_completed() tells whether the GPU is past
     it; get_future()'s value is ready on the host once the operation is

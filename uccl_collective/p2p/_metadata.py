@@ -18,7 +18,7 @@ import re
 import struct
 from typing import Any
 
-from . import _engine
+from .. import _engine
 
 # "dddd:bb:dd.f" (domain optional), as cuDeviceGetPCIBusId and nvidia-smi
 # spell it; hex digits in either case.

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .p2p import UcclTimeoutError
+from ..p2p import UcclTimeoutError
 
 
 def timeout_s(timeout: Any, group_timeout_s: float) -> float:

@@ -1,5 +1,5 @@
 """Upstream UCCL's newer one-sided API on the Endpoint (a mixin of
-p2p.Endpoint): register_memory / get_serialized_descs / deserialize_descs /
+_endpoint.Endpoint): register_memory / get_serialized_descs / deserialize_descs /
 transfer / deregister_memory with XferDesc, the connection-free
 advertise(mr_id, ptr, size), and one transfer id for several transfers
 (transfer() of several descriptors, and the vectored *_async calls).
@@ -16,7 +16,8 @@ import itertools
 import struct
 from typing import Any, Sequence
 
-from . import _engine
+from .. import _engine
+from ._buffers import OP_READ, OP_RECV, OP_SEND, OP_WRITE, buffer_of, current_stream
 
 FIFO = _engine.FIFO_ITEM_SIZE
 # A descriptor's keys (lkeys and rkeys alike): the window a registration is
@@ -219,7 +220,6 @@ class TransferAPI:
                              + (f", {len(fifos)} descriptors)" if fifos is not None else ")"))
         if not mrs:
             raise ValueError(f"{what}: nothing to transfer (empty lists)")
-        from .p2p import current_stream
         stream, ids = current_stream(), []
         try:
             for i in range(len(mrs)):
@@ -237,20 +237,16 @@ class TransferAPI:
 
     # -- upstream's vectored async calls ----------------------------------------
     def sendv_async(self, conn_id, mr_id_v, ptr_v, size_v, num_iovs=None):
-        from .p2p import OP_SEND
         return True, self._post_all("sendv_async", OP_SEND, conn_id, mr_id_v, ptr_v, size_v)
 
     def recvv_async(self, conn_id, mr_id_v, ptr_v, size_v, num_iovs=None):
-        from .p2p import OP_RECV
         return True, self._post_all("recvv_async", OP_RECV, conn_id, mr_id_v, ptr_v, size_v)
 
     def writev_async(self, conn_id, mr_id_v, src_v, size_v, fifo_items, num_iovs=None):
-        from .p2p import OP_WRITE
         return True, self._post_all("writev_async", OP_WRITE, conn_id, mr_id_v, src_v, size_v,
                                     fifo_items)
 
     def readv_async(self, conn_id, mr_id_v, dst_v, size_v, fifo_items, num_iovs=None):
-        from .p2p import OP_READ
         return True, self._post_all("readv_async", OP_READ, conn_id, mr_id_v, dst_v, size_v,
                                     fifo_items)
 
@@ -261,7 +257,6 @@ class TransferAPI:
         registration cache: a range inside one registered before gets its
         own mr_id but the same keys (lkeys, rkeys), which stay valid until
         the last descriptor sharing them is deregistered."""
-        from .p2p import buffer_of
         objs = list(tensor_list)
         spans = []
         for i, t in enumerate(objs):   # every entry checked before anything is made
@@ -338,7 +333,6 @@ class TransferAPI:
         """Write local ranges into the peer's (op_name "write") or read the
         peer's into local ones ("read"), pairwise -> (True, transfer_id): one
         id for all of them (poll_async, wait, release)."""
-        from .p2p import OP_READ, OP_WRITE
         local = _descs(local_desc_list, "transfer")
         remote = _descs(remote_desc_list, "transfer")
         if len(local) != len(remote):

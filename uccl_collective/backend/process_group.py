@@ -9,12 +9,16 @@ one for collectives, one for send/recv (_anysource.py: receive from any
 source).  Ordering follows NCCL: on every rank the group's operations reach
 a peer in the order they were issued, and are matched in that order (``tag``
 is not used for matching).  Reductions are computed with torch on the
-receiving rank (_reduce.py).
+receiving rank (_reduce.py), or by the engine's kernel.
+
+ProcessGroupUCCL adapts torch's API: each method checks its arguments,
+shapes the tensors and makes the Work; the route a call takes is its
+Dispatch's (core/dispatch.py: the table of facts and routes), and what a
+task does is _algorithms.py's.
 """
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 import types
 from typing import Any, Callable, Sequence
@@ -22,34 +26,24 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _anysource, _barrier, _engine, _profiling, _reduce, _reduce_gpu, _sparse, \
-    _stream_group
-from ._reduce import R
+from .. import _engine
+from ..core import stream_group
+from ..core.collective import CollectiveContext
+from ..core.dispatch import HASH_IS_OP, Dispatch
+from ..p2p import UcclTimeoutError
+from . import _anysource, _barrier, _profiling, _reduce, _sparse
+from ._algorithms import Algorithms, _Staged
 from ._work import IF_IDLE, P2PWork, Runner, StreamWork, Task, Work
-from .collective import CollectiveContext
-from .p2p import UcclError, UcclTimeoutError
 
 BACKEND_NAME = "uccl"
 _SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
-_STRIDED = torch.strided
-_REDUCE_OP = dist.ReduceOp
-_profiler_enabled = torch.autograd._profiler_enabled
-# c10d defines hash(ReduceOp) as its operator's number.  The fast path keys
-# its codes on that: reading reduceOp.op.value instead makes an enum object,
-# 1.8-2.1 us a call on the GPU machine's host (BENCHMARKS.md, session 11),
-# a fifth of a 1 MiB all_reduce.  Checked here, in case a torch changes it.
-_HASH_IS_OP = all(hash(dist.ReduceOp(o)) == int(o.value)
-                  for o in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR))
-# The common case of the blocking all_reduce and all_gather_into_tensor on
-# CUDA tensors in one C call (csrc/py_fastpath.c: the checks of _fast and
-# _fast_red, the token, the round, the Work; None whenever the Python path
-# must decide).  It reads _red_codes by hash(reduceOp), so only where that
-# is the key.
-_FAST_HOOKS = (torch.Tensor, _STRIDED, _profiler_enabled, _stream_group.capturing,
-               _stream_group._raw_stream, StreamWork)
-if _HASH_IS_OP:
+# The C fast path (core/dispatch.py, row 1: csrc/py/py_fastpath.c) reaches
+# torch only through these, given once; it keys its codes by hash(reduceOp),
+# so it is set up only where that is the operator's number.
+_FAST_HOOKS = (torch.Tensor, torch.strided, torch.autograd._profiler_enabled,
+               stream_group.capturing, stream_group._raw_stream, StreamWork)
+if HASH_IS_OP:
     _engine.fast_setup(*_FAST_HOOKS)
-_fast_allreduce, _fast_allgather = _engine.fast_allreduce, _engine.fast_allgather
 
 
 def _timeout_s(timeout: Any) -> float:
@@ -87,52 +81,6 @@ def _checked(t: Any, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: tensor on {t.device}; the uccl backend moves CPU and CUDA "
                          "tensors")
     return t
-
-
-def _tensors(*groups: Any):
-    """The tensors among groups (nested in lists and tuples)."""
-    stack = list(groups)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-
-
-def _cuda_device(*groups: Any) -> int | None:
-    """The CUDA device of an operation's tensors (nested in lists), or None
-    when all are on the CPU.  One device per operation, as with NCCL (and
-    no mixing of CPU and CUDA tensors)."""
-    dev, cpu = None, False
-    for x in _tensors(*groups):
-        if not x.is_cuda:
-            cpu = True
-        elif dev is not None and x.device.index != dev:
-            raise ValueError(f"the CUDA tensors of one operation must be on one device, "
-                             f"got cuda:{dev} and cuda:{x.device.index}")
-        else:
-            dev = x.device.index
-    if dev is not None and cpu:
-        raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
-                         "them all on one device")
-    return dev
-
-
-def _dense_cuda(*ts: Any) -> int | None:
-    """The device of contiguous dense CUDA tensors all on one device, else
-    None.  On every blocking call's fast path: one call per check (the
-    index through get_device(), which makes no torch.device)."""
-    dev = None
-    for t in ts:
-        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout != _STRIDED or \
-                not t.is_contiguous():
-            return None
-        d = t.get_device()
-        if dev is not None and d != dev:
-            return None
-        dev = d
-    return dev
 
 
 def _one(tensors: Any, what: str) -> torch.Tensor:
@@ -176,27 +124,13 @@ def _root_side(lists: Any, like: torch.Tensor, n: int, root: int, me: int, what:
     return []
 
 
-class _Staged:
-    """A contiguous stand-in for a tensor (the tensor itself when it is
-    contiguous); back() copies the result into the original."""
-
-    __slots__ = ("orig", "t")
-
-    def __init__(self, t: torch.Tensor, copy_in: bool = True):
-        self.orig = t
-        if t.is_contiguous():
-            self.t = t
-        else:
-            self.t = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype,
-                                                                device=t.device)
-
-    def back(self) -> None:
-        if self.t is not self.orig:
-            self.orig.copy_(self.t)
-
-
 class ProcessGroupUCCL(dist.ProcessGroup):
-    """One torch.distributed group over the uccl engine (see module doc)."""
+    """One torch.distributed group over the uccl engine (see module doc).
+    Its methods adapt torch's API: they check the arguments, shape the
+    tensors, and make the Works; which route each call takes (one C call,
+    a stream-ordered round, a task of the host-driven engine, the CPU path)
+    is the group's Dispatch's choice (core/dispatch.py), and what a task
+    does is _algorithms.py's."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: Any):
         super().__init__(rank, size)
@@ -216,20 +150,21 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._ctx.finalize()
             raise
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
-        self._closed = False
-        # [0]: the algorithms' scratch; [1]: working copies of inputs
-        self._scratch_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._streams: dict[int, Any] = {}   # per CUDA device: where tasks' kernels run
-        # stream-ordered exchanges (_stream_group.py): made at the first
-        # operation on CUDA tensors where every peer is on this host
-        self._sg: _stream_group.StreamGroup | None = None
-        self._sg_off = not _stream_group.enabled() or size == 1
-        self._run_ctx: Any = None   # a task's StreamCtx while it runs
-        self._red_codes: dict = {}  # (operator, dtype) -> the engine kernel's codes, or ()
-        self._ops_checked: dict = {}  # (hash(reduceOp), dtype) -> its RedOpType (_reduce_fn)
-        self._combiners: dict = {}   # (operator, dtype, device type) -> its combine (_combine)
+        #: the operator of a reduction, checked for its dtype (_reduce.Ops)
+        self._reduce_fn = _reduce.Ops().check
+        #: the routes: every call is handed to it
+        self._d = Dispatch(self._ctx, self._runner, rank, size, self._timeout, StreamWork,
+                           self._reduce_fn)
+        # allreduce and _allgather_base, the calls of a GPU training step's
+        # hot path, hand theirs to the dispatch's first two rows, bound here
+        # once: one C call (a StreamWork, or None), then a stream-ordered
+        # round (a StreamWork, or None)
+        d = self._d
+        self._fast_allreduce, self._fast_allgather = d.allreduce_c, d.allgather_c
+        self._round_allreduce, self._round_allgather = d.allreduce, d.allgather
+        self._alg = Algorithms(self._ctx, self._d, rank, size,
+                               _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size)))
         self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
-        self._par = _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size))
 
     # -- identity --------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -272,179 +207,31 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         """The CollectiveContext this group runs on."""
         return self._ctx
 
-    # -- task plumbing ----------------------------------------------------------
+    # -- a call that is a task --------------------------------------------------
     def _submit(self, fn: Callable[[], list | None], result: list, opts: Any = None,
                 p2p: bool = False, uses: Sequence = (), prof: tuple = ("", ())) -> Work:
-        """Queue fn (the runner runs it in issue order).  A blocking call
-        (opts.asyncOp False) runs it here and raises its error at once.
-        result and uses hold the operation's tensors (lists of them too):
-        on CUDA tensors it runs stream-ordered (_on_gpu).  prof: the
-        operation's profiler name and input tensors (_profiling)."""
-        if self._closed:
-            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
+        """A Task of fn on the plane the dispatch chose (Dispatch.task), and
+        its Work: queued (the runner runs it in issue order), or for a
+        blocking call (opts.asyncOp False) run here, its error raised at
+        once.  result and uses hold the operation's tensors (lists of them
+        too).  prof: the operation's profiler name and input tensors
+        (_profiling)."""
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
-        dev = _cuda_device(result, uses)
-        sg = None if dev is None or p2p else self._stream_group(dev)
-        end = None
-        if sg is not None:
-            fn, end = self._on_stream(fn, dev, sg, (result, uses))
-        elif dev is not None:
-            fn = self._on_gpu(fn, dev, sync)
+        fn, dev, end, sg = self._d.task(fn, result, uses, p2p, sync)   # UcclError: shut down
         task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
         if end is not None:
             task.gpu_end, task.stream, task.check = end, sg.torch_stream, sg.check
         deadline = time.monotonic() + self._timeout
-        if not (sync and dev is None and self._runner.run_here(task)):   # a CPU call: inline
-            self._runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
+        runner = self._runner
+        if not (sync and dev is None and runner.run_here(task)):   # a CPU call: inline
+            runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
         if sync:
             task.settle_pending(deadline)
             if task.error is not None:
                 raise task.error
             if end is not None:   # as ProcessGroupNCCL: the caller's stream waits, not the host
                 torch.cuda.current_stream(dev).wait_event(end)
-        return Work(self._runner, task)
-
-    def _stream_group(self, dev: int) -> "_stream_group.StreamGroup | None":
-        """The group's stream-ordered exchanges: its context's (made on first
-        use, at the same operation on every rank; ValueError for a second
-        device), or None where they do not apply (CollectiveContext.stream_group)."""
-        sg = self._sg
-        if sg is not None and sg.dev == dev:   # every blocking CUDA call asks: the common case
-            return sg
-        if self._sg_off:
-            return None
-        sg = self._ctx.stream_group(dev, self._timeout)
-        if sg is None:
-            self._sg_off = True
-        elif sg is not self._sg:
-            self._sg, self._sctx = sg, _stream_group.StreamCtx(self._ctx, sg)
-        return sg
-
-    def _fast(self, opts: Any, *ts: Any) -> "_stream_group.StreamGroup | None":
-        """The stream-ordered group for a blocking call on contiguous CUDA
-        tensors of one device that may go straight to the engine (one C
-        call on this thread, under the runner's token: _streamed), or None:
-        the general path (another kind of call, a profiler running).  Every
-        blocking collective on CUDA tensors comes through here, so it makes
-        as few Python calls as it can (benchmarks/fused_probe.py --pieces)."""
-        if opts is None or getattr(opts, "asyncOp", True) is not False or self._closed or \
-                _profiler_enabled():
-            return None
-        dev = _dense_cuda(*ts)
-        if dev is None:
-            return None
-        sg = self._stream_group(dev)
-        if sg is not None and _stream_group.capturing():
-            _stream_group.refuse_capture(dev, "uccl")
-        return sg
-
-    def _fast_red(self, opts: Any, what: str, t: Any, *more: Any) -> tuple | None:
-        """(group, dtype code, operator code) for a blocking reduction that
-        goes straight to the engine (_fast, and a dtype and operator its
-        kernel takes), or None.  The operator's check is made once per
-        (operator, dtype): a bad one raises here as on the general path."""
-        sg = self._fast(opts, t, *more)
-        if sg is None:
-            return None
-        ro = opts.reduceOp
-        key = (hash(ro) if _HASH_IS_OP else ro.op.value, t.dtype)
-        codes = self._red_codes.get(key)
-        if codes is None:
-            rop = self._reduce_fn(opts, t.dtype, what)   # checked (a bad one raises)
-            codes = self._red_codes[key] = sg.reduce_codes(t.dtype, rop) or ()
-        return (sg, *codes) if codes else None
-
-    def _streamed(self, sg: Any, result: list, call: Callable[..., int],
-                  *args: Any) -> StreamWork | None:
-        """call(caller's stream, True, 0, *args) -> round (an engine call that
-        queues the operation on the caller's stream), run here under the
-        runner's token (nothing of the group's queued or running: else
-        None, and the caller takes the general path, which keeps the order)."""
-        caller = _stream_group._raw_stream(sg.dev)
-        ran, k = self._runner.inline(call, caller, True, 0, *args)
-        return StreamWork(sg, k, result, caller) if ran else None
-
-    def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
-        """fn as a task of stream-ordered exchanges, as ProcessGroupNCCL runs
-        its kernels: on the group's stream for the device, after the work
-        queued on the caller's current stream before the call; the task
-        only queues (the host never waits for the GPU), and the returned
-        event completes with it.  The tensors are recorded as used on the
-        group's stream, so memory the caller frees meanwhile is not handed
-        out again before that stream is past the operation."""
-        _stream_group.refuse_capture(dev, "uccl")
-        caller = torch.cuda.current_stream(dev)
-        own = sg.torch_stream   # the stream its rounds run on: no event between them
-        ready = torch.cuda.Event()
-        ready.record(caller)
-        for t in _tensors(*tensors):
-            if t.is_cuda:
-                t.record_stream(own)
-        end = torch.cuda.Event()
-        sctx = self._sctx
-
-        def run():
-            with torch.cuda.stream(own):
-                own.wait_event(ready)
-                self._run_ctx = sctx
-                try:
-                    return fn()
-                finally:
-                    self._run_ctx = None
-                    end.record(own)
-        return run, end
-
-    @property
-    def _xctx(self) -> Any:
-        """What a running task's algorithms call: its stream-ordered
-        exchanges, or the context."""
-        return self._run_ctx if self._run_ctx is not None else self._ctx
-
-    def _stream(self, dev: int) -> Any:
-        own = self._streams.get(dev)
-        if own is None:
-            own = self._streams[dev] = torch.cuda.Stream(dev)
-        return own
-
-    def _on_gpu(self, fn: Callable, dev: int, sync: bool) -> Callable:
-        """fn as a task on CUDA tensors, ordered as ProcessGroupNCCL orders
-        its kernels: it starts after the work queued on the caller's current
-        stream before the call.  The task ends only once its kernels
-        (copies, reductions) have finished, so its outputs are in place when
-        it counts as done.
-
-        A blocking call that runs its task on the calling thread (the usual
-        case: nothing queued ahead of it) runs the kernels on the caller's
-        current stream itself: no event, no stream switch, and the engine's
-        start condition is that stream's own progress.  Otherwise (async_op,
-        or run by another thread) they run on the group's stream for the
-        device, after an event of the caller's: work the caller queues after
-        an async call is not held up behind the operation (DDP overlaps its
-        backward pass with the all_reduces this way)."""
-        caller = torch.cuda.current_stream(dev)
-        tid = threading.get_ident() if sync else None
-        ready = None
-        if tid is None and not caller.query():   # work queued there: the task starts after it
-            ready = torch.cuda.Event()
-            ready.record(caller)
-        own = self._stream(dev)
-
-        def run():
-            if threading.get_ident() == tid:
-                try:
-                    return fn()
-                finally:
-                    caller.synchronize()
-            with torch.cuda.stream(own):
-                if ready is not None:
-                    own.wait_event(ready)
-                elif tid is not None and not caller.query():   # a blocking call run elsewhere
-                    own.wait_stream(caller)
-                try:
-                    return fn()
-                finally:
-                    own.synchronize()
-        return run
+        return Work(runner, task)
 
     # -- allgather ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -453,10 +240,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
             raise ValueError(f"{what}: expected one list of output tensors")
         outs = _per_rank(output_tensors[0], inp, self.size(), what, "output")
+        d = self._d
 
         def run():
             staged = [_Staged(o, copy_in=False) for o in outs]
-            self._xctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
+            d.xctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
             for s in staged:
                 s.back()
         return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
@@ -469,31 +257,26 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if out.numel() != n * inp.numel():
             raise ValueError(f"{what}: output has {out.numel()} elements; group size {n} x "
                              f"input's {inp.numel()} = {n * inp.numel()} expected")
+        d = self._d
         if not out.is_cuda and out.is_contiguous() and inp.is_contiguous():
             # The engine writes the output's bytes itself (no torch op on it),
             # so no alias is needed: two of them were ~20 us of a 4-byte
             # all_gather_into_tensor on the GPU machine's host.
-            return lambda: self._xctx.allgather(inp, out.reshape(-1))
+            return lambda: d.xctx.allgather(inp, out.reshape(-1))
         out, inp = _alias(out), _alias(inp)
 
         def run():
             s = _Staged(out, copy_in=False)
-            self._xctx.allgather(inp.contiguous(), s.t.reshape(-1))
+            d.xctx.allgather(inp.contiguous(), s.t.reshape(-1))
             s.back()
         return run
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
-        w = _fast_allgather(self, output_tensor, input_tensor, opts)
+        w = self._fast_allgather(output_tensor, input_tensor, opts)
+        if w is None:
+            w = self._round_allgather(output_tensor, input_tensor, opts)
         if w is not None:
             return w
-        sg = self._fast(opts, output_tensor, input_tensor)
-        if sg is not None and output_tensor.dtype == input_tensor.dtype and \
-                output_tensor.numel() == self.size() * input_tensor.numel():
-            src, dst = input_tensor.data_ptr(), output_tensor.data_ptr()
-            nb = input_tensor.numel() * input_tensor.element_size()
-            w = self._streamed(sg, [output_tensor], sg.c.allgather, src, nb, dst)
-            if w is not None:
-                return w
         run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
         return self._submit(run, [output_tensor], opts, uses=[input_tensor],
                             prof=("all_gather_into_tensor", [input_tensor]))
@@ -531,13 +314,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 if o.numel() != i.numel() or o.dtype != i.dtype:
                     raise ValueError(f"{what}: output {tuple(o.shape)} {o.dtype} does not match "
                                      f"input {tuple(i.shape)} {i.dtype}")
+        d = self._d
 
         def run():
             # bytes of every input, back to back (dtypes may differ)
             flat = torch.cat([i.contiguous().reshape(-1).view(torch.uint8) for i in ins]) \
                 if ins else torch.empty(0, dtype=torch.uint8)
             got = torch.empty(n * flat.numel(), dtype=torch.uint8, device=flat.device)
-            self._xctx.allgather(flat, got)
+            d.xctx.allgather(flat, got)
             for r, outs in enumerate(out_lists):
                 off = r * flat.numel()
                 for o in outs:
@@ -548,99 +332,24 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return self._submit(run, output_lists, opts, uses=ins, prof=("all_gather", ins))
 
     # -- reductions ---------------------------------------------------------------
-    def _reduce_fn(self, opts: Any, dtype: torch.dtype, what: str):
-        """The operator (a RedOpType), checked for dtype: once per
-        (operator, dtype), keyed as _fast_red keys.  Its checks compare
-        pybind enums (about 1 us each on the GPU machine's host: 12 us a CPU
-        all_reduce, BENCHMARKS.md session 11); a bad one raises each time."""
-        ro = opts.reduceOp if opts is not None else None
-        key = (hash(ro), dtype) if type(ro) is _REDUCE_OP and _HASH_IS_OP else None
-        op = self._ops_checked.get(key) if key is not None else None
-        if op is None:
-            op = _reduce.op_type(ro if ro is not None else R.SUM)
-            _reduce.check_op(op, dtype, what)
-            if key is not None:
-                self._ops_checked[key] = op
-        return op
-
-    def _scratch(self, nbytes: int, slot: int = 0, device: Any = "cpu") -> torch.Tensor:
-        """A uint8 buffer of nbytes, reused across operations (one task runs
-        at a time): fresh memory would page-fault as the engine fills it.
-        Slot 0 is the algorithms'; slot 1 holds _work_copy's."""
-        key = (slot, torch.device(device))
-        buf = self._scratch_bufs.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._scratch_bufs[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
-
-    def _work_copy(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """parts back to back in a reused 1-D buffer the reduction may
-        overwrite (the inputs stay as they are)."""
-        numel = sum(p.numel() for p in parts)
-        flat = self._scratch(numel * dtype.itemsize, 1, parts[0].device).view(dtype)
-        off = 0
-        for p in parts:
-            flat[off:off + p.numel()].view(p.shape).copy_(p)
-            off += p.numel()
-        return flat
-
-    def _combine(self, op: R, dtype: torch.dtype, device: torch.device) -> Callable:
-        key = (int(op), dtype, device.type)
-        fn = self._combiners.get(key)
-        if fn is None:   # (made once: _reduce.combiner compares pybind enums)
-            fn = _reduce.combiner(op, dtype)
-            fn = self._combiners[key] = fn if device.type == "cuda" else self._par.wrap(fn)
-        return fn   # on the CPU split over threads
-
-    def _allreduce_flat(self, flat: torch.Tensor, op: R) -> None:
-        """flat (contiguous 1-D) <- its reduction over the group."""
-        if flat.is_cuda:
-            scratch = lambda nb: self._scratch(nb, 0, flat.device)  # noqa: E731
-            xctx = self._xctx
-            if isinstance(xctx, _stream_group.StreamCtx):   # the engine's kernel where it applies
-                xctx.allreduce(flat, op, scratch)
-            else:
-                _reduce_gpu.allreduce(xctx, flat, op, scratch)
-            return
-        ctx, n = self._ctx, self.size()
-        if n > 1:
-            combine = self._combine(op, flat.dtype, flat.device)
-            scratch = lambda nb: self._scratch(nb, 0, flat.device)  # noqa: E731
-            nbytes = flat.numel() * flat.element_size()
-            if nbytes <= _reduce.SMALL_BYTES or flat.numel() < n:
-                got = scratch(n * nbytes).view(flat.dtype).view(n, flat.numel())
-                ctx.allgather(flat, got.reshape(-1))
-                flat.copy_(got[0])
-                for r in range(1, n):   # rank order: the same on every rank
-                    combine(flat, got[r])
-            else:
-                chunk = _reduce.bounds(flat.numel(), n)
-                _reduce.reduce_scatter(ctx, flat, chunk, combine, scratch, allgather=True)
-        if op == R.AVG:
-            _reduce.finish_avg(flat, n)
-
     def allreduce(self, tensors, opts=None):
-        w = _fast_allreduce(self, tensors, opts)
+        w = self._fast_allreduce(tensors, opts)
+        if w is None:
+            w = self._round_allreduce(tensors, opts)
         if w is not None:
             return w
         what = "all_reduce"
-        fast = self._fast_red(opts, what, tensors[0]) if len(tensors) == 1 else None
-        if fast is not None:   # (never a sparse tensor: _fast takes strided ones only)
-            t = tensors[0]
-            w = self._streamed(fast[0], [t], fast[0].c.allreduce, t.data_ptr(), t.numel(),
-                               *fast[1:])
-            if w is not None:
-                return w
         if _sparse.is_sparse(tensors):   # as Gloo (_sparse.py)
             sp = _sparse.check(tensors, opts)
             return self._submit(lambda: _sparse.allreduce(self._ctx, sp, self.rank(), self.size()),
                                 list(tensors), opts, prof=("sparse_all_reduce", tensors))
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
+        alg = self._alg
 
         def run():
             s = _Staged(t)
-            self._allreduce_flat(s.t.reshape(-1), op)
+            alg.allreduce_flat(s.t.reshape(-1), op)
             s.back()
         return self._submit(run, list(tensors), opts, prof=("all_reduce", tensors))
 
@@ -651,10 +360,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             return self._submit(lambda: None, [], opts, prof=("all_reduce_coalesced", []))
         _same_dtype(ts, ts[0].dtype, what)
         op = self._reduce_fn(opts, ts[0].dtype, what)
+        alg = self._alg
 
         def run():
-            flat = self._work_copy(ts, ts[0].dtype)
-            self._allreduce_flat(flat, op)
+            flat = alg.work_copy(ts, ts[0].dtype)
+            alg.allreduce_flat(flat, op)
             off = 0
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view(t.shape))
@@ -666,57 +376,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
         root = self._root(opts, what)
-        fast = self._fast_red(opts, what, tensors[0])
-        if fast is not None:
-            w = self._streamed(fast[0], list(tensors), fast[0].c.reduce, t.data_ptr(),
-                               t.numel(), *fast[1:], root)
-            if w is not None:
-                return w
-
-        def run():
-            work = self._work_copy([t], t.dtype)  # only the root's tensor changes
-            xctx = self._xctx
-            if isinstance(xctx, _stream_group.StreamCtx):   # the fast path's round
-                xctx.reduce(work, op, root, lambda nb: self._scratch(nb, 0, work.device))
-            else:
-                self._allreduce_flat(work, op)
-            if self.rank() == root:
-                t.copy_(work.view(t.shape))
-        return self._submit(run, list(tensors), opts, prof=("reduce", tensors))
-
-    def _rs_input(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """A reduce-scatter's input as one flat tensor: on CUDA a lone
-        contiguous input is used as it is (the GPU reduction only reads it);
-        otherwise a working copy (the CPU reduction overwrites it)."""
-        if len(parts) == 1 and parts[0].is_cuda and parts[0].is_contiguous():
-            return parts[0].reshape(-1)
-        return self._work_copy(parts, dtype)
-
-    def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op: R,
-                             what: str = "reduce_scatter") -> None:
-        """out <- this rank's chunk of the reduction of flat (n equal chunks;
-        on the CPU flat is scratch and is overwritten, on CUDA only read:
-        see _rs_input)."""
-        ctx, n, me = self._ctx, self.size(), self.rank()
-        if flat.is_cuda:
-            s = _Staged(out, copy_in=False)
-            scratch = lambda nb: self._scratch(nb, 0, flat.device)  # noqa: E731
-            xctx = self._xctx
-            if isinstance(xctx, _stream_group.StreamCtx):
-                xctx.reduce_scatter(s.t.view(-1), flat, op, scratch, what)
-            else:
-                _reduce_gpu.reduce_scatter(xctx, s.t, flat, op, scratch, what)
-            s.back()
-            return
-        k = out.numel()
-        chunk = [(r * k, (r + 1) * k) for r in range(n)]
-        if n > 1:
-            _reduce.reduce_scatter(ctx, flat, chunk, self._combine(op, flat.dtype, flat.device),
-                                   lambda nb: self._scratch(nb, 0, flat.device))
-        mine = flat[me * k:(me + 1) * k]
-        if op == R.AVG:
-            _reduce.finish_avg(mine, n)
-        out.copy_(mine.view(out.shape))
+        w = self._d.reduce(tensors, t, root, opts)
+        if w is not None:
+            return w
+        alg = self._alg
+        return self._submit(lambda: alg.reduce(t, op, root), list(tensors), opts,
+                            prof=("reduce", tensors))
 
     def _scatter_check(self, out, inp, what: str, op_opts):
         """(out, inp, op), checked (aliases of the tensors)."""
@@ -731,17 +396,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
-        fast = self._fast_red(opts, what, output_tensor, input_tensor)
-        if fast is not None and output_tensor.dtype == input_tensor.dtype and \
-                input_tensor.numel() == self.size() * output_tensor.numel():
-            w = self._streamed(fast[0], [output_tensor], fast[0].c.reduce_scatter,
-                               output_tensor.data_ptr(), input_tensor.data_ptr(),
-                               output_tensor.numel(), *fast[1:])
-            if w is not None:
-                return w
+        w = self._d.reduce_scatter(output_tensor, input_tensor, opts)
+        if w is not None:
+            return w
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
+        alg = self._alg
         return self._submit(
-            lambda: self._reduce_scatter_flat(out, self._rs_input([inp], inp.dtype), op, what),
+            lambda: alg.reduce_scatter_flat(out, alg.rs_input([inp], inp.dtype), op, what),
             [output_tensor], opts, uses=[input_tensor],
             prof=("reduce_scatter_tensor", [output_tensor]))
 
@@ -753,10 +414,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
         checked = [self._scatter_check(o, i, what, opts) for o, i in zip(outputs, inputs)]
+        alg = self._alg
 
         def run():
             for o, i, op in checked:
-                self._reduce_scatter_flat(o, self._rs_input([i], i.dtype), op, what)
+                alg.reduce_scatter_flat(o, alg.rs_input([i], i.dtype), op, what)
         return self._submit(run, list(outputs), opts, uses=list(inputs),
                             prof=("reduce_scatter_tensor_coalesced", list(outputs)))
 
@@ -770,8 +432,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of input tensors")
         ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
         op = self._reduce_fn(opts, out.dtype, what)
+        alg = self._alg
         return self._submit(
-            lambda: self._reduce_scatter_flat(out, self._rs_input(ins, out.dtype), op, what),
+            lambda: alg.reduce_scatter_flat(out, alg.rs_input(ins, out.dtype), op, what),
             list(output_tensors), opts, uses=ins, prof=("reduce_scatter", input_tensors))
 
     # -- rooted and personalised ----------------------------------------------
@@ -789,24 +452,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         root = self._root(opts, what)
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"{what}: rootTensor {opts.rootTensor} (one tensor per rank)")
-        me, n = self.rank(), self.size()
-        sg = self._fast(opts, tensors[0])
-        if sg is not None:
-            w = self._streamed(sg, list(tensors), sg.c.broadcast, t.data_ptr(),
-                               t.numel() * t.element_size(), root)
-            if w is not None:
-                return w
-
-        def run():
-            s = _Staged(t, copy_in=me == root)
-            xctx = self._xctx
-            if isinstance(xctx, _stream_group.StreamCtx):   # the fast path's round
-                xctx.broadcast(s.t, root)
-            else:
-                self._star(what, root, [s.t] * n, s.t, to_root=False)
-            if me != root:
-                s.back()
-        return self._submit(run, list(tensors), opts, prof=("broadcast", tensors))
+        w = self._d.broadcast(tensors, t, root, opts)
+        if w is not None:
+            return w
+        alg = self._alg
+        return self._submit(lambda: alg.broadcast(t, root, what), list(tensors), opts,
+                            prof=("broadcast", tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
@@ -814,10 +465,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         me, n = self.rank(), self.size()
         root = self._root(opts, what)
         outs = _root_side(output_tensors, inp, n, root, me, what, "output")
+        alg = self._alg
 
         def run():
             staged = [_Staged(o, copy_in=False) for o in outs]
-            self._star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
+            alg.star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
             for s in staged:
                 s.back()
         return self._submit(run, output_tensors, opts, uses=[inp], prof=("gather", [inp]))
@@ -828,40 +480,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         me, n = self.rank(), self.size()
         root = self._root(opts, what)
         ins = _root_side(input_tensors, out, n, root, me, what, "input")
+        alg = self._alg
 
         def run():
             s = _Staged(out, copy_in=False)
-            self._star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
+            alg.star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
             s.back()
         return self._submit(run, list(output_tensors), opts, uses=ins, prof=("scatter", ins))
-
-    def _star(self, what: str, root: int, at_root: list[torch.Tensor], mine: torch.Tensor,
-              to_root: bool) -> None:
-        """The rooted exchanges (contiguous tensors): the root and rank r
-        exchange at_root[r] (the root's side; empty elsewhere) and mine (rank
-        r's side), toward the root (gather) or from it (scatter, broadcast);
-        the root's own piece is copied."""
-        me, n = self.rank(), self.size()
-        if me != root:
-            self._xctx._p2p([("send" if to_root else "recv", mine, root)], what, blocking=True)
-            return
-        own = at_root[me]
-        if own is not mine:
-            dst, src = (own, mine) if to_root else (mine, own)
-            dst.copy_(src.view(dst.shape))
-        entries = [("recv" if to_root else "send", at_root[r], r) for r in range(n) if r != me]
-        if entries:
-            self._xctx._p2p(entries, what, blocking=True)
-
-    def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str) -> None:
-        """Personalised exchange: sends[r] to rank r, recvs[r] from rank r
-        (all contiguous); this rank's own piece is copied."""
-        me, n = self.rank(), self.size()
-        recvs[me].copy_(sends[me].view(recvs[me].shape))
-        entries = [("recv", recvs[r], r) for r in range(n) if r != me]
-        entries += [("send", sends[r], r) for r in range(n) if r != me]
-        if entries:
-            self._xctx._p2p(entries, what, blocking=True)
 
     def alltoall_base(self, output_tensor, input_tensor, output_split_sizes,
                       input_split_sizes, opts=None):
@@ -894,11 +519,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if ob[me][1] - ob[me][0] != ib[me][1] - ib[me][0]:
             raise ValueError(f"{what}: this rank sends itself {ib[me][1] - ib[me][0]} elements "
                              f"but expects {ob[me][1] - ob[me][0]}")
+        alg = self._alg
 
         def run():
             s = _Staged(out, copy_in=False)
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
-            self._exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
+            alg.exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
             s.back()
         return self._submit(run, [output_tensor], opts, uses=[inp],
                             prof=("all_to_all", [input_tensor]))
@@ -922,10 +548,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if outs[me].numel() != ins[me].numel():
             raise ValueError(f"{what}: this rank sends itself {ins[me].numel()} elements but "
                              f"expects {outs[me].numel()}")
+        alg = self._alg
 
         def run():
             staged = [_Staged(o, copy_in=False) for o in outs]
-            self._exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
+            alg.exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
             for s in staged:
                 s.back()
         return self._submit(run, list(output_tensors), opts, uses=ins,
@@ -942,26 +569,19 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _streamed_p2p(self, t: torch.Tensor, peer: int, send: bool, tensors: Any,
                       what: str) -> P2PWork | None:
         """A send or receive of a CUDA tensor where the group's ranks share
-        this host: one message of the stream-ordered group (csrc/sg_p2p.c),
-        posted here with no host wait, after the work queued on the current
-        stream, and matched in order with the peer's receive or send, as
-        NCCL's are; None elsewhere (CPU tensors, peers on other hosts: the
-        engine's messages, _anysource.Channel).  Both sides of a message
-        must take the same path: a CUDA tensor is matched with a CUDA tensor.
-        The tensors are kept until the message is in place, so that memory
+        this host (the dispatch's row 6): one message of the stream-ordered
+        group (csrc/sg_p2p.c), posted here with no host wait, after the work
+        queued on the current stream, and matched in order with the peer's
+        receive or send, as NCCL's are; None elsewhere (CPU tensors, peers
+        on other hosts: the engine's messages, _anysource.Channel).  The
+        tensors are kept until the message is in place, so that memory
         freed meanwhile is not handed out while a peer still copies."""
-        if self._closed:
-            raise UcclError(f"uccl process group (rank {self.rank()}) is shut down")
-        if not t.is_cuda:
-            return None
-        dev = t.device.index
-        sg = self._stream_group(dev)
+        sg = self._d.p2p(t, what)
         if sg is None:
             return None
-        _stream_group.refuse_capture(dev, f"uccl {what}")
         prof = _profiling.begin(what, tensors)
         try:
-            codes = sg.p2p(_stream_group._raw_stream(dev),
+            codes = sg.p2p(stream_group._raw_stream(sg.dev),
                            [(peer, send, t.data_ptr(), t.numel() * t.element_size())])
         finally:
             _profiling.end(prof)
@@ -973,13 +593,13 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         """Drop the tensors of messages in place; once the group failed (the
         words say nothing then, and released streams still run the copies
         they had queued) or is closing, keep the rest for good."""
-        sg = self._sg
+        sg = self._d.sg
         if not self._p2p_live or sg is None or sg.c is None:
             return
         if sg.error() is None:
             self._p2p_live = [e for e in self._p2p_live if not all(map(sg.c.p2p_passed, e[0]))]
-        if sg.error() is not None or self._closed:
-            _stream_group._KEPT.append(self._p2p_live)
+        if sg.error() is not None or self._d.closed:
+            stream_group._KEPT.append(self._p2p_live)
             self._p2p_live = []
 
     def send(self, tensors, dstRank, tag=0):
@@ -1017,7 +637,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         t = self._recv_tensor(tensors, what)
         if self.size() < 2:
             raise ValueError(f"{what}: the group has no other rank (size {self.size()})")
-        if t.is_cuda and self._stream_group(t.device.index) is not None:
+        if t.is_cuda and self._d.stream_group(t.device.index) is not None:
             raise ValueError(f"{what}: a CUDA tensor's messages go stream-ordered on this group "
                              "(its ranks share a host), and those are matched by sender, as "
                              "NCCL's are, which has no receive from any source either; name "
@@ -1055,14 +675,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._submit(run, [], _SYNC, prof=("monitored_barrier", []))
 
     def _shutdown(self, why: str) -> None:
-        if self._closed:
+        d = self._d
+        if d.closed:
             return
-        self._closed = True
+        d.close()
         self._keep_unfinished_p2p()
         self._ctx.finalize()   # fails what is in flight: every Work settles
         self._chan.ctx.finalize()
         self._runner.close(why)   # the context's finalize() closed the stream group
-        self._par.close()
+        self._alg.close()
 
     def shutdown(self) -> None:
         self._shutdown("shut down (destroy_process_group)")

@@ -2,7 +2,7 @@
 all on this host, queued on a CUDA stream without the host ever waiting for
 the GPU (as ProcessGroupNCCL's kernels are).
 
-The protocol is the engine's (csrc/sgroup.h): each operation is one *round*
+The protocol is the engine's (csrc/sg/sgroup.h): each operation is one *round*
 of a shared page's counters that the ranks' streams write and wait for
 (cuStreamWriteValue32 / cuStreamWaitValue32), copies from the peers'
 buffers through CUDA IPC, and for reductions one kernel that reads every
@@ -17,7 +17,11 @@ CollectiveContext the calls they make:
 - ``StreamGroup.run``: one general round (publish, pulls, local copies);
 - ``StreamCtx``: what the backend's GPU algorithms call on a context
   (allgather, allgather_chunks, _p2p), as rounds of the group, plus the
-  reductions the engine's kernel does (allreduce, reduce_scatter).
+  reductions the engine's kernel does (allreduce, reduce, reduce_scatter);
+- ``stream_args``: the (device, stream) an engine operation on an
+  operation's tensors is ordered after.
+
+Which of these a call takes is core/dispatch.py's choice.
 
 A blocking call's round runs on the caller's stream, others on the group's
 own stream after an event of the caller's; a round on another stream than
@@ -35,14 +39,16 @@ import mmap
 import os
 import secrets
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import ctypes
+
 import torch
 import torch.distributed as dist
 
-from . import _engine
-from .p2p import UcclError
+from .. import _engine
+from .._engine import UcclError
+from .gpu_ring import _name_nvrtc
 
 log = logging.getLogger("uccl_collective")
 R = dist.ReduceOp.RedOpType
@@ -55,6 +61,37 @@ KIND_EXCHANGE = 1        # a general round (its pulls are checked buffer by buff
 # several Python layers, a cost paid on every operation on CUDA tensors.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
     (lambda dev: torch.cuda.current_stream(dev).cuda_stream)
+
+#: stream_args of an operation with no tensor on a GPU
+NO_STREAM = (-1, 0)
+
+
+def stream_args(tensors: Iterable[Any]) -> tuple[int, int]:
+    """(device, stream) the engine orders an operation after: torch's current
+    CUDA stream of the tensors' device (the operation starts once the work
+    queued there before the call is done, as NCCL's kernels do), or
+    NO_STREAM when no tensor is on a GPU.  The CUDA tensors of one operation
+    must share a device, as with NCCL, and an operation does not mix CPU and
+    CUDA tensors (as neither NCCL nor Gloo does: an allgather of a CUDA send
+    tensor into host memory failed on the H100, so it is refused up front)."""
+    dev, cpu = -1, False
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            if not t.is_cuda:
+                cpu = True
+                continue
+            d = t.device.index
+            if dev >= 0 and d != dev:
+                raise ValueError(f"one operation's CUDA tensors must be on one device, got "
+                                 f"cuda:{dev} and cuda:{d}")
+            dev = d
+    if dev < 0:
+        return NO_STREAM
+    if cpu:
+        raise ValueError(f"one operation mixes CPU tensors and CUDA tensors (cuda:{dev}); put "
+                         "them all on one device")
+    return dev, _raw_stream(dev)
+
 
 #: torch dtypes and reduce operators the engine's reduction kernel handles
 DTYPES = {torch.float32: _engine.DT_F32, torch.float64: _engine.DT_F64,
@@ -193,7 +230,6 @@ class StreamGroup:
                 _engine._gpu_host_register(dev, self._base, self._len)
                 self._torch_stream = torch.cuda.Stream(dev)
                 self.stream = self._torch_stream.cuda_stream
-                from .gpu_ring import _name_nvrtc
                 _name_nvrtc()   # where the reduction kernel's compiler is
             self.c = _engine.StreamGroup(None if emulated else ctx._ep(), list(ctx._conns[0]),
                                          self.rank, self.size, dev, self._base, self._len,
@@ -428,33 +464,36 @@ class StreamCtx:
         self._g.c.broadcast(*self._at(), 0, t.data_ptr(), t.numel() * t.element_size(), root)
 
     # -- reductions: the engine's kernel where it applies -------------------------------
-    def allreduce(self, flat: torch.Tensor, op: Any, scratch) -> None:
+    # Each returns True once its round is queued, or False, queuing nothing,
+    # where the kernel does not apply (a dtype or operator it lacks, no
+    # compiler): the caller then reduces with torch ops on the stream
+    # (backend/_reduce_gpu.py), as every rank does alike, since the kernel's
+    # availability is the same on all of them.
+    def allreduce(self, flat: torch.Tensor, op: Any, scratch) -> bool:
         """flat (contiguous, 1-D) <- its reduction over the group, in place."""
         codes = self._g.reduce_codes(flat.dtype, op)
         if codes is None:
-            from . import _reduce_gpu
-            _reduce_gpu.allreduce(self, flat, op, scratch)
-            return
+            return False
         self._g.c.allreduce(*self._at(), 0, flat.data_ptr(), flat.numel(), *codes)
+        return True
 
-    def reduce(self, flat: torch.Tensor, op: Any, root: int, scratch) -> None:
+    def reduce(self, flat: torch.Tensor, op: Any, root: int, scratch) -> bool:
         """The root's flat (contiguous, 1-D) <- the reduction over the group
         (the others' only read): the engine's reduce round, as a blocking
-        call's fast path makes, where its kernel applies; else an all-reduce
-        (every rank alike, since the kernel's availability is the same)."""
+        call's fast path makes, where its kernel applies (else the caller
+        all-reduces)."""
         codes = self._g.reduce_codes(flat.dtype, op)
         if codes is None:
-            self.allreduce(flat, op, scratch)
-            return
+            return False
         self._g.c.reduce(*self._at(), 0, flat.data_ptr(), flat.numel(), *codes, root)
+        return True
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: Any, scratch,
-                       what: str) -> None:
+                       what: str) -> bool:
         """out (contiguous) <- this rank's chunk of the reduction of flat."""
         codes = self._g.reduce_codes(flat.dtype, op)
         if codes is None:
-            from . import _reduce_gpu
-            _reduce_gpu.reduce_scatter(self, out, flat, op, scratch, what)
-            return
+            return False
         self._g.c.reduce_scatter(*self._at(), 0, out.data_ptr(), flat.data_ptr(), out.numel(),
                                  *codes)
+        return True

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -47,7 +48,6 @@ class _RedisStore:
         self._r.set(key, value)
 
     def get_all(self, keys: list[str]) -> list[bytes]:
-        import time
         deadline = time.monotonic() + self._timeout
         out = []
         for k in keys:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .p2p import UcclTimeoutError
+from ..p2p import UcclTimeoutError
 
 MAGIC = 0x75636370_32700001   # "uccp2p" v1
 
