@@ -372,12 +372,9 @@ def test_the_threshold_is_read_in_bytes_kib_or_mib(monkeypatch, value, nbytes):
     assert sgm.fused_bytes() == nbytes
 
 
-@pytest.mark.parametrize("value,why", [("1.5M", "='1.5M' is not a number of bytes"),
-                                       ("M", "='M' is not a number of bytes"),
-                                       ("1G", "='1G' is not a number of bytes"),
-                                       ("65M", f"={65 << 20} is not in 0..{64 << 20}"),
-                                       ("-1", "=-1 is not in 0..")])
-def test_a_bad_threshold_is_refused_naming_it(monkeypatch, value, why):
+@pytest.mark.parametrize("value", ["1.5M", "M", "1G", "65M", "-1", "1T"])
+def test_a_bad_threshold_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv("UCCL_SG_FUSED_BYTES", value)
-    with pytest.raises(ValueError, match="UCCL_SG_FUSED_BYTES" + re.escape(why)):
+    with pytest.raises(ValueError, match=re.escape(f"UCCL_SG_FUSED_BYTES={value}: expected a "
+                                                   "size in 0..64M")):
         sgm.fused_bytes()

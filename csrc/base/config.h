@@ -40,17 +40,18 @@
     "WARNING; DEBUG and TRACE mean INFO)")                                                         \
   X(P2P_SECRET, STR, 0, 0, 0, 1, "", "unset",                                                      \
     "the job's secret (at most 64 bytes); when set, every peer must present it")                   \
+  /* P2P_TRANSPORT's words are UCCL_TP_*'s (net/wire.h), in their order */                         \
   X(P2P_TRANSPORT, CHOICE, 0, 0, 0, 1, "auto|tcp|shm|ipc|rdma", "auto",                            \
-    "auto (same host: shared memory; other hosts: RDMA when both ends have a usable device, "      \
-    "else TCP), tcp, shm, ipc (the same-host transport, GPU memory by CUDA IPC; needs the CUDA "   \
-    "driver), rdma (also on one host; raises naming what is missing: library, device, active "     \
-    "port)")                                                                                       \
+    "`auto` (same host: shared memory; other hosts: RDMA when both ends have a usable device, "    \
+    "else TCP), `tcp`, `shm`, `ipc` (the same-host transport, GPU memory by CUDA IPC; needs "      \
+    "the CUDA driver), `rdma` (also on one host; raises naming what is missing: library, "         \
+    "device, active port)")                                                                        \
   X(P2P_SHM_MODE, CHOICE, 0, 0, 0, 1, "auto|cma|ring", "auto",                                     \
-    "same-host data path: cma (single copy), ring (shared-memory ring), auto (CMA if the "         \
+    "same-host data path: `cma` (single copy), `ring` (shared-memory ring), `auto` (CMA if the "   \
     "kernel permits)")                                                                             \
   X(SOCKET_IFNAME, STR, 0, 0, 0, 1, "", "the first non-loopback interface that is up",             \
-    "interface whose IPv4 address goes into the metadata and that the listener binds "             \
-    "(lo for loopback only)")                                                                      \
+    "interface whose IPv4 address goes into the metadata "                                         \
+    "(`lo` for loopback only)")                                                                    \
   X(P2P_TCP_STREAMS, INT, 2, 1, 16, 1, "", "2",                                                    \
     "TCP data streams per connection (1-16); more help on fast NICs with many cores")              \
   X(P2P_TCP_CHUNK_KB, SIZE, 1024 * UCCL_KI, 4 * UCCL_KI, 64 * UCCL_MI, UCCL_KI, "", "1M",          \
@@ -69,22 +70,24 @@
     "microseconds a blocked caller drives its connection before sleeping; CollectiveContext "      \
     "uses 0 when a node runs more ranks than it has cores, unless this is set")                    \
   X(P2P_CUDA_STREAMS, INT, 2, 1, 8, 1, "", "2",                                                    \
-    "copy-engine streams a large GPU copy (16 MiB and up, at least 8 MiB per stream) is split "    \
+    "copy-engine streams a large GPU copy between device and page-locked or device memory "        \
+    "(16 MiB and up, at least 8 MiB per stream) is split "                                         \
     "over, per copying thread (1-8)")                                                              \
   X(CUDA_LIBRARY, STR, 0, 0, 0, 1, "", "libcuda.so.1",                                             \
     "the CUDA driver library loaded at run time (a missing file makes GPU memory unusable, with "  \
     "that reason in the error; CPU work is unaffected)")                                           \
   X(NVRTC_LIB, STR, 0, 0, 0, 1, "", "torch's libnvrtc, else libnvrtc.so.13, .12, .so",             \
-    "the run-time compiler for GPU-ring kernels and the stream-ordered reduction and copy "        \
+    "the run-time compiler for GPU-ring kernels (`gpu_ring.Kernel`) and the stream-ordered "       \
+    "reduction and copy "                                                                          \
     "kernels (without it: reductions by torch kernels, copies on the copy engine); an explicit "   \
     "path that fails to load is an error, not a fallback")                                         \
   /* ---- RDMA ---- */                                                                             \
   X(IBVERBS_LIB, STR, 0, 0, 0, 1, "", "libibverbs.so.1",                                           \
     "the verbs library loaded at run time")                                                        \
   X(P2P_RDMA_DEV, STR, 0, 0, 0, 1, "", "every device with an active port (at most 2)",             \
-    "RDMA devices to use, comma-separated, each optionally :port (mlx5_0,mlx5_1:1)")               \
+    "RDMA devices to use, comma-separated, each optionally `:port` (`mlx5_0,mlx5_1:1`)")           \
   X(P2P_RDMA_GID_INDEX, INT, -1, -1, 1023, 1, "", "auto: the RoCE v2 GID of an IPv4 address",      \
-    "GID table index on RoCE (see show_gids or ibv_devinfo -v); -1: auto")                         \
+    "GID table index on RoCE (see `show_gids` or `ibv_devinfo -v`); -1: auto")                     \
   X(P2P_RDMA_SL, INT, 0, 0, 15, 1, "", "0", "service level of the QPs (0-15)")                     \
   X(P2P_RDMA_TC, INT, 0, 0, 255, 1, "", "0",                                                       \
     "traffic class of the QPs (0-255, RoCE DSCP << 2)")                                            \
@@ -123,7 +126,8 @@
   X(PG_GPU_SMALL_KB, SIZE, 1024 * UCCL_KI, 0, 1024 * UCCL_MI, UCCL_KI, "", "1M",                   \
     "backend all_reduce of CUDA tensors where the engine's kernel does not apply (complex "        \
     "tensors, peers on other hosts): up to this size one allgather and one reduction kernel, "     \
-    "above a reduce-scatter and an allgather (plain digits are KiB)")                              \
+    "above a reduce-scatter and an allgather (the `UCCL_PG_*` piece and window settings are "      \
+    "for CPU tensors; plain digits are KiB)")                                                      \
   /* ---- stream-ordered groups (CUDA tensors, every rank on one host) ---- */                     \
   X(STREAM_ORDERED, BOOL, 1, 0, 1, 1, "", "1",                                                     \
     "CUDA tensors, every rank on one host (the backend's collectives, CollectiveContext's "        \
@@ -141,12 +145,15 @@
     "most 8 ranks) run as one kernel launch through an arena the peers mapped once (two slots "    \
     "of this size per rank, made with the group): no host wait for the peers; the calls are "      \
     "compared one call late. Must be the same on every rank. The other rounds' handshakes poll "   \
-    "the arenas too. 0: never, and no arena (at most 64M)")                                        \
+    "the arenas too. 0: never, and no arena (every call a round with its peers on the host, its "  \
+    "handshakes stream memory operations on the shared page; at most 64M)")                        \
   X(SG_GATHER_LAUNCH_BYTES, SIZE, 48 * UCCL_MI, 0, 1L << 40, 1, "", "48M",                         \
     "stream-ordered rounds of one phase with no reduction (allgather), where every peer is a "     \
-    "process on this GPU and the handshakes are launches: whose copies move at most this many "    \
+    "process on this GPU and the handshakes are launches (`UCCL_SG_FUSED_BYTES` not 0, MPS "       \
+    "where ranks share a GPU): whose copies move at most this many "                               \
     "bytes in all run as one kernel launch (the handshakes and the copies by the SMs); above, a "  \
-    "handshake launch, the copies and a handshake launch. 0: never. Ranks may differ")             \
+    "handshake launch, the copies (`UCCL_SG_KERNEL_COPY_BYTES`) and a handshake launch. 0: "       \
+    "never. Ranks may differ")                                                                     \
   X(SG_KERNEL_COPY_BYTES, SIZE, 8 * UCCL_MI, 0, 1L << 40, 1, "", "8M",                             \
     "stream-ordered operations: the copies of one phase that move at most this many bytes in "     \
     "all go in one kernel launch (a cuMemcpyAsync each costs several microseconds of the "         \

@@ -53,11 +53,11 @@ static int read_settings(struct uccl__local *loc, double timeout_s, int *base_po
                          size_t *done_cap_p)
 {
     _Static_assert(UCCL_MAX_STREAMS == 16, "base/config.h: UCCL_P2P_TCP_STREAMS is 1..16");
-    long t_s = 0, spin_us, streams, chunk, port, done_ids, cuda_streams;
+    long t_s, spin_us, streams, chunk, port, done_ids, cuda_streams;
     int rc;
     /* UCCL_P2P_CUDA_STREAMS is read where copies are split (gpu_copy.c),
      * which has no caller to raise to: checked here so a bad value raises. */
-    if ((timeout_s <= 0 && (rc = uccl__cfg_long(UCCL_CFG_P2P_TIMEOUT_S, &t_s))) ||
+    if ((rc = uccl__cfg_long(UCCL_CFG_P2P_TIMEOUT_S, &t_s)) || /* checked even where unused */
         (rc = uccl__cfg_long(UCCL_CFG_P2P_CUDA_STREAMS, &cuda_streams)) ||
         (rc = uccl__cfg_long(UCCL_CFG_P2P_SPIN_US, &spin_us)) ||
         (rc = uccl__cfg_long(UCCL_CFG_P2P_TCP_STREAMS, &streams)) ||

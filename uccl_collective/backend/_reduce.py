@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _engine
+from ..core import config
 from ..core.dispatch import HASH_IS_OP
 from ..core.stream_group import stream_args
 
@@ -35,31 +36,16 @@ _REDUCE_OP = dist.ReduceOp
 _SEND, _RECV = _engine.OP_SEND, _engine.OP_RECV
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if not v:
-        return default
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not an integer") from None
-    if n < 0:
-        raise ValueError(f"{name}={n} must be >= 0")
-    return n
-
-
 #: Tensors up to this many bytes are all-reduced by one allgather of the whole
 #: tensor and a local reduction.
-SMALL_BYTES = _env_int("UCCL_PG_SMALL_KB", 64) << 10
+SMALL_BYTES = config.get("UCCL_PG_SMALL_KB")
 #: Upper bound of a reduce-scatter piece.
-PIECE_BYTES = max(_env_int("UCCL_PG_PIECE_KB", 4096), 64) << 10
+PIECE_BYTES = max(config.get("UCCL_PG_PIECE_KB"), 64 << 10)
 #: Reduce-scatter pieces in flight at once.
-WINDOW = max(_env_int("UCCL_PG_WINDOW", 4), 1)
+WINDOW = max(config.get("UCCL_PG_WINDOW"), 1)
 #: Reduce-scatter algorithm: auto (the allgather's choice: direct within a
 #: host, the ring across hosts with many ranks), ring or direct.
-ALGO = os.environ.get("UCCL_PG_ALGO", "auto")
-if ALGO not in ("auto", "ring", "direct"):
-    raise ValueError(f"UCCL_PG_ALGO={ALGO!r}: use auto, ring or direct")
+ALGO = config.get("UCCL_PG_ALGO")
 
 
 def allgather_chunks(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]]) -> None:
@@ -188,7 +174,7 @@ class Parallel:
 def default_width(local_ranks: int) -> int:
     """Reduction threads per rank: UCCL_PG_REDUCE_THREADS, else this node's
     cores shared among its ranks (at most 8)."""
-    explicit = _env_int("UCCL_PG_REDUCE_THREADS", 0)
+    explicit = config.get("UCCL_PG_REDUCE_THREADS")
     if explicit:
         return explicit
     try:

@@ -25,13 +25,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ._reduce import _env_int, allgather_chunks, bounds, finish_avg
+from ..core import config
+from ._reduce import allgather_chunks, bounds, finish_avg
 
 R = dist.ReduceOp.RedOpType
 
 #: CUDA tensors up to this many bytes are all-reduced by one allgather of the
 #: whole tensor and a local reduction.
-GPU_SMALL_BYTES = _env_int("UCCL_PG_GPU_SMALL_KB", 1024) << 10
+GPU_SMALL_BYTES = config.get("UCCL_PG_GPU_SMALL_KB")
 
 _BITWISE = {R.BAND: torch.Tensor.bitwise_and_, R.BOR: torch.Tensor.bitwise_or_,
             R.BXOR: torch.Tensor.bitwise_xor_}

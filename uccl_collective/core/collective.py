@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import _engine
 from ..p2p import Endpoint, FloatType, UcclError, UcclTimeoutError
-from . import dispatch
+from . import config, dispatch
 from .gpu_ring import GpuRing, Remote
 # (StreamHandle, NO_STREAM and stream_args: names this module has always offered)
 from .handles import Handle, StreamHandle, _flatten_handles, _handle  # noqa: F401
@@ -54,10 +54,10 @@ _context_seq: dict[str, Any] = {}   # per group: members create contexts in the 
 
 def node_id() -> str:
     """This process's node: UCCL_NODE_ID, else host id (+ torchrun's node rank)."""
-    explicit = os.environ.get("UCCL_NODE_ID")
+    explicit = config.get("UCCL_NODE_ID")
     if explicit:
         return explicit
-    base = os.environ.get("UCCL_P2P_HOST_ID")
+    base = config.get("UCCL_P2P_HOST_ID")
     if not base:
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
@@ -197,7 +197,7 @@ class CollectiveContext:
         me = self.rank
         self._kv = store  # this context's keys: later exchanges (gpu_ring) use it too
 
-        secret = os.environ.get("UCCL_P2P_SECRET")
+        secret = config.get("UCCL_P2P_SECRET")
         if not secret:  # a per-job secret, handed out through the store
             if me == 0:
                 store.set("secret", secrets.token_hex(16))
@@ -229,7 +229,7 @@ class CollectiveContext:
             raise RuntimeError("use_copy_engine_for_intra=False sends same-node traffic through "
                                "torch.distributed, which is not initialised")
         self.local_world_size = self.nodes.count(node)
-        if "UCCL_P2P_SPIN_US" not in os.environ and self.local_world_size > (os.cpu_count() or 1):
+        if not config.is_set("UCCL_P2P_SPIN_US") and self.local_world_size > (os.cpu_count() or 1):
             # More ranks than cores: a polling waiter only keeps the peer it
             # waits for off the core (measured: 4 ranks on 2 cores, 1 MiB
             # allgather 1.5 ms with 200 us of polling, 0.85 ms with none).

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from .. import _engine
 from .._engine import UcclError
+from . import config
 from .gpu_ring import _name_nvrtc
 
 log = logging.getLogger("uccl_collective")
@@ -112,28 +113,10 @@ def tag_to(dst: int, k: int) -> int:
 P2P_SLOTS = _engine.SG_P2P_SLOTS
 
 
-_UNITS = {"K": 1 << 10, "M": 1 << 20}
-
-
-def _env_bytes(name: str, default: int) -> int:
-    """A size in bytes from the environment: digits, optionally with K or M
-    (KiB, MiB) as the benchmarks' --sizes take them."""
-    v = os.environ.get(name, "").strip()
-    mult = _UNITS.get(v[-1:].upper(), 1)
-    try:
-        n = int(v[:-1] if mult > 1 else v) * mult if v else default
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not a number of bytes (digits, "
-                         f"optionally with K or M)") from None
-    if not 0 <= n <= 64 << 20:
-        raise ValueError(f"{name}={n} is not in 0..{64 << 20}")
-    return n
-
-
 def eager_bytes() -> int:
     """UCCL_SG_EAGER_BYTES: sends up to this size are staged when the
     sender posts first (complete once staged, as a buffered send); 0: none."""
-    return _env_bytes("UCCL_SG_EAGER_BYTES", 256 << 10)
+    return config.get("UCCL_SG_EAGER_BYTES")
 
 
 def fused_bytes() -> int:
@@ -141,11 +124,11 @@ def fused_bytes() -> int:
     bytes per rank run as one launch that stages the input in an arena the
     peers mapped once (no host wait for the peers; csrc/sg_round.c), in
     groups of up to SG_FUSED_RANKS ranks; 0: never.  The same on every rank."""
-    return _env_bytes("UCCL_SG_FUSED_BYTES", 1 << 20)
+    return config.get("UCCL_SG_FUSED_BYTES")
 
 
 def enabled() -> bool:
-    return os.environ.get("UCCL_STREAM_ORDERED", "1") != "0"
+    return config.get("UCCL_STREAM_ORDERED")
 
 
 capturing = torch.cuda.is_current_stream_capturing
