@@ -159,7 +159,7 @@ EOF
   cat "$out/coll_summary.txt"
   if [ -f "$logs/overhead_profile.txt" ]; then
     echo "--- overhead profile (head) ---"
-    grep -E "^=====|cumtime|_engine|collective.py|backend.py|_work.py" "$logs/overhead_profile.txt" | head -40
+    grep -E "^=====|cumtime|_engine|collective.py|process_group.py|dispatch.py|_work.py" "$logs/overhead_profile.txt" | head -40
   fi
 fi
 if [ "${PACK:-0}" = 1 ]; then

@@ -1,4 +1,4 @@
-"""GPU-initiated transfers (uccl_collective.gpu_ring, csrc/ring.c).
+"""GPU-initiated transfers (uccl_collective.gpu_ring, csrc/ring/ring.c).
 
 On a GPU (skipped with the reason elsewhere): kernels compiled at run time
 enqueue puts on a ring drained by the engine's proxy.  Every test uses
@@ -614,7 +614,7 @@ def _fields(text: str, struct: str) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("struct", ["uccl_ring_cmd", "uccl_ring_dev"])
 def test_header_layout_matches_the_engine(struct):
-    """The device header and csrc/ring.h declare the same fields, of the same
+    """The device header and csrc/ring/ring.h declare the same fields, of the same
     widths, in the same order (sizes are also pinned by static asserts in
     ring.c and in the header itself)."""
     cuh = open(os.path.join(ROOT, "uccl_collective", "include", "uccl_ring.cuh")).read()

@@ -49,7 +49,7 @@ RING_ENV = TRANSPORTS["shm-ring"][0]
 
 
 # --------------------------------------------------------------------------
-# the wire format, by hand (see csrc/wire.h)
+# the wire format, by hand (see csrc/net/wire.h)
 MAGIC = 0x4C434355        # HELLO records and control messages
 CHUNK_MAGIC = 0x4B434355  # data-stream chunk headers
 FIFO_MAGIC = 0x49464355   # advertised fifo items

@@ -1,5 +1,5 @@
-"""The CUDA sources that csrc/sg_cuda.c hands NVRTC at run time (the parts
-of csrc/sg_kernels.c: the reduction, the copies, the one-launch rounds, the
+"""The CUDA sources that csrc/sgdev/sg_cuda.c hands NVRTC at run time (the parts
+of csrc/sgdev/sg_kernels.c: the reduction, the copies, the one-launch rounds, the
 handshake) parse as C++17 for every
 element type: a typo there would fail only on a GPU machine, at the first
 call.  They are checked here with the host's g++ against stand-ins for the

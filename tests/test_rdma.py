@@ -266,7 +266,7 @@ def _verbs_include():
 
 
 def test_declared_abi_matches_rdma_core(tmp_path):
-    """csrc/ibv_loader.h declares the verbs ABI itself (no build dependency);
+    """csrc/load/ibv_loader.h declares the verbs ABI itself (no build dependency);
     compiled against rdma-core's own verbs.h, every member offset, size and
     constant used must match (ibv_emu/abi_check.c: a mismatch fails to
     compile, naming it)."""

@@ -180,7 +180,7 @@ EAGER_N = 65536
 
 
 def _hello(typ, token, nstreams=1, sidx=0, chunk=1 << 20):
-    """A 256-byte HELLO record (see csrc/wire.h), transport TCP, no secret."""
+    """A 256-byte HELLO record (see csrc/net/wire.h), transport TCP, no secret."""
     b = bytearray(256)
     struct.pack_into("<IHH", b, 0, WIRE_MAGIC, 1, typ)
     host = b"hostile-peer"                # another host id: the acceptor must use TCP

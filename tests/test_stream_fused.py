@@ -1,4 +1,4 @@
-"""One-launch rounds of stream-ordered groups (csrc/sg_round.c, struct
+"""One-launch rounds of stream-ordered groups (csrc/sg/sg_round.c, struct
 uccl_sg_fused) on the CPU's emulated device: all_reduce and allgather of
 up to UCCL_SG_FUSED_BYTES per rank go through an arena the peers mapped
 once, with no host wait for the peers; their calls are compared one round
@@ -111,7 +111,7 @@ def test_one_launch_rounds_move_and_reduce_the_right_bytes(n, before):
 def test_done_words_a_long_run_of_one_launch_rounds_left_behind_are_written_again():
     """One-launch rounds write neither of the two-sided rounds' done words:
     after 2^31 of them those words would read as ahead.  Every round
-    numbered a multiple of 2^29 writes them again (csrc/sg_page.h,
+    numbered a multiple of 2^29 writes them again (csrc/sg/sg_page.h,
     REFRESH_EVERY).  Here the numbers start 3 rounds before one, with the
     done words 50 rounds short of stale; 60 one-launch rounds follow, then
     two-sided ones, whose waits would pass on them otherwise (the

@@ -1,7 +1,7 @@
-"""The stream-ordered groups' protocol (csrc/sgroup.c, sg_call.c, through
+"""The stream-ordered groups' protocol (csrc/sg/sgroup.c, sg_call.c, through
 uccl_collective/core/stream_group.py) on the CPU: ranks are threads of this
 process, the shared page is the real one (a file in /dev/shm), and each
-CUDA stream is the engine's emulated stream (csrc/sg_emu.c: a thread that
+CUDA stream is the engine's emulated stream (csrc/sgdev/sg_emu.c: a thread that
 runs the queued writes, waits, copies, reductions and events in order).
 Only the driver calls are replaced; the CUDA side (cuStreamWaitValue32,
 CUDA IPC, the NVRTC reduction kernel) runs on the GPU machine:
@@ -24,7 +24,7 @@ from uccl_collective.p2p import UcclError, UcclTimeoutError
 
 R = dist.ReduceOp.RedOpType
 IDLE_S = 30.0
-# the page's layout (csrc/sgroup.c), for the hostile-peer case
+# the page's layout (csrc/sg/sgroup.c), for the hostile-peer case
 PAGE, RANK_BYTES, OFF_SLOTS, NSLOT = 4096, 5 * 4096, 320, 4
 SLOT_BYTES = (RANK_BYTES - OFF_SLOTS) // NSLOT
 MAX_ENTRIES = (SLOT_BYTES - 48) // 32
@@ -78,7 +78,7 @@ def caller_streams(monkeypatch):
 @pytest.fixture(autouse=True)
 def no_stale_words():
     """No wait of an emulated stream passed on a word left 2^31 behind
-    (csrc/sg_emu.c, STALE_AHEAD): every test here checks it."""
+    (csrc/sgdev/sg_emu.c, STALE_AHEAD): every test here checks it."""
     before = _engine._sg_emu_stale_passes()
     yield
     assert _engine._sg_emu_stale_passes() == before, "a stream wait passed on a stale word"
@@ -427,7 +427,7 @@ def test_registrations_are_reused_and_bounded(monkeypatch):
     monkeypatch.setenv("UCCL_SG_FUSED_BYTES", "0")
     n = 2
     groups = make_groups(n)
-    rounds = 64 + 20   # the cache holds 64 (csrc/sgroup.c, REG_CACHE)
+    rounds = 64 + 20   # the cache holds 64 (csrc/sg/sgroup.c, REG_CACHE)
     bufs = [[torch.full((16,), r, dtype=torch.uint8) for _ in range(rounds)] for r in range(n)]
 
     def rank(r):

@@ -1,4 +1,4 @@
-"""Stream-ordered point-to-point messages (csrc/sg_p2p.c, through
+"""Stream-ordered point-to-point messages (csrc/sg/sg_p2p.c, through
 uccl_collective/core/stream_group.py's StreamGroup.p2p) on the CPU: ranks are
 threads, the page is the real shared file, streams are the engine's
 emulated streams (test_stream_group.py's harness).  What is checked: the
@@ -22,8 +22,8 @@ from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: 
     no_stale_words, on_ranks)
 from uccl_collective.core import stream_group as sgm
 
-P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sgroup.h
-CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64   # struct p2p_chan (csrc/sg_page.h)
+P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sg/sgroup.h
+CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64   # struct p2p_chan (csrc/sg/sg_page.h)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -111,7 +111,7 @@ def test_words_a_long_run_of_one_role_left_behind_are_written_again():
     """Where every receiver posts first, senders never write their ready
     word nor receivers their done word: after 2^31 such messages those
     words would read as ahead.  Every message numbered a multiple of 2^29
-    writes them again (csrc/sg_page.h, REFRESH_EVERY).  Here the numbers
+    writes them again (csrc/sg/sg_page.h, REFRESH_EVERY).  Here the numbers
     start 3 messages before one, with those words 50 messages short of
     stale; 60 messages with the receiver first follow, then 20 with the
     sender first, whose waits would pass on them otherwise (the
@@ -136,7 +136,7 @@ def test_words_a_long_run_of_one_role_left_behind_are_written_again():
             if i == first:   # both pair streams past the refresh (message 3 * 2^29)
                 assert _engine._sg_emu_stream_idle(groups[r].pair_stream(1 - r), 10)
                 gate.wait(10)
-                # channel 0 -> 1 (csrc/sg_page.h, struct p2p_chan): its
+                # channel 0 -> 1 (csrc/sg/sg_page.h, struct p2p_chan): its
                 # sender's ready word and its receiver's done word
                 chan = PAGE + 2 * RANK_BYTES + 1 * CHAN_BYTES
                 rdy_src, done_dst = (struct.unpack_from("<I", groups[r]._mm, chan + o)[0]

@@ -1,6 +1,6 @@
 /* Compiled against rdma-core's own <infiniband/verbs.h> (when installed):
  * every struct member, size and constant the engine declares itself in
- * csrc/ibv_loader.h (and the emulator relies on) must match.  A mismatch
+ * csrc/load/ibv_loader.h (and the emulator relies on) must match.  A mismatch
  * is a compile error naming it. */
 #include <stddef.h>
 #include <infiniband/verbs.h>

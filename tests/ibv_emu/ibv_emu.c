@@ -3,7 +3,7 @@
  * No machine here has an RDMA device, so the engine's RDMA transport is
  * exercised against this library, loaded through UCCL_IBVERBS_LIB.  It is
  * binary-compatible with libibverbs for every call it implements: the same
- * struct layouts (declared by the engine's csrc/ibv_loader.h, whose offsets
+ * struct layouts (declared by the engine's csrc/load/ibv_loader.h, whose offsets
  * are checked there against rdma-core's), the context ops table through
  * which verbs.h's inline data path calls, and the symbol versions
  * (IBVERBS_1.1, _ibv_query_gid_ex at IBVERBS_1.11: ibv_emu.map).

@@ -447,7 +447,7 @@ class StreamWork(_GroupWork):
 
 class P2PWork(_GroupWork):
     """A send or receive of CUDA tensors on the stream-ordered path
-    (csrc/sg_p2p.c: posted without any host wait): wait() makes the current
+    (csrc/sg/sg_p2p.c: posted without any host wait): wait() makes the current
     stream wait for the message to be in place, whichever side copies it,
     and returns at once, as ProcessGroupNCCL's does; is_completed() tells
     whether it is; the group's failure (a peer gone, sizes that differ, a

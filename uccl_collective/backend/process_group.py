@@ -570,7 +570,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                       what: str) -> P2PWork | None:
         """A send or receive of a CUDA tensor where the group's ranks share
         this host (the dispatch's row 6): one message of the stream-ordered
-        group (csrc/sg_p2p.c), posted here with no host wait, after the work
+        group (csrc/sg/sg_p2p.c), posted here with no host wait, after the work
         queued on the current stream, and matched in order with the peer's
         receive or send, as NCCL's are; None elsewhere (CPU tensors, peers
         on other hosts: the engine's messages, _anysource.Channel).  The

@@ -1,5 +1,5 @@
 """GPU-initiated transfers: a command ring that GPU kernels enqueue puts on,
-drained by a proxy thread of the engine (csrc/ring.c).
+drained by a proxy thread of the engine (csrc/ring/ring.c).
 
 A kernel enqueues with the device functions of ``include/uccl_ring.cuh``
 (``uccl_ring_put``, ``uccl_ring_try_put``, ``uccl_ring_wait``); the proxy

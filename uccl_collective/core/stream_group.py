@@ -109,7 +109,7 @@ def tag_to(dst: int, k: int) -> int:
     return (1 << 40) | (dst << 20) | k
 
 
-#: messages posted ahead per pair of ranks before a post waits (csrc/sgroup.h)
+#: messages posted ahead per pair of ranks before a post waits (csrc/sg/sgroup.h)
 P2P_SLOTS = _engine.SG_P2P_SLOTS
 
 
@@ -122,7 +122,7 @@ def eager_bytes() -> int:
 def fused_bytes() -> int:
     """UCCL_SG_FUSED_BYTES: all_reduce and allgather of up to this many
     bytes per rank run as one launch that stages the input in an arena the
-    peers mapped once (no host wait for the peers; csrc/sg_round.c), in
+    peers mapped once (no host wait for the peers; csrc/sg/sg_round.c), in
     groups of up to SG_FUSED_RANKS ranks; 0: never.  The same on every rank."""
     return config.get("UCCL_SG_FUSED_BYTES")
 
@@ -285,7 +285,7 @@ class StreamGroup:
     def pair_stream(self, peer: int) -> int:
         """The stream this rank's messages with peer (both ways) run on, in
         the order they were posted, as NCCL's per-pair streams (made on
-        first use; csrc/sg_p2p.c says why the order matters)."""
+        first use; csrc/sg/sg_p2p.c says why the order matters)."""
         s = self._pair_streams.get(peer)
         if s is None:
             with self._lock:
