@@ -15,7 +15,7 @@
  * Why C: for a small tensor the host's time is the call.  On one H100
  * shared by 2 processes under MPS a 1 MiB all_reduce's launches run at
  * 10.6 us a call, and the Python fast path (its checks, the runner's token,
- * the Work) took the host to 15-16 us (BENCHMARKS.md, session 11).
+ * the Work) took the host to 15-16 us (docs/benchmark-log.md, session 11).
  *
  * What it does is exactly the dispatch's second row's common case, nothing
  * more: the same checks (Dispatch.fast and kernel_codes: a blocking call, no

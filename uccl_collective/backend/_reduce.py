@@ -102,7 +102,7 @@ class Ops:
     for dtype (a bad one raises each time), once per (operator, dtype),
     keyed as the dispatch keys its codes (hash(reduceOp)).  Its checks
     compare pybind enums (about 1 us each on the GPU machine's host: 12 us
-    a CPU all_reduce, BENCHMARKS.md session 11)."""
+    a CPU all_reduce, docs/benchmark-log.md, session 11)."""
 
     __slots__ = ("_checked",)
 

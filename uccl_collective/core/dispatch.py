@@ -107,7 +107,7 @@ _profiler_enabled = torch.autograd._profiler_enabled
 _R = dist.ReduceOp.RedOpType
 # c10d defines hash(ReduceOp) as its operator's number.  The fast path keys
 # its codes on that: reading reduceOp.op.value instead makes an enum object,
-# 1.8-2.1 us a call on the GPU machine's host (BENCHMARKS.md, session 11),
+# 1.8-2.1 us a call on the GPU machine's host (docs/benchmark-log.md, session 11),
 # a fifth of a 1 MiB all_reduce.  Checked here, in case a torch changes it.
 HASH_IS_OP = all(hash(dist.ReduceOp(o)) == int(o.value)
                  for o in (_R.SUM, _R.AVG, _R.PRODUCT, _R.MIN, _R.MAX, _R.BAND, _R.BOR,
