@@ -27,12 +27,14 @@ before=bench_out/before_src
 ROUNDS=${ROUNDS:-2}
 DEV=${DEV:-gpu}    # DEV=cpu REF=gloo: the same runs on CPU tensors (a dry run of this script)
 REF=${REF:-nccl}
+CASES=${CASES:-ar ag ctx p2p ovh}   # which of the cases below
 res=$(mktemp -d)
 echo "builds done ($((SECONDS - start)) s)"
 
 run() {  # TREE TAG CASE ROUND SCRIPT ARGS...
     local dir=$1 tag=$2 name=$3 round=$4 script=$5
     shift 5
+    [[ " $CASES " == *" $name "* ]] || return 0
     (cd "$dir" && PYTHONPATH=$PWD timeout 150 torchrun --nproc_per_node 2 "benchmarks/$script" \
         --json "$res/${name}_r${round}_${tag}.json" "$@" > "$res/${name}_r${round}_${tag}.log" 2>&1) ||
         echo "failed: $tag $name round $round (see the log in ba_gpu.tgz)"
@@ -59,7 +61,7 @@ for round in $(seq "$ROUNDS"); do
     echo "round $round done ($((SECONDS - start)) s)"
 done
 
-python3 - "$res" "$ROUNDS" "$DEV" <<'PY' | tee "$out/ba_gpu.txt"
+python3 - "$res" "$ROUNDS" "$DEV" "$CASES" <<'PY' | tee "$out/ba_gpu.txt"
 import glob, json, os, statistics, sys
 res, rounds = sys.argv[1], int(sys.argv[2])
 dev = "cuda" if sys.argv[3] == "gpu" else "cpu"
@@ -71,7 +73,7 @@ def load(name, r, tag):
 
 print(f"{'case':<5} {'size / path':<34} {'before us':>10} {'after us':>10} {'after/before':>14}"
       f"  {'x ref (before, after)':>22}")
-for name in ("ar", "ag", "ctx", "p2p", "ovh"):
+for name in sys.argv[4].split():
     runs = {(r, t): load(name, r, t) for r in range(1, rounds + 1) for t in ("before", "after")}
     if any(v is None for v in runs.values()):
         print(f"{name:<5} missing runs: {sorted(k for k, v in runs.items() if v is None)}")
@@ -93,9 +95,9 @@ for name in ("ar", "ag", "ctx", "p2p", "ovh"):
         size = row["size"]
         get = lambda rows: next(x for x in rows if x["size"] == size)
         us = "uccl_us" if "uccl_us" in row else None
-        if us is None:   # benchmark_uccl.py: bandwidth; time from seconds per message
-            b = [get(runs[(r, "before")])["uccl_seconds"] * 1e6 for r in range(1, rounds + 1)]
-            a = [get(runs[(r, "after")])["uccl_seconds"] * 1e6 for r in range(1, rounds + 1)]
+        if us is None:   # benchmark_uccl.py: bandwidth; us per message from it
+            b = [size / get(runs[(r, "before")])["uccl_GBps"] / 1e3 for r in range(1, rounds + 1)]
+            a = [size / get(runs[(r, "after")])["uccl_GBps"] / 1e3 for r in range(1, rounds + 1)]
         else:
             b = [get(runs[(r, "before")])[us] for r in range(1, rounds + 1)]
             a = [get(runs[(r, "after")])[us] for r in range(1, rounds + 1)]

@@ -18,6 +18,8 @@ import re
 
 import pytest
 
+from _graph import circles
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
@@ -191,36 +193,9 @@ def test_the_checker_catches_an_upward_include():
 def _circles(calls) -> list[list[str]]:
     """Strongly connected sets of more than one file in the call graph
     (a transport's upcalls left out: they are the declared way up)."""
-    g = {f: {c for c, fns in per.items()
-             if not (_folder(f) == "tp" and _folder(c) == "conn" and fns <= UPCALLS)}
-         for f, per in calls.items()}
-    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
-
-    def visit(v):   # Tarjan
-        index[v] = low[v] = n[0]
-        n[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in sorted(g.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-    for v in sorted(g):
-        if v not in index:
-            visit(v)
-    return out
+    return circles({f: {c for c, fns in per.items()
+                        if not (_folder(f) == "tp" and _folder(c) == "conn" and fns <= UPCALLS)}
+                    for f, per in calls.items()})
 
 
 def test_no_circle_between_files():
