@@ -422,3 +422,45 @@ def test_a_task_submitted_during_the_round_waits_for_it():
     assert res[0][0] is not None and res[1][0] is not None
     assert len(started) == 1 and started[0] >= 0.45, started
     close_all(groups, streams)
+
+
+def test_a_token_or_fast_path_never_initialised_refuses_instead_of_crashing():
+    # made by __new__ alone (or a subclass that forgot super().__init__)
+    tok = _engine.Token.__new__(_engine.Token)
+    with pytest.raises(RuntimeError, match=r"__init__\(cv, q\), which makes its lock, was not"):
+        tok.run(lambda: None)
+    fp = _engine.FastPath.__new__(_engine.FastPath)
+    assert fp.allreduce([torch.zeros(1)], None) is None   # declines: the Python path decides
+    assert fp.allgather(torch.zeros(2), torch.zeros(1), None) is None
+    with pytest.raises(RuntimeError, match="FastPath.__init__ was not called"):
+        fp.set_group(None, None, -1)
+
+
+class _Interrupting(list):
+    """A queue whose truth test raises KeyboardInterrupt on its n-th read."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __bool__(self):
+        self.n -= 1
+        if self.n == 0:
+            raise KeyboardInterrupt("while the token is given back")
+        return len(self) > 0
+
+
+def test_an_interrupt_while_the_token_is_given_back_is_raised_as_itself():
+    # Token.run's `finally` (with cv: busy = False; if q: cv.notify_all()):
+    # the interrupt raised there, the lock released, the token free again
+    cv = threading.Condition(threading.RLock())
+    for reads in (1, 2):   # the read before fn (1: refused there) or the one after (2)
+        q = _Interrupting(reads)
+        tok = _engine.Token(cv, q)
+        ran = []
+        with pytest.raises(KeyboardInterrupt, match="given back"):
+            tok.run(ran.append, 1)
+        assert ran == ([] if reads == 1 else [1])
+        assert tok.busy is False
+        assert cv.acquire(blocking=False)   # not left held
+        cv.release()

@@ -94,9 +94,11 @@ void uccl__py_fast_clear(struct uccl__py_fast *f)
         Py_CLEAR(f->name[i]);
 }
 
-/* The hooks where fast_setup() ran, else NULL. */
+/* The hooks where fast_setup() ran (and this object's __init__), else NULL. */
 static struct uccl__py_fast *fast_of(uccl__py_fastpath *self)
 {
+    if (!self->module) /* made by __new__ alone: declines, as the Python path then raises */
+        return NULL;
     struct uccl__py_fast *f = &uccl__py_state_of(self->module)->fast;
     return f->hook[UCCL__PY_FAST_WORK] ? f : NULL;
 }
@@ -220,16 +222,20 @@ static PyObject *run(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject 
 {
     if (uccl__py_token_try(self->token))
         return decline();
-    PyObject *r = uccl__py_sg_fast_round(self->c, caller, gather, a);
+    /* held across the round, which lets the GIL go (set_group may run meanwhile) */
+    uccl__py_sgroup *c = (uccl__py_sgroup *)Py_NewRef((PyObject *)self->c);
+    PyObject *group = Py_NewRef(self->group);
+    PyObject *r = uccl__py_sg_fast_round(c, caller, gather, a);
+    Py_DECREF(c);
     uccl__py_token_give(self->token);
     if (r && PyErr_Occurred()) /* the round ran, but giving the token back was interrupted */
         Py_CLEAR(r);
     PyObject *w = NULL, *lst = r ? PyList_New(1) : NULL;
     if (lst) {
         PyList_SetItem(lst, 0, Py_NewRef(result));
-        w = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_WORK], self->group, r, lst, stream,
-                                         NULL);
+        w = PyObject_CallFunctionObjArgs(f->hook[UCCL__PY_FAST_WORK], group, r, lst, stream, NULL);
     }
+    Py_DECREF(group);
     Py_XDECREF(lst);
     Py_XDECREF(r);
     return w;
@@ -353,6 +359,8 @@ static PyObject *FP_allgather(PyObject *op, PyObject *const *args, Py_ssize_t na
 static PyObject *FP_set_group(PyObject *op, PyObject *args)
 {
     uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    if (!self->module)
+        return PyErr_Format(PyExc_RuntimeError, "FastPath.__init__ was not called");
     PyObject *group, *c;
     int dev;
     if (!PyArg_ParseTuple(args, "OOi:set_group", &group, &c, &dev))

@@ -93,6 +93,8 @@ static void keep(struct err *e)
 
 int uccl__py_token_try(uccl__py_token *t)
 {
+    if (!t->acquire) /* made by __new__ alone: never free */
+        return -1;
     int got = lock(t, 0);
     if (got <= 0) {
         if (got < 0 && PyErr_ExceptionMatches(PyExc_Exception))
@@ -164,6 +166,9 @@ static PyObject *Token_run(PyObject *op, PyObject *const *args, Py_ssize_t nargs
     uccl__py_token *t = (uccl__py_token *)op;
     if (nargs < 1)
         return PyErr_Format(PyExc_TypeError, "run(fn, *args): no function");
+    if (!t->acquire)
+        return PyErr_Format(PyExc_RuntimeError, "the Token's __init__(cv, q), which makes its "
+                            "lock, was not called");
     if (lock(t, 1) < 0)
         return NULL;
     int free = is_free(t, 1);
@@ -192,9 +197,19 @@ static PyObject *Token_run(PyObject *op, PyObject *const *args, Py_ssize_t nargs
     PyErr_Fetch(&fn_err.t, &fn_err.v, &fn_err.tb);
     int ok = lock(t, 1) > 0; /* (an error here keeps busy set, as in Python) */
     if (ok) {
+        /* As `with cv:` does: the lock released whatever the wake raised,
+         * and that error (not a SystemError from calling release with it
+         * set) the one raised. */
+        struct err e = {0};
         t->busy = 0;
-        ok = wake(t) == 0;
-        ok = unlock(t) == 0 && ok;
+        if (wake(t) < 0)
+            keep(&e);
+        if (unlock(t) < 0)
+            keep(&e);
+        if (e.t) {
+            PyErr_Restore(e.t, e.v, e.tb);
+            ok = 0;
+        }
     }
     if (!ok) { /* the `finally` failed: its error replaces fn's */
         Py_XDECREF(r);

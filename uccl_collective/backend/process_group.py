@@ -149,6 +149,16 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         except BaseException:
             self._ctx.finalize()
             raise
+        self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
+        try:
+            self._setup(rank, size)
+        except BaseException:   # (a bad UCCL_PG_REDUCE_THREADS, say): the contexts go too
+            self._chan.ctx.finalize()
+            self._ctx.finalize()
+            raise
+
+    def _setup(self, rank: int, size: int) -> None:
+        """The group's runner, routes and algorithms, over its two contexts."""
         self._runner = Runner(f"rank{rank}of{size}", self._timeout)
         #: the operator of a reduction, checked for its dtype (_reduce.Ops)
         self._reduce_fn = _reduce.Ops().check
@@ -164,7 +174,6 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._round_allreduce, self._round_allgather = d.allreduce, d.allgather
         self._alg = Algorithms(self._ctx, self._d, rank, size,
                                _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size)))
-        self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
 
     # -- identity --------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -675,8 +684,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._submit(run, [], _SYNC, prof=("monitored_barrier", []))
 
     def _shutdown(self, why: str) -> None:
-        d = self._d
-        if d.closed:
+        d = getattr(self, "_d", None)
+        if d is None or d.closed:   # (None: __init__ failed, and closed what it made)
             return
         d.close()
         self._keep_unfinished_p2p()

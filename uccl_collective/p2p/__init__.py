@@ -15,6 +15,11 @@ from .._engine import UcclError, UcclTimeoutError, UcclUnknownIdError
 from ._buffers import OP_READ, OP_RECV, OP_SEND, OP_WRITE, buffer_of, current_stream, get_oob_ip
 from ._endpoint import Endpoint, FloatType
 from ._xfer_api import XferDesc, XferHandle
+# names the module has always had (the Endpoint's parts and helpers)
+from ._ipc_api import IpcAPI  # noqa: F401
+from ._metadata import gpu_bus_id, parse_metadata  # noqa: F401
+from ._rendezvous import GroupAPI  # noqa: F401
+from ._xfer_api import TransferAPI  # noqa: F401
 
 __all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "UcclUnknownIdError",
            "XferDesc", "XferHandle", "buffer_of", "current_stream", "get_oob_ip"]
