@@ -17,6 +17,7 @@ one kernel (network namespaces) still use TCP between them.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import json
@@ -201,6 +202,7 @@ class CollectiveContext:
         if not secret:  # a per-job secret, handed out through the store
             if me == 0:
                 store.set("secret", secrets.token_hex(16))
+            self._store_wait(store, ["secret"], [0], "the job's secret from rank 0")
             secret = store.get("secret").decode()
         node = node_id()
         self.ep = Endpoint(self.local_gpu_idx, self.num_cpus, timeout_s=self.timeout_s,
@@ -214,10 +216,29 @@ class CollectiveContext:
         self.setup_seconds = time.perf_counter() - t0
         return self
 
+    def _store_wait(self, store, keys: list[str], ranks: list[int], what: str) -> None:
+        """Wait for keys of the store within the context's timeout (the
+        group's, not the store's own, often longer): setup is bounded as
+        every call is.  UcclTimeoutError names the ranks that never came."""
+        timeout_s = self.timeout_s or config.get("UCCL_P2P_TIMEOUT_S")
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as e:   # torch's store raises its own error on a timeout
+            try:
+                missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            except Exception:   # noqa: BLE001 - the store itself may be gone
+                missing = ranks
+            raise UcclTimeoutError(
+                f"CollectiveContext setup (rank {self.rank} of {self.world_size}): waited "
+                f"{timeout_s:g} s for {what}; rank(s) {missing} never published theirs "
+                f"({type(e).__name__}: {e})") from e
+
     def _connect_all(self, store, node: str, secret: str) -> None:
         n, me, ep = self.world_size, self.rank, self.ep
         ip, port = ep.address()
         store.set(f"meta/{me}", json.dumps({"ip": ip, "port": port, "node": node}))
+        self._store_wait(store, [f"meta/{r}" for r in range(n)], list(range(n)),
+                         "every rank's address")
         metas = [json.loads(store.get(f"meta/{r}")) for r in range(n)]
         self.nodes = [m["node"] for m in metas]
         self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
