@@ -68,6 +68,8 @@ struct uccl__hello {
     uint8_t mac[UCCL_MAC_BYTES];        /* CHALLENGE, HELLO, ACK: the sender's proof */
 };
 #define UCCL_CAP_RDMA 1u                /* an RDMA device is usable here */
+#define UCCL_CAP_CMA 2u                 /* the connector found the acceptor's pid holding the
+                                           socket's other end: CMA may go both ways */
 void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE]);
 /* Checks the head (magic, version: an older peer's record is refused with
  * both versions named), the type, and every field the type uses. */

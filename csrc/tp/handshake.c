@@ -123,6 +123,8 @@ static void fill_hello(struct uccl__link *lk, int type, unsigned index, struct u
     if (type == UCCL_HS_CONN && loc->forced_tp == UCCL_TP_AUTO && rdma &&
         rdma->available() == UCCL_OK)
         h->caps |= UCCL_CAP_RDMA;
+    if (type == UCCL_HS_CONN && lk->peer_pid_ok)
+        h->caps |= UCCL_CAP_CMA;
 }
 
 /* One record from the acceptor into buf (its first `have` bytes already

@@ -253,7 +253,11 @@ static int shm_conn_accept(struct uccl__link *lk, const struct uccl__hello *peer
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     int mode = lk->local->shm_mode;
     char buf[160];
-    const char *why = mode == 1 ? NULL : probe_peer(lk, peer->probe_addr, 1, buf, sizeof(buf));
+    const char *why = mode == 1 ? NULL
+                      : !(peer->caps & UCCL_CAP_CMA)
+                          ? "it could not check that this process holds the other end of the "
+                            "connection"
+                          : probe_peer(lk, peer->probe_addr, 1, buf, sizeof(buf));
     int cma_ok = mode != 1 && why == NULL;
     if (!cma_ok && mode == 0)
         return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_SHM_MODE=cma, but CMA with pid %u is not "
