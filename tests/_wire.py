@@ -118,59 +118,74 @@ def _expect(b, typ):
 # ---- connector --------------------------------------------------------------
 def connect(sock, secret=b"", *, typ=CONN, token=None, key=None, check_acceptor=True,
             after_challenge=None, **hello):
-    """The connector's side on a connected socket.  typ=STREAM needs the
-    connection's token and key.  hello: fields of the HELLO (record());
-    after_challenge(ckey, chal_fields) runs before the HELLO is sent (to set a
-    probe word) and may return more HELLO fields.  Returns dict(ack=fields,
-    key=connection key, challenge=unsealed CHALLENGE fields)."""
+    """The connector's side on a connected socket.  A new connection (typ=CONN):
+    INIT, CHALLENGE, HELLO, ACK; after_challenge(ckey, chal_fields) runs before
+    the HELLO is sent (to set a probe word) and may return more HELLO fields.
+    An extra socket (typ=STREAM, with the connection's token and key): one
+    STREAM record, then the ACK.  hello: fields of the HELLO / STREAM record
+    (record()).  Returns dict(ack=fields, key=connection key,
+    challenge=unsealed CHALLENGE fields, token)."""
     if token is None:
         token = int.from_bytes(os.urandom(8), "little") | 1
-    init = record(typ, nonce=os.urandom(32), token=token if typ == STREAM else 0)
+    if typ == STREAM:
+        rec = sign(key, "uccl-v2 stream",
+                   [record(STREAM, nonce=os.urandom(32), token=token, **hello)])
+        sock.sendall(rec)
+        ack = recvn(sock, 256)
+        af = _expect(ack, ACK)
+        if check_acceptor:
+            assert hmac.compare_digest(af["mac"], proof(key, "uccl-v2 ack", [rec, ack])), \
+                "the acceptor's ACK proof is wrong"
+        return dict(ack=af, key=key, challenge=None, token=token)
+    init = record(CONN, nonce=os.urandom(32))
     sock.sendall(init)
     chal = recvn(sock, 256)
     cf = _expect(chal, CHALLENGE)
-    k = secret if typ == CONN else key
     if check_acceptor:
-        assert hmac.compare_digest(cf["mac"], proof(k, "uccl-v2 challenge", [init, chal])), \
+        assert hmac.compare_digest(cf["mac"], proof(secret, "uccl-v2 challenge", [init, chal])), \
             "the acceptor's proof is wrong"
-    opened = parse(seal(chal, k, init)) if typ == CONN else cf
-    ckey = conn_key(secret, init, chal) if typ == CONN else key
+    opened = parse(seal(chal, secret, init))
+    ckey = conn_key(secret, init, chal)
     if after_challenge is not None:
         hello.update(after_challenge(ckey, opened) or {})
-    hello.setdefault("token", token)
-    h = record(HELLO, **hello)
-    h = sign(k, "uccl-v2 hello", [init, chal, h])
+    h = record(HELLO, token=token, **hello)
+    h = sign(secret, "uccl-v2 hello", [init, chal, h])
     sock.sendall(h)
     ack = recvn(sock, 256)
     af = _expect(ack, ACK)
     if check_acceptor:
-        assert hmac.compare_digest(af["mac"], proof(k, "uccl-v2 ack", [init, chal, h, ack])), \
+        assert hmac.compare_digest(af["mac"], proof(secret, "uccl-v2 ack", [init, chal, h, ack])), \
             "the acceptor's ACK proof is wrong"
     return dict(ack=af, key=ckey, challenge=opened, token=token)
 
 
 # ---- acceptor -----------------------------------------------------------------
 def accept(sock, secret=b"", *, key=None, pid=0, host=b"", before_ack=None, **ack):
-    """The acceptor's side on an accepted socket (key: a stream's connection
-    key, None for a new connection).  before_ack(ckey, hello_fields) runs
-    before the ACK is sent and may return more ACK fields.  Returns
-    dict(hello=fields, key=connection key, init=INIT fields)."""
-    init = recvn(sock, 256)
-    inf = _expect(init, CONN if key is None else STREAM)
-    k = secret if key is None else key
-    c = record(CHALLENGE, nonce=os.urandom(32), pid=pid, host=host)
-    c = seal(c, k, init)
-    c = sign(k, "uccl-v2 challenge", [init, c])
-    sock.sendall(c)
-    h = recvn(sock, 256)
-    hf = _expect(h, HELLO)
-    assert hmac.compare_digest(hf["mac"], proof(k, "uccl-v2 hello", [init, c, h])), \
-        "the connector's proof is wrong"
-    ckey = conn_key(secret, init, c) if key is None else key
+    """The acceptor's side on an accepted socket (key: an extra socket's
+    connection key, None for a new connection).  before_ack(ckey,
+    hello_fields) runs before the ACK is sent and may return more ACK fields.
+    Returns dict(hello=fields of the HELLO or STREAM record, key=connection
+    key)."""
+    first = recvn(sock, 256)
+    if key is not None:
+        hf = _expect(first, STREAM)
+        assert hmac.compare_digest(hf["mac"], proof(key, "uccl-v2 stream", [first])), \
+            "the stream's proof is wrong"
+        recs, k, ckey = [first], key, key
+    else:
+        _expect(first, CONN)
+        c = record(CHALLENGE, nonce=os.urandom(32), pid=pid, host=host)
+        c = sign(secret, "uccl-v2 challenge", [first, seal(c, secret, first)])
+        sock.sendall(c)
+        h = recvn(sock, 256)
+        hf = _expect(h, HELLO)
+        assert hmac.compare_digest(hf["mac"], proof(secret, "uccl-v2 hello", [first, c, h])), \
+            "the connector's proof is wrong"
+        recs, k, ckey = [first, c, h], secret, conn_key(secret, first, c)
     if before_ack is not None:
         ack.update(before_ack(ckey, hf) or {})
     ack.setdefault("nstreams", hf["nstreams"])
     ack.setdefault("chunk", hf["chunk"])
     a = record(ACK, **ack)
-    sock.sendall(sign(k, "uccl-v2 ack", [init, c, h, a]))
-    return dict(hello=hf, key=ckey, init=inf)
+    sock.sendall(sign(k, "uccl-v2 ack", recs + [a]))
+    return dict(hello=hf, key=ckey)

@@ -602,3 +602,187 @@ def test_idle_handshakes_do_not_keep_a_client_out(kind, count):
     assert max(c["times"]) < 4.0, f"connect took {c['times']} behind {count} {kind} sockets"
     assert s["got"] == [sha(rand_bytes(4096, 50)), sha(rand_bytes(4096, 51))], s
     assert c["fds"] <= 64 + 8, f"the server grew by {c['fds']} descriptors for {count} sockets"
+
+
+# --------------------------------------------------------------------------
+# the Yama grants (base/ptracer.h): which peer pid this process names
+_PEER_C = r"""
+import os, sys
+from uccl_collective.p2p import Endpoint
+ep = Endpoint(port=0, timeout_s=10)
+ok, conn = ep.connect("127.0.0.1", -1, remote_port=int(sys.argv[1]))
+print(ep.conn_transport(conn), flush=True)
+sys.stdin.readline()
+ep.close()
+"""
+
+
+def _ptrace_server(ch):
+    from uccl_collective import _engine
+    from uccl_collective.p2p import Endpoint
+
+    ep = Endpoint(port=0, timeout_s=10)
+    ch.send("port", ep.address()[1])
+    out = {"start": _engine._ptracer()}
+    cb = ep.accept(timeout=20)[3]
+    out["tp_b"] = ep.conn_transport(cb)
+    out["one"] = _engine._ptracer()
+    ch.send("one")
+    cc = ep.accept(timeout=20)[3]
+    out["two"] = _engine._ptracer()
+    ep.remove_remote_endpoint(cc)
+    out["back"] = _engine._ptracer()
+    ep.remove_remote_endpoint(cb)
+    out["none"] = _engine._ptracer()
+    ch.send("done")
+    ep.close()
+    return out
+
+
+def _ptrace_client(ch):
+    import subprocess
+    import sys
+
+    import uccl_collective
+    from uccl_collective import _engine
+    from uccl_collective.p2p import Endpoint
+
+    port = ch.recv("port")
+    ep = Endpoint(port=0, timeout_s=10)
+    ep.connect("127.0.0.1", -1, remote_port=port)
+    ch.recv("one")
+    mine = _engine._ptracer()
+    root = os.path.dirname(os.path.dirname(uccl_collective.__file__))
+    env = dict(os.environ, PYTHONPATH=root)
+    c = subprocess.Popen([sys.executable, "-c", _PEER_C, str(port)], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    tp_c = c.stdout.readline().strip()
+    ch.recv("done")
+    c.stdin.write("\n")
+    c.stdin.flush()
+    c.wait(20)
+    ep.close()
+    return dict(mine=mine, after=_engine._ptracer(), c_pid=c.pid, tp_c=tp_c, pid=os.getpid())
+
+
+def test_ptracer_names_the_cma_peer():
+    """With no CMA peer this process names nobody to Yama; with one peer
+    process over CMA it names that pid (on both sides: each copies from the
+    other); with a second peer process it must name any (Yama holds one pid
+    per process); as connections go it names the remaining pid, then nobody.
+    (Yama itself is absent on the test machine: this checks the set the
+    engine keeps and would state with prctl where ptrace_scope is 1; the
+    old engine named any process at the first same-host endpoint.)"""
+    s, c = run_pair(_ptrace_server, _ptrace_client,
+                    env={"UCCL_P2P_TRANSPORT": "shm", "UCCL_P2P_SHM_MODE": "cma"}, timeout=90)
+    assert s["tp_b"] == "shm-cma" and c["tp_c"] == "shm-cma", (s, c)
+    assert s["start"][1:] == (0, 0), s
+    assert s["one"][1:] == (c["pid"], 1), s
+    assert c["mine"][1] > 0 and c["mine"][2] == 1, c      # the client names the server
+    assert s["two"][1:] == (-1, 2), s
+    assert s["back"][1:] == (c["pid"], 1), s
+    assert s["none"][1:] == (0, 0), s
+    assert c["after"][1:] == (0, 0), c
+
+
+def _ptrace_tcp(ch):
+    from uccl_collective import _engine
+    from uccl_collective.p2p import Endpoint
+
+    a = Endpoint(port=0, timeout_s=10)
+    b = Endpoint(port=0, timeout_s=10)
+    b.connect("127.0.0.1", -1, remote_port=a.address()[1])
+    a.accept(timeout=10)
+    st = _engine._ptracer()
+    a.close()
+    b.close()
+    return st
+
+
+def test_no_grant_without_cma():
+    """Over TCP, or between endpoints of one process (which need no ptrace),
+    nobody is named."""
+    assert run_one(_ptrace_tcp, env={"UCCL_P2P_TRANSPORT": "tcp"})[1:] == (0, 0)
+    assert run_one(_ptrace_tcp, env={"UCCL_P2P_TRANSPORT": "shm"})[1:] == (0, 0)
+
+
+# --------------------------------------------------------------------------
+# versions, extra sockets
+def _old_peer(ch):
+    from uccl_collective.p2p import Endpoint
+
+    ep = Endpoint(port=0, timeout_s=5)
+    port = ep.address()[1]
+    s = _dial(port)
+    s.sendall(_v1_hello(1, 99, host=b"old", pid=1))   # an old client's HELLO
+    answer = _read_all(s, 2)
+    s.close()
+    # an old listener: it drops the INIT it cannot read
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+
+    def old_listener():
+        ls.settimeout(10)
+        c, _ = ls.accept()
+        W.recvn(c, 256)
+        c.close()
+
+    th = threading.Thread(target=old_listener, daemon=True)
+    th.start()
+    err = catch(ep.connect, "127.0.0.1", -1, remote_port=ls.getsockname()[1])
+    th.join(10)
+    ep.close()
+    return dict(answer=W.parse(answer) if len(answer) >= 256 else None, n=len(answer), err=err)
+
+
+def test_old_peers_get_a_clear_error():
+    """An old client's HELLO (version 1) is answered with a refusal record of
+    version 2, which the old decoder reports as 'wire version 2, this build
+    speaks 1'; a new client whose listener drops its INIT (as an old one does)
+    raises within its timeout naming the version."""
+    r = run_one(_old_peer, timeout=60)
+    a = r["answer"]
+    assert a is not None and r["n"] == 256, r
+    assert (a["magic"], a["version"], a["type"]) == (W.MAGIC, 2, W.REFUSE), a
+    assert r["err"] is not None and r["err"]["uccl"], r
+    assert "version" in r["err"]["msg"], r["err"]
+
+
+def _stream_key(ch):
+    from uccl_collective.p2p import Endpoint
+
+    ep = Endpoint(port=0, timeout_s=10)
+    port = ep.address()[1]
+    token = int.from_bytes(os.urandom(8), "little") | 1
+    c = _dial(port)
+    r = W.connect(c, b"", token=token, host=b"elsewhere", pid=1, transport=W.TP_TCP,
+                  nstreams=1, chunk=1 << 20)
+    out = {}
+    # The token alone (an eavesdropper has it) is not enough: a wrong key is refused.
+    s = _dial(port)
+    try:
+        W.connect(s, typ=W.STREAM, token=token, key=os.urandom(32), check_acceptor=False,
+                  nstreams=1, transport=W.TP_TCP, chunk=1 << 20)
+        out["wrong"] = "accepted"
+    except W.Refused as e:
+        out["wrong"] = e.status
+    s.close()
+    s = _dial(port)
+    W.connect(s, typ=W.STREAM, token=token, key=r["key"], nstreams=1, transport=W.TP_TCP,
+              chunk=1 << 20)
+    conn = ep.accept(timeout=5)[3]
+    out["tp"] = ep.conn_transport(conn)
+    s.close()
+    c.close()
+    ep.close()
+    return out
+
+
+def test_extra_sockets_prove_the_connection_key():
+    """A data stream naming a connection's token but proving a wrong key is
+    refused (status 'authentication failed'); the one proving the key derived
+    in the connection's handshake completes it, and accept() returns it."""
+    r = run_one(_stream_key, timeout=60)
+    assert r["wrong"] == W.ERR_AUTH, r
+    assert r["tp"] == "tcp", r

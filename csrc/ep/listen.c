@@ -1,14 +1,15 @@
 /* The listener thread of an endpoint: it accepts sockets and runs each
- * one's handshake (tp/handshake.h) without blocking: it reads the
- * connector's INIT, answers with a CHALLENGE, reads its HELLO, checks the
- * proof, picks the transport and answers with an ACK.  A connection whose
- * transport needs more sockets (TCP data streams, the RDMA setup socket)
- * waits in the incomplete table until they have all arrived.
+ * one's handshake (tp/handshake.h) without blocking: for a new connection
+ * it reads the connector's INIT, answers with a CHALLENGE, reads its HELLO,
+ * checks the proof, picks the transport and answers with an ACK.  A
+ * connection whose transport needs more sockets (TCP data streams, the
+ * RDMA setup socket) waits in the incomplete table until they have all
+ * arrived, each with one record proving the connection's key.
  *
  * What a peer can hold here is bounded, and idle peers cannot keep a
  * legitimate one out: at most MAX_PENDING sockets in their handshake, each
  * dropped (with a "busy" refusal, which makes a real connector dial again)
- * when a step takes longer than STEP_NS; when every slot is taken, a new
+ * when one of its (at most two) records takes longer than STEP_NS; when every slot is taken, a new
  * socket is still accepted and takes the slot of one that has waited
  * IDLE_NS in its step, of the source address holding the most slots, the
  * oldest first.  A real connector sends each record at once, so it is not
@@ -34,7 +35,7 @@
 #define MAX_PENDING 64                  /* sockets in their handshake at once */
 #define MAX_INCOMPLETE 256              /* connections waiting for their extra sockets */
 #define STEP_NS (2000000000ull)         /* for each of the connector's two records */
-#define IDLE_NS (250000000ull)          /* a full listener may evict a step this old */
+#define IDLE_NS (150000000ull)          /* a full listener may evict a step this old */
 
 struct pending {
     int fd;
@@ -95,8 +96,8 @@ static void start_accepted(struct uccl__ep *ep, struct uccl__conn *c)
              c->link.peer_ip, c->link.peer_port, c->link.tp->name);
 }
 
-/* The connector's HELLO is in p->hs.rec[2].  Returns 1 if the fd now
- * belongs to a connection, 0 if the caller closes it. */
+/* A new connection's HELLO is in p->hs.rec[2].  Returns 1 if the fd now
+ * belongs to the connection, 0 if the caller closes it. */
 static int on_hello(struct uccl__ep *ep, struct pending *p)
 {
     struct uccl__hello h, ack;
@@ -109,35 +110,6 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
         return 0;
     }
     memset(&ack, 0, sizeof(ack));
-    if (p->hs.type == UCCL_HS_STREAM) {
-        pthread_mutex_lock(&ep->mu);
-        struct incomplete *inc = uccl__idmap_get(&ep->incomplete, h.conn_token);
-        pthread_mutex_unlock(&ep->mu);
-        if (!inc || h.num_streams != inc->need) {
-            LOG_WARN("dropped stream from %s: no connection waits for it", p->name);
-            uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
-            return 0;
-        }
-        if (inc->conn->link.tp->add_stream(&inc->conn->link, p->fd, h.stream_index)) {
-            LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
-            uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
-            return 0;
-        }
-        ack.transport = (uint32_t)inc->conn->link.tp->id;
-        ack.num_streams = h.num_streams;
-        ack.stream_index = h.stream_index;
-        ack.chunk_bytes = h.chunk_bytes;
-        uccl__hs_ack(&p->hs, p->fd, &ep->local, NULL, &ack);
-        if (++inc->have == inc->need) {
-            pthread_mutex_lock(&ep->mu);
-            uccl__idmap_del(&ep->incomplete, h.conn_token);
-            pthread_mutex_unlock(&ep->mu);
-            start_accepted(ep, inc->conn);
-            free(inc);
-        }
-        return 1;
-    }
-
     /* a new connection */
     int tp_id = UCCL_TP_TCP;
     if (choose_transport(ep, &h, &tp_id)) {
@@ -213,38 +185,78 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
     return 1;
 }
 
-/* The connector's INIT is in p->hs.rec[0]: answer with the CHALLENGE.
- * Returns 0 if the caller closes the socket. */
-static int on_init(struct uccl__ep *ep, struct pending *p)
+/* A connection's extra socket: its one record (h, in p->hs.rec[0]) must
+ * prove the key of a connection waiting for it.  Returns 1 if the fd now
+ * belongs to that connection, 0 if the caller closes it. */
+static int on_stream(struct uccl__ep *ep, struct pending *p, const struct uccl__hello *h)
 {
-    int rc = uccl__hs_read_init(&p->hs);
+    struct uccl__hello ack;
+    uint8_t key[32];
+    pthread_mutex_lock(&ep->mu);
+    struct incomplete *inc = uccl__idmap_get(&ep->incomplete, h->conn_token);
+    if (inc)
+        memcpy(key, inc->conn->link.conn_key, sizeof(key));
+    pthread_mutex_unlock(&ep->mu);
+    if (!inc) {
+        LOG_WARN("dropped stream from %s: no connection waits for it", p->name);
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    if (uccl__hs_check_stream(&p->hs, key)) {
+        LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
+        uccl__hs_refuse(p->fd, UCCL_ERR_AUTH);
+        return 0;
+    }
+    if (h->num_streams != inc->need) {
+        LOG_WARN("dropped stream from %s: %u streams, its connection has %u", p->name,
+                 h->num_streams, inc->need);
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    if (inc->conn->link.tp->add_stream(&inc->conn->link, p->fd, h->stream_index)) {
+        LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    memset(&ack, 0, sizeof(ack));
+    ack.transport = (uint32_t)inc->conn->link.tp->id;
+    ack.num_streams = h->num_streams;
+    ack.stream_index = h->stream_index;
+    ack.chunk_bytes = h->chunk_bytes;
+    uccl__hs_ack(&p->hs, p->fd, &ep->local, NULL, &ack);
+    if (++inc->have == inc->need) {
+        pthread_mutex_lock(&ep->mu);
+        uccl__idmap_del(&ep->incomplete, h->conn_token);
+        pthread_mutex_unlock(&ep->mu);
+        start_accepted(ep, inc->conn);
+        free(inc);
+    }
+    return 1;
+}
+
+/* The connector's first record is in p->hs.rec[0]: an INIT is answered
+ * with the CHALLENGE (*next: wait for its HELLO), a stream's record is
+ * taken at once.  Returns 0 if the caller closes the socket. */
+static int on_first(struct uccl__ep *ep, struct pending *p, int *next)
+{
+    struct uccl__hello h;
+    *next = 0;
+    int rc = uccl__hs_read_first(&p->hs, &h);
     if (rc) {
         LOG_WARN("dropped connection from %s: %s", p->name, uccl_last_error());
         uccl__hs_refuse(p->fd, UCCL_ERR_PROTO); /* an older peer reads our version in it */
         return 0;
     }
-    if (p->hs.type == UCCL_HS_STREAM) {
-        uint8_t key[32];
-        pthread_mutex_lock(&ep->mu);
-        struct incomplete *inc = uccl__idmap_get(&ep->incomplete, p->hs.token);
-        if (inc)
-            memcpy(key, inc->conn->link.conn_key, sizeof(key));
-        pthread_mutex_unlock(&ep->mu);
-        if (!inc) {
-            LOG_WARN("dropped stream from %s: no connection waits for it", p->name);
-            uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
-            return 0;
-        }
-        uccl__hs_challenge(&p->hs, &ep->local, key, sizeof(key));
-    } else {
-        uccl__hs_challenge(&p->hs, &ep->local, ep->local.secret, ep->local.secret_len);
-    }
+    if (h.type == UCCL_HS_STREAM)
+        return on_stream(ep, p, &h);
+    uccl__hs_challenge(&p->hs, &ep->local, ep->local.secret, ep->local.secret_len);
     /* A fresh socket's buffer takes 256 bytes at once. */
     ssize_t n = send(p->fd, p->hs.rec[1], UCCL_HELLO_SIZE, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n != UCCL_HELLO_SIZE) {
         LOG_WARN("dropped connection from %s: could not send the challenge", p->name);
         return 0;
     }
+    *next = 1;
     return 1;
 }
 
@@ -391,12 +403,15 @@ static void *listener_main(void *arg)
                          "bytes", p->name, p->got);
                 drop(pend, &npend, i, 0);
             } else if (whole && p->step == 0) {
-                if (!on_init(ep, p)) {
+                int next = 0;
+                if (!on_first(ep, p, &next)) {
                     drop(pend, &npend, i, 0);
-                } else {
+                } else if (next) {
                     p->step = 1;
                     p->got = 0;
                     p->step_start = now;
+                } else {
+                    pend[i] = pend[--npend]; /* a stream: its connection has the fd */
                 }
             } else if (whole) {
                 int keep = on_hello(ep, p);

@@ -154,7 +154,8 @@ int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h)
     get_str(v.host_id, in + H_HOST, UCCL_HOSTID_MAX);
     get_str(v.shm_name, in + H_SHMNAME, H_SHMNAME_END - H_SHMNAME);
     memcpy(v.mac, in + H_MAC, UCCL_MAC_BYTES);
-    if ((v.type == UCCL_HS_HELLO || v.type == UCCL_HS_ACK) && (rc = check_terms(&v)))
+    if ((v.type == UCCL_HS_HELLO || v.type == UCCL_HS_ACK || v.type == UCCL_HS_STREAM) &&
+        (rc = check_terms(&v)))
         return rc;
     if (v.type == UCCL_HS_REFUSE && v.status >= 0)
         return uccl__err(UCCL_ERR_PROTO, "handshake: a refusal with status %d", v.status);

@@ -105,7 +105,7 @@ static void fill_hello(struct uccl__link *lk, int type, unsigned index, struct u
 {
     const struct uccl__local *loc = lk->local;
     memset(h, 0, sizeof(*h));
-    h->type = UCCL_HS_HELLO;
+    h->type = UCCL_HS_HELLO; /* a stream's record: its caller makes it UCCL_HS_STREAM */
     snprintf(h->host_id, sizeof(h->host_id), "%s", loc->host_id);
     h->pid = (uint32_t)getpid();
     h->gpu_idx = loc->gpu_idx;
@@ -205,23 +205,74 @@ static void drop_grant(struct uccl__link *lk)
     }
 }
 
-/* One attempt of the connector's side; out/in: the setup stream's payload
- * and reply (NULL: none). */
-static int connect_once(struct uccl__link *lk, int fd, int type, unsigned index,
-                        uint64_t deadline, const void *out, size_t out_len, void *in,
-                        size_t in_len, struct uccl__hello *ack)
+/* After our last record went out: the setup stream's reply (if in), then
+ * the ACK into rec_ack, checked against the records before it. */
+static int read_ack(struct uccl__link *lk, int fd, const uint8_t *key, size_t key_len,
+                    const uint8_t *const all[], int n, uint64_t deadline, void *in,
+                    size_t in_len, struct uccl__hello *ack)
+{
+    uint8_t *rec_ack = (uint8_t *)all[n - 1];
+    size_t have = 0;
+    int rc = UCCL_OK;
+    if (in) { /* the reply, or a refusal (which starts with the magic) */
+        rc = uccl__sock_recv_all(fd, in, 4, deadline, 0);
+        uint32_t magic = 0;
+        memcpy(&magic, in, 4);
+        if (rc == UCCL_OK && magic == UCCL_WIRE_MAGIC) {
+            memcpy(rec_ack, in, 4);
+            have = 4;
+        } else if (rc == UCCL_OK) {
+            rc = uccl__sock_recv_all(fd, (char *)in + 4, in_len - 4, deadline, 0);
+        }
+    }
+    if (rc == UCCL_OK)
+        rc = read_rec(lk, fd, rec_ack, have, UCCL_HS_ACK, deadline, ack);
+    if (rc == UCCL_OK && have)
+        rc = uccl__err(UCCL_ERR_PROTO, "%s:%d accepted a setup stream without a reply",
+                       lk->peer_ip, lk->peer_port);
+    if (rc == UCCL_OK && !proof_ok(key, key_len, "uccl-v2 ack", all, n))
+        rc = not_proved(lk);
+    if (rc == UCCL_ERR_TIMEOUT || rc == UCCL_ERR_IO)
+        return uccl__err(rc, "handshake with %s:%d: %s", lk->peer_ip, lk->peer_port,
+                         uccl_last_error());
+    return rc;
+}
+
+/* One socket more of an established connection: one round trip.  Its
+ * record proves the connection's key, which is fresh (both nonces of the
+ * first handshake), and names its index, which the acceptor takes once. */
+static int stream_once(struct uccl__link *lk, int fd, unsigned index, uint64_t deadline,
+                       const void *out, size_t out_len, void *in, size_t in_len,
+                       struct uccl__hello *ack)
+{
+    uint8_t rec[2][REC];
+    const uint8_t *const all[2] = {rec[0], rec[1]};
+    struct uccl__hello h;
+    fill_hello(lk, UCCL_HS_STREAM, index, &h);
+    h.type = UCCL_HS_STREAM;
+    uccl__random_bytes(h.nonce, sizeof(h.nonce));
+    uccl__hello_encode(&h, rec[0]);
+    sign(lk->conn_key, sizeof(lk->conn_key), "uccl-v2 stream", all, 1, rec[0]);
+    int rc = uccl__sock_send2(fd, rec[0], REC, out, out ? out_len : 0, deadline);
+    if (rc)
+        return uccl__err(rc, "handshake with %s:%d: %s", lk->peer_ip, lk->peer_port,
+                         uccl_last_error());
+    return read_ack(lk, fd, lk->conn_key, sizeof(lk->conn_key), all, 2, deadline, in, in_len,
+                    ack);
+}
+
+/* One attempt of a new connection's handshake, on its control socket. */
+static int conn_once(struct uccl__link *lk, int fd, uint64_t deadline, struct uccl__hello *ack)
 {
     uint8_t rec[4][REC];
     const uint8_t *const all[4] = {rec[0], rec[1], rec[2], rec[3]};
     struct uccl__hello h, chal;
-    int conn = type == UCCL_HS_CONN;
-    const uint8_t *key = conn ? lk->secret : lk->conn_key;
-    size_t key_len = conn ? lk->secret_len : sizeof(lk->conn_key);
+    const uint8_t *key = lk->secret;
+    size_t key_len = lk->secret_len;
 
     memset(&h, 0, sizeof(h));
-    h.type = (uint16_t)type;
+    h.type = UCCL_HS_CONN;
     uccl__random_bytes(h.nonce, sizeof(h.nonce));
-    h.conn_token = conn ? 0 : lk->token;
     uccl__hello_encode(&h, rec[0]);
     int rc = uccl__sock_send_all(fd, rec[0], REC, deadline);
     if (rc == UCCL_OK)
@@ -230,44 +281,29 @@ static int connect_once(struct uccl__link *lk, int fd, int type, unsigned index,
         return rc;
     if (!proof_ok(key, key_len, "uccl-v2 challenge", all, 2))
         return not_proved(lk);
-    if (conn) {
-        connector_learn(lk, fd, rec, &chal);
-        lk->probe_word = uccl__hs_probe_value(lk->conn_key, 1);
-    }
+    connector_learn(lk, fd, rec, &chal);
+    lk->probe_word = uccl__hs_probe_value(lk->conn_key, 1);
 
-    fill_hello(lk, type, index, &h);
+    fill_hello(lk, UCCL_HS_CONN, 0, &h);
     uccl__hello_encode(&h, rec[2]);
     sign(key, key_len, "uccl-v2 hello", all, 3, rec[2]);
-    rc = uccl__sock_send2(fd, rec[2], REC, out, out ? out_len : 0, deadline);
-    size_t have = 0;
-    if (rc == UCCL_OK && in) {
-        /* The reply, or a refusal (which starts with the magic). */
-        rc = uccl__sock_recv_all(fd, in, 4, deadline, 0);
-        uint32_t magic = 0;
-        memcpy(&magic, in, 4);
-        if (rc == UCCL_OK && magic == UCCL_WIRE_MAGIC) {
-            memcpy(rec[3], in, 4);
-            have = 4;
-        } else if (rc == UCCL_OK) {
-            rc = uccl__sock_recv_all(fd, (char *)in + 4, in_len - 4, deadline, 0);
-        }
-    }
-    if (rc == UCCL_OK)
-        rc = read_rec(lk, fd, rec[3], have, UCCL_HS_ACK, deadline, ack);
-    if (rc == UCCL_OK && have)
-        rc = uccl__err(UCCL_ERR_PROTO, "%s:%d accepted a setup stream without a reply",
-                       lk->peer_ip, lk->peer_port);
-    if (rc == UCCL_OK && !proof_ok(key, key_len, "uccl-v2 ack", all, 4))
-        rc = not_proved(lk);
-    if (rc)
-        return rc == UCCL_ERR_TIMEOUT || rc == UCCL_ERR_IO
-                   ? uccl__err(rc, "handshake with %s:%d: %s", lk->peer_ip, lk->peer_port,
-                               uccl_last_error()) : rc;
-    if (conn) { /* who it is: from its CHALLENGE, checked against the socket */
-        ack->pid = chal.pid;
-        snprintf(ack->host_id, sizeof(ack->host_id), "%s", chal.host_id);
-    }
+    if ((rc = uccl__sock_send_all(fd, rec[2], REC, deadline)))
+        return uccl__err(rc, "handshake with %s:%d: %s", lk->peer_ip, lk->peer_port,
+                         uccl_last_error());
+    if ((rc = read_ack(lk, fd, key, key_len, all, 4, deadline, NULL, 0, ack)))
+        return rc;
+    ack->pid = chal.pid; /* who it is: from its CHALLENGE, checked against the socket */
+    snprintf(ack->host_id, sizeof(ack->host_id), "%s", chal.host_id);
     return UCCL_OK;
+}
+
+static int connect_once(struct uccl__link *lk, int fd, int type, unsigned index,
+                        uint64_t deadline, const void *out, size_t out_len, void *in,
+                        size_t in_len, struct uccl__hello *ack)
+{
+    return type == UCCL_HS_CONN ? conn_once(lk, fd, deadline, ack)
+                                : stream_once(lk, fd, index, deadline, out, out_len, in, in_len,
+                                              ack);
 }
 
 /* Attempts until one is not refused as busy: each busy refusal dials
@@ -349,19 +385,28 @@ int uccl__open_stream(struct uccl__link *lk, unsigned index, uint64_t deadline_n
 
 /* ---- acceptor --------------------------------------------------------------- */
 
-int uccl__hs_read_init(struct uccl__hs *hs)
+int uccl__hs_read_first(struct uccl__hs *hs, struct uccl__hello *h)
 {
-    struct uccl__hello h;
-    int rc = uccl__hello_decode(hs->rec[0], &h);
+    int rc = uccl__hello_decode(hs->rec[0], h);
     if (rc)
         return rc;
-    if (h.type != UCCL_HS_CONN && h.type != UCCL_HS_STREAM)
+    if (h->type != UCCL_HS_CONN && h->type != UCCL_HS_STREAM)
         return uccl__err(UCCL_ERR_PROTO, "handshake: record type %u where an INIT was "
-                         "expected", h.type);
-    if (h.type == UCCL_HS_STREAM && h.conn_token == 0)
+                         "expected", h->type);
+    if (h->type == UCCL_HS_STREAM && h->conn_token == 0)
         return uccl__err(UCCL_ERR_PROTO, "handshake: a stream for connection token 0");
-    hs->type = h.type;
-    hs->token = h.conn_token;
+    hs->type = h->type;
+    hs->token = h->conn_token;
+    return UCCL_OK;
+}
+
+int uccl__hs_check_stream(struct uccl__hs *hs, const uint8_t key[32])
+{
+    const uint8_t *const all[1] = {hs->rec[0]};
+    hs->key_len = 32;
+    memcpy(hs->key, key, 32);
+    if (!proof_ok(hs->key, hs->key_len, "uccl-v2 stream", all, 1))
+        return uccl__err(UCCL_ERR_AUTH, "a stream without its connection's key");
     return UCCL_OK;
 }
 
@@ -373,10 +418,8 @@ void uccl__hs_challenge(struct uccl__hs *hs, const struct uccl__local *loc, cons
     memset(&c, 0, sizeof(c));
     c.type = UCCL_HS_CHALLENGE;
     uccl__random_bytes(c.nonce, sizeof(c.nonce));
-    if (hs->type == UCCL_HS_CONN) { /* for the connector's ptrace grant (handshake.h) */
-        c.pid = (uint32_t)getpid();
-        snprintf(c.host_id, sizeof(c.host_id), "%s", loc->host_id);
-    }
+    c.pid = (uint32_t)getpid(); /* for the connector's ptrace grant (handshake.h) */
+    snprintf(c.host_id, sizeof(c.host_id), "%s", loc->host_id);
     hs->key_len = key_len <= sizeof(hs->key) ? (uint32_t)key_len : 0;
     memcpy(hs->key, key, hs->key_len);
     uccl__hello_encode(&c, hs->rec[1]);
@@ -397,11 +440,6 @@ int uccl__hs_check_hello(struct uccl__hs *hs, const struct uccl__local *loc, int
                          "expected", h->type);
     if (!proof_ok(hs->key, hs->key_len, "uccl-v2 hello", all, 3))
         return uccl__err(UCCL_ERR_AUTH, "wrong or missing secret (UCCL_P2P_SECRET)");
-    if (hs->type == UCCL_HS_STREAM) {
-        if (h->conn_token != hs->token)
-            return uccl__err(UCCL_ERR_PROTO, "handshake: the HELLO names another connection");
-        return UCCL_OK;
-    }
     if (h->conn_token == 0)
         return uccl__err(UCCL_ERR_PROTO, "handshake: connection token 0");
     conn_key(hs->key, hs->key_len, hs->rec[0], hs->rec[1], key_out);
@@ -417,7 +455,8 @@ int uccl__hs_ack(struct uccl__hs *hs, int fd, const struct uccl__local *loc,
                  struct uccl__link *lk, struct uccl__hello *ack)
 {
     uint8_t buf[REC];
-    const uint8_t *const all[4] = {hs->rec[0], hs->rec[1], hs->rec[2], buf};
+    int conn = hs->type == UCCL_HS_CONN; /* a stream's ACK follows its one record */
+    const uint8_t *const all[4] = {hs->rec[0], conn ? hs->rec[1] : buf, hs->rec[2], buf};
     ack->type = UCCL_HS_ACK;
     ack->status = UCCL_OK;
     ack->pid = (uint32_t)getpid();
@@ -430,7 +469,7 @@ int uccl__hs_ack(struct uccl__hs *hs, int fd, const struct uccl__local *loc,
         ack->probe_addr = (uint64_t)(uintptr_t)&lk->probe_word;
     }
     uccl__hello_encode(ack, buf);
-    sign(hs->key, hs->key_len, "uccl-v2 ack", all, 4, buf);
+    sign(hs->key, hs->key_len, "uccl-v2 ack", all, conn ? 4 : 2, buf);
     return uccl__sock_send_all(fd, buf, sizeof(buf), uccl__now_ns() + ACK_SEND_NS);
 }
 

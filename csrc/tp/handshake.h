@@ -3,8 +3,7 @@
  * both ways without sending it, and tells neither side anything about the
  * other before that side proved it.
  *
- *   connector -> INIT       nonce_c (fresh); for an extra socket, the
- *                           connection's token
+ *   connector -> INIT       nonce_c (fresh)
  *   acceptor  -> CHALLENGE  nonce_a (fresh), the acceptor's pid and host id
  *                           sealed, and its proof: HMAC(key, INIT|CHALLENGE)
  *   connector -> HELLO      (once the proof checks) its identity and terms,
@@ -14,11 +13,17 @@
  *
  * key: the secret (empty where the endpoint has none: then anyone can make
  * the proofs, and there is nothing to prove; docs/security.md says what
- * such a peer can do) on a connection's first socket; on its extra sockets
- * (TCP data streams, the RDMA setup socket) the connection's key,
- * HMAC(secret, INIT|CHALLENGE) of the first handshake, so they prove it
- * without the secret either.  Both nonces are fresh, so a recorded
- * handshake replayed gets a new CHALLENGE its proofs do not match.  The
+ * such a peer can do).  Both nonces are fresh, so a recorded handshake
+ * replayed gets a new CHALLENGE its proofs do not match.
+ *
+ * An extra socket of a connection (TCP data stream, the RDMA setup socket)
+ * takes one round trip: a STREAM record (the connection's token, the
+ * socket's index, a fresh nonce) with HMAC(conn key, record), then the ACK
+ * with HMAC(conn key, STREAM|ACK).  The connection's key is
+ * HMAC(secret, INIT|CHALLENGE) of its first handshake: fresh, as both
+ * nonces are, and never on the wire; the acceptor takes each index of a
+ * connection once, and only while the connection waits for its sockets, so
+ * a STREAM record replayed is refused.  The
  * seal is an XOR with HMAC(key, nonces, counter): the connector learns the
  * acceptor's pid (to let it ptrace us for CMA, base/ptracer.h, before the
  * acceptor probes) only if it holds the key.
@@ -74,16 +79,18 @@ struct uccl__hs {
     uint64_t token;                  /* a stream's connection */
 };
 
-/* rec[0] holds 256 bytes: check it is an INIT (type, token into hs). */
-int uccl__hs_read_init(struct uccl__hs *hs);
-/* rec[1] := the CHALLENGE, keyed with key (the secret; a stream's: its
- * connection's key), with this side's identity sealed in it. */
+/* rec[0] holds the connector's first record: an INIT, or a stream's one
+ * record; decode it into *h (type, token into hs). */
+int uccl__hs_read_first(struct uccl__hs *hs, struct uccl__hello *h);
+/* A stream's record proves its connection's key (UCCL_ERR_AUTH if not). */
+int uccl__hs_check_stream(struct uccl__hs *hs, const uint8_t key[32]);
+/* rec[1] := the CHALLENGE to an INIT, keyed with the secret, with this
+ * side's identity sealed in it. */
 void uccl__hs_challenge(struct uccl__hs *hs, const struct uccl__local *loc, const uint8_t *key,
                         size_t key_len);
 /* rec[2] holds the connector's reply: check it is a HELLO with a good proof
- * (UCCL_ERR_AUTH if not) and fits the INIT; decode it into *h.  For a new
- * connection, conn_key := its key; *pid_ok := whether h->pid, on this host,
- * holds the other end of fd. */
+ * (UCCL_ERR_AUTH if not); decode it into *h; conn_key := the connection's
+ * key; *pid_ok := whether h->pid, on this host, holds the other end of fd. */
 int uccl__hs_check_hello(struct uccl__hs *hs, const struct uccl__local *loc, int fd,
                          struct uccl__hello *h, uint8_t conn_key[32], int *pid_ok);
 /* Send the ACK: ack's terms, this side's identity, lk's probe word (lk:
