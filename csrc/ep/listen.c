@@ -102,8 +102,7 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
 {
     struct uccl__hello h, ack;
     uint8_t key[32];
-    int pid_ok = 0;
-    int rc = uccl__hs_check_hello(&p->hs, &ep->local, p->fd, &h, key, &pid_ok);
+    int rc = uccl__hs_check_hello(&p->hs, &h, key);
     if (rc) {
         LOG_WARN("dropped connection from %s: %s", p->name, uccl_last_error());
         uccl__hs_refuse(p->fd, rc == UCCL_ERR_AUTH ? UCCL_ERR_AUTH : UCCL_ERR_PROTO);
@@ -144,7 +143,7 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
     c->link.peer_gpu = h.gpu_idx;
     c->link.peer_rank = h.rank;
     c->link.peer_pid = h.pid;
-    c->link.peer_pid_ok = pid_ok;
+    c->link.peer_pid_ok = tp_id == UCCL_TP_SHM && uccl__hs_peer_pid_ok(p->fd, &ep->local, &h);
     memcpy(c->link.conn_key, key, sizeof(key));
     c->link.peer_port = (int)h.listen_port;
     snprintf(c->link.peer_host, sizeof(c->link.peer_host), "%s", h.host_id);

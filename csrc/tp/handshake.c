@@ -182,8 +182,9 @@ static void connector_learn(struct uccl__link *lk, int fd, uint8_t rec[2][REC],
     conn_key(lk->secret, lk->secret_len, rec[0], rec[1], lk->conn_key);
     const struct uccl__local *loc = lk->local;
     lk->peer_pid_ok = 0;
-    if (chal->pid == 0 || strcmp(chal->host_id, loc->host_id) != 0)
-        return;
+    if (chal->pid == 0 || strcmp(chal->host_id, loc->host_id) != 0 ||
+        (loc->forced_tp != UCCL_TP_AUTO && loc->forced_tp != UCCL_TP_SHM))
+        return; /* no same-host transport: nothing to check */
     uccl__sock_peer_held_by(fd, chal->pid, &lk->peer_pid_ok);
     if (!lk->peer_pid_ok) {
         LOG_INFO("%s:%d: no CMA with pid %u: %s", lk->peer_ip, lk->peer_port, chal->pid,
@@ -427,11 +428,9 @@ void uccl__hs_challenge(struct uccl__hs *hs, const struct uccl__local *loc, cons
     sign(hs->key, hs->key_len, "uccl-v2 challenge", all, 2, hs->rec[1]);
 }
 
-int uccl__hs_check_hello(struct uccl__hs *hs, const struct uccl__local *loc, int fd,
-                         struct uccl__hello *h, uint8_t key_out[32], int *pid_ok)
+int uccl__hs_check_hello(struct uccl__hs *hs, struct uccl__hello *h, uint8_t key_out[32])
 {
     const uint8_t *const all[3] = {hs->rec[0], hs->rec[1], hs->rec[2]};
-    *pid_ok = 0;
     int rc = uccl__hello_decode(hs->rec[2], h);
     if (rc)
         return rc;
@@ -443,12 +442,18 @@ int uccl__hs_check_hello(struct uccl__hs *hs, const struct uccl__local *loc, int
     if (h->conn_token == 0)
         return uccl__err(UCCL_ERR_PROTO, "handshake: connection token 0");
     conn_key(hs->key, hs->key_len, hs->rec[0], hs->rec[1], key_out);
-    if (h->pid && strcmp(h->host_id, loc->host_id) == 0) {
-        uccl__sock_peer_held_by(fd, h->pid, pid_ok);
-        if (!*pid_ok)
-            LOG_INFO("no CMA with pid %u: %s", h->pid, uccl_last_error());
-    }
     return UCCL_OK;
+}
+
+int uccl__hs_peer_pid_ok(int fd, const struct uccl__local *loc, const struct uccl__hello *h)
+{
+    int ok = 0;
+    if (h->pid == 0 || strcmp(h->host_id, loc->host_id) != 0)
+        return 0;
+    uccl__sock_peer_held_by(fd, h->pid, &ok);
+    if (!ok)
+        LOG_INFO("no CMA with pid %u: %s", h->pid, uccl_last_error());
+    return ok;
 }
 
 int uccl__hs_ack(struct uccl__hs *hs, int fd, const struct uccl__local *loc,

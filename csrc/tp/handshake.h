@@ -90,9 +90,11 @@ void uccl__hs_challenge(struct uccl__hs *hs, const struct uccl__local *loc, cons
                         size_t key_len);
 /* rec[2] holds the connector's reply: check it is a HELLO with a good proof
  * (UCCL_ERR_AUTH if not); decode it into *h; conn_key := the connection's
- * key; *pid_ok := whether h->pid, on this host, holds the other end of fd. */
-int uccl__hs_check_hello(struct uccl__hs *hs, const struct uccl__local *loc, int fd,
-                         struct uccl__hello *h, uint8_t conn_key[32], int *pid_ok);
+ * key. */
+int uccl__hs_check_hello(struct uccl__hs *hs, struct uccl__hello *h, uint8_t conn_key[32]);
+/* Is h->pid, on this host, the process holding the other end of fd (so
+ * that CMA may reach it)?  Asked only for a same-host transport. */
+int uccl__hs_peer_pid_ok(int fd, const struct uccl__local *loc, const struct uccl__hello *h);
 /* Send the ACK: ack's terms, this side's identity, lk's probe word (lk:
  * the new connection, NULL for an extra socket), the proof. */
 int uccl__hs_ack(struct uccl__hs *hs, int fd, const struct uccl__local *loc,
