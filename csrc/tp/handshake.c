@@ -191,8 +191,7 @@ static void connector_learn(struct uccl__link *lk, int fd, uint8_t rec[2][REC],
                  uccl_last_error());
         return;
     }
-    if (chal->pid != (uint32_t)getpid() &&
-        (loc->forced_tp == UCCL_TP_AUTO || loc->forced_tp == UCCL_TP_SHM)) {
+    if (chal->pid != (uint32_t)getpid()) { /* our own process needs no grant */
         uccl__ptracer_grant(chal->pid);
         lk->ptracer_pid = chal->pid;
     }
@@ -225,6 +224,9 @@ static int read_ack(struct uccl__link *lk, int fd, const uint8_t *key, size_t ke
         } else if (rc == UCCL_OK) {
             rc = uccl__sock_recv_all(fd, (char *)in + 4, in_len - 4, deadline, 0);
         }
+        if (rc)
+            return uccl__err(rc, "setup stream to %s:%d: %s", lk->peer_ip, lk->peer_port,
+                             uccl_last_error());
     }
     if (rc == UCCL_OK)
         rc = read_rec(lk, fd, rec_ack, have, UCCL_HS_ACK, deadline, ack);
@@ -233,10 +235,7 @@ static int read_ack(struct uccl__link *lk, int fd, const uint8_t *key, size_t ke
                        lk->peer_ip, lk->peer_port);
     if (rc == UCCL_OK && !proof_ok(key, key_len, "uccl-v2 ack", all, n))
         rc = not_proved(lk);
-    if (rc == UCCL_ERR_TIMEOUT || rc == UCCL_ERR_IO)
-        return uccl__err(rc, "handshake with %s:%d: %s", lk->peer_ip, lk->peer_port,
-                         uccl_last_error());
-    return rc;
+    return rc; /* read_rec's errors name the peer */
 }
 
 /* One socket more of an established connection: one round trip.  Its
@@ -360,9 +359,7 @@ int uccl__open_setup_stream(struct uccl__link *lk, uint64_t deadline, const void
     rc = connect_hs(lk, fd, UCCL_HS_STREAM, 0, deadline, out, out_len, in, in_len, &ack);
     if (rc) {
         close(fd);
-        return rc == UCCL_ERR_PROTO || rc == UCCL_ERR_AUTH || rc == UCCL_ERR_UNAVAIL
-                   ? rc : uccl__err(rc, "setup stream to %s:%d: %s", lk->peer_ip, lk->peer_port,
-                                    uccl_last_error());
+        return rc; /* its message names the peer */
     }
     *fd_p = fd;
     return UCCL_OK;
