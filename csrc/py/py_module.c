@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "net/wire.h"
+#include "base/ptracer.h"
+#include "base/sha256.h"
 
 static PyObject *mod_parse_metadata(PyObject *module, PyObject *args)
 {
@@ -83,7 +85,49 @@ static PyObject *mod_fifo_fields(PyObject *module, PyObject *args)
                          (unsigned long long)f[4]);
 }
 
+/* The handshake's primitives, for their known-answer tests. */
+static PyObject *mod_sha256(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *in;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y#", &in, &n))
+        return NULL;
+    uint8_t out[UCCL_SHA256_BYTES];
+    uccl__sha256(in, (size_t)n, out);
+    return PyBytes_FromStringAndSize((const char *)out, sizeof(out));
+}
+
+static PyObject *mod_hmac_sha256(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *key, *in;
+    Py_ssize_t klen, n;
+    if (!PyArg_ParseTuple(args, "y#y#", &key, &klen, &in, &n))
+        return NULL;
+    uint8_t out[UCCL_SHA256_BYTES];
+    uccl__hmac_sha256(key, (size_t)klen, in, (size_t)n, out);
+    return PyBytes_FromStringAndSize((const char *)out, sizeof(out));
+}
+
+static PyObject *mod_ptracer(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    int scope;
+    long want;
+    unsigned peers;
+    uccl__ptracer_state(&scope, &want, &peers);
+    return Py_BuildValue("(ilI)", scope, want, peers);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_sha256", mod_sha256, METH_VARARGS, "_sha256(data) -> the engine's SHA-256 digest"},
+    {"_hmac_sha256", mod_hmac_sha256, METH_VARARGS,
+     "_hmac_sha256(key, data) -> the engine's HMAC-SHA256"},
+    {"_ptracer", mod_ptracer, METH_NOARGS,
+     "_ptracer() -> (Yama scope or -1, what this process asks of Yama: 0 nothing, -1 any, "
+     "else a pid; peer processes granted)"},
     {"fifo_item", mod_fifo_item, METH_VARARGS,
      "fifo_item(window, token, addr, len, base) -> the 64-byte one-sided descriptor"},
     {"fifo_fields", mod_fifo_fields, METH_VARARGS,
