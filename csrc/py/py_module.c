@@ -153,7 +153,16 @@ static int module_exec(PyObject *m)
     Py_DECREF(bases);
     if (!st->unknown_id_error)
         return -1;
-    if (PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
+    /* The ranks' calls disagree (a size, an operation, a root): the
+     * callers' mistake, as every argument error is (a ValueError). */
+    st->mismatch_error = PyErr_NewExceptionWithDoc(
+        "uccl_collective.UcclMismatchError",
+        "The ranks' calls disagree (sizes, operations, roots): nothing of the mismatched "
+        "data was written.", PyExc_ValueError, NULL);
+    if (!st->mismatch_error)
+        return -1;
+    if (PyModule_AddObjectRef(m, "UcclMismatchError", st->mismatch_error) < 0 ||
+        PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
         PyModule_AddObjectRef(m, "UcclTimeoutError", st->timeout_error) < 0 ||
         PyModule_AddObjectRef(m, "UcclUnknownIdError", st->unknown_id_error) < 0)
         return -1;
@@ -232,6 +241,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->unknown_id_error);
+    Py_VISIT(st->mismatch_error);
     Py_VISIT(st->sg_type);
     Py_VISIT(st->token_type);
     return uccl__py_fast_traverse(&st->fast, visit, arg);
@@ -244,6 +254,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->timeout_error);
     uccl__py_fast_clear(&st->fast); /* first: FastPath reads the hooks while set up */
     Py_CLEAR(st->unknown_id_error);
+    Py_CLEAR(st->mismatch_error);
     Py_CLEAR(st->sg_type);
     Py_CLEAR(st->token_type);
     return 0;
