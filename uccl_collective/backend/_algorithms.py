@@ -177,7 +177,7 @@ class Algorithms:
             self.chk.check(call[0], call[1], inp.dtype, k, None, call[2])
             xctx.allgather(inp, out)
             return
-        rows = self.chk.fold(call[0], call[1], inp)
+        rows = self.chk.fold(call[0], call[1], inp.reshape(-1))
         if isinstance(out, torch.Tensor):
             out.view(self.size, k).copy_(rows)
         else:

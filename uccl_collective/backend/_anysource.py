@@ -57,9 +57,9 @@ class _Recv:
                              f"(magic {magic:#x}): the ranks' send/recv calls do not match")
         if n != _nbytes(self.t):
             raise UcclMismatchError(
-                f"recv from rank {self.src}: rank {self.src} sent {n} bytes, the receive tensor "
-                f"holds {_nbytes(self.t)} ({tuple(self.t.shape)} {self.t.dtype}); nothing was "
-                "written") from cause
+                f"recv from rank {self.src}: size mismatch: rank {self.src} sent {n} bytes, the "
+                f"receive tensor holds {_nbytes(self.t)} ({tuple(self.t.shape)} {self.t.dtype}); "
+                "nothing was written") from cause
 
     def test(self) -> bool:
         if not self.decided:

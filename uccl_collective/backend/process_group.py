@@ -299,8 +299,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return run
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
-        call = self._call("all_gather_into_tensor")
-        w = self._fast_allgather(output_tensor, input_tensor, opts)
+        try:
+            w = self._fast_allgather(output_tensor, input_tensor, opts)
+        finally:   # (as allreduce)
+            call = self._call("all_gather_into_tensor")
         if w is None:
             w = self._round_allgather(output_tensor, input_tensor, opts)
         if w is not None:
@@ -368,10 +370,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        chk = self._chk   # (the call's number: _call, inline on the hot path)
-        chk.calls += 1
+        try:
+            w = self._fast_allreduce(tensors, opts)
+        finally:   # the call's number (_call), whatever its route, after the C path's try
+            chk = self._chk
+            chk.calls += 1
         seq = chk.calls
-        w = self._fast_allreduce(tensors, opts)
         if w is None:
             w = self._round_allreduce(tensors, opts)
         if w is not None:
