@@ -435,6 +435,91 @@ def _case_send_recv_size(rank, ws, g, gloo):
     _like_gloo(_ar_again(rank), g, gloo)
 
 
+def _random_call(rng, ws):
+    """A call description: (operation, elements, dtype, root) (sizes on both
+    sides of the header's folding thresholds)."""
+    ops = ["all_reduce", "broadcast", "all_gather_into_tensor", "all_gather", "reduce",
+           "reduce_scatter_tensor", "gather", "scatter", "all_to_all_single", "barrier"]
+    op = ops[rng.randrange(len(ops))]
+    if op == "barrier":
+        return (op, 0, "float32", -1)
+    n = rng.choice([1, 3, 1000, 20000, 70001])
+    dt = rng.choice(["float32", "int32"])
+    root = rng.randrange(ws) if op in ("broadcast", "reduce", "gather", "scatter") else -1
+    return (op, n, dt, root)
+
+
+def _make_call(desc, rank, ws, g):
+    import torch
+    import torch.distributed as dist
+    op, n, dt, root = desc
+    dtype = getattr(torch, dt)
+    x = _data(max(n, 1), dtype, rank)[:n] if n else None
+    if op == "barrier":
+        return lambda: dist.barrier(group=g)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x, group=g)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, src=root, group=g)
+    if op == "reduce":
+        return lambda: dist.reduce(x, dst=root, group=g)
+    if op == "all_gather_into_tensor":
+        out = _poisoned(ws * n, dtype)
+        return lambda: dist.all_gather_into_tensor(out, x, group=g)
+    if op == "all_gather":
+        outs = [_poisoned(n, dtype) for _ in range(ws)]
+        return lambda: dist.all_gather(outs, x, group=g)
+    if op == "reduce_scatter_tensor":
+        inp, out = _data(ws * n, dtype, rank), _poisoned(n, dtype)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=g)
+    if op == "gather":
+        outs = [_poisoned(n, dtype) for _ in range(ws)] if rank == root else None
+        return lambda: dist.gather(x, outs, dst=root, group=g)
+    if op == "scatter":
+        ins = [_data(n, dtype, r) for r in range(ws)] if rank == root else None
+        out = _poisoned(n, dtype)
+        return lambda: dist.scatter(out, ins, src=root, group=g)
+    inp, out = _data(ws * n, dtype, rank), _poisoned(ws * n, dtype)
+    return lambda: dist.all_to_all_single(out, inp, group=g)
+
+
+def _case_random_calls(rank, ws, g, gloo):
+    """Trials of random calls (the same seed on every rank, so each knows the
+    others'): half the time every rank makes the same call, which must
+    succeed; otherwise each picks its own, and where any differs every rank
+    must raise UcclMismatchError within the bound.  The group works after
+    every trial."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+    import uccl_collective
+    mm = getattr(uccl_collective, "UcclMismatchError", ValueError)
+    rng = random.Random(1234)
+    for trial in range(60):
+        if rng.random() < 0.5:
+            descs = [_random_call(rng, ws)] * ws
+        else:
+            descs = [_random_call(rng, ws) for _ in range(ws)]
+        call = _make_call(descs[rank], rank, ws, g)
+        t0 = time.monotonic()
+        try:
+            call()
+            err = None
+        except Exception as e:  # noqa: BLE001
+            err = e
+        took = time.monotonic() - t0
+        same = len(set(descs)) == 1
+        if same:
+            assert err is None, f"trial {trial}: {descs[rank]} on every rank raised {err!r}"
+        else:
+            assert isinstance(err, mm), f"trial {trial}: calls {descs}: rank {rank} got {err!r}"
+            assert took < BOUND_S, f"trial {trial}: raised after {took:.2f} s: {err}"
+        x = torch.full((2,), float(rank + 1))
+        dist.all_reduce(x, group=g)
+        assert x.tolist() == [ws * (ws + 1) / 2] * 2, f"trial {trial}: the group after it"
+
+
 PLAN = {name[len("_case_"):]: fn for name, fn in sorted(globals().items())
         if name.startswith("_case_")}
 

@@ -257,7 +257,7 @@ int uccl__coll_advance(struct uccl__comm *cm, struct uccl__op *o, uint64_t until
     }
     if (o->phase == 2) {
         rc = uccl__coll_finish_transfers(cm, o, o->deadline, until);
-        if (rc != UCCL_ERR_MISMATCH || !o->clean || !o->algo->diagnose)
+        if (rc != UCCL_ERR_MISMATCH || !o->clean || !o->algo->diagnose || o->nodiag)
             return rc;
         /* Every rank failed alike: each tells every other what it called,
          * exactly (a mismatch now is a failure like any other). */

@@ -306,7 +306,8 @@ int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void 
 static int allgather_make(struct uccl__comm *cm, const struct uccl_coll_buf *send,
                           const struct uccl_coll_buf *recv, int algo, struct uccl__op **o_p)
 {
-    int n = cm->size, me = cm->rank, rc;
+    int n = cm->size, me = cm->rank, rc, nodiag = (algo & UCCL_AG_NO_DIAGNOSIS) != 0;
+    algo &= ~UCCL_AG_NO_DIAGNOSIS;
     if (algo != UCCL_AG_AUTO && algo != UCCL_AG_DIRECT && algo != UCCL_AG_RING)
         return uccl__err(UCCL_ERR_INVALID, "allgather algorithm %d (expected auto, direct or "
                          "ring)", algo);
@@ -347,6 +348,7 @@ static int allgather_make(struct uccl__comm *cm, const struct uccl_coll_buf *sen
     /* Direct: one message each way per pair, so a size mismatch fails both
      * sides of that pair and nothing else; the ring's forwarding is not. */
     o->tolerant = algo == UCCL_AG_DIRECT;
+    o->nodiag = nodiag;
     *o_p = o;
     return UCCL_OK;
 }

@@ -80,6 +80,7 @@ struct uccl__op {
      * aborting them; clean: the operation failed that way, so the
      * communicator is not poisoned. */
     int tolerant, clean;
+    int nodiag;                  /* UCCL_AG_NO_DIAGNOSIS: no diagnose after a mismatch */
     int mismatched;              /* transfers that failed with a size mismatch */
     char mmsg[512];              /* the first one's message */
     uint64_t *diag;              /* diagnose: this rank's record, then every rank's */

@@ -217,7 +217,8 @@ static int module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "AG_AUTO", UCCL_AG_AUTO) < 0 ||
         PyModule_AddIntConstant(m, "AG_DIRECT", UCCL_AG_DIRECT) < 0 ||
-        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0)
+        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0 ||
+        PyModule_AddIntConstant(m, "AG_NO_DIAGNOSIS", UCCL_AG_NO_DIAGNOSIS) < 0)
         return -1;
     static const struct { const char *name; int value; } sg_consts[] = {
         {"DT_F32", UCCL_DT_F32}, {"DT_F64", UCCL_DT_F64}, {"DT_F16", UCCL_DT_F16},

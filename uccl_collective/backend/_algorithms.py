@@ -66,8 +66,8 @@ class Algorithms:
         self.chk.close()
 
     def folds(self, nbytes: int) -> bool:
-        """Whether nbytes per rank go through the header's slots (all_gather,
-        broadcast): every rank's slot together at most _check.FOLD_BYTES."""
+        """Whether nbytes per rank go through the header's slots (all_gather):
+        every rank's slot together at most _check.FOLD_BYTES."""
         return self.size * (_check.H + nbytes) <= _check.FOLD_BYTES
 
     def scratch(self, nbytes: int, slot: int = 0, device: Any = "cpu") -> torch.Tensor:
@@ -225,12 +225,13 @@ class Algorithms:
         xctx = self._d.xctx
         if isinstance(xctx, StreamCtx):   # the fast path's round
             xctx.broadcast(s.t, root)
-        elif call is not None and not t.is_cuda and self.folds(t.numel() * t.element_size()):
-            # the root's t behind its header; the others' slots carry none
+        elif call is not None and not t.is_cuda and \
+                t.numel() * t.element_size() <= _check.ROOT_FOLD_BYTES:
+            # the root's t behind its header, the others' headers alone
             flat = s.t.reshape(-1)
-            rows = self.chk.fold(call[0], call[1], flat, None, root, self.rank == root)
+            got = self.chk.fold_root(call[0], call[1], flat, root)
             if self.rank != root:
-                flat.copy_(rows[root])
+                flat.copy_(got)
         else:
             self.check(call, t, t.dtype, t.numel())
             self.star(what, root, [s.t] * self.size, s.t, to_root=False)

@@ -10,19 +10,22 @@ in which each rank sends every other a fixed 32-byte header of its call
 (HDR), in a slot of its own; each rank then compares every header with
 its own, so that all of them reach the same verdict from the same bytes.
 Where the algorithm's first exchange is an allgather of data small enough
-to go through the slots (all_reduce up to UCCL_PG_SMALL_KB, all_gather and
-broadcast up to FOLD_BYTES in all), the data rides behind the header in
-the same slot: no extra round, and nothing reaches the caller's tensors
-before the headers agree.  Otherwise the header goes alone, and the data
-follows once it has been checked (one small allgather more).
+to go through the slots (all_reduce up to UCCL_PG_SMALL_KB, all_gather up
+to FOLD_BYTES in all), the data rides behind the header in the same slot:
+no extra round, and nothing reaches the caller's tensors before the
+headers agree.  A broadcast up to ROOT_FOLD_BYTES sends the root's data
+behind its header and every other rank's header alone (fold_root: slots of
+two sizes).  Otherwise the header goes alone, and the data follows once it
+has been checked (one small allgather more).
 
 Calls whose slots differ in size (a 4-byte all_reduce against a 1 MiB
-one) fail the engine's allgather on every rank (each rank receives from
-every rank as many bytes as it sends, so a rank whose slot differs fails
-every rank's receive from it: csrc/coll, a size mismatch finishes every
-transfer and fails the operation without breaking the connections); every
-rank then sends every other its header alone, in slots of one size, and
-names what differs from those.
+one) fail the engine's allgather of some ranks or all (csrc/coll: a size
+mismatch finishes every transfer and fails the operation, without breaking
+the connections); a rank whose exchange went through holds every rank's
+header and sees the difference.  So where calls disagree every rank
+raises, whether at the exchange or at the comparison, and every rank then
+sends every other its header alone, in slots of one size (_diagnose): the
+message names what differs, and every rank made the same exchanges.
 
 After a mismatch the group can still be used: every rank raised in the
 same exchange, nothing else was posted, so the ranks still agree on what
@@ -40,14 +43,21 @@ from ..p2p import UcclMismatchError
 from . import _reduce
 
 MAGIC = 0x31636375   # b"ucc1"
+#: the exchanges' algorithm: direct (a size mismatch then fails both sides of
+#: a pair and nothing else), without the engine's own exchange of sizes
+#: after a mismatch (this module's follows instead: see Checker._diagnose)
+_AG = _engine.AG_DIRECT | _engine.AG_NO_DIAGNOSIS
 #: magic, operation, dtype, reduce op, flags, root, extra bytes, call number, count
 HDR = struct.Struct("<IBBBBiIQQ")
 H = HDR.size          # 32: the payload behind it stays 16-byte aligned
 NONE = 255            # no dtype, no reduce op
-#: all_gather and broadcast through the slots up to this many bytes in all
-#: (every rank's slot): above it, a copy out of the slots costs more than a
-#: round of headers alone
+#: all_gather through the slots up to this many bytes in all (every rank's
+#: slot): above it, the copies into and out of the slots cost more than a
+#: round of headers alone (about 30 us on the 2-core machine)
 FOLD_BYTES = 64 << 10
+#: broadcast through the root's slot up to this many bytes (the others send
+#: their header alone, and copy the data out of the root's slot)
+ROOT_FOLD_BYTES = 256 << 10
 
 #: operation codes (the index); the same on every rank of one version
 OPS = ("barrier", "all_reduce", "all_reduce_coalesced", "all_reduce (sparse)", "reduce",
@@ -98,11 +108,17 @@ class Checker:
         self._mr = 0
         self._lay: dict[int, tuple] = {}     # slot bytes -> (own buffer, every rank's)
         self._views: dict[tuple, tuple] = {}  # (slot bytes, dtype, elements) -> payload views
+        self._roots: dict[tuple, tuple] = {}  # fold_root's layouts
 
     def close(self) -> None:
         self._buf = self._mv = None
+        self._forget()
+
+    def _forget(self) -> None:
+        """The layouts over the buffer (it is replaced)."""
         self._lay.clear()
         self._views.clear()
+        self._roots.clear()
 
     # -- the slots -------------------------------------------------------------------
     def _slots(self, stride: int) -> tuple:
@@ -124,8 +140,7 @@ class Checker:
         if self._mr:
             ep.dereg(self._mr)
             self._mr = 0
-        self._lay.clear()
-        self._views.clear()
+        self._forget()
         self._buf = torch.zeros(max(need, 4096), dtype=torch.uint8)
         self._mv = memoryview(self._buf.numpy())
         # registered once (otherwise the engine registers it at every call),
@@ -153,12 +168,11 @@ class Checker:
         return mv if xl else None
 
     def fold(self, what: str, seq: int, flat: torch.Tensor, redop: Any = None,
-             root: int = -1, payload: bool = True) -> torch.Tensor:
+             root: int = -1) -> torch.Tensor:
         """The call's header and flat (a contiguous CPU tensor) in one slot
         per rank, exchanged; once every header agrees, every rank's flat as
         the rows of an (n, numel) view of the slots (the caller copies or
-        reduces out of it).  payload False: this rank's data is not needed
-        (broadcast's other ranks): the slot goes as it is."""
+        reduces out of it)."""
         n, numel, dtype = self.size, flat.numel(), flat.dtype
         nbytes = numel * flat.element_size()
         stride = H + _pad(nbytes)
@@ -168,8 +182,7 @@ class Checker:
         if views is None:
             rows = self._buf[:n * stride].view(n, stride)[:, H:H + nbytes].view(dtype)
             views = self._views[key] = (rows, rows[self.rank])
-        if payload:
-            views[1].copy_(flat)
+        views[1].copy_(flat)
         hdr = header(what, seq, dtype, numel, redop, root, nbytes)
         mv, off = self._mv, self.rank * stride
         mv[off:off + H] = hdr
@@ -177,32 +190,79 @@ class Checker:
             self._exchange(what, hdr, stride, own, bufs)
         return views[0]
 
+    def fold_root(self, what: str, seq: int, flat: torch.Tensor, root: int) -> torch.Tensor:
+        """broadcast's header with the root's flat (a contiguous CPU tensor)
+        behind it in the root's slot, every other rank's header alone (an
+        allgather of chunks of two sizes); once every header agrees, the
+        root's flat as a view of its slot (the others copy it out).
+
+        Each rank expects the larger slot where its own call says the root
+        is, so calls that disagree fail the exchange of some ranks and not
+        of others; those whose exchange went through hold every header, and
+        see the difference.  Every rank raises either way, and then (always,
+        so that all of them do) sends every other its header alone, which
+        names what differs."""
+        n, me = self.size, self.rank
+        if n == 1:
+            return flat
+        numel, dtype = flat.numel(), flat.dtype
+        nbytes = numel * flat.element_size()
+        big = H + _pad(nbytes)
+        key = (root, big, dtype, numel)
+        lay = self._roots.get(key)
+        if lay is None:
+            need = (n - 1) * H + big
+            if self._buf is None or self._buf.numel() < need:
+                self._grow(need)
+            offs = [r * H + (big - H if r > root else 0) for r in range(n)]
+            base, mr = self._buf.data_ptr(), self._mr
+            bufs = [(base + offs[r], big if r == root else H, mr) for r in range(n)]
+            pay = self._buf[offs[root] + H:offs[root] + H + nbytes].view(dtype)
+            lay = self._roots[key] = (offs, bufs, pay)
+        offs, bufs, pay = lay
+        if me == root:
+            pay.copy_(flat)
+        hdr = header(what, seq, dtype, numel, None, root, nbytes)
+        mv = self._mv
+        mv[offs[me]:offs[me] + H] = hdr
+        ctx = self._ctx
+        err = None
+        try:
+            ctx._cm().allgather(bufs[me], bufs, _AG, False, ctx.timeout_s, -1, 0)
+        except UcclMismatchError as e:
+            err = e
+        if err is None and all(mv[o:o + H] == hdr for o in offs):
+            return pay
+        self._diagnose(what, hdr, err)
+        raise AssertionError("unreachable")   # (_diagnose raises)
+
     def _exchange(self, what: str, hdr: bytes, stride: int, own: tuple, bufs: list) -> None:
         ctx = self._ctx
         cm = ctx._cm()
         try:
-            cm.allgather(own, bufs, _engine.AG_DIRECT, False, ctx.timeout_s, -1, 0)
+            cm.allgather(own, bufs, _AG, False, ctx.timeout_s, -1, 0)
         except UcclMismatchError as e:
-            # the slots differ in size, so the calls do: every rank failed
-            # here; each sends every other its header alone to say how
+            # the slots differ in size, so the calls do
             self._diagnose(what, hdr, e)
         mv, me = self._mv, self.rank
         for r in range(self.size):
             if r != me and mv[r * stride:r * stride + H] != hdr:
-                self._raise(what, [mv[q * stride:q * stride + H] for q in range(self.size)])
+                self._diagnose(what, hdr, None)
 
-    def _diagnose(self, what: str, hdr: bytes, cause: BaseException) -> None:
-        """After the slots' sizes disagreed: the headers alone, exchanged,
-        and the difference raised (the engine's own message where even
-        that exchange fails: the ranks are not all here)."""
+    def _diagnose(self, what: str, hdr: bytes, cause: BaseException | None) -> None:
+        """After the exchange failed (cause: the engine's size mismatch) or
+        the headers it brought differ (None): every rank's header alone,
+        exchanged, and the difference raised (the engine's own message
+        where even that exchange fails: the ranks are not all here).  Every
+        rank comes here after any exchange in which the calls disagree (the
+        module's doc says why), so all of them make this exchange."""
         own, bufs = self._slots(H)
         mv, n = self._mv, self.size
         mv[self.rank * H:(self.rank + 1) * H] = hdr
         try:
-            self._ctx._cm().allgather(own, bufs, _engine.AG_DIRECT, False, self._ctx.timeout_s,
-                                      -1, 0)
-        except Exception:   # noqa: BLE001 - the first error says more
-            raise cause from None
+            self._ctx._cm().allgather(own, bufs, _AG, False, self._ctx.timeout_s, -1, 0)
+        except Exception as e:   # noqa: BLE001 - the first error says more
+            raise (cause or e) from None
         self._raise(what, [mv[q * H:(q + 1) * H] for q in range(n)], cause)
 
     def _raise(self, what: str, slots: Sequence, cause: BaseException | None = None) -> None:
