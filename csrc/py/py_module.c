@@ -197,7 +197,16 @@ static int module_exec(PyObject *m)
     Py_DECREF(bases);
     if (!st->unknown_id_error)
         return -1;
-    if (PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
+    /* The ranks' calls disagree (a size, an operation, a root): the
+     * callers' mistake, as every argument error is (a ValueError). */
+    st->mismatch_error = PyErr_NewExceptionWithDoc(
+        "uccl_collective.UcclMismatchError",
+        "The ranks' calls disagree (sizes, operations, roots): nothing of the mismatched "
+        "data was written.", PyExc_ValueError, NULL);
+    if (!st->mismatch_error)
+        return -1;
+    if (PyModule_AddObjectRef(m, "UcclMismatchError", st->mismatch_error) < 0 ||
+        PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
         PyModule_AddObjectRef(m, "UcclTimeoutError", st->timeout_error) < 0 ||
         PyModule_AddObjectRef(m, "UcclUnknownIdError", st->unknown_id_error) < 0)
         return -1;
@@ -252,7 +261,8 @@ static int module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "AG_AUTO", UCCL_AG_AUTO) < 0 ||
         PyModule_AddIntConstant(m, "AG_DIRECT", UCCL_AG_DIRECT) < 0 ||
-        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0)
+        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0 ||
+        PyModule_AddIntConstant(m, "AG_NO_DIAGNOSIS", UCCL_AG_NO_DIAGNOSIS) < 0)
         return -1;
     static const struct { const char *name; int value; } sg_consts[] = {
         {"DT_F32", UCCL_DT_F32}, {"DT_F64", UCCL_DT_F64}, {"DT_F16", UCCL_DT_F16},
@@ -276,6 +286,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->unknown_id_error);
+    Py_VISIT(st->mismatch_error);
     Py_VISIT(st->sg_type);
     Py_VISIT(st->token_type);
     return uccl__py_fast_traverse(&st->fast, visit, arg);
@@ -288,6 +299,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->timeout_error);
     uccl__py_fast_clear(&st->fast); /* first: FastPath reads the hooks while set up */
     Py_CLEAR(st->unknown_id_error);
+    Py_CLEAR(st->mismatch_error);
     Py_CLEAR(st->sg_type);
     Py_CLEAR(st->token_type);
     return 0;
