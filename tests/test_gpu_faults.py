@@ -60,6 +60,7 @@ def test_verdict_names_each_failure():
     assert G.verdict(dict(base, results=[ok, {"rank": 1}])) == []
     cases = {"never raised": dict(ok, error=None), "raised 11": dict(ok, raised_s=11),
              "did not raise": dict(ok, next_raised=False),
+             "took 5.0 s to raise": dict(ok, next_s=5.0),
              "did not complete": dict(ok, stream_ok=False),
              "stayed blocked": dict(ok, stream_blocked=True),
              "MiB of GPU memory": dict(ok, gpu_leak=1 << 30)}

@@ -68,6 +68,7 @@ struct qmark {
 
 struct inflight {
     uint64_t seq, dst_off, len, xfer;
+    uint64_t posted_ns;       /* FL_REMOTE: when it was posted (its deadline's start) */
     uint32_t dst;
     int kind;
     void *mark;               /* FL_LOCAL: the copy's stream mark (NULL: done at once) */
@@ -197,6 +198,12 @@ static int retire_oldest(struct uccl__ring *r, int wait)
             d = rc == UCCL_OK;
         } else {
             rc = uccl_ep_poll(r->ep, f->xfer, &d);
+            /* a peer that stalls (stopped, or its engine wedged) never
+             * finishes the write: past the timeout, a wait whose deadline
+             * has passed fails its connection, so the ring fails here and
+             * later puts fail at once, not each after its own timeout */
+            if (rc == UCCL_OK && !d && now_ns() - f->posted_ns > r->timeout_ns)
+                rc = uccl_ep_wait(r->ep, f->xfer, f->posted_ns + r->timeout_ns, 0);
         }
         finished = rc != UCCL_OK || d;
         if (finished)
@@ -300,6 +307,7 @@ static void issue(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t 
         uint8_t fifo[64];
         uccl_fifo_make(d->window, d->token, d->waddr + c->dst_off, c->len, d->wbase, fifo);
         f->kind = FL_REMOTE;
+        f->posted_ns = now_ns();
         rc = uccl_ep_post(r->ep, UCCL_XFER_WRITE, d->conn, r->src_mr, src, c->len, fifo,
                           sizeof(fifo), UCCL_STREAM_NONE, &f->xfer);
     }
