@@ -49,16 +49,17 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(trials, f, indent=1)
     print(f"\n| op | ranks | signal | trials | passed | survivors' raise, s (max) | "
-          f"next call, s (max) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          f"next call, s (max) | kept by a failed group, MiB (max) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for op in ops:
         ts = [t for t in trials if t["op"] == op]
         surv = [r for t in ts for r in t["results"] if r.get("rank") != t["victim"]]
         rs = [r["raised_s"] for r in surv if r.get("raised_s") is not None]
         ns = [r["next_s"] for r in surv if r.get("next_s") is not None]
+        kept = [r["gpu_leak"] >> 20 for r in surv if r.get("gpu_leak") is not None]
         print(f"| {op} | {a.world} | SIG{a.mode.upper()} | {len(ts)} | "
               f"{sum(1 for t in ts if not t['bad'])} | {max(rs, default=float('nan')):.2f} | "
-              f"{max(ns, default=float('nan')):.3f} |")
+              f"{max(ns, default=float('nan')):.3f} | {max(kept, default='-')} |")
     failed = [t for t in trials if t["bad"]]
     print(f"\n{len(trials) - len(failed)} of {len(trials)} trials passed")
     return 1 if failed else 0

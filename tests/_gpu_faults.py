@@ -19,9 +19,12 @@ survivor records:
 - stream_ok: work queued on the same stream after the failure completes
   and is right (a fill and a multiply, waited for within 5 s);
 - closed_s: destroy_process_group() / finalize() returns (seconds);
-- gpu_leak: device memory not given back after closing, freeing the
-  tensors and emptying torch's cache (cudaMemGetInfo's free before the
-  group was made, minus after).
+- gpu_leak: device memory not given back after closing the failed group,
+  freeing the tensors and emptying torch's cache (cudaMemGetInfo's free
+  after a clean group of the same op was made and closed, minus after).
+  Reported, not judged: a failed group keeps, for the life of the process,
+  the memory a peer's stream may still copy into (its staging arenas, the
+  fused buffers, the tensors of messages not in place; docs/gpu.md).
 
 The driver then checks that every rank process is gone, /dev/shm holds no
 file the trial made, and the GPUs' used memory is back to what it was.  A
@@ -153,6 +156,12 @@ class _Op:
         else:
             raise ValueError(f"unknown op {name!r}; known: {', '.join(OPS)}")
 
+    def diagnosis(self) -> str:
+        if self.ring is None:
+            return ""
+        return (f": status words {self.status.tolist()}, ring error {self.ring.error()!r}, "
+                f"counters {self.ring.counters()}")
+
     def failed_on_gpu(self) -> str | None:
         """The GPU ring reports a failure in its commands' status words
         (error codes), not by raising: the first nonzero code, if any."""
@@ -201,8 +210,11 @@ def rank_main(p: dict) -> dict:
         op = _Op(p["op"], rank, world, p["size"], dev, ctx, g)
         for i in range(3):
             op.run()
-            if not sync(time.monotonic() + 60) or not op.check():
-                raise AssertionError(f"warm-up call {i} of {p['op']} gave a wrong result")
+            if not sync(time.monotonic() + 60):
+                raise AssertionError(f"warm-up call {i} of {p['op']}: the stream stayed blocked")
+            if not op.check():
+                raise AssertionError(f"warm-up call {i} of {p['op']} gave a wrong result"
+                                     + op.diagnosis())
         return op, g, ctx
 
     def close(op, g, ctx):
@@ -360,7 +372,8 @@ def trial(op: str, world: int, *, mode: str = "kill", victim: int, delay_s: floa
                 with open(f) as fh:
                     results[r] = json.load(fh)
         if mode == "stop" and not continued and all(r in results for r in survivors):
-            os.kill(pids[victim], signal.SIGCONT)   # the stalled rank wakes up
+            if victim not in dead:
+                os.kill(pids[victim], signal.SIGCONT)   # the stalled rank wakes up
             continued = True
         if len(dead) == world:
             break
@@ -385,8 +398,9 @@ def trial(op: str, world: int, *, mode: str = "kill", victim: int, delay_s: floa
 def verdict(t: dict) -> list[str]:
     """What went wrong in a trial (empty: it passed).  A survivor must raise
     within timeout + 5 s of the kill, raise again at once, get its stream
-    back, close, and give its GPU memory back; the SIGSTOPped victim must
-    raise once continued; nothing may stay in /dev/shm or on the GPUs."""
+    back and close; the SIGSTOPped victim must raise once continued; once
+    the job's processes are gone nothing may stay in /dev/shm or on the
+    GPUs."""
     bad, lim = [], t["timeout_s"] + 5
     for res in t["results"]:
         r = res.get("rank")
@@ -411,8 +425,6 @@ def verdict(t: dict) -> list[str]:
             bad.append(f"{who}: the next call took {res['next_s']} s to raise")
         if res.get("stream_ok") is False:
             bad.append(f"{who}: work queued after the failure did not complete right")
-        if res.get("gpu_leak", 0) > (64 << 20):
-            bad.append(f"{who}: {res['gpu_leak'] >> 20} MiB of GPU memory kept after closing")
     if t["shm_left"]:
         bad.append(f"/dev/shm left: {t['shm_left'][:5]}")
     if t["gpu_used_after"] and any(a > b + 64 for a, b in zip(t["gpu_used_after"],

@@ -28,8 +28,9 @@ def _check(t: dict) -> None:
 @pytest.mark.parametrize("op", G.OPS)
 def test_killed_rank(op):
     """The victim SIGKILLs itself 0.05 s into the loop: every survivor raises
-    within timeout + 5 s, again at once, its stream completes later work,
-    it closes and gives its GPU memory back; nothing left in /dev/shm."""
+    within timeout + 5 s, again at once, its stream completes later work
+    and it closes; once the ranks are gone nothing is left in /dev/shm or
+    on the GPUs."""
     _check(G.trial(op, WORLD, victim=WORLD - 1, delay_s=0.05, size=1 << 20, timeout_s=5))
 
 
@@ -62,8 +63,7 @@ def test_verdict_names_each_failure():
              "did not raise": dict(ok, next_raised=False),
              "took 5.0 s to raise": dict(ok, next_s=5.0),
              "did not complete": dict(ok, stream_ok=False),
-             "stayed blocked": dict(ok, stream_blocked=True),
-             "MiB of GPU memory": dict(ok, gpu_leak=1 << 30)}
+             "stayed blocked": dict(ok, stream_blocked=True)}
     for want, res in cases.items():
         got = G.verdict(dict(base, results=[res, {"rank": 1}]))
         assert any(want in b for b in got), (want, got)

@@ -24,6 +24,7 @@
 #define OFF_FIN 192
 #define OFF_CONSUMED 256            /* u64 words the host writes */
 #define OFF_PID 264
+#define OFF_CLOSING 272             /* u64 the host writes: nonzero once its close began */
 #define OFF_SLOTS 320
 #define NSLOT 4
 #define SLOT_BYTES ((RANK_BYTES - OFF_SLOTS) / NSLOT)

@@ -185,6 +185,22 @@ static int peers_past(uccl_sg_t *sg, uint32_t k, uint64_t until)
     }
 }
 
+/* A message the peer has not posted yet and never will: it closed its
+ * group (or its process is gone) first.  A peer that is merely slower
+ * (a buffered send it has yet to receive) gets the timeout. */
+static int unposted_for_good(uccl_sg_t *sg, const struct p2p_pending *p)
+{
+    if (!uccl__sg_p2p_unmatched(sg, p))
+        return 0;
+    uint32_t n = (uint32_t)sg->size;
+    int src = (int)(p->chan / n), dst = (int)(p->chan % n);
+    int peer = src == sg->rank ? dst : src;
+    int gone = __atomic_load_n(w64(sg, peer, OFF_CLOSING), __ATOMIC_ACQUIRE) ||
+               !uccl__sg_alive(ld64(w64(sg, peer, OFF_PID)));
+    /* it posts before it closes: read its arrival again after its flag */
+    return gone && uccl__sg_p2p_unmatched(sg, p);
+}
+
 int uccl_sg_close(uccl_sg_t *sg)
 {
     if (!sg)
@@ -193,6 +209,8 @@ int uccl_sg_close(uccl_sg_t *sg)
     sg->closed = 1;
     pthread_cond_broadcast(&sg->cv);
     pthread_mutex_unlock(&sg->mu);
+    /* peers waiting for this rank to post a message learn it never will */
+    __atomic_store_n(w64(sg, sg->rank, OFF_CLOSING), 1, __ATOMIC_RELEASE);
     if (sg->watching)
         pthread_join(sg->watch, NULL);
     /* the copies of rounds still queued read through their mappings: wait
@@ -204,7 +222,7 @@ int uccl_sg_close(uccl_sg_t *sg)
         if (!sg->npend && !sg->np2p)
             break;
         for (int i = 0; i < sg->np2p; i++)
-            if (uccl__sg_p2p_unmatched(sg, &sg->p2p[i])) { /* it never will be */
+            if (unposted_for_good(sg, &sg->p2p[i])) {
                 char why[REASON];
                 uccl__sg_p2p_why(sg, &sg->p2p[i], 1, why, sizeof(why));
                 uccl__sg_fail_locked(sg, why);
@@ -213,7 +231,15 @@ int uccl_sg_close(uccl_sg_t *sg)
         if (uccl__sg_failed_locked(sg))
             break;
         if (uccl__now_ns() > until) {
-            uccl__sg_fail_locked(sg, "closed with rounds or messages still queued that did not finish");
+            char why[REASON];
+            snprintf(why, sizeof(why), "closed with rounds or messages still queued that did "
+                     "not finish within the timeout");
+            for (int i = 0; i < sg->np2p; i++)
+                if (uccl__sg_p2p_unmatched(sg, &sg->p2p[i])) {
+                    uccl__sg_p2p_why(sg, &sg->p2p[i], 1, why, sizeof(why));
+                    break;
+                }
+            uccl__sg_fail_locked(sg, why);
             break;
         }
         pthread_mutex_unlock(&sg->mu);
