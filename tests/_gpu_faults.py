@@ -217,6 +217,16 @@ def rank_main(p: dict) -> dict:
                                      + op.diagnosis())
         return op, g, ctx
 
+    def barrier(key):
+        """Every rank past this point (one-sided puts land in the peers'
+        windows: a rank must not close its own while others still write)."""
+        store.add(key, 1)
+        until = time.monotonic() + 60
+        while store.add(key, 0) < world:
+            if time.monotonic() > until:
+                raise TimeoutError(f"the other ranks never reached {key!r}")
+            time.sleep(0.001)
+
     def close(op, g, ctx):
         if op.ring is not None:
             op.ring.close()
@@ -235,16 +245,14 @@ def rank_main(p: dict) -> dict:
     if not cpu:
         # a clean round first: what a group keeps for the life of the
         # process once closed (kernels loaded, streams) is not the fault's
-        close(*make())
+        clean = make()
+        barrier("clean")
+        close(*clean)
+        del clean
         free_clean = free_now()
         res["kept_by_clean_close"] = free0 - free_clean
     op, g, ctx = make()
-    store.add("armed", 1)
-    t_arm = time.monotonic() + 60
-    while store.add("armed", 0) < world:
-        if time.monotonic() > t_arm:
-            raise TimeoutError("the other ranks never armed")
-        time.sleep(0.001)
+    barrier("armed")
     if res["victim"]:
         sig = signal.SIGKILL if p["mode"] == "kill" else signal.SIGSTOP
 
