@@ -87,7 +87,22 @@ AQ_BOUND = 8
 AQ_TOTAL = 20
 
 
+def _capture_stderr():
+    """fd 2 into a temporary file (the engine logs there); returns a function
+    that reads what was logged so far."""
+    import tempfile
+
+    f = tempfile.TemporaryFile()
+    os.dup2(f.fileno(), 2)
+
+    def read():
+        f.seek(0)
+        return f.read().decode(errors="replace")
+    return read
+
+
 def _aq_server(ch):
+    log = _capture_stderr()
     ep = _endpoint(10)
     ch.send("port", ep.address()[1])
     base_fds, base_threads = _fds(), _threads()
@@ -104,8 +119,9 @@ def _aq_server(ch):
             break
         accepted.append(None)
     ep.close()
+    refusals = [ln for ln in log().splitlines() if "refused connection" in ln]
     return dict(base_fds=base_fds, fds=fds, base_threads=base_threads, threads=threads,
-                accepted=len(accepted))
+                accepted=len(accepted), refusals=refusals)
 
 
 def _aq_client(ch):
@@ -130,23 +146,30 @@ def test_unaccepted_connections_are_bounded(transport):
     """A client makes 20 connections to a server that accept()s none, with
     UCCL_P2P_ACCEPT_QUEUE=8.  The first 8 succeed; the other 12 are refused
     in their handshake, each connect() raising within 2 s a UcclError that
-    names the queue and its bound; the server holds descriptors and threads
+    names the queue's variable, and the server logging each refusal once
+    with the peer and the numbers; the server holds descriptors and threads
     for 8 connections only.  Once the server accept()s one, the next
     connect() succeeds, and accept() then returns exactly the 8 that waited
     (before the fix all 20 succeeded and were held)."""
     env = {**TRANSPORTS[transport][0], "UCCL_P2P_ACCEPT_QUEUE": str(AQ_BOUND)}
-    with Pair(_aq_server, _aq_client, env=env) as pair:
+    with Pair(_aq_server, _aq_client, env=env,
+              server_env={"UCCL_P2P_LOG_LEVEL": "WARNING"}) as pair:
         s, c = pair.results(timeout=120)
     ok = [r for r in c["res"] if r["err"] is None]
     bad = [r for r in c["res"] if r["err"] is not None]
     assert len(ok) == AQ_BOUND, f"{len(ok)} of {AQ_TOTAL} connections succeeded: {c['res']}"
     for r in bad:
         assert r["err"]["uccl"], r
-        assert "accept" in r["err"]["msg"] and str(AQ_BOUND) in r["err"]["msg"], r
+        assert "accept()" in r["err"]["msg"] and "UCCL_P2P_ACCEPT_QUEUE" in r["err"]["msg"], r
         assert r["s"] < 2, r
-    per = 2 + 4  # a connection's descriptors (control, streams, segment) plus slack
-    assert s["fds"] - s["base_fds"] <= AQ_BOUND * per, s
-    assert s["threads"] - s["base_threads"] <= AQ_BOUND * 4, s
+    assert len(s["refusals"]) == len(bad), s["refusals"]
+    for ln in s["refusals"]:
+        assert "127.0.0.1" in ln and f"{AQ_BOUND} connections wait for accept()" in ln, ln
+        assert f"UCCL_P2P_ACCEPT_QUEUE={AQ_BOUND}" in ln, ln
+    # a connection's descriptors (control, 2 TCP streams) and threads (service,
+    # worker, a sender and a receiver per TCP stream), for 8 of them, not 20
+    assert s["fds"] - s["base_fds"] <= AQ_BOUND * 3 + 2, s
+    assert s["threads"] - s["base_threads"] <= AQ_BOUND * 6 + 2, s
     assert c["again"] is None, f"connect() after accept() made room failed: {c['again']}"
     assert s["accepted"] == AQ_BOUND + 1, s
 

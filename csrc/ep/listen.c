@@ -135,6 +135,10 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
         uccl__send_ack(p->fd, &ep->local, UCCL_ERR_PROTO, NULL);
         return 0;
     }
+    if (uccl__ep_accept_room(ep, p->name) != UCCL_OK) { /* logged there, with the numbers */
+        uccl__send_ack(p->fd, &ep->local, UCCL_ERR_BUSY, NULL);
+        return 0;
+    }
     struct uccl__conn *c = uccl__conn_new(&ep->local, 0, p->fd);
     if (!c) {
         uccl__send_ack(p->fd, &ep->local, UCCL_ERR_NOMEM, NULL);
@@ -264,6 +268,7 @@ static void *listener_main(void *arg)
             }
         }
         expire_incomplete(ep, 0);
+        uccl__ep_reap(ep); /* what failed connections hold (conns.c) */
     }
     for (unsigned i = 0; i < npend; i++)
         close(pend[i].fd);
