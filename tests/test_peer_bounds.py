@@ -461,3 +461,171 @@ def test_honest_sender_far_ahead_is_never_refused(transport):
         s, c = pair.results(timeout=150)
     assert s is True, "the received messages differ from what was sent"
     assert c is True, "the bytes read differ from the window"
+
+
+# --------------------------------------------------------------------------
+# 5. the sender's window, seen by a hand-written TCP receiver
+WIN_POSTED = REQ_WINDOW + 76
+
+
+def _window_sender(ch):
+    from test_hostile_peer import MSG_FIN, TcpAcceptor, _connect_to, msg
+
+    ep = _endpoint(10)
+    acc = TcpAcceptor()
+    conn = _connect_to(ep, acc)
+    src = np.arange(16, dtype=np.uint8)
+    mr = ep.reg(addr(src), 16)[1]
+    xs = [ep.send_async(conn, mr, addr(src), 16)[1] for _ in range(WIN_POSTED)]
+
+    def read_rts(timeout):
+        """The RTSs that arrive within `timeout` s (eager payloads skipped)."""
+        seqs = []
+        acc.ctrl.settimeout(timeout)
+        try:
+            while True:
+                m = acc.read_msg()
+                seqs.append(m["seq"])
+                if m["aux"] & 1:
+                    acc.ctrl.recv(m["len"], socket.MSG_WAITALL)
+        except (socket.timeout, EOFError, OSError):
+            pass
+        return seqs
+
+    first = read_rts(1.0)                          # the window, and no more
+    acc.ctrl.sendall(msg(MSG_FIN, seq=1, ln=16))   # one finishes: one more goes out
+    second = read_rts(1.0)
+    done1 = catch(ep.wait, xs[0], timeout=5)
+    # a FIN for a message not announced yet: a protocol error, not a success
+    acc.ctrl.sendall(msg(MSG_FIN, seq=WIN_POSTED, ln=16))
+    err = catch(ep.wait, xs[-1], timeout=5)
+    acc.close()
+    ep.close()
+    return dict(first=first, second=second, done1=done1, err=err)
+
+
+def test_sender_keeps_its_window():
+    """The process under test connects to a hand-written TCP receiver and
+    posts 1,100 async sends of 16 bytes.  Exactly UCCL_REQ_WINDOW (1024)
+    RTSs arrive (sequence numbers 1..1024), and no more while none is
+    answered; a FIN for message 1 finishes that send and lets exactly one
+    more RTS out (1025).  A FIN for message 1100, which was never announced,
+    fails the connection (a protocol error naming the message), instead of
+    finishing a send whose bytes never left."""
+    r = run_one(_window_sender, env=TRANSPORTS["tcp"][0], timeout=60)
+    assert r["first"] == list(range(1, REQ_WINDOW + 1)), (len(r["first"]), r["first"][-3:])
+    assert r["second"] == [REQ_WINDOW + 1], r["second"]
+    assert r["done1"] is None, r
+    err = r["err"]
+    assert err is not None and err["uccl"], r
+    assert "FIN" in err["msg"] and str(WIN_POSTED) in err["msg"], err
+
+
+# --------------------------------------------------------------------------
+# 6. reads a peer asks for and never finishes
+RREQ_FLOOD = 3000
+
+
+def _rreq_flood(ch):
+    from test_hostile_peer import MSG_GO, MSG_RREQ, _accept_shm, msg, window_token
+
+    ep = _endpoint(5)
+    conn, sock, q = _accept_shm(ep)
+    n = 4096
+    win = np.zeros(n, np.uint8)
+    mr = ep.reg(addr(win), n)[1]
+    window, token = window_token(ep.advertise(conn, mr, addr(win), n)[1])
+    gos = 0
+    for base in range(0, RREQ_FLOOD, 1000):     # the queue holds 4096: in batches
+        q.send_many([msg(MSG_RREQ, seq=base + i + 1, ln=n, window=window, token=token)
+                     for i in range(1000)])
+        try:
+            while True:
+                if q.recv(0.5)["type"] == MSG_GO:
+                    gos += 1
+        except TimeoutError:
+            pass
+    sock.settimeout(3)
+    try:
+        eof = sock.recv(1) == b""
+    except (ConnectionError, socket.timeout) as e:
+        eof = isinstance(e, ConnectionError)
+    buf = np.zeros(16, np.uint8)
+    bmr = ep.reg(addr(buf), 16)[1]
+    err = catch(ep.recv, conn, bmr, addr(buf), 16)
+    t0 = time.monotonic()
+    derr = catch(ep.dereg, mr)                 # no read holds the region any more
+    dereg_s = time.monotonic() - t0
+    sock.close()
+    ep.close()
+    return dict(gos=gos, eof=eof, err=err, derr=derr, dereg_s=dereg_s)
+
+
+def test_unfinished_reads_are_bounded():
+    """A hand-written shm-cma connector asks for 3,000 reads of an advertised
+    window and finishes none (a GO each, never an RDONE): each would hold the
+    region and a request until the connection ends.  The endpoint serves at
+    most UCCL_PEER_REQS_MAX (2048) of them, then fails the connection (hung
+    up; a recv on it raises naming the bound), and dereg() of the region
+    returns at once: nothing holds it any more."""
+    r = run_one(_rreq_flood, env=CMA_ENV, timeout=60)
+    assert r["gos"] <= PEER_REQS_MAX, r
+    assert r["eof"], r
+    err = r["err"]
+    assert err is not None and err["uccl"], r
+    assert str(PEER_REQS_MAX) in err["msg"] and "reads and writes" in err["msg"], r
+    assert r["derr"] is None and r["dereg_s"] < 1.0, r
+
+
+# --------------------------------------------------------------------------
+# 7. failed connections are remembered up to a bound
+DEAD_KEPT = 1024        # csrc/ep/engine.h: UCCL_DEAD_CONNS_KEPT
+DEAD_MADE = DEAD_KEPT + 60
+
+
+def _dead_server(ch):
+    ep = _endpoint(10)
+    ep.start_passive_accept()
+    ch.send("port", ep.address()[1])
+    base_fds, base_threads = _fds(), _threads()
+    ch.recv("made", timeout=120)
+    settled = _settle(lambda: _fds() - base_fds <= 2 and _threads() - base_threads <= 1,
+                      timeout=5)
+    fds, threads = _fds(), _threads()
+    buf = np.zeros(16, np.uint8)
+    mr = ep.reg(addr(buf), 16)[1]
+    # ids are given in order from 1: the oldest are forgotten, the rest answer
+    old = [catch(ep.recv, c, mr, addr(buf), 16) for c in (1, 30)]
+    new = [catch(ep.recv, c, mr, addr(buf), 16) for c in (DEAD_MADE - DEAD_KEPT + 10, DEAD_MADE)]
+    ep.close()
+    return dict(base_fds=base_fds, fds=fds, base_threads=base_threads, threads=threads,
+                settled=settled, old=old, new=new)
+
+
+def _dead_client(ch):
+    port = ch.recv("port")
+    ep = _endpoint(10)
+    for _ in range(DEAD_MADE):
+        ok, conn = ep.connect("127.0.0.1", -1, remote_port=port)
+        ep.remove_remote_endpoint(conn)
+    ch.send("made")
+    ep.close()
+    return True
+
+
+def test_failed_connections_are_forgotten_past_a_bound():
+    """1,084 clients connect to a server (passive accept) one after another
+    and close politely.  The server gives back every one's descriptors and
+    threads; the last UCCL_DEAD_CONNS_KEPT (1024) ids still raise the
+    connection's own failure (UcclError, "the peer closed its endpoint"),
+    the oldest raise "no such connection" (UcclUnknownIdError), so a
+    long-lived server's memory for dead connections is bounded too."""
+    with Pair(_dead_server, _dead_client, env=CMA_ENV) as pair:
+        s, c = pair.results(timeout=240)
+    assert s["settled"], s
+    for e in s["old"]:
+        assert e is not None and e["type"] == "UcclUnknownIdError", s["old"]
+        assert "no such connection" in e["msg"] and str(DEAD_KEPT) in e["msg"], e
+    for e in s["new"]:
+        assert e is not None and e["uccl"] and e["type"] != "UcclUnknownIdError", s["new"]
+        assert "peer closed" in e["msg"], e

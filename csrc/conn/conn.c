@@ -407,6 +407,23 @@ static void choose_eager(struct uccl__conn *c, struct uccl__req *r)
     c->eager_inflight += (unsigned)r->eager;
 }
 
+/* Under c->mu, r about to be announced: a slot of the window, and the
+ * entries by which the peer's answers find it (never before: a peer cannot
+ * answer what it was not told of). */
+static void take_slot(struct uccl__conn *c, struct uccl__req *r)
+{
+    r->windowed = 1;
+    c->announced++;
+    if (r->op == UCCL_OP_SEND) {
+        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_SEND, r->seq), r);
+        choose_eager(c, r);
+        return;
+    }
+    uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_OP, r->seq), r);
+    if (r->op == UCCL_OP_READ && (!c->link.direct || c->link.tp->staged) && r->len > 0)
+        uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
+}
+
 /* Under ctrl_tx_mu (so messages leave in the order of their sequence
  * numbers): r's RTS, WREQ or RREQ on the wire. */
 static int put_on_wire(struct uccl__conn *c, struct uccl__req *r)
@@ -454,22 +471,11 @@ void uccl__conn_announce(struct uccl__conn *c, struct uccl__req *r)
         pthread_mutex_unlock(&c->ctrl_tx_mu);
         return;
     }
-    if (r->op == UCCL_OP_SEND) {
-        r->seq = ++c->next_send_seq;
-        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_SEND, r->seq), r);
-        r->eager_slot = -1;
-    } else {
-        r->seq = ++c->next_op;
-        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_OP, r->seq), r);
-        if (r->op == UCCL_OP_READ && (!c->link.direct || c->link.tp->staged) && r->len > 0)
-            uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
-    }
+    r->seq = r->op == UCCL_OP_SEND ? ++c->next_send_seq : ++c->next_op;
+    r->eager_slot = -1;
     int now = c->announced < UCCL_REQ_WINDOW && TAILQ_EMPTY(&c->deferred);
     if (now) {
-        r->windowed = 1;
-        c->announced++;
-        if (r->op == UCCL_OP_SEND)
-            choose_eager(c, r);
+        take_slot(c, r);
     } else {
         TAILQ_INSERT_TAIL(&c->deferred, r, link); /* in order, behind the others */
         r->deferred = 1;
@@ -494,10 +500,7 @@ void uccl__conn_launch(struct uccl__conn *c)
         }
         TAILQ_REMOVE(&c->deferred, r, link);
         r->deferred = 0;
-        r->windowed = 1;
-        c->announced++;
-        if (r->op == UCCL_OP_SEND)
-            choose_eager(c, r);
+        take_slot(c, r);
         uccl__req_get(r); /* a failure may finish it meanwhile */
         pthread_mutex_unlock(&c->mu);
         rc = put_on_wire(c, r);

@@ -21,7 +21,8 @@
 #include "base/status.h"
 
 #define REAP_EVERY_NS 100000000ull /* the reaper's passes, at most this often */
-#define REAP_BATCH 64              /* connections released per pass, at most */
+#define REAP_BATCH 64              /* connections looked at per round of a pass */
+#define REAP_BUDGET_NS 20000000ull /* a pass's rounds stop after this long (the listener waits) */
 
 int uccl__ep_conns_init(struct uccl__ep *ep)
 {
@@ -96,6 +97,13 @@ static void put_all(struct uccl__conn **v, unsigned n)
     free(v);
 }
 
+/* Under ep->mu: connections bound for the accept queue: in it, and those
+ * of the listener still waiting for their data streams (admitted already). */
+static size_t acceptq_taken(const struct uccl__ep *ep)
+{
+    return ep->acceptq_len + ep->incomplete.live;
+}
+
 /* Under ep->mu: is there room in the accept queue?  Connections whose
  * peers went away before accept() returned them make room (their ids keep
  * answering in the table); *gone as in acceptq_filter. */
@@ -103,14 +111,14 @@ static int acceptq_room(struct uccl__ep *ep, struct uccl__conn ***gone_p, unsign
 {
     *gone_p = NULL;
     *ngone_p = 0;
-    if (ep->passive || ep->acceptq_len < ep->acceptq_cap)
+    if (ep->passive || acceptq_taken(ep) < ep->acceptq_cap)
         return 1;
-    struct uccl__conn **gone = malloc(ep->acceptq_cap * sizeof(*gone));
+    struct uccl__conn **gone = ep->acceptq_len ? malloc(ep->acceptq_len * sizeof(*gone)) : NULL;
     if (!gone)
         return 0;
     *ngone_p = acceptq_filter(ep, 1, NULL, gone);
     *gone_p = gone;
-    return ep->acceptq_len < ep->acceptq_cap;
+    return acceptq_taken(ep) < ep->acceptq_cap;
 }
 
 static void log_made_room(unsigned n)
@@ -126,7 +134,7 @@ int uccl__ep_accept_room(struct uccl__ep *ep, const char *peer)
     unsigned ngone;
     pthread_mutex_lock(&ep->mu);
     int room = acceptq_room(ep, &gone, &ngone);
-    unsigned len = ep->acceptq_len, cap = ep->acceptq_cap;
+    unsigned len = (unsigned)acceptq_taken(ep), cap = ep->acceptq_cap;
     pthread_mutex_unlock(&ep->mu);
     put_all(gone, ngone);
     log_made_room(ngone);
@@ -148,8 +156,8 @@ int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue)
     if (ep->closed)
         rc = uccl__err(UCCL_ERR_CLOSED, "endpoint is closed");
     else if (queue && !acceptq_room(ep, &gone, &ngone)) /* filled since its handshake began */
-        rc = uccl__err(UCCL_ERR_BUSY, "%u connections wait for accept() already, the most "
-                       "allowed (UCCL_P2P_ACCEPT_QUEUE=%u)", ep->acceptq_len, ep->acceptq_cap);
+        rc = uccl__err(UCCL_ERR_BUSY, "%zu connections wait for accept() already, the most "
+                       "allowed (UCCL_P2P_ACCEPT_QUEUE=%u)", acceptq_taken(ep), ep->acceptq_cap);
     if (rc == UCCL_OK) {
         c->id = ++ep->next_conn_id;
         rc = uccl__idmap_put(&ep->conns, c->id, c);
@@ -211,14 +219,21 @@ int uccl_ep_conn_remove(uccl_ep_t *ep, uint64_t conn)
 /* ------------------------------------------------------------------------- */
 /* the reaper                                                                 */
 
-struct reap_ctx { struct uccl__conn *v[REAP_BATCH]; unsigned n; };
+/* The failed connections not released yet, the oldest (lowest ids) first,
+ * at most REAP_BATCH: the ones remembered longest are the newest. */
+struct reap_ctx { struct uccl__conn *v[REAP_BATCH]; unsigned n; uint64_t after; };
 static void find_failed(uint64_t k, void *v, void *arg)
 {
-    (void)k;
     struct reap_ctx *r = arg;
     struct uccl__conn *c = v;
-    if (atomic_load(&c->link.failed) && !c->released && r->n < REAP_BATCH)
-        r->v[r->n++] = c;
+    if (k <= r->after || !atomic_load(&c->link.failed) || c->released)
+        return;
+    if (r->n == REAP_BATCH && k > r->v[REAP_BATCH - 1]->id)
+        return;
+    unsigned i = r->n < REAP_BATCH ? r->n++ : REAP_BATCH - 1; /* the newest drops out */
+    for (; i > 0 && r->v[i - 1]->id > k; i--)
+        r->v[i] = r->v[i - 1];
+    r->v[i] = c;
 }
 
 /* Under ep->mu: is c in the accept queue (which holds a reference)? */
@@ -247,13 +262,12 @@ static struct uccl__conn *remember_dead(struct uccl__ep *ep, uint64_t id)
     return old;
 }
 
-void uccl__ep_reap(struct uccl__ep *ep)
+/* One round: the failed connections with ids above `after` (up to
+ * REAP_BATCH); returns how many it looked at, *after_p: where the next
+ * round starts. */
+static unsigned reap_round(struct uccl__ep *ep, uint64_t *after_p)
 {
-    uint64_t now = uccl__now_ns();
-    if (now - ep->reaped_at < REAP_EVERY_NS)
-        return;
-    ep->reaped_at = now; /* the listener's own field */
-    struct reap_ctx r = {.n = 0};
+    struct reap_ctx r = {.n = 0, .after = *after_p};
     int expect[REAP_BATCH];
     pthread_mutex_lock(&ep->mu);
     if (!ep->closed)
@@ -262,6 +276,7 @@ void uccl__ep_reap(struct uccl__ep *ep)
         uccl__conn_get(r.v[i]);
         expect[i] = 2 + queued(ep, r.v[i]); /* the table's, ours, the queue's */
     }
+    uint64_t last = r.n ? r.v[r.n - 1]->id : 0;
     pthread_mutex_unlock(&ep->mu);
     for (unsigned i = 0; i < r.n; i++) {
         struct uccl__conn *c = r.v[i], *old = NULL;
@@ -277,6 +292,19 @@ void uccl__ep_reap(struct uccl__ep *ep)
         uccl__conn_put(c);
         uccl__conn_put(old); /* the table's reference to the one forgotten */
     }
+    if (r.n)
+        *after_p = last; /* one that cannot go yet holds up no other */
+    return r.n;
+}
+
+void uccl__ep_reap(struct uccl__ep *ep)
+{
+    uint64_t start = uccl__now_ns(), after = 0;
+    if (start - ep->reaped_at < REAP_EVERY_NS)
+        return;
+    ep->reaped_at = start; /* the listener's own field */
+    while (reap_round(ep, &after) == REAP_BATCH && uccl__now_ns() - start < REAP_BUDGET_NS)
+        ;
 }
 
 static void collect_conn(uint64_t k, void *v, void *arg)
