@@ -501,9 +501,17 @@ void uccl__conn_launch(struct uccl__conn *c)
         TAILQ_REMOVE(&c->deferred, r, link);
         r->deferred = 0;
         take_slot(c, r);
-        uccl__req_get(r); /* a failure may finish it meanwhile */
+        /* A failure may finish r meanwhile, and its caller then free the
+         * buffer an eager send copies from: busy makes the caller wait
+         * (still pending here, under mu, so no outcome was reported). */
+        uccl__req_get(r);
+        int reads = r->eager;
+        if (reads)
+            atomic_fetch_add(&r->busy, 1);
         pthread_mutex_unlock(&c->mu);
         rc = put_on_wire(c, r);
+        if (reads)
+            atomic_fetch_sub(&r->busy, 1);
         uccl__req_put(r);
     }
     pthread_mutex_unlock(&c->ctrl_tx_mu);

@@ -175,9 +175,13 @@ int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue)
 
 void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
 {
+    struct uccl__conn *gone[1];
     pthread_mutex_lock(&ep->mu);
-    uccl__idmap_del(&ep->conns, id);
+    struct uccl__conn *c = uccl__idmap_del(&ep->conns, id);
+    unsigned queued = c ? acceptq_filter(ep, 0, c, gone) : 0; /* not for accept() either */
     pthread_mutex_unlock(&ep->mu);
+    if (queued)
+        uccl__conn_put(c);
 }
 
 /* Under ep->mu: add_remote_endpoint's entries for connection id go (it
