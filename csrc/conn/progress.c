@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "conn/conn.h"
+#include "base/ptracer.h"
 #include "base/status.h"
 
 /* ------------------------------------------------------------------------- */
@@ -396,6 +397,10 @@ int uccl__conn_release(struct uccl__conn *c, int refs)
         close(c->ctrl_fd);
     c->ctrl_fd = -1;
     pthread_mutex_unlock(&c->ctrl_tx_mu);
+    if (c->link.ptracer_pid) { /* a dead peer keeps no Yama grant (its pid may be reused) */
+        uccl__ptracer_release(c->link.ptracer_pid);
+        c->link.ptracer_pid = 0;
+    }
     uccl__conn_free_held(c); /* what the peer announced */
     pthread_mutex_unlock(&c->close_mu);
     return 1;
