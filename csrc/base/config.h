@@ -61,6 +61,10 @@
   X(P2P_DONE_IDS, INT, 65536, 16, 1L << 30, 1, "", "65536",                                        \
     "finished transfer ids an endpoint keeps individually before compacting the oldest "           \
     "(which then answer \"done\", even after release)")                                            \
+  X(P2P_ACCEPT_QUEUE, INT, 1024, 1, 65536, 1, "", "1024",                                          \
+    "connections an endpoint keeps that accept() has not returned yet (1-65536); past it a new "   \
+    "connection is refused in its handshake, and its connect() raises naming this variable "       \
+    "(connections whose peers went away make room)")                                               \
   X(P2P_BASE_PORT, INT, 28500, 1, 65535, 1, "", "28500",                                           \
     "well-known listening port = base + GPU index (CPU: base)")                                    \
   X(P2P_HOST_ID, STR, 0, 0, 0, 1, "", "the kernel's boot id",                                      \

@@ -24,7 +24,9 @@
     X(UCCL_ERR_PROTO,   -8,  "protocol error from peer")                     \
     X(UCCL_ERR_AUTH,    -9,  "authentication failed")                        \
     X(UCCL_ERR_UNAVAIL, -10, "transport unavailable")                        \
-    X(UCCL_ERR_ACCESS,  -11, "remote access outside the advertised range")
+    X(UCCL_ERR_ACCESS,  -11, "remote access outside the advertised range")   \
+    X(UCCL_ERR_BUSY,    -12, "too many connections wait for accept() there " \
+                             "(its UCCL_P2P_ACCEPT_QUEUE)")
 
 typedef enum {
 #define UCCL_X_ENUM(name, val, text) name = val,

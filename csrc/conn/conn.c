@@ -27,22 +27,36 @@ static uint64_t key_of(int kind, uint64_t id) { return uccl__proto_key(kind, id)
 /* ------------------------------------------------------------------------- */
 /* connection bookkeeping                                                     */
 
-/* What the protocol still holds with the last reference: announced
- * messages never matched, an eager payload half read. */
-static void free_held(struct uccl__conn *c)
+void uccl__conn_free_held(struct uccl__conn *c)
 {
+    pthread_mutex_lock(&c->mu);
     for (struct uccl__rts *rts; (rts = STAILQ_FIRST(&c->rtsq));) {
         STAILQ_REMOVE_HEAD(&c->rtsq, link);
         free(rts->data);
         free(rts);
     }
-    if (c->erx.rts) {
-        free(c->erx.rts->data);
-        free(c->erx.rts);
+    c->rtsq_len = 0;
+    c->eager_held = 0;
+    struct uccl__rts *erx = c->erx.rts;
+    struct uccl__req *direct = c->erx.direct;
+    c->erx.rts = NULL;
+    c->erx.direct = NULL;
+    /* Tables left empty by the failure: their arrays go too (an empty map
+     * stays usable, should a late request still look). */
+    if (c->pending.live == 0)
+        uccl__idmap_free(&c->pending);
+    if (c->inflight.live == 0)
+        uccl__idmap_free(&c->inflight);
+    if (c->rx.live == 0)
+        uccl__idmap_free(&c->rx);
+    pthread_mutex_unlock(&c->mu);
+    if (erx) {
+        free(erx->data);
+        free(erx);
     }
-    if (c->erx.direct) {
-        atomic_fetch_sub(&c->erx.direct->busy, 1);
-        uccl__req_put(c->erx.direct);
+    if (direct) {
+        atomic_fetch_sub(&direct->busy, 1);
+        uccl__req_put(direct);
     }
 }
 
@@ -58,12 +72,13 @@ void uccl__conn_put(struct uccl__conn *c)
         uccl__ptracer_release(c->link.ptracer_pid);
     if (c->ctrl_fd >= 0)
         close(c->ctrl_fd);
-    free_held(c);
+    uccl__conn_free_held(c);
     uccl__idmap_free(&c->inflight);
     uccl__idmap_free(&c->rx);
     uccl__idmap_free(&c->pending);
     pthread_mutex_destroy(&c->mu);
     pthread_mutex_destroy(&c->ctrl_tx_mu);
+    pthread_mutex_destroy(&c->close_mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->svc_cv);
     pthread_cond_destroy(&c->drv_cv);
@@ -76,6 +91,9 @@ struct uccl__conn *uccl__conn_new(struct uccl__local *loc, int is_connector, int
     if (!c)
         return NULL;
     atomic_init(&c->refs, 1);
+    atomic_init(&c->nreqs, 0);
+    atomic_init(&c->threads_out, 0);
+    atomic_init(&c->served, 0);
     atomic_init(&c->link.failed, 0);
     c->link.conn = c;
     c->link.local = loc;
@@ -84,10 +102,12 @@ struct uccl__conn *uccl__conn_new(struct uccl__local *loc, int is_connector, int
     c->link.peer_rank = -1;
     pthread_mutex_init(&c->mu, NULL);
     pthread_mutex_init(&c->ctrl_tx_mu, NULL);
+    pthread_mutex_init(&c->close_mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->svc_cv, NULL);
     pthread_cond_init(&c->drv_cv, NULL);
     TAILQ_INIT(&c->posted);
+    TAILQ_INIT(&c->deferred);
     STAILQ_INIT(&c->rtsq);
     STAILQ_INIT(&c->jobs);
     return c;
@@ -108,6 +128,7 @@ struct uccl__req *uccl__req_new(int op, struct uccl__conn *c, void *buf, size_t 
     r->buf = buf;
     r->len = len;
     uccl__conn_get(c);
+    atomic_fetch_add(&c->nreqs, 1);
     return r;
 }
 
@@ -116,8 +137,12 @@ void uccl__req_get(struct uccl__req *r) { atomic_fetch_add(&r->refs, 1); }
 void uccl__req_put(struct uccl__req *r)
 {
     if (r && atomic_fetch_sub(&r->refs, 1) == 1) {
-        uccl__mem_release_hold(&r->conn->link.local->mem, r->hold);
-        uccl__conn_put(r->conn);
+        struct uccl__conn *c = r->conn;
+        uccl__mem_release_hold(&c->link.local->mem, r->hold);
+        if (r->served) /* the peer's request is over here */
+            atomic_fetch_sub(&c->served, 1);
+        atomic_fetch_sub(&c->nreqs, 1);
+        uccl__conn_put(c);
         free(r);
     }
 }
@@ -173,15 +198,25 @@ void uccl__req_fail_unposted(struct uccl__req *r, int status, const char *why)
 /* ------------------------------------------------------------------------- */
 /* finishing requests                                                         */
 
-void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
+/* Under c->mu: r gives back its slot of the window; the worker announces
+ * what waits for one. */
+static void window_give_back(struct uccl__conn *c, struct uccl__req *r)
 {
-    char msg[512] = "";
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, sizeof(msg), fmt, ap);
-        va_end(ap);
+    if (!r->windowed)
+        return;
+    r->windowed = 0;
+    c->announced--;
+    if (!TAILQ_EMPTY(&c->deferred) && !atomic_load(&c->link.failed)) {
+        c->launch = 1;
+        pthread_cond_signal(&c->cv); /* the worker (conn.h: only it waits on cv) */
     }
+}
+
+/* keep_window: r's slot stays taken until its answer is on the wire
+ * (uccl__req_answer), lest the peer see our next request before it. */
+static void complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *msg,
+                     int keep_window)
+{
     pthread_mutex_lock(&c->mu);
     int held = uccl__idmap_del(&c->pending, uccl__pending_key(r)) != NULL;
     uint64_t k1 = r->op == UCCL_OP_SEND ? key_of(UCCL_KEY_SEND, r->seq)
@@ -198,11 +233,29 @@ void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, c
         TAILQ_REMOVE(&c->posted, r, link);
         r->posted = 0;
     }
+    if (r->deferred) { /* never announced (the connection failed) */
+        TAILQ_REMOVE(&c->deferred, r, link);
+        r->deferred = 0;
+    }
+    if (held && !keep_window)
+        window_give_back(c, r);
     pthread_mutex_unlock(&c->mu);
     if (!held)
         return;
     req_finish(r, status, "%s", msg);
     uccl__req_put(r);
+}
+
+void uccl__req_complete(struct uccl__conn *c, struct uccl__req *r, int status, const char *fmt, ...)
+{
+    char msg[512] = "";
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+    }
+    complete(c, r, status, msg, 0);
 }
 
 /* Finish r here, then tell the peer (FIN, NACK, OPDONE).  In that order: once
@@ -214,11 +267,20 @@ void uccl__req_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint6
                       int status, const char *why)
 {
     uint64_t seq = r->seq;
+    int own = r->op == UCCL_OP_SEND || r->op == UCCL_OP_WRITE || r->op == UCCL_OP_READ;
+    if (own) /* r's answer ends the peer's part: keep r's slot until it is out */
+        uccl__req_get(r);
     atomic_fetch_add(&c->answering, 1);
-    uccl__req_complete(c, r, status, why ? "%s" : NULL, why);
+    complete(c, r, status, why ? why : "", own);
     uccl__conn_send_simple(c, type, seq, len, type == UCCL_MSG_OPDONE || type == UCCL_MSG_PDONE
                                                   ? (uint64_t)(int64_t)status : 0);
     atomic_fetch_sub(&c->answering, 1);
+    if (own) {
+        pthread_mutex_lock(&c->mu);
+        window_give_back(c, r);
+        pthread_mutex_unlock(&c->mu);
+        uccl__req_put(r);
+    }
 }
 
 /* ------------------------------------------------------------------------- */
@@ -245,7 +307,7 @@ static void collect(uint64_t k, void *v, void *arg)
 
 void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
 {
-    char why[200], who[120];
+    char why[360], who[120];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(why, sizeof(why), fmt, ap);
@@ -287,6 +349,9 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
         uccl__req_put(f.v[i]);
     }
     free(f.v);
+    pthread_mutex_lock(&c->mu);
+    c->fail_done = 1; /* from now on nothing of this call touches the transport */
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -294,6 +359,8 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
 
 int uccl__conn_ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline)
 {
+    if (c->released) /* its socket and queues are gone */
+        return uccl__err(UCCL_ERR_CLOSED, "%s", c->fail_msg);
     if (c->link.ctrl_shm)
         return c->link.tp->ctrl_send(&c->link, buf, deadline);
     return uccl__sock_send_all(c->ctrl_fd, buf, UCCL_MSG_SIZE, deadline);
@@ -317,4 +384,140 @@ void uccl__conn_send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64
 {
     struct uccl__msg m = {.type = (uint16_t)type, .seq = seq, .len = len, .aux = aux};
     uccl__conn_send_msg(c, &m);
+}
+
+/* ------------------------------------------------------------------------- */
+/* announcing this side's requests, within the window                         */
+
+/* Under c->mu: does send r go eagerly (its bytes behind its RTS on the
+ * socket, or in a shared-memory slot)?  Host memory only (the CPU copies). */
+static void choose_eager(struct uccl__conn *c, struct uccl__req *r)
+{
+    r->eager_slot = -1;
+    if (r->len == 0 || r->len > UCCL_EAGER_MAX || c->eager_inflight >= UCCL_EAGER_INFLIGHT ||
+        UCCL_MK_ON_GPU(r->mkind))
+        return;
+    if (!c->link.ctrl_shm && !c->link.direct) {
+        r->eager = 1; /* bytes follow on the socket */
+    } else if (c->link.ctrl_shm && c->link.tp->eager_slot) {
+        /* a free slot: freed by its own FIN/NACK, which may come out of order */
+        for (int i = 0; i < UCCL_EAGER_INFLIGHT && r->eager_slot < 0; i++)
+            if (!(c->eager_slots_busy & (1u << i)))
+                r->eager_slot = i;
+        c->eager_slots_busy |= 1u << r->eager_slot;
+        r->eager = 1;
+    }
+    c->eager_inflight += (unsigned)r->eager;
+}
+
+/* Under c->mu, r about to be announced: a slot of the window, and the
+ * entries by which the peer's answers find it (never before: a peer cannot
+ * answer what it was not told of). */
+static void take_slot(struct uccl__conn *c, struct uccl__req *r)
+{
+    r->windowed = 1;
+    c->announced++;
+    if (r->op == UCCL_OP_SEND) {
+        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_SEND, r->seq), r);
+        choose_eager(c, r);
+        return;
+    }
+    uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_OP, r->seq), r);
+    if (r->op == UCCL_OP_READ && (!c->link.direct || c->link.tp->staged) && r->len > 0)
+        uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
+}
+
+/* Under ctrl_tx_mu (so messages leave in the order of their sequence
+ * numbers): r's RTS, WREQ or RREQ on the wire. */
+static int put_on_wire(struct uccl__conn *c, struct uccl__req *r)
+{
+    struct uccl__msg m;
+    uint8_t buf[UCCL_MSG_SIZE];
+    uint64_t deadline = uccl__now_ns() + c->link.local->timeout_ns;
+    if (c->released)
+        return uccl__err(UCCL_ERR_CLOSED, "%s", c->fail_msg);
+    if (r->op != UCCL_OP_SEND) {
+        m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
+                               .seq = r->seq, .len = r->len, .aux = r->key_for_peer,
+                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
+                               .token = r->fifo.token, .offset = uccl__fifo_offset(&r->fifo)};
+        uccl__msg_encode(&m, buf);
+        return uccl__conn_ctrl_write(c, buf, deadline);
+    }
+    if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
+        memcpy(c->link.tp->eager_slot(&c->link, (unsigned)r->eager_slot), r->buf, r->len);
+    m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
+                           .addr = (uint64_t)(uintptr_t)r->buf, .window = r->key_for_peer,
+                           .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
+                           .aux = !r->eager ? 0 : r->eager_slot >= 0
+                                  ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
+    uccl__msg_encode(&m, buf);
+    return r->eager && r->eager_slot < 0
+               ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
+               : uccl__conn_ctrl_write(c, buf, deadline);
+}
+
+static void announce_failed(struct uccl__conn *c, int rc)
+{
+    uccl__conn_fail(c, rc == UCCL_ERR_TIMEOUT ? rc : UCCL_ERR_IO,
+                    "sending a control message: %s", uccl_last_error());
+}
+
+void uccl__conn_announce(struct uccl__conn *c, struct uccl__req *r)
+{
+    /* Sequence numbers are given under the writer lock: the wire order is
+     * theirs (the k-th send matches the k-th recv). */
+    pthread_mutex_lock(&c->ctrl_tx_mu);
+    pthread_mutex_lock(&c->mu);
+    if (atomic_load(&c->link.failed)) { /* conn_fail finishes r */
+        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&c->ctrl_tx_mu);
+        return;
+    }
+    r->seq = r->op == UCCL_OP_SEND ? ++c->next_send_seq : ++c->next_op;
+    r->eager_slot = -1;
+    int now = c->announced < UCCL_REQ_WINDOW && TAILQ_EMPTY(&c->deferred);
+    if (now) {
+        take_slot(c, r);
+    } else {
+        TAILQ_INSERT_TAIL(&c->deferred, r, link); /* in order, behind the others */
+        r->deferred = 1;
+    }
+    pthread_mutex_unlock(&c->mu);
+    int rc = now ? put_on_wire(c, r) : UCCL_OK;
+    pthread_mutex_unlock(&c->ctrl_tx_mu);
+    if (rc)
+        announce_failed(c, rc);
+}
+
+void uccl__conn_launch(struct uccl__conn *c)
+{
+    int rc = UCCL_OK;
+    pthread_mutex_lock(&c->ctrl_tx_mu);
+    while (rc == UCCL_OK) {
+        pthread_mutex_lock(&c->mu);
+        struct uccl__req *r = TAILQ_FIRST(&c->deferred);
+        if (!r || atomic_load(&c->link.failed) || c->announced >= UCCL_REQ_WINDOW) {
+            pthread_mutex_unlock(&c->mu);
+            break;
+        }
+        TAILQ_REMOVE(&c->deferred, r, link);
+        r->deferred = 0;
+        take_slot(c, r);
+        /* A failure may finish r meanwhile, and its caller then free the
+         * buffer an eager send copies from: busy makes the caller wait
+         * (still pending here, under mu, so no outcome was reported). */
+        uccl__req_get(r);
+        int reads = r->eager;
+        if (reads)
+            atomic_fetch_add(&r->busy, 1);
+        pthread_mutex_unlock(&c->mu);
+        rc = put_on_wire(c, r);
+        if (reads)
+            atomic_fetch_sub(&r->busy, 1);
+        uccl__req_put(r);
+    }
+    pthread_mutex_unlock(&c->ctrl_tx_mu);
+    if (rc)
+        announce_failed(c, rc);
 }

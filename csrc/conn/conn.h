@@ -75,7 +75,12 @@ struct uccl__req {
     int eager_slot;              /* send over shared memory: the slot it occupies, or -1 */
     int posted;                  /* recv: in the connection's posted queue (under conn->mu) */
     int capacity;                /* recv: len is the most it takes (UCCL_XFER_CAPACITY) */
-    TAILQ_ENTRY(uccl__req) link; /* ... its place there */
+    int windowed;                /* send, read, write: announced, holds a slot of the
+                                    connection's window (under conn->mu) */
+    int deferred;                /* ... or waits for one in its deferred queue (under conn->mu) */
+    int served;                  /* a read or write of the peer's that this side serves:
+                                    counts in conn->served while it lives */
+    TAILQ_ENTRY(uccl__req) link; /* its place in the posted (recv) or deferred queue */
 };
 
 struct uccl__rts {               /* an RTS that arrived before its recv was posted */
@@ -94,6 +99,19 @@ struct uccl__rts {               /* an RTS that arrived before its recv was post
  * slot.  A sender keeps at most UCCL_EAGER_INFLIGHT of them unanswered, so
  * a receiver never holds more than their product in bytes for recvs not
  * yet posted. */
+/* What a peer may make this side hold (the requests it announces): a side
+ * keeps at most UCCL_REQ_WINDOW of its own sends, reads and writes
+ * announced (an RTS, WREQ or RREQ sent) and unfinished on one connection;
+ * more wait on its side, in order, and are announced as earlier ones
+ * finish.  So a receiver never holds more than that many announced
+ * messages that no recv has matched yet, plus reads and writes of the
+ * peer's that it still serves; UCCL_PEER_REQS_MAX of those together fail
+ * the connection.  Twice the window: a request the peer has seen finish
+ * may still be finishing here (its last bytes leaving, its answer on the
+ * way), so an honest peer stays below it. */
+#define UCCL_REQ_WINDOW 1024
+#define UCCL_PEER_REQS_MAX (2 * UCCL_REQ_WINDOW)
+
 #define UCCL_MSG_FLAG_EAGER 1u
 #define UCCL_MSG_FLAG_SLOT 2u   /* eager bytes are in shared-memory slot `offset` */
 #define UCCL_MSG_FLAG_STREAM 4u /* CTS, GO (aux): stream the bytes (proto_stream.c) */
@@ -115,6 +133,7 @@ struct uccl__job {
     void *dst;                   /* validated local target (one-sided direct) */
     struct uccl__mr *hold;       /* region kept from dereg() until the job is done */
     int busy_held;               /* the job counts in req->busy (it will write there) */
+    int served;                  /* a read or write of the peer's: counts in conn->served */
     STAILQ_ENTRY(uccl__job) link;
 };
 
@@ -123,8 +142,13 @@ struct uccl__conn {
                                     peer, the handshake's terms, the transport, failed */
     uint64_t id;
     atomic_int refs;
-    int ctrl_fd;
+    atomic_int nreqs;            /* requests alive, each holding one of refs */
+    int ctrl_fd;                 /* -1 once released */
     pthread_mutex_t ctrl_tx_mu;  /* one writer at a time on the control socket */
+    pthread_mutex_t close_mu;    /* one closer at a time: uccl__conn_close, _release */
+    int released;                /* failed, and its resources given back (uccl__conn_release;
+                                    set under ctrl_tx_mu and mu) */
+    atomic_int threads_out;      /* the service and worker threads that have returned */
 
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;
@@ -132,10 +156,16 @@ struct uccl__conn {
     atomic_int closing;          /* we are closing: whatever fails next is that close */
     atomic_int answering;        /* threads between finishing a request and telling the peer */
     int fail_status;
+    int fail_done;               /* conn_fail has finished what was pending (under mu) */
     char fail_msg[512];
     uint64_t next_send_seq, next_recv_seq, next_op;
     TAILQ_HEAD(, uccl__req) posted;    /* posted recvs without an RTS */
     STAILQ_HEAD(, uccl__rts) rtsq;     /* RTSs without a posted recv */
+    unsigned rtsq_len;
+    TAILQ_HEAD(, uccl__req) deferred;  /* sends, reads, writes waiting for the window */
+    unsigned announced;          /* this side's requests announced and unfinished */
+    int launch;                  /* the worker announces what waits (a slot came free) */
+    atomic_uint served;          /* the peer's reads and writes this side serves */
     struct uccl__idmap pending;  /* every unfinished req of this connection (holds a ref) */
     struct uccl__idmap inflight; /* key(kind, seq/op) -> req awaiting the peer */
     struct uccl__idmap rx;       /* key(data kind, id) -> req that streamed bytes land in */
@@ -204,6 +234,13 @@ void uccl__conn_put(struct uccl__conn *c);
 /* Endpoint close: fail what is pending, say BYE, stop the threads.  The
  * memory goes with the last reference. */
 void uccl__conn_close(struct uccl__conn *c);
+/* A failed connection gives back what it holds (its threads, descriptors,
+ * the transport's state, what the peer announced) although references
+ * remain: its requests and its id keep answering with its failure.  Only
+ * where nothing else is inside it: nobody drives it and it has exactly
+ * `refs` references besides its requests' (those its caller knows of).
+ * 1 if released (now or before), 0 if not yet: try again later. */
+int uccl__conn_release(struct uccl__conn *c, int refs);
 /* Start request r (proto.c).  blocking: the caller will wait for r at once,
  * so work that r's arrival triggers may run on the calling thread. */
 int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking);
@@ -236,6 +273,17 @@ void uccl__req_answer(struct uccl__conn *c, struct uccl__req *r, int type, uint6
 int uccl__conn_ctrl_write(struct uccl__conn *c, const uint8_t *buf, uint64_t deadline);
 void uccl__conn_send_simple(struct uccl__conn *c, int type, uint64_t seq, uint64_t len,
                             uint64_t aux);
+/* A send, read or write (in pending): its sequence number and table
+ * entries, then its RTS, WREQ or RREQ, now if the window has room, else
+ * once earlier ones finish (UCCL_REQ_WINDOW).  A failure fails c. */
+void uccl__conn_announce(struct uccl__conn *c, struct uccl__req *r);
+/* Announce what waits, while the window has room (the worker thread, told
+ * by c->launch). */
+void uccl__conn_launch(struct uccl__conn *c);
+/* Free what the protocol holds for the peer (announced messages never
+ * matched, an eager payload half read) and the tables' arrays left empty:
+ * with the last reference, or once released (no reader any more). */
+void uccl__conn_free_held(struct uccl__conn *c);
 
 /* worker.c */
 /* Queue a copy (UCCL_JOB_*) for the worker, or run it here if this thread
@@ -265,8 +313,9 @@ int uccl__proto_stream_out(struct uccl__conn *c, int kind, uint64_t id, const vo
 
 /* proto.c */
 /* An announced message joins the receiver's queue and is matched if its
- * recv is posted. */
-void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts);
+ * recv is posted; refused (freed, an error returned) where the peer has
+ * UCCL_PEER_REQS_MAX requests open already. */
+int uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts);
 /* A whole control message read by the connection's reader. */
 int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m);
 
@@ -274,7 +323,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m);
 /* An eager RTS on the socket: decide where its payload goes (c->erx), which
  * the reader then reads; eager_arrived once all of it is in. */
 int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m);
-void uccl__proto_eager_arrived(struct uccl__conn *c);
+int uccl__proto_eager_arrived(struct uccl__conn *c);
 /* The reader lets go of a half-read eager payload (the connection failed). */
 void uccl__proto_eager_drop(struct uccl__conn *c);
 

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "conn/conn.h"
+#include "base/ptracer.h"
 #include "base/status.h"
 
 /* ------------------------------------------------------------------------- */
@@ -61,7 +62,9 @@ static int pump(struct uccl__conn *c)
         if (in_payload) {
             c->erx.got += (size_t)n;
             if (c->erx.got == c->erx.rts->len) {
-                uccl__proto_eager_arrived(c);
+                int rc = uccl__proto_eager_arrived(c);
+                if (rc)
+                    return rc;
                 handled++;
             }
             continue;
@@ -170,6 +173,7 @@ static void *service_main(void *arg)
         uccl__proto_eager_drop(c);
         svc_give_token(c);
     }
+    atomic_fetch_add(&c->threads_out, 1);
     return NULL;
 }
 
@@ -307,10 +311,27 @@ int uccl__conn_start(struct uccl__conn *c)
     return rc;
 }
 
+static void join_threads(struct uccl__conn *c)
+{
+    pthread_mutex_lock(&c->mu); /* pairs with conn_start */
+    int started = c->started;
+    c->started = 0;
+    pthread_mutex_unlock(&c->mu);
+    if (started) {
+        pthread_join(c->svc_thread, NULL);
+        pthread_join(c->worker_thread, NULL);
+    }
+}
+
 /* Endpoint close: fail what is pending, stop the threads.  The memory goes
  * with the last reference. */
 void uccl__conn_close(struct uccl__conn *c)
 {
+    pthread_mutex_lock(&c->close_mu);
+    if (c->released) { /* everything went already */
+        pthread_mutex_unlock(&c->close_mu);
+        return;
+    }
     atomic_store(&c->closing, 1);
     /* Answers already owed go first (uccl__req_answer); bounded: 100 ms. */
     for (int i = 0; i < 2000 && atomic_load(&c->answering) > 0; i++)
@@ -325,17 +346,11 @@ void uccl__conn_close(struct uccl__conn *c)
         pthread_mutex_unlock(&c->ctrl_tx_mu);
     }
     uccl__conn_fail(c, UCCL_ERR_CLOSED, "the endpoint was closed");
-    pthread_mutex_lock(&c->mu); /* pairs with conn_start */
-    pthread_mutex_unlock(&c->mu);
-    if (c->started) {
-        pthread_join(c->svc_thread, NULL);
-        pthread_join(c->worker_thread, NULL);
-        c->started = 0;
-    }
+    join_threads(c);
     /* Read what the peer still sends until its FIN (it answers our BYE by
      * closing), bounded, so that our close() sends no RST. */
     uint64_t deadline = uccl__now_ns() + 100000000ull;
-    for (;;) {
+    while (c->ctrl_fd >= 0) {
         uint64_t now = uccl__now_ns();
         struct pollfd p = {.fd = c->ctrl_fd, .events = POLLIN};
         if (now >= deadline || poll(&p, 1, (int)((deadline - now) / 1000000ull) + 1) <= 0)
@@ -347,4 +362,46 @@ void uccl__conn_close(struct uccl__conn *c)
     }
     if (c->link.tp && c->link.tp->conn_destroy)
         c->link.tp->conn_destroy(&c->link);
+    pthread_mutex_unlock(&c->close_mu);
+}
+
+int uccl__conn_release(struct uccl__conn *c, int refs)
+{
+    if (!atomic_load(&c->link.failed))
+        return 0;
+    pthread_mutex_lock(&c->close_mu);
+    pthread_mutex_lock(&c->mu);
+    /* Nothing else inside: the failure has run its course (conn_fail
+     * touches the socket and the transport), nobody drives, the threads
+     * have returned, and no caller holds it but through its requests
+     * (every entry point checks `failed` before it touches anything). */
+    int ready = c->released ||
+                (c->fail_done && !c->driver && !atomic_load(&c->svc_reading) &&
+                 (!c->started || atomic_load(&c->threads_out) == 2) &&
+                 atomic_load(&c->refs) - atomic_load(&c->nreqs) == refs);
+    pthread_mutex_unlock(&c->mu);
+    if (!ready || c->released) {
+        pthread_mutex_unlock(&c->close_mu);
+        return ready;
+    }
+    join_threads(c);
+    if (c->link.tp && c->link.tp->conn_destroy)
+        c->link.tp->conn_destroy(&c->link); /* the transport's threads and sockets */
+    pthread_mutex_lock(&c->ctrl_tx_mu); /* a late writer checks `released` under it */
+    pthread_mutex_lock(&c->mu);
+    c->released = 1;
+    pthread_mutex_unlock(&c->mu);
+    if (c->link.tp && c->link.tp->conn_free)
+        c->link.tp->conn_free(&c->link); /* mappings, queues */
+    if (c->ctrl_fd >= 0)
+        close(c->ctrl_fd);
+    c->ctrl_fd = -1;
+    pthread_mutex_unlock(&c->ctrl_tx_mu);
+    if (c->link.ptracer_pid) { /* a dead peer keeps no Yama grant (its pid may be reused) */
+        uccl__ptracer_release(c->link.ptracer_pid);
+        c->link.ptracer_pid = 0;
+    }
+    uccl__conn_free_held(c); /* what the peer announced */
+    pthread_mutex_unlock(&c->close_mu);
+    return 1;
 }

@@ -81,6 +81,7 @@ static void try_match(struct uccl__conn *c)
         TAILQ_REMOVE(&c->posted, r, link);
         r->posted = 0;
         STAILQ_REMOVE_HEAD(&c->rtsq, link);
+        c->rtsq_len--;
         int stream = 0, push = 0;
         if (r->capacity && rts->len < r->len)
             r->len = rts->len;
@@ -151,13 +152,40 @@ static void try_match(struct uccl__conn *c)
     }
 }
 
+/* Under c->mu: may the peer open one more request (an announced message,
+ * a read or write for this side to serve)?  Else the error that fails the
+ * connection, with the numbers. */
+static int peer_room(struct uccl__conn *c)
+{
+    unsigned served = atomic_load(&c->served);
+    if (c->rtsq_len + served < UCCL_PEER_REQS_MAX)
+        return UCCL_OK;
+    return uccl__err(UCCL_ERR_PROTO, "the peer has %u requests open (%u announced messages no "
+                     "recv has matched, %u reads and writes being served), the most allowed "
+                     "(UCCL_PEER_REQS_MAX = %d; an honest peer keeps at most %d announced)",
+                     c->rtsq_len + served, c->rtsq_len, served, UCCL_PEER_REQS_MAX,
+                     UCCL_REQ_WINDOW);
+}
+
 /* An announced message joins the queue; match it if its recv is posted. */
-void uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
+int uccl__proto_queue_rts(struct uccl__conn *c, struct uccl__rts *rts)
 {
     pthread_mutex_lock(&c->mu);
-    STAILQ_INSERT_TAIL(&c->rtsq, rts, link);
+    int rc = peer_room(c);
+    if (rc == UCCL_OK) {
+        STAILQ_INSERT_TAIL(&c->rtsq, rts, link);
+        c->rtsq_len++;
+    } else if (rts->data) {
+        c->eager_held -= rts->len;
+    }
     pthread_mutex_unlock(&c->mu);
+    if (rc) {
+        free(rts->data);
+        free(rts);
+        return rc;
+    }
     try_match(c);
+    return UCCL_OK;
 }
 
 /* ------------------------------------------------------------------------- */
@@ -181,7 +209,6 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
     }
     uccl__req_get(r); /* the pending table's reference */
     pthread_cond_signal(&c->svc_cv); /* answers are coming: the service thread must listen */
-    struct uccl__msg m = {0};
     switch (r->op) {
     case UCCL_OP_RECV:
         r->seq = ++c->next_recv_seq;
@@ -194,58 +221,10 @@ int uccl__conn_post(struct uccl__conn *c, struct uccl__req *r, int blocking)
             try_match(c);
         return UCCL_OK;
     case UCCL_OP_SEND:
-        pthread_mutex_unlock(&c->mu);
-        /* seq order must equal wire order: assign under the writer lock. */
-        pthread_mutex_lock(&c->ctrl_tx_mu);
-        pthread_mutex_lock(&c->mu);
-        r->seq = ++c->next_send_seq;
-        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_SEND, r->seq), r);
-        r->eager_slot = -1;
-        /* Eager bytes are copied by the CPU: host memory only. */
-        if (r->len > 0 && r->len <= UCCL_EAGER_MAX && c->eager_inflight < UCCL_EAGER_INFLIGHT &&
-            !UCCL_MK_ON_GPU(r->mkind)) {
-            if (!c->link.ctrl_shm && !c->link.direct) {
-                r->eager = 1; /* bytes follow on the socket */
-            } else if (c->link.ctrl_shm && c->link.tp->eager_slot) {
-                /* a free slot: freed by its own FIN/NACK, which may come out of order */
-                for (int i = 0; i < UCCL_EAGER_INFLIGHT && r->eager_slot < 0; i++)
-                    if (!(c->eager_slots_busy & (1u << i)))
-                        r->eager_slot = i;
-                c->eager_slots_busy |= 1u << r->eager_slot;
-                r->eager = 1;
-            }
-        }
-        c->eager_inflight += (unsigned)r->eager;
-        pthread_mutex_unlock(&c->mu);
-        if (r->eager_slot >= 0) /* one copy here beats pinning pages on the other side */
-            memcpy(c->link.tp->eager_slot(&c->link, (unsigned)r->eager_slot), r->buf, r->len);
-        m = (struct uccl__msg){.type = UCCL_MSG_RTS, .seq = r->seq, .len = r->len,
-                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->key_for_peer,
-                               .offset = r->eager_slot >= 0 ? (uint64_t)r->eager_slot : 0,
-                               .aux = !r->eager ? 0 : r->eager_slot >= 0
-                                      ? UCCL_MSG_FLAG_EAGER | UCCL_MSG_FLAG_SLOT : UCCL_MSG_FLAG_EAGER};
-        uint8_t buf[UCCL_MSG_SIZE];
-        uccl__msg_encode(&m, buf);
-        uint64_t deadline = uccl__now_ns() + c->link.local->timeout_ns;
-        rc = r->eager && r->eager_slot < 0
-                 ? uccl__sock_send2(c->ctrl_fd, buf, sizeof(buf), r->buf, r->len, deadline)
-                 : uccl__conn_ctrl_write(c, buf, deadline);
-        pthread_mutex_unlock(&c->ctrl_tx_mu);
-        if (rc)
-            uccl__conn_fail(c, UCCL_ERR_IO, "sending a control message: %s", uccl_last_error());
-        return UCCL_OK; /* a failure reaches the request through conn_fail */
     case UCCL_OP_WRITE:
     case UCCL_OP_READ:
-        r->seq = ++c->next_op;
-        uccl__idmap_put(&c->inflight, key_of(UCCL_KEY_OP, r->seq), r);
-        if (r->op == UCCL_OP_READ && (!c->link.direct || c->link.tp->staged) && r->len > 0)
-            uccl__idmap_put(&c->rx, key_of(UCCL_DATA_READ, r->seq), r);
         pthread_mutex_unlock(&c->mu);
-        m = (struct uccl__msg){.type = r->op == UCCL_OP_WRITE ? UCCL_MSG_WREQ : UCCL_MSG_RREQ,
-                               .seq = r->seq, .len = r->len, .aux = r->key_for_peer,
-                               .addr = (uint64_t)(uintptr_t)r->buf, .window = r->fifo.window,
-                               .token = r->fifo.token, .offset = uccl__fifo_offset(&r->fifo)};
-        uccl__conn_send_msg(c, &m);
+        uccl__conn_announce(c, r); /* a failure reaches the request through conn_fail */
         return UCCL_OK;
     }
     pthread_mutex_unlock(&c->mu);
@@ -280,7 +259,10 @@ static struct uccl__req *target_req(struct uccl__conn *c, int op, char *local,
     return t;
 }
 
-static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
+/* Serve the peer's read or write: returns 1 where a job or a request of
+ * ours now stands for it (and carries its count in c->served), 0 where it
+ * is over already (refused, or nothing to move). */
+static int serve_window_request(struct uccl__conn *c, const struct uccl__msg *m)
 {
     int st = UCCL_OK;
     struct uccl__window *w = uccl__mem_window_check(&c->link.local->mem, c->id, m->window,
@@ -291,7 +273,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
                  (unsigned long long)m->len, (unsigned long long)m->offset,
                  (unsigned long long)m->window, uccl_last_error());
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, (uint64_t)(int64_t)st);
-        return;
+        return 0;
     }
     char *local = (char *)w->addr + m->offset;
     struct uccl__mr *hold = w->mr;
@@ -299,7 +281,7 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     if (m->len == 0) {
         uccl__mem_release_hold(&c->link.local->mem, hold);
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0, UCCL_OK);
-        return;
+        return 0;
     }
     int local_gpu = hold && UCCL_MK_ON_GPU(hold->gpu.mkind);
     int write = m->type == UCCL_MSG_WREQ;
@@ -307,12 +289,12 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
     int streamed = uccl__proto_streams(c, hold ? hold->tp_key[c->link.tp->id] : 0);
     if (c->link.direct && !streamed && write && dst_copies(c, local_gpu, m->aux)) { /* we pull */
         uccl__conn_push_job(c, UCCL_JOB_PULL_WRITE, NULL, m, local, hold);
-        return;
+        return 1;
     }
     if (c->link.direct && !streamed && !write && !local_gpu && peer_on_gpu(c, m->aux)) {
         /* host window, GPU reader: we push into its buffer, then OPDONE */
         uccl__conn_push_job(c, UCCL_JOB_PUSH_READ, NULL, m, local, hold);
-        return;
+        return 1;
     }
     uint64_t key_for_peer = 0;
     if (c->link.direct && !streamed && c->link.tp->mem_key && hold) /* the hold keeps the region */
@@ -326,12 +308,13 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
         uccl__mem_release_hold(&c->link.local->mem, hold);
         uccl__conn_send_simple(c, UCCL_MSG_OPDONE, m->seq, 0,
                                (uint64_t)(int64_t)(st ? st : UCCL_ERR_NOMEM));
-        return;
+        return 0;
     }
+    t->served = 1;
     if (!write && streamed) { /* stream it; the job keeps t (and the hold) */
         uccl__proto_stream_out(c, UCCL_DATA_READ, m->seq, local, t->local_key, m->len, t);
         uccl__req_put(t);
-        return;
+        return 1;
     }
     /* Streamed write (bytes land in t), or the initiator copies from or into
      * our window (direct read, or a push into our GPU window) and says
@@ -356,12 +339,26 @@ static void on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
             uccl__conn_fail(c, UCCL_ERR_PROTO, "the peer asked for a %s with sequence number "
                             "%llu, which a request of its still in flight has",
                             write ? "write" : "read", (unsigned long long)m->seq);
-        return;
+        return 1;
     }
     struct uccl__msg go = {.type = UCCL_MSG_GO, .seq = m->seq, .len = m->len,
                            .addr = c->link.direct && !streamed ? (uint64_t)(uintptr_t)local : 0,
                            .token = key_for_peer, .aux = streamed ? UCCL_MSG_FLAG_STREAM : 0};
     uccl__conn_send_msg(c, &go);
+    return 1;
+}
+
+/* The peer's read or write counts in c->served until it is over here. */
+static int on_window_request(struct uccl__conn *c, const struct uccl__msg *m)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = peer_room(c);
+    if (rc == UCCL_OK)
+        atomic_fetch_add(&c->served, 1);
+    pthread_mutex_unlock(&c->mu);
+    if (rc == UCCL_OK && !serve_window_request(c, m))
+        atomic_fetch_sub(&c->served, 1);
+    return rc;
 }
 
 int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
@@ -391,8 +388,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
         *rts = (struct uccl__rts){.seq = m->seq, .len = m->len, .addr = m->addr,
                                   .key = m->window, .eager = slot >= 0, .slot = slot};
-        uccl__proto_queue_rts(c, rts);
-        return UCCL_OK;
+        return uccl__proto_queue_rts(c, rts);
     }
     case UCCL_MSG_CTS:
         r = inflight_get(c, UCCL_KEY_SEND, m->seq, 0); /* stays until FIN */
@@ -441,8 +437,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
         return UCCL_OK;
     case UCCL_MSG_WREQ:
     case UCCL_MSG_RREQ:
-        on_window_request(c, m);
-        return UCCL_OK;
+        return on_window_request(c, m);
     case UCCL_MSG_BYE:
         c->peer_bye = 1;
         uccl__conn_fail(c, UCCL_ERR_IO, "the peer closed its endpoint");

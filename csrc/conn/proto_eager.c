@@ -53,9 +53,7 @@ int uccl__proto_eager_begin(struct uccl__conn *c, const struct uccl__msg *m)
         c->erx.dst = rts->data;
     }
     pthread_mutex_unlock(&c->mu);
-    if (m->len == 0)
-        uccl__proto_eager_arrived(c);
-    return UCCL_OK;
+    return m->len == 0 ? uccl__proto_eager_arrived(c) : UCCL_OK;
 }
 
 /* End the reader's eager payload: stop writing into the posted recv, if
@@ -72,9 +70,9 @@ static struct uccl__rts *erx_take(struct uccl__conn *c)
     return rts;
 }
 
-void uccl__proto_eager_arrived(struct uccl__conn *c)
+int uccl__proto_eager_arrived(struct uccl__conn *c)
 {
-    uccl__proto_queue_rts(c, erx_take(c));
+    return uccl__proto_queue_rts(c, erx_take(c));
 }
 
 /* Let go of a half-read eager payload (the connection failed).  Only the

@@ -37,6 +37,9 @@ static void job_done(struct uccl__conn *c, struct uccl__job *j)
     if (j->busy_held)
         atomic_fetch_sub(&j->req->busy, 1);
     j->busy_held = 0;
+    if (j->served) /* the peer's read or write is over here */
+        atomic_fetch_sub(&c->served, 1);
+    j->served = 0;
     uccl__mem_release_hold(&c->link.local->mem, j->hold);
     j->hold = NULL;
 }
@@ -45,10 +48,13 @@ void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
                          const struct uccl__msg *m, void *dst, struct uccl__mr *hold)
 {
     int busy = r && writes_req(kind);
+    /* the peer's own read or write (proto.c counted it in c->served) */
+    int served = kind == UCCL_JOB_PULL_WRITE || kind == UCCL_JOB_PUSH_READ;
     if (busy)
         atomic_fetch_add(&r->busy, 1);
     if (tls_driving == c) { /* the waiting caller copies itself: no handoff */
-        struct uccl__job j = {.kind = kind, .req = r, .dst = dst, .hold = hold, .busy_held = busy};
+        struct uccl__job j = {.kind = kind, .req = r, .dst = dst, .hold = hold, .busy_held = busy,
+                              .served = served};
         if (m)
             j.msg = *m;
         if (!atomic_load(&c->link.failed))
@@ -58,7 +64,8 @@ void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
     }
     struct uccl__job *j = calloc(1, sizeof(*j));
     if (!j) {
-        struct uccl__job tmp = {.kind = kind, .req = r, .hold = hold, .busy_held = busy};
+        struct uccl__job tmp = {.kind = kind, .req = r, .hold = hold, .busy_held = busy,
+                                .served = served};
         job_done(c, &tmp);
         uccl__conn_fail(c, UCCL_ERR_NOMEM, "out of memory queueing a copy");
         return;
@@ -67,6 +74,7 @@ void uccl__conn_push_job(struct uccl__conn *c, int kind, struct uccl__req *r,
     j->req = r;
     j->hold = hold;
     j->busy_held = busy;
+    j->served = served;
     if (r)
         uccl__req_get(r);
     if (m)
@@ -157,17 +165,26 @@ static void run_job(struct uccl__conn *c, struct uccl__job *j)
     }
 }
 
+/* The worker thread: queued copies, and the announcing of requests that
+ * waited for the window (uccl__conn_launch: it may wait for room on the
+ * control channel, which the connection's reader must never do). */
 void *uccl__conn_worker_main(void *arg)
 {
     struct uccl__conn *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        while (STAILQ_EMPTY(&c->jobs) && !atomic_load(&c->link.failed))
+        while (STAILQ_EMPTY(&c->jobs) && !c->launch && !atomic_load(&c->link.failed))
             pthread_cond_wait(&c->cv, &c->mu);
+        int launch = c->launch;
+        c->launch = 0;
         struct uccl__job *j = STAILQ_FIRST(&c->jobs);
         if (j)
             STAILQ_REMOVE_HEAD(&c->jobs, link);
         pthread_mutex_unlock(&c->mu);
+        if (launch)
+            uccl__conn_launch(c);
+        if (!j && launch)
+            continue;
         if (!j)
             break; /* failed and drained */
         if (!atomic_load(&c->link.failed))
@@ -177,5 +194,6 @@ void *uccl__conn_worker_main(void *arg)
             uccl__req_put(j->req);
         free(j);
     }
+    atomic_fetch_add(&c->threads_out, 1);
     return NULL;
 }

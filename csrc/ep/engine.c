@@ -174,7 +174,8 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
         goto err_free;
     }
     read_host_id(o->host_id, loc->host_id, sizeof(loc->host_id));
-    if ((status = read_settings(loc, o->timeout_s, &ep->base_port, &ep->done_cap)) != UCCL_OK)
+    if ((status = read_settings(loc, o->timeout_s, &ep->base_port, &ep->done_cap)) != UCCL_OK ||
+        (status = uccl__ep_conns_init(ep)) != UCCL_OK)
         goto err_free;
 
     const char *sec = o->secret;
@@ -212,6 +213,7 @@ err_close:
         close(ep->wake_pipe[1]);
     }
 err_free:
+    uccl__ep_conns_fini(ep);
     uccl__pool_lazy_free(&loc->copy_pool);
     uccl__mem_fini(&loc->mem);
     pthread_mutex_destroy(&ep->mu);
@@ -249,6 +251,7 @@ void uccl_ep_destroy(uccl_ep_t *ep)
         return;
     uccl_ep_close(ep);
     uccl__xfers_free(ep);
+    uccl__ep_conns_fini(ep);
     size_t n;
     struct uccl__conn **v = uccl__ep_conn_list(ep, &n);
     for (size_t i = 0; i < n; i++)
@@ -434,28 +437,6 @@ int uccl_ep_connect_meta(uccl_ep_t *ep, const uint8_t *meta, size_t meta_len, ui
     return UCCL_OK;
 }
 
-int uccl_ep_conn_remove(uccl_ep_t *ep, uint64_t conn)
-{
-    pthread_mutex_lock(&ep->mu);
-    struct uccl__conn *c = ep->closed ? NULL : uccl__idmap_del(&ep->conns, conn);
-    if (c) { /* add_remote_endpoint must connect afresh next time */
-        struct uccl__remote *r = SLIST_FIRST(&ep->remotes), *next;
-        for (; r; r = next) {
-            next = SLIST_NEXT(r, link);
-            if (r->conn_id == conn) {
-                SLIST_REMOVE(&ep->remotes, r, uccl__remote, link);
-                free(r);
-            }
-        }
-    }
-    pthread_mutex_unlock(&ep->mu);
-    if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
-    uccl__conn_close(c); /* fails what is pending on it, tells the peer, joins its threads */
-    uccl__conn_put(c);   /* the table's reference */
-    return UCCL_OK;
-}
-
 void uccl_ep_set_spin_ns(uccl_ep_t *ep, uint64_t ns) { ep->local.spin_ns = ns; }
 
 /* ------------------------------------------------------------------------- */
@@ -509,7 +490,7 @@ int uccl_ep_advertise(uccl_ep_t *ep, uint64_t conn, uint64_t mr, uintptr_t addr,
         return uccl__err(UCCL_ERR_INVALID, "fifo item buffer too small");
     struct uccl__conn *c = conn ? uccl__ep_conn_get(ep, conn) : NULL;
     if (conn && !c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
+        return uccl__ep_no_conn(conn);
     int acceptor = !c || !c->link.is_connector;
     if (c)
         uccl__conn_put(c);

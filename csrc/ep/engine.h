@@ -10,7 +10,8 @@
  *   gate.c     transfers of GPU memory waiting for their caller's stream
  *   conns.c    the connection table: open or closed, connections by id,
  *              the accept queue (listen.c and connect enter connections,
- *              xfer.c looks them up)
+ *              xfer.c looks them up), removal, and the reaper that gives
+ *              back what failed connections hold
  *
  * It implements the public C API (uccl.h) over the connection layer
  * (conn.h) and the memory regions (mem.h), which never call back up. */
@@ -26,7 +27,10 @@
 #include "tp/link.h"
 #include "ep/uccl.h"
 
-#define UCCL_ACCEPTQ_MAX 1024
+/* Failed connections released by the reaper (conns.c) whose ids keep
+ * answering with their failure; older ones are forgotten (their ids then
+ * answer "no such connection"). */
+#define UCCL_DEAD_CONNS_KEPT 1024
 
 struct uccl__gate_item;
 struct uccl__gate {              /* gate.c */
@@ -62,8 +66,12 @@ struct uccl__ep {
     size_t done_marks, done_cap; /* done marks in reqs; UCCL_P2P_DONE_IDS (xfer.c) */
     uint64_t done_floor;         /* ids below it that reqs lacks finished (or were released) */
     struct uccl__idmap incomplete; /* token -> accepted connection waiting for its streams */
-    uint64_t acceptq[UCCL_ACCEPTQ_MAX];
+    struct uccl__conn **acceptq; /* accepted, not yet returned by accept() (a reference each) */
+    unsigned acceptq_cap;        /* UCCL_P2P_ACCEPT_QUEUE */
     unsigned acceptq_head, acceptq_len;
+    uint64_t dead[UCCL_DEAD_CONNS_KEPT]; /* released failed connections, oldest first */
+    unsigned dead_head, dead_len;
+    uint64_t reaped_at;          /* the reaper's last pass (uccl__now_ns) */
     SLIST_HEAD(, uccl__remote) remotes;
     int wake_pipe[2];            /* close() wakes the listener */
     pthread_t listener;
@@ -73,12 +81,27 @@ struct uccl__ep {
 };
 
 /* conns.c */
+/* The accept queue's bound (UCCL_P2P_ACCEPT_QUEUE), at creation; and its
+ * memory, at destroy. */
+int uccl__ep_conns_init(struct uccl__ep *ep);
+void uccl__ep_conns_fini(struct uccl__ep *ep);
 /* UCCL_ERR_CLOSED once the endpoint is closed. */
 int uccl__ep_check_open(struct uccl__ep *ep);
 /* The connection with id, with a reference, or NULL. */
 struct uccl__conn *uccl__ep_conn_get(struct uccl__ep *ep, uint64_t id);
-/* Give c an id and enter it in the table; queue: for accept(). */
+/* Give c an id and enter it in the table; queue: for accept(), refused
+ * (UCCL_ERR_BUSY) where the accept queue is full. */
 int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue);
+/* Is there room in the accept queue for one more (connections whose peers
+ * went away make room)?  If not, logs the refusal of the connection from
+ * `peer` with the numbers and returns UCCL_ERR_BUSY. */
+int uccl__ep_accept_room(struct uccl__ep *ep, const char *peer);
+/* The listener, now and then: give back what failed connections hold
+ * (uccl__conn_release); their ids keep answering with the failure, the
+ * last UCCL_DEAD_CONNS_KEPT of them. */
+void uccl__ep_reap(struct uccl__ep *ep);
+/* UCCL_ERR_NOTFOUND for a conn_id the table lacks, saying what it may be. */
+int uccl__ep_no_conn(uint64_t id);
 /* Take connection id out of the table (a connection that could not start). */
 void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id);
 /* The table's connections (the table keeps its references); NULL if none

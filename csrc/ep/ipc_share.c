@@ -22,6 +22,11 @@ static int ipc_conn(uccl_ep_t *ep, uint64_t conn_id, const char *what, struct uc
     if (!c)
         return uccl__err(UCCL_ERR_NOTFOUND, "%s: no connection %llu", what,
                          (unsigned long long)conn_id);
+    if (atomic_load(&c->link.failed)) { /* (it may be released: no transport state) */
+        int rc = uccl__err(UCCL_ERR_IO, "%s: %s", what, c->fail_msg);
+        uccl__conn_put(c);
+        return rc;
+    }
     if (c->link.tp->id != UCCL_TP_SHM || !c->link.direct) {
         int rc = uccl__err(UCCL_ERR_INVALID, "%s: connection %llu is %s%s, not shared memory "
                            "with CUDA IPC", what, (unsigned long long)conn_id, c->link.tp->name,

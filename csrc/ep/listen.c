@@ -131,6 +131,10 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
         uccl__hs_refuse(p->fd, UCCL_REFUSE_BUSY);
         return 0;
     }
+    if (uccl__ep_accept_room(ep, p->name) != UCCL_OK) { /* logged there, with the numbers */
+        uccl__hs_refuse(p->fd, UCCL_ERR_BUSY); /* not "busy, dial again": it may last */
+        return 0;
+    }
     struct uccl__conn *c = uccl__conn_new(&ep->local, 0, p->fd);
     if (!c) {
         uccl__hs_refuse(p->fd, UCCL_ERR_NOMEM);
@@ -430,6 +434,7 @@ static void *listener_main(void *arg)
         if (pfd[2].revents & POLLIN)
             accept_new(ep, ep->listen_lo_fd, pend, &npend, now);
         expire_incomplete(ep, 0);
+        uccl__ep_reap(ep); /* what failed connections hold (conns.c) */
     }
     for (unsigned i = 0; i < npend; i++)
         close(pend[i].fd);

@@ -87,7 +87,12 @@ int uccl_ep_post(uccl_ep_t *ep, int op, uint64_t conn, uint64_t mr, uintptr_t pt
         len = uccl__mem_room(&ep->local.mem, mr, ptr, len);
     struct uccl__conn *c = uccl__ep_conn_get(ep, conn);
     if (!c)
-        return uccl__err(UCCL_ERR_NOTFOUND, "Invalid conn_id %llu: no such connection (never made, or removed)", (unsigned long long)conn);
+        return uccl__ep_no_conn(conn);
+    if (atomic_load(&c->link.failed)) { /* its failure says what happened (it may be released) */
+        rc = uccl__err(c->fail_status == UCCL_ERR_CLOSED ? UCCL_ERR_CLOSED : UCCL_ERR_IO, "%s",
+                       c->fail_msg);
+        goto out;
+    }
     if ((op == UCCL_XFER_RECV) == c->link.is_connector) {
         rc = uccl__err(UCCL_ERR_INVALID, "%s on conn_id %llu: connections are one-way; the side "
                        "that called connect() sends, reads and writes, the side that called "

@@ -89,7 +89,7 @@ int uccl__mem_reg(struct uccl__mem *m, uintptr_t addr, size_t len, uint64_t *mr_
     return UCCL_OK;
 }
 
-struct win_sweep { uint64_t mr; uint64_t ids[WINDOW_SWEEP]; unsigned n; };
+struct win_sweep { uint64_t mr, conn; uint64_t ids[WINDOW_SWEEP]; unsigned n; };
 /* window_of's key for a window's range (never 0 nor UINT64_MAX, the map's
  * marks): a collision only costs a window that is not found again. */
 static uint64_t range_key(uint64_t conn_id, uint64_t mr_id, uintptr_t addr, size_t len)
@@ -107,15 +107,18 @@ static uint64_t range_key(uint64_t conn_id, uint64_t mr_id, uintptr_t addr, size
 static void match_window(uint64_t k, void *v, void *arg)
 {
     struct win_sweep *s = arg;
-    if (((struct uccl__window *)v)->mr_id == s->mr && s->n < WINDOW_SWEEP)
+    const struct uccl__window *w = v;
+    if ((s->conn ? w->conn_id == s->conn : w->mr_id == s->mr) && s->n < WINDOW_SWEEP)
         s->ids[s->n++] = k;
 }
 
-/* Under m->mu: drop every window of region mr_id; *conns_p: the distinct
- * connections they were offered on (the caller frees it). */
-static unsigned drop_windows(struct uccl__mem *m, uint64_t mr_id, uint64_t **conns_p)
+/* Under m->mu: drop every window of region mr_id (conn_id 0), or offered
+ * on connection conn_id; *conns_p: the distinct connections they were
+ * offered on (the caller frees it). */
+static unsigned drop_windows(struct uccl__mem *m, uint64_t mr_id, uint64_t conn_id,
+                             uint64_t **conns_p)
 {
-    struct win_sweep s = {.mr = mr_id};
+    struct win_sweep s = {.mr = mr_id, .conn = conn_id};
     uint64_t *conns = NULL;
     unsigned nconns = 0;
     do {
@@ -143,6 +146,17 @@ static unsigned drop_windows(struct uccl__mem *m, uint64_t mr_id, uint64_t **con
     return nconns;
 }
 
+void uccl__mem_drop_conn(struct uccl__mem *m, uint64_t conn_id)
+{
+    uint64_t *conns = NULL;
+    if (conn_id == 0)
+        return;
+    pthread_mutex_lock(&m->mu);
+    drop_windows(m, 0, conn_id, &conns);
+    pthread_mutex_unlock(&m->mu);
+    free(conns);
+}
+
 int uccl__mem_dereg(struct uccl__mem *m, uint64_t mr_id, uint64_t timeout_ns,
                     uccl__mem_stop_fn stop, void *arg)
 {
@@ -155,7 +169,7 @@ int uccl__mem_dereg(struct uccl__mem *m, uint64_t mr_id, uint64_t timeout_ns,
     }
     /* Its advertised windows die with it: no new peer access can start. */
     uint64_t *conns;
-    unsigned nconns = drop_windows(m, mr_id, &conns);
+    unsigned nconns = drop_windows(m, mr_id, 0, &conns);
     /* Accesses already under way finish first: after dereg() returns, no
      * peer touches this memory.  If they do not finish within the timeout,
      * their connections are stopped, which ends them. */

@@ -109,6 +109,9 @@ int uccl__mem_keys(struct uccl__mem *m, uint64_t mr_id, uintptr_t ptr, size_t le
                    uccl__mem_key_fn peer_key_fn, void *arg, uint64_t *local_key_p,
                    uint64_t *peer_key_p, uint32_t *mkind_p);
 
+/* Connection conn_id is gone: the windows offered on it go too (no peer
+ * can use them any more; a window offered to any connection stays). */
+void uccl__mem_drop_conn(struct uccl__mem *m, uint64_t conn_id);
 /* Offer [addr, addr + len) of region mr_id to the peer of connection conn_id. */
 int uccl__mem_advertise(struct uccl__mem *m, uint64_t conn_id, uint64_t mr_id, uintptr_t addr,
                         size_t len, struct uccl__fifo_item *f_p);

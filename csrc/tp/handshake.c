@@ -151,7 +151,8 @@ static int read_rec(struct uccl__link *lk, int fd, uint8_t buf[REC], size_t have
         if (h->status == UCCL_ERR_AUTH)
             return uccl__err(UCCL_ERR_AUTH, "%s:%d refused the connection: wrong or missing "
                              "secret (UCCL_P2P_SECRET)", lk->peer_ip, lk->peer_port);
-        return uccl__err(h->status == UCCL_ERR_UNAVAIL ? UCCL_ERR_UNAVAIL : UCCL_ERR_IO,
+        return uccl__err(h->status == UCCL_ERR_UNAVAIL || h->status == UCCL_ERR_BUSY
+                             ? h->status : UCCL_ERR_IO,
                          "%s:%d refused the connection: %s (see its log)", lk->peer_ip,
                          lk->peer_port, uccl_status_str(h->status));
     }
