@@ -10,8 +10,8 @@ runtime must come first), every process's reports written to a folder,
 then reads them.  A report with a frame in the engine (a csrc/ source line,
 or the module) is a finding; reports with none (python's own, torch's, a
 compiler's that a test ran) are counted, not findings.  The suppression
-files beside this one (asan.supp, lsan.supp, ubsan.supp, tsan.supp) name
-what is not a bug, each with its reason.  The ordinary engine is built
+files beside this one (asan.supp, ubsan.supp, tsan.supp) name what is not
+a bug, each with its reason.  The ordinary engine is built
 again at the end.  Exit status 0: pytest passed and no finding."""
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ def runtime_env(mode: str, logs: pathlib.Path) -> dict:
     if not os.path.isabs(lib):
         raise SystemExit(f"{cc} has no {MODES[mode][1]}: install its sanitizer runtime")
     common = f"log_path={logs}/{mode}:print_suppressions=0"
+    # UBSan (gcc's, beside ASan) ignores log_path and writes to stderr: pytest
+    # runs with -s so that its reports reach pytest.out, and it stops the
+    # process, so that one in a child whose stderr a test captures still fails
+    # that test
     env = {"LD_PRELOAD": lib,
-           "UBSAN_OPTIONS": f"log_path={logs}/ubsan:print_stacktrace=1:"
+           "UBSAN_OPTIONS": f"print_stacktrace=1:halt_on_error=1:"
                             f"suppressions={HERE / 'ubsan.supp'}"}
     if mode == "address":
         # no leak check at exit: python leaves thousands of objects at exit
@@ -99,8 +103,15 @@ def main() -> int:
     build(MODES[a.mode][0])
     try:
         env = {**os.environ, **runtime_env(a.mode, logs), "PYTHONPATH": str(ROOT)}
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            *a.tests, *extra], cwd=ROOT, env=env)
+        with open(logs / "pytest.out", "w") as out:
+            p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p",
+                                  "no:cacheprovider", *a.tests, *extra], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 errors="replace")
+            for line in p.stdout:
+                out.write(line)
+                sys.stdout.write(line)
+            p.wait()
     finally:
         if not a.keep_build:
             build("")
