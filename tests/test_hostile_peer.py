@@ -40,6 +40,7 @@ import time
 import numpy as np
 import pytest
 
+import _wire
 from _harness import MiB, TRANSPORTS, addr, catch, run_one
 
 SENTINEL = 0x3C    # written over a buffer once the engine must have let go of it
@@ -94,18 +95,10 @@ def window_token(f):
 
 
 # ---- a hostile TCP acceptor: the process under test is the connector
-def _tcp_ack(nstreams, chunk, host=b"evil-host"):
-    b = bytearray(256)
-    struct.pack_into("<IHH", b, 0, MAGIC, 1, 3)
-    b[76:76 + len(host)] = host
-    struct.pack_into("<IiiIIII", b, 140, os.getpid(), -1, -1, 1, 0, nstreams, 0)
-    struct.pack_into("<QQQiIQ", b, 168, 0, 0, 0, 0, 0, chunk)
-    return bytes(b)
-
-
 class TcpAcceptor:
     """listen(); the test runs ep.connect(..., remote_port=self.port) while a
-    thread runs serve().  ctrl: the control socket; streams: data sockets."""
+    thread runs serve().  ctrl: the control socket; streams: data sockets.
+    The handshake is the real one (tests/_wire.py), without a secret."""
 
     def __init__(self):
         self.ls = socket.socket()
@@ -120,18 +113,14 @@ class TcpAcceptor:
     def serve(self):
         c, _ = self.ls.accept()
         c.settimeout(10)
-        h = recvn(c, 256)
-        nstreams = struct.unpack_from("<I", h, 160)[0]
-        chunk = struct.unpack_from("<Q", h, 200)[0]
-        c.sendall(_tcp_ack(nstreams, chunk))
+        r = _wire.accept(c, b"", pid=os.getpid(), host=b"evil-host", transport=_wire.TP_TCP)
+        nstreams, chunk = r["hello"]["nstreams"], r["hello"]["chunk"]
         streams = [None] * nstreams
         for _ in range(nstreams):
             s, _ = self.ls.accept()
             s.settimeout(10)
-            hh = recvn(s, 256)
-            idx = struct.unpack_from("<I", hh, 164)[0]
-            s.sendall(_tcp_ack(nstreams, chunk))
-            streams[idx] = s
+            rs = _wire.accept(s, key=r["key"], transport=_wire.TP_TCP)
+            streams[rs["hello"]["sidx"]] = s
         self.streams, self.ctrl, self.chunk = streams, c, chunk
 
     def read_msg(self):
@@ -146,21 +135,17 @@ class TcpAcceptor:
                     pass
 
 
-# ---- hostile shm (CMA) peers, in the process under test (same pid)
+# ---- hostile shm (CMA) peers, in the process under test (same pid): the
+# engine takes the pid, since this process holds the other end of the socket,
+# and reads the probe word set here to the value of the connection's key.
 CTRLQ = 128 + 4096 * 64
 SEG = 2 * CTRLQ + 16 * 65536
-_probe = ctypes.c_uint64(0x5EED5EED12345678)
+_probe = ctypes.c_uint64(0)
 
 
-def _shm_hello(typ, token, host, shm_name=b""):
-    b = bytearray(256)
-    struct.pack_into("<IHH", b, 0, MAGIC, 1, typ)
-    b[76:76 + len(host)] = host
-    struct.pack_into("<IiiIIII", b, 140, os.getpid(), -1, -1, 2, 0, 1, 0)
-    struct.pack_into("<QQQiIQ", b, 168, token, ctypes.addressof(_probe), _probe.value, 0, 0,
-                     1 << 20)
-    b[208:208 + len(shm_name)] = shm_name
-    return bytes(b)
+def _set_probe(ckey, connector):
+    _probe.value = _wire.probe_value(ckey, connector)
+    return ctypes.addressof(_probe)
 
 
 def host_of(ep):
@@ -203,13 +188,12 @@ class Queues:
 def connect_shm(port, host):
     """A hostile CMA connector: returns (control socket, Queues)."""
     c = socket.create_connection(("127.0.0.1", port), timeout=10)
-    c.sendall(_shm_hello(1, int.from_bytes(os.urandom(6), "little") + 1, host))
-    ack = recvn(c, 256)
-    st = struct.unpack_from("<i", ack, 192)[0]
-    assert st == 0, f"the endpoint refused the hand-written shm handshake (status {st})"
-    assert struct.unpack_from("<I", ack, 156)[0] == 0, "the endpoint chose ring, not cma"
-    name = ack[208:256].split(b"\0")[0].decode()
-    fd = os.open("/dev/shm/" + name, os.O_RDWR)
+    r = _wire.connect(c, b"", host=host, pid=os.getpid(), transport=_wire.TP_SHM,
+                      caps=2,  # UCCL_CAP_CMA: this side checked the acceptor's pid
+                      after_challenge=lambda ckey, ch: {"probe": _set_probe(ckey, 1)})
+    ack = r["ack"]
+    assert ack["shm_mode"] == 0, "the endpoint chose ring, not cma"
+    fd = os.open("/dev/shm/" + ack["shm_name"].decode(), os.O_RDWR)
     try:
         mm = mmap.mmap(fd, SEG)
     finally:
@@ -233,7 +217,6 @@ class ShmAcceptor:
     def serve(self):
         c, _ = self.ls.accept()
         c.settimeout(10)
-        recvn(c, 256)
         name = "uccl-%d-%016x" % (os.getpid(), int.from_bytes(os.urandom(8), "little"))
         fd = os.open("/dev/shm/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.name = name
@@ -242,7 +225,9 @@ class ShmAcceptor:
             mm = mmap.mmap(fd, SEG)
         finally:
             os.close(fd)
-        c.sendall(_shm_hello(3, 0, self.host, shm_name=name.encode()))
+        _wire.accept(c, b"", pid=os.getpid(), host=self.host, transport=_wire.TP_SHM,
+                     shm_mode=0, shm_name=name.encode(),
+                     before_ack=lambda ckey, h: {"probe": _set_probe(ckey, 0)})
         self.ctrl, self.q = c, Queues(mm, False)
 
     def close(self):

@@ -38,6 +38,8 @@ import time
 import numpy as np
 import pytest
 
+import _wire
+
 from _harness import (MiB, POISON, TRANSPORTS, Pair, addr, all_poison, catch, poisoned,
                       rand_bytes, run_pair)
 
@@ -179,17 +181,6 @@ FLAG_EAGER = 1
 EAGER_N = 65536
 
 
-def _hello(typ, token, nstreams=1, sidx=0, chunk=1 << 20):
-    """A 256-byte HELLO record (see csrc/net/wire.h), transport TCP, no secret."""
-    b = bytearray(256)
-    struct.pack_into("<IHH", b, 0, WIRE_MAGIC, 1, typ)
-    host = b"hostile-peer"                # another host id: the acceptor must use TCP
-    b[76:76 + len(host)] = host
-    struct.pack_into("<IiiIIII", b, 140, 4242, -1, -1, 1, 0, nstreams, sidx)
-    struct.pack_into("<QQQiIQ", b, 168, token, 0, 0, 0, 0, chunk)
-    return bytes(b)
-
-
 def _recvn(s, n):
     out = b""
     while len(out) < n:
@@ -207,15 +198,16 @@ def _msg(typ, seq=0, ln=0, addr_=0, window=0, token=0, offset=0, aux=0):
 
 
 def _raw_connect(port, token=0x1234567890):
-    """Handshake by hand: control socket plus one data stream; returns both."""
+    """Handshake by hand (tests/_wire.py, no secret), transport TCP with one
+    data stream, from another host id (so the acceptor must use TCP):
+    control socket plus the data stream; returns both."""
     c = socket.create_connection(("127.0.0.1", port), timeout=10)
-    c.sendall(_hello(1, token))
-    ack = _recvn(c, 256)
-    status = struct.unpack_from("<i", ack, 192)[0]
-    assert status == 0, f"the endpoint refused the hand-written handshake (status {status})"
+    r = _wire.connect(c, b"", token=token, host=b"hostile-peer", pid=4242,
+                      transport=_wire.TP_TCP, nstreams=1, chunk=1 << 20)
+    assert r["ack"]["status"] == 0, r["ack"]
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(_hello(2, token, 1, 0))
-    _recvn(s, 256)
+    _wire.connect(s, typ=_wire.STREAM, token=token, key=r["key"], host=b"hostile-peer",
+                  transport=_wire.TP_TCP, nstreams=1, sidx=0, chunk=1 << 20)
     return c, s
 
 

@@ -10,10 +10,10 @@ Python API in three parts, one folder each:
 p2p stands on the engine alone, core on p2p, backend on core.
 """
 from . import collective, gpu_ring, p2p  # noqa: F401 (the public modules)
-from ._engine import UcclError, UcclTimeoutError, UcclUnknownIdError
+from ._engine import UcclError, UcclMismatchError, UcclTimeoutError, UcclUnknownIdError
 from .backend import register as _register_backend
 
 _register_backend()  # torch.distributed.init_process_group("uccl")
 
-__all__ = ["UcclError", "UcclTimeoutError", "UcclUnknownIdError"]
+__all__ = ["UcclError", "UcclMismatchError", "UcclTimeoutError", "UcclUnknownIdError"]
 __version__ = "0.1.0"

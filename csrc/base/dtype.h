@@ -14,5 +14,8 @@ enum {
     UCCL_RED_BXOR, UCCL_RED_AVG, UCCL_RED_COUNT
 };
 size_t uccl_dtype_size(int dtype); /* 0 for an unknown type */
+/* Their names in messages ("float32", "SUM"; "?" for an unknown code). */
+const char *uccl_dtype_name(int dtype);
+const char *uccl_red_name(int op);
 
 #endif

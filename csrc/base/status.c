@@ -51,6 +51,17 @@ uint64_t uccl__random64(void)
     return v ? v : 1;
 }
 
+void uccl__random_bytes(void *buf, size_t len)
+{
+    /* getrandom() of up to 256 bytes never returns short once the pool is
+     * ready; the loop covers EINTR and larger requests. */
+    for (size_t done = 0; done < len;) {
+        ssize_t n = getrandom((char *)buf + done, len - done, 0);
+        if (n > 0)
+            done += (size_t)n;
+    }
+}
+
 uint64_t uccl__now_ns(void)
 {
     struct timespec ts;

@@ -47,5 +47,7 @@ uint64_t uccl__now_ns(void);
 
 /* A random non-zero 64-bit value (getrandom): tokens, segment names. */
 uint64_t uccl__random64(void);
+/* len bytes from the kernel's random source (nonces, keys). */
+void uccl__random_bytes(void *buf, size_t len);
 
 #endif

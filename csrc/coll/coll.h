@@ -21,6 +21,10 @@
 typedef struct uccl__comm uccl_comm_t;
 
 enum { UCCL_AG_AUTO = 0, UCCL_AG_DIRECT = 1, UCCL_AG_RING = 2 };
+/* or'ed into an allgather's algorithm: after a size mismatch, no exchange
+ * of the ranks' sizes (the caller has its own: the process group's call
+ * headers, whose first exchanges are not all of equal chunks). */
+#define UCCL_AG_NO_DIAGNOSIS 0x100
 
 /* A buffer of an operation; mr 0: registered for the operation's duration. */
 struct uccl_coll_buf {

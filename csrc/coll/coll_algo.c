@@ -8,6 +8,8 @@
  * A new algorithm is a start function here and a uccl__coll_algo naming it
  * (plus, for an allgather, its place in uccl_comm_pick_algo). */
 #define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -151,8 +153,95 @@ static int start_direct(struct uccl__comm *cm, struct uccl__op *o)
     return rc;
 }
 
+/* After a size mismatch of an allgather of equal chunks every rank has
+ * failed (each receives from every rank as many bytes as it sends, so a
+ * rank whose chunk differs fails every rank's receive from it): each sends
+ * every other a record of its call (magic, chunk bytes), so that each can
+ * name the ranks and their sizes. */
+#define DIAG_MAGIC 0x75636c6167647231ull /* "uclagdr1" */
+
+static int diagnose_direct(struct uccl__comm *cm, struct uccl__op *o)
+{
+    int n = cm->size, me = cm->rank, rc = UCCL_OK;
+    for (int r = 0; r < n; r++)
+        if (o->recv[r].len != o->send.len)
+            return UCCL_ERR_UNAVAIL; /* uneven chunks: only the ranks that disagree fail */
+    o->diag = calloc(2 * ((size_t)n + 1), sizeof(uint64_t));
+    if (!o->diag)
+        return uccl__op_err(o, UCCL_ERR_NOMEM, "out of memory");
+    o->diag[0] = DIAG_MAGIC;
+    o->diag[1] = o->send.len;
+    memcpy(&o->diag[2 + 2 * me], o->diag, 2 * sizeof(uint64_t));
+    struct uccl_coll_buf mine = {.ptr = (uintptr_t)o->diag, .len = 2 * sizeof(uint64_t)};
+    struct uccl_coll_buf all = {.ptr = (uintptr_t)(o->diag + 2),
+                                .len = 2 * sizeof(uint64_t) * (size_t)n};
+    if ((rc = uccl__coll_reg(cm, o, &mine)) || (rc = uccl__coll_reg(cm, o, &all)))
+        return uccl__op_err(o, rc, "allgather: %s", uccl_last_error());
+    for (int i = 1; i < n && rc == UCCL_OK; i++)
+        rc = uccl__coll_post(cm, o, UCCL_XFER_SEND, (me + i) % n, &mine, 0, mine.len);
+    for (int i = 1; i < n && rc == UCCL_OK; i++) {
+        int r = (me - i + n) % n;
+        rc = uccl__coll_post(cm, o, UCCL_XFER_RECV, r, &all, (size_t)r * mine.len, mine.len);
+    }
+    return rc;
+}
+
+/* A message built piece by piece (truncated where it does not fit). */
+struct text {
+    char *p;
+    size_t left;
+};
+
+static void put(struct text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(struct text *t, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int w = t->left ? vsnprintf(t->p, t->left, fmt, ap) : 0;
+    va_end(ap);
+    size_t n = w < 0 ? 0 : (size_t)w < t->left ? (size_t)w : t->left - 1;
+    t->p += n;
+    t->left -= n;
+}
+
+static int says(const uint64_t *rec, int r, uint64_t len)
+{
+    return rec[2 * r] == DIAG_MAGIC && rec[2 * r + 1] == len;
+}
+
+static void explain_direct(struct uccl__comm *cm, struct uccl__op *o)
+{
+    int n = cm->size;
+    const uint64_t *rec = o->diag + 2;
+    struct text t = {o->msg, sizeof(o->msg)};
+    put(&t, "allgather: the ranks' chunk sizes disagree (each rank receives from every rank as "
+        "many bytes as it sends):");
+    int groups = 0;
+    for (int r = 0; r < n; r++) {
+        int first = rec[2 * r] == DIAG_MAGIC; /* the first rank of its size: name them all */
+        for (int q = 0; q < r && first; q++)
+            first = !says(rec, q, rec[2 * r + 1]);
+        if (!first)
+            continue;
+        int count = 0, shown = 0;
+        for (int q = r; q < n; q++)
+            count += says(rec, q, rec[2 * r + 1]);
+        put(&t, "%s %s", groups++ ? "," : "", count > 1 ? "ranks" : "rank");
+        for (int q = r; q < n && shown < 8; q++)
+            if (says(rec, q, rec[2 * r + 1]))
+                put(&t, "%s %d", shown++ ? "," : "", q);
+        if (count > shown)
+            put(&t, " and %d more", count - shown);
+        put(&t, " %s %llu bytes", count > 1 ? "send" : "sends",
+            (unsigned long long)rec[2 * r + 1]);
+    }
+    put(&t, "; rank %d received nothing from the ranks whose size differs from its own",
+        cm->rank);
+}
+
 const struct uccl__coll_algo uccl__coll_direct = {
-    .name = "direct allgather", .start = start_direct,
+    .name = "direct allgather", .start = start_direct, .diagnose = diagnose_direct,
+    .explain = explain_direct,
 };
 
 /* At step s the clockwise ring receives chunk me-1-s from the left and the

@@ -32,6 +32,8 @@ void uccl__op_free(struct uccl__op *o)
     free(o->tmp_mr);
     free(o->x.id);
     free(o->x.recv);
+    free(o->x.peer);
+    free(o->diag);
     free(o->fwd);
     uccl_stream_mark_free(o->mark);
     if (o->own_copy) { /* only after a failure's cleanup could not wait it out */
@@ -41,7 +43,7 @@ void uccl__op_free(struct uccl__op *o)
     free(o);
 }
 
-static int xlist_push(struct uccl__xlist *x, uint64_t id, int recv)
+static int xlist_push(struct uccl__xlist *x, uint64_t id, int recv, int peer)
 {
     if (x->n == x->cap) {
         int cap = x->cap ? x->cap * 2 : 16;
@@ -49,12 +51,16 @@ static int xlist_push(struct uccl__xlist *x, uint64_t id, int recv)
         if (p)
             x->id = p;
         char *q = p ? realloc(x->recv, (size_t)cap) : NULL;
-        if (!q)
+        if (q)
+            x->recv = q;
+        int *r = q ? realloc(x->peer, (size_t)cap * sizeof(*r)) : NULL;
+        if (!r)
             return UCCL_ERR_NOMEM;
-        x->recv = q;
+        x->peer = r;
         x->cap = cap;
     }
     x->recv[x->n] = (char)recv;
+    x->peer[x->n] = peer;
     x->id[x->n++] = id;
     return UCCL_OK;
 }
@@ -80,7 +86,7 @@ int uccl__coll_post(struct uccl__comm *cm, struct uccl__op *o, int kind, int pee
     if (rc)
         return uccl__op_err(o, rc, "%s: %s rank %d: %s", o->algo->name,
                             recv ? "recv from" : "send to", peer, uccl_last_error());
-    if (xlist_push(&o->x, id, recv)) {
+    if (xlist_push(&o->x, id, recv, peer)) {
         uccl_ep_abort(cm->ep, id, "out of memory");
         uccl_ep_release(cm->ep, id);
         return uccl__op_err(o, UCCL_ERR_NOMEM, "out of memory");
@@ -106,6 +112,13 @@ void uccl__coll_cleanup(struct uccl__comm *cm, struct uccl__op *o, int failed)
 }
 
 
+/* Record why transfer i of o failed (its rank named). */
+static int xfer_err(struct uccl__op *o, int i, int rc, const char *why)
+{
+    return uccl__op_err(o, rc, "%s: %s rank %d: %s", o->algo->name,
+                        o->x.recv[i] ? "recv from" : "send to", o->x.peer[i], why);
+}
+
 /* Wait for transfer i of o until `until`.  First this thread polls every
  * connection the operation still waits on (arrivals handled and copied
  * right here, with no connection thread to wake); then it sleeps on i. */
@@ -128,16 +141,34 @@ static int wait_one(struct uccl__comm *cm, struct uccl__op *o, int i, uint64_t d
     int rc = uccl_ep_wait(cm->ep, o->x.id[i], deadline, until > now ? until - now : 0);
     if (rc == UCCL_INPROGRESS || rc == UCCL_OK)
         return rc;
-    uccl__op_err(o, rc, "%s: %s", o->algo->name, uccl_last_error());
+    xfer_err(o, i, rc, uccl_last_error());
     /* The precise cause first: a size mismatch detected by another of our
      * transfers makes the peer give up, which fails this one less clearly
-     * ("peer closed"); report the mismatch. */
-    for (int k = o->x.waited; k < o->x.n && rc != UCCL_ERR_MISMATCH; k++) {
+     * ("peer closed"); report the mismatch.  (A tolerant operation waits
+     * for every transfer and keeps the first mismatch itself.) */
+    for (int k = o->x.waited; k < o->x.n && rc != UCCL_ERR_MISMATCH && !o->tolerant; k++) {
         int done = 0;
         if (k != i && uccl_ep_poll(cm->ep, o->x.id[k], &done) == UCCL_ERR_MISMATCH)
-            rc = uccl__op_err(o, UCCL_ERR_MISMATCH, "%s: %s", o->algo->name, uccl_last_error());
+            rc = xfer_err(o, k, UCCL_ERR_MISMATCH, uccl_last_error());
     }
     return rc;
+}
+
+/* Transfer i failed with rc: 1 where o goes on (a tolerant operation's size
+ * mismatch: the first one's message kept), 0 where o fails now. */
+static int tolerated(struct uccl__op *o, int rc)
+{
+    if (rc == UCCL_ERR_MISMATCH && o->tolerant) {
+        if (!o->mismatched++)
+            snprintf(o->mmsg, sizeof(o->mmsg), "%s", o->msg);
+        return 1;
+    }
+    if (o->mismatched) { /* the mismatch came first: it is the cause */
+        char then[sizeof(o->msg)];
+        snprintf(then, sizeof(then), "%s", o->msg);
+        uccl__op_err(o, rc, "%.300s; then %.200s", o->mmsg, then);
+    }
+    return 0;
 }
 
 /* Wait until *mark is reached (then free it), or `until` passes (spinning
@@ -179,16 +210,23 @@ int uccl__coll_finish_transfers(struct uccl__comm *cm, struct uccl__op *o, uint6
 {
     int rc;
     for (; o->cursor < o->x.n; o->cursor++)
-        if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, deadline, until)))
+        if (o->x.recv[o->cursor] && (rc = wait_one(cm, o, o->cursor, deadline, until)) &&
+            (rc == UCCL_INPROGRESS || !tolerated(o, rc)))
             return rc;
     for (; o->x.waited < o->x.n; o->x.waited++) {
-        if ((rc = wait_one(cm, o, o->x.waited, deadline, until)))
+        if ((rc = wait_one(cm, o, o->x.waited, deadline, until)) &&
+            (rc == UCCL_INPROGRESS || !tolerated(o, rc)))
             return rc;
         uccl_ep_release(cm->ep, o->x.id[o->x.waited]);
     }
     if (o->own_copy && (rc = wait_mark(o, &o->own_copy, until, "the copy of this rank's chunk")))
         return rc;
     uccl__coll_cleanup(cm, o, 0);
+    if (o->mismatched) { /* every transfer is over: the connections still agree */
+        o->mismatched = 0;
+        o->clean = 1;
+        return uccl__op_err(o, UCCL_ERR_MISMATCH, "%s", o->mmsg);
+    }
     return UCCL_OK;
 }
 
@@ -217,5 +255,28 @@ int uccl__coll_advance(struct uccl__comm *cm, struct uccl__op *o, uint64_t until
         o->phase = 2;
         o->cursor = o->x.waited;
     }
-    return uccl__coll_finish_transfers(cm, o, o->deadline, until);
+    if (o->phase == 2) {
+        rc = uccl__coll_finish_transfers(cm, o, o->deadline, until);
+        if (rc != UCCL_ERR_MISMATCH || !o->clean || !o->algo->diagnose || o->nodiag)
+            return rc;
+        /* Every rank failed alike: each tells every other what it called,
+         * exactly (a mismatch now is a failure like any other). */
+        char first[sizeof(o->msg)];
+        snprintf(first, sizeof(first), "%s", o->msg);
+        o->clean = o->tolerant = 0;
+        rc = o->algo->diagnose(cm, o);
+        if (rc == UCCL_ERR_UNAVAIL) { /* not for this call: its own message */
+            o->clean = 1;
+            return uccl__op_err(o, UCCL_ERR_MISMATCH, "%s", first);
+        }
+        if (rc)
+            return rc;
+        o->phase = 3;
+        o->cursor = o->x.waited;
+    }
+    if ((rc = uccl__coll_finish_transfers(cm, o, o->deadline, until)))
+        return rc;
+    o->algo->explain(cm, o);
+    o->clean = 1;
+    return UCCL_ERR_MISMATCH;
 }

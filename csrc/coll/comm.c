@@ -148,7 +148,8 @@ static void settle(struct uccl__comm *cm, struct uccl__op *o, int rc, int ok_sta
     }
     o->status = rc;
     o->state = UCCL_OPST_FAILED;
-    fail_comm(cm, rc, o->msg);
+    if (!o->clean) /* (a clean failure left every connection in step) */
+        fail_comm(cm, rc, o->msg);
 }
 
 /* Under cm->mu with the token for o: advance it until `until` without the
@@ -283,6 +284,7 @@ static int p2p_make(struct uccl__comm *cm, const struct uccl_coll_p2p *ops, int 
     memcpy(o->p2p, ops, (size_t)n * sizeof(*ops));
     o->algo = &uccl__coll_p2p;
     o->n = n;
+    o->tolerant = 1; /* every transfer is matched with one of the peer's */
     *o_p = o;
     return UCCL_OK;
 }
@@ -304,7 +306,8 @@ int uccl_comm_p2p(uccl_comm_t *cm, const struct uccl_coll_p2p *ops, int n, void 
 static int allgather_make(struct uccl__comm *cm, const struct uccl_coll_buf *send,
                           const struct uccl_coll_buf *recv, int algo, struct uccl__op **o_p)
 {
-    int n = cm->size, me = cm->rank, rc;
+    int n = cm->size, me = cm->rank, rc, nodiag = (algo & UCCL_AG_NO_DIAGNOSIS) != 0;
+    algo &= ~UCCL_AG_NO_DIAGNOSIS;
     if (algo != UCCL_AG_AUTO && algo != UCCL_AG_DIRECT && algo != UCCL_AG_RING)
         return uccl__err(UCCL_ERR_INVALID, "allgather algorithm %d (expected auto, direct or "
                          "ring)", algo);
@@ -342,6 +345,10 @@ static int allgather_make(struct uccl__comm *cm, const struct uccl_coll_buf *sen
     memcpy(o->recv, recv, (size_t)n * sizeof(*recv));
     o->send = *send;
     o->algo = algo == UCCL_AG_RING ? &uccl__coll_ring : &uccl__coll_direct;
+    /* Direct: one message each way per pair, so a size mismatch fails both
+     * sides of that pair and nothing else; the ring's forwarding is not. */
+    o->tolerant = algo == UCCL_AG_DIRECT;
+    o->nodiag = nodiag;
     *o_p = o;
     return UCCL_OK;
 }

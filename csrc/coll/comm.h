@@ -38,6 +38,13 @@ struct uccl__coll_algo {
      * posted now (uccl__coll_post); pieces to pass on once they have
      * arrived are recorded in o->fwd, and posted by coll_run.c then. */
     int (*start)(struct uccl__comm *cm, struct uccl__op *o);
+    /* Optional, where every rank fails alike on a size mismatch (an
+     * allgather of equal chunks): after such a failure, with every
+     * transfer finished, post an exchange with every rank of what it
+     * called (diagnose), then name the ranks and their sizes (explain,
+     * into o->msg).  NULL: the mismatch's own message is the error. */
+    int (*diagnose)(struct uccl__comm *cm, struct uccl__op *o);
+    void (*explain)(struct uccl__comm *cm, struct uccl__op *o);
 };
 
 extern const struct uccl__coll_algo uccl__coll_p2p, uccl__coll_direct, uccl__coll_ring;
@@ -45,6 +52,7 @@ extern const struct uccl__coll_algo uccl__coll_p2p, uccl__coll_direct, uccl__col
 struct uccl__xlist {             /* transfers an operation posted, in order */
     uint64_t *id;
     char *recv;                  /* recv[i]: transfer i is a receive */
+    int *peer;                   /* peer[i]: the rank of transfer i */
     int n, cap, waited;          /* waited: ids [0, waited) are finished and released */
 };
 
@@ -64,7 +72,18 @@ struct uccl__op {
     int collecting;              /* posted_is_done: one waiter is collecting the transfers */
     int waiters;                 /* threads inside uccl_comm_wait on it (under cm->mu) */
     int released;                /* forgotten while waited on: the last waiter frees it */
-    int phase, cursor;           /* progress: 0 post, 1 forwarding, 2 waiting */
+    int phase, cursor;           /* progress: 0 post, 1 forwarding, 2 waiting, 3 diagnosing */
+    /* A size mismatch is the callers' mistake, not a broken connection: the
+     * peer's side of a mismatched message fails too (NACK), so once every
+     * transfer has finished, the ranks still agree on what comes next.
+     * tolerant: on a mismatch, wait for every other transfer instead of
+     * aborting them; clean: the operation failed that way, so the
+     * communicator is not poisoned. */
+    int tolerant, clean;
+    int nodiag;                  /* UCCL_AG_NO_DIAGNOSIS: no diagnose after a mismatch */
+    int mismatched;              /* transfers that failed with a size mismatch */
+    char mmsg[512];              /* the first one's message */
+    uint64_t *diag;              /* diagnose: this rank's record, then every rank's */
     struct uccl__fwd *fwd;
     int nfwd;
     int n;                       /* p2p: number of entries */

@@ -18,6 +18,7 @@
 
 #include "conn/conn.h"
 #include "base/log.h"
+#include "base/ptracer.h"
 #include "net/sock.h"
 #include "base/status.h"
 
@@ -53,6 +54,8 @@ void uccl__conn_put(struct uccl__conn *c)
         return;
     if (c->link.tp && c->link.tp->conn_free)
         c->link.tp->conn_free(&c->link);
+    if (c->link.ptracer_pid) /* the peer copies our memory no more */
+        uccl__ptracer_release(c->link.ptracer_pid);
     if (c->ctrl_fd >= 0)
         close(c->ctrl_fd);
     free_held(c);

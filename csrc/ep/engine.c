@@ -108,14 +108,57 @@ static int read_settings(struct uccl__local *loc, double timeout_s, int *base_po
     return uccl__cfg_choice(UCCL_CFG_P2P_LOG_LEVEL, &level);
 }
 
+/* One listening socket on `ip` (NULL: every address) at port (0: any
+ * free one), and, where ip is another address than loopback, the same port
+ * on 127.0.0.1 too (connect_local() dials it; loopback reaches no one
+ * else).  An ephemeral port taken on loopback is tried again. */
+static int listen_pair(struct uccl__ep *ep, const char *ip, int port)
+{
+    int with_lo = ip && strcmp(ip, "127.0.0.1") != 0;
+    for (int tries = 0;; tries++) {
+        int rc = uccl__sock_listen(ip, port, &ep->listen_fd, &ep->local.port);
+        if (rc || !with_lo)
+            return rc;
+        int lo_port;
+        rc = uccl__sock_listen("127.0.0.1", ep->local.port, &ep->listen_lo_fd, &lo_port);
+        if (rc == UCCL_OK)
+            return UCCL_OK;
+        close(ep->listen_fd);
+        ep->listen_fd = -1;
+        if (port != 0 || tries == 8)
+            return rc;
+    }
+}
+
+/* The listening sockets (uccl.h: port -1 tries the well-known port first).
+ * With UCCL_SOCKET_IFNAME, only the address advertised (ep->ip) is bound:
+ * a job kept on loopback is not reachable from the network; without it,
+ * every address (the advertised one is a guess: the first interface up). */
+static int open_listeners(struct uccl__ep *ep, int port)
+{
+    const char *ifname = NULL;
+    uccl__cfg_str(UCCL_CFG_SOCKET_IFNAME, &ifname);
+    const char *bind_ip = ifname && *ifname ? ep->ip : NULL;
+    int rc = UCCL_ERR_UNAVAIL;
+    if (port == -1) /* the well-known port first, so connect(ip, gpu) finds it */
+        rc = listen_pair(ep, bind_ip,
+                         ep->base_port + (ep->local.gpu_idx > 0 ? ep->local.gpu_idx : 0));
+    if (rc == UCCL_ERR_UNAVAIL)
+        rc = listen_pair(ep, bind_ip, port > 0 ? port : 0);
+    return rc;
+}
+
 int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
 {
+    if (o->port < -1 || o->port > 65535)
+        return uccl__err(UCCL_ERR_INVALID, "port must be -1 (the well-known port, else any), "
+                         "0 (any free port) or 1..65535, got %d", o->port);
     int status = UCCL_ERR_INVALID;
     struct uccl__ep *ep = calloc(1, sizeof(*ep));
     if (!ep)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     struct uccl__local *loc = &ep->local;
-    ep->listen_fd = ep->wake_pipe[0] = ep->wake_pipe[1] = -1;
+    ep->listen_fd = ep->listen_lo_fd = ep->wake_pipe[0] = ep->wake_pipe[1] = -1;
     pthread_mutex_init(&ep->mu, NULL);
     pthread_cond_init(&ep->cv, NULL);
     SLIST_INIT(&ep->remotes);
@@ -124,7 +167,6 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
     uccl__pool_lazy_init(&loc->copy_pool);
     uccl__gate_init(&ep->gate);
     loc->gpu_idx = o->gpu_idx;
-    loc->probe_word = uccl__random64();
     loc->rank = o->rank;
     if (o->host_id && (!o->host_id[0] || strlen(o->host_id) >= sizeof(loc->host_id))) {
         uccl__err(UCCL_ERR_INVALID, "host id '%s': expected 1..%zu characters", o->host_id,
@@ -152,13 +194,7 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
 
     if ((status = uccl__sock_local_ip(ep->ip, sizeof(ep->ip))) != UCCL_OK)
         goto err_free;
-    int rc = UCCL_ERR_UNAVAIL;
-    if (o->port < 0) /* the well-known port first, so connect(ip, gpu) finds it */
-        rc = uccl__sock_listen(NULL, ep->base_port + (o->gpu_idx > 0 ? o->gpu_idx : 0),
-                               &ep->listen_fd, &loc->port);
-    if (rc == UCCL_ERR_UNAVAIL)
-        rc = uccl__sock_listen(NULL, o->port > 0 ? o->port : 0, &ep->listen_fd, &loc->port);
-    if ((status = rc) != UCCL_OK)
+    if ((status = open_listeners(ep, o->port)) != UCCL_OK)
         goto err_free;
     if ((status = uccl__listener_start(ep)) != UCCL_OK)
         goto err_close;
@@ -170,6 +206,8 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
 
 err_close:
     close(ep->listen_fd);
+    if (ep->listen_lo_fd >= 0)
+        close(ep->listen_lo_fd);
     if (ep->wake_pipe[0] >= 0) {
         close(ep->wake_pipe[0]);
         close(ep->wake_pipe[1]);
@@ -228,6 +266,8 @@ void uccl_ep_destroy(uccl_ep_t *ep)
     }
     if (ep->listen_fd >= 0)
         close(ep->listen_fd);
+    if (ep->listen_lo_fd >= 0)
+        close(ep->listen_lo_fd);
     if (ep->wake_pipe[0] >= 0) {
         close(ep->wake_pipe[0]);
         close(ep->wake_pipe[1]);
@@ -319,7 +359,7 @@ int uccl_ep_connect(uccl_ep_t *ep, const char *ip, int port, int remote_gpu, int
     snprintf(c->link.peer_ip, sizeof(c->link.peer_ip), "%s", ip);
 
     struct uccl__hello ack;
-    rc = uccl__handshake(&c->link, fd, UCCL_HELLO_CONN, 0, deadline, &ack);
+    rc = uccl__handshake(&c->link, fd, UCCL_HS_CONN, 0, deadline, &ack);
     if (rc)
         goto err_conn;
     if (expect_rank >= 0 && ack.rank != expect_rank) {

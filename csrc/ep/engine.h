@@ -49,7 +49,10 @@ struct uccl__ep {
     pthread_mutex_t mu;          /* everything below */
     pthread_cond_t cv;           /* the accept queue changed, or the endpoint closed */
     int closed;
-    int listen_fd;
+    int listen_fd;               /* on ip where UCCL_SOCKET_IFNAME names an interface, else
+                                    on every address */
+    int listen_lo_fd;            /* the same port on 127.0.0.1 where ip is another address
+                                    (connect_local), else -1 */
     char ip[46];
     int passive;                 /* accepted connections are not queued for accept() */
     int base_port;               /* UCCL_P2P_BASE_PORT: connect(ip, gpu) dials base + gpu */

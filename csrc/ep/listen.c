@@ -1,11 +1,24 @@
-/* The listener thread of an endpoint: it accepts sockets, reads each
- * one's HELLO without blocking (a silent or trickling peer is dropped at
- * its deadline), checks the secret, picks the transport and answers; a
- * connection whose transport needs more sockets (TCP data streams) waits
- * in the incomplete table until they have all arrived. */
+/* The listener thread of an endpoint: it accepts sockets and runs each
+ * one's handshake (tp/handshake.h) without blocking: for a new connection
+ * it reads the connector's INIT, answers with a CHALLENGE, reads its HELLO,
+ * checks the proof, picks the transport and answers with an ACK.  A
+ * connection whose transport needs more sockets (TCP data streams, the
+ * RDMA setup socket) waits in the incomplete table until they have all
+ * arrived, each with one record proving the connection's key.
+ *
+ * What a peer can hold here is bounded, and idle peers cannot keep a
+ * legitimate one out: at most MAX_PENDING sockets in their handshake, each
+ * dropped (with a "busy" refusal, which makes a real connector dial again)
+ * when one of its (at most two) records takes longer than STEP_NS; when every slot is taken, a new
+ * socket is still accepted and takes the slot of one that has waited
+ * IDLE_NS in its step, of the source address holding the most slots, the
+ * oldest first.  A real connector sends each record at once, so it is not
+ * evicted unless it stalls; idle or trickling sockets are. */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,14 +32,19 @@
 #include "net/sock.h"
 #include "base/status.h"
 
-#define MAX_PENDING 64 /* sockets in their handshake at once */
+#define MAX_PENDING 64                  /* sockets in their handshake at once */
+#define MAX_INCOMPLETE 256              /* connections waiting for their extra sockets */
+#define STEP_NS (2000000000ull)         /* for each of the connector's two records */
+#define IDLE_NS (150000000ull)          /* a full listener may evict a step this old */
 
 struct pending {
     int fd;
-    size_t got;
-    uint64_t deadline;
-    uint8_t buf[UCCL_HELLO_SIZE];
+    int step;                /* 0: waiting for the INIT, 1: for the HELLO */
+    size_t got;              /* bytes of that record so far */
+    uint64_t step_start;
+    uint32_t src;            /* the peer's IPv4 address (for eviction) */
     char name[64];
+    struct uccl__hs hs;
 };
 
 struct incomplete {               /* an accepted connection still missing streams */
@@ -78,66 +96,44 @@ static void start_accepted(struct uccl__ep *ep, struct uccl__conn *c)
              c->link.peer_ip, c->link.peer_port, c->link.tp->name);
 }
 
-/* Returns 1 if the fd now belongs to a connection, 0 if the caller closes it. */
+/* A new connection's HELLO is in p->hs.rec[2].  Returns 1 if the fd now
+ * belongs to the connection, 0 if the caller closes it. */
 static int on_hello(struct uccl__ep *ep, struct pending *p)
 {
     struct uccl__hello h, ack;
-    int rc = uccl__hello_decode(p->buf, &h);
-    if (rc == UCCL_OK && h.type == UCCL_HELLO_ACK)
-        rc = uccl__err(UCCL_ERR_PROTO, "handshake: unexpected ACK");
+    uint8_t key[32];
+    int rc = uccl__hs_check_hello(&p->hs, &h, key);
     if (rc) {
         LOG_WARN("dropped connection from %s: %s", p->name, uccl_last_error());
+        uccl__hs_refuse(p->fd, rc == UCCL_ERR_AUTH ? UCCL_ERR_AUTH : UCCL_ERR_PROTO);
         return 0;
     }
-    if (!uccl__secret_ok(&ep->local, &h)) {
-        LOG_WARN("dropped connection from %s: wrong or missing secret (UCCL_P2P_SECRET)", p->name);
-        uccl__send_ack(p->fd, &ep->local, UCCL_ERR_AUTH, NULL);
-        return 0;
-    }
-    if (h.type == UCCL_HELLO_STREAM) {
-        pthread_mutex_lock(&ep->mu);
-        struct incomplete *inc = uccl__idmap_get(&ep->incomplete, h.conn_token);
-        pthread_mutex_unlock(&ep->mu);
-        if (!inc || h.num_streams != inc->need) {
-            LOG_WARN("dropped stream from %s: no connection waits for it", p->name);
-            uccl__send_ack(p->fd, &ep->local, UCCL_ERR_PROTO, NULL);
-            return 0;
-        }
-        if (inc->conn->link.tp->add_stream(&inc->conn->link, p->fd, h.stream_index)) {
-            LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
-            uccl__send_ack(p->fd, &ep->local, UCCL_ERR_PROTO, NULL);
-            return 0;
-        }
-        uccl__send_ack(p->fd, &ep->local, UCCL_OK, NULL);
-        if (++inc->have == inc->need) {
-            pthread_mutex_lock(&ep->mu);
-            uccl__idmap_del(&ep->incomplete, h.conn_token);
-            pthread_mutex_unlock(&ep->mu);
-            start_accepted(ep, inc->conn);
-            free(inc);
-        }
-        return 1;
-    }
-
-    /* HELLO_CONN */
-    int tp_id = UCCL_TP_TCP;
     memset(&ack, 0, sizeof(ack));
+    /* a new connection */
+    int tp_id = UCCL_TP_TCP;
     if (choose_transport(ep, &h, &tp_id)) {
         LOG_WARN("refused connection from %s: %s", p->name, uccl_last_error());
-        uccl__send_ack(p->fd, &ep->local, UCCL_ERR_UNAVAIL, NULL);
+        uccl__hs_refuse(p->fd, UCCL_ERR_UNAVAIL);
         return 0;
     }
     pthread_mutex_lock(&ep->mu);
     int dup = uccl__idmap_get(&ep->incomplete, h.conn_token) != NULL;
+    size_t waiting = ep->incomplete.live;
     pthread_mutex_unlock(&ep->mu);
-    if (dup || h.conn_token == 0) {
+    if (dup) {
         LOG_WARN("refused connection from %s: its token is in use", p->name);
-        uccl__send_ack(p->fd, &ep->local, UCCL_ERR_PROTO, NULL);
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    if (waiting >= MAX_INCOMPLETE) { /* a bound on what peers make us hold */
+        LOG_WARN("refused connection from %s for now: %zu connections wait for their streams",
+                 p->name, waiting);
+        uccl__hs_refuse(p->fd, UCCL_REFUSE_BUSY);
         return 0;
     }
     struct uccl__conn *c = uccl__conn_new(&ep->local, 0, p->fd);
     if (!c) {
-        uccl__send_ack(p->fd, &ep->local, UCCL_ERR_NOMEM, NULL);
+        uccl__hs_refuse(p->fd, UCCL_ERR_NOMEM);
         return 0;
     }
     c->link.tp = uccl__tp_registry[tp_id];
@@ -147,6 +143,8 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
     c->link.peer_gpu = h.gpu_idx;
     c->link.peer_rank = h.rank;
     c->link.peer_pid = h.pid;
+    c->link.peer_pid_ok = tp_id == UCCL_TP_SHM && uccl__hs_peer_pid_ok(p->fd, &ep->local, &h);
+    memcpy(c->link.conn_key, key, sizeof(key));
     c->link.peer_port = (int)h.listen_port;
     snprintf(c->link.peer_host, sizeof(c->link.peer_host), "%s", h.host_id);
     snprintf(c->link.peer_ip, sizeof(c->link.peer_ip), "%s", p->name);
@@ -156,12 +154,18 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
     ack.chunk_bytes = h.chunk_bytes;
     if (c->link.tp->conn_accept(&c->link, &h, &ack)) {
         LOG_WARN("refused connection from %s: %s", p->name, uccl_last_error());
-        uccl__send_ack(p->fd, &ep->local, UCCL_ERR_UNAVAIL, NULL);
+        uccl__hs_refuse(p->fd, UCCL_ERR_UNAVAIL);
         c->ctrl_fd = -1; /* the caller closes it */
         uccl__conn_put(c);
         return 0;
     }
-    uccl__send_ack(p->fd, &ep->local, UCCL_OK, &ack);
+    if (uccl__hs_ack(&p->hs, p->fd, &ep->local, &c->link, &ack)) {
+        LOG_WARN("dropped connection from %s: sending the ACK: %s", p->name, uccl_last_error());
+        c->ctrl_fd = -1;
+        uccl__conn_close(c);
+        uccl__conn_put(c);
+        return 0;
+    }
     unsigned need = c->link.tp->streams_needed ? c->link.tp->streams_needed(&c->link) : 0;
     if (need == 0) {
         start_accepted(ep, c);
@@ -177,6 +181,81 @@ static int on_hello(struct uccl__ep *ep, struct pending *p)
     pthread_mutex_lock(&ep->mu);
     uccl__idmap_put(&ep->incomplete, c->link.token, inc);
     pthread_mutex_unlock(&ep->mu);
+    return 1;
+}
+
+/* A connection's extra socket: its one record (h, in p->hs.rec[0]) must
+ * prove the key of a connection waiting for it.  Returns 1 if the fd now
+ * belongs to that connection, 0 if the caller closes it. */
+static int on_stream(struct uccl__ep *ep, struct pending *p, const struct uccl__hello *h)
+{
+    struct uccl__hello ack;
+    uint8_t key[32];
+    pthread_mutex_lock(&ep->mu);
+    struct incomplete *inc = uccl__idmap_get(&ep->incomplete, h->conn_token);
+    if (inc)
+        memcpy(key, inc->conn->link.conn_key, sizeof(key));
+    pthread_mutex_unlock(&ep->mu);
+    if (!inc) {
+        LOG_WARN("dropped stream from %s: no connection waits for it", p->name);
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    if (uccl__hs_check_stream(&p->hs, key)) {
+        LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
+        uccl__hs_refuse(p->fd, UCCL_ERR_AUTH);
+        return 0;
+    }
+    if (h->num_streams != inc->need) {
+        LOG_WARN("dropped stream from %s: %u streams, its connection has %u", p->name,
+                 h->num_streams, inc->need);
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    if (inc->conn->link.tp->add_stream(&inc->conn->link, p->fd, h->stream_index)) {
+        LOG_WARN("dropped stream from %s: %s", p->name, uccl_last_error());
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO);
+        return 0;
+    }
+    memset(&ack, 0, sizeof(ack));
+    ack.transport = (uint32_t)inc->conn->link.tp->id;
+    ack.num_streams = h->num_streams;
+    ack.stream_index = h->stream_index;
+    ack.chunk_bytes = h->chunk_bytes;
+    uccl__hs_ack(&p->hs, p->fd, &ep->local, NULL, &ack);
+    if (++inc->have == inc->need) {
+        pthread_mutex_lock(&ep->mu);
+        uccl__idmap_del(&ep->incomplete, h->conn_token);
+        pthread_mutex_unlock(&ep->mu);
+        start_accepted(ep, inc->conn);
+        free(inc);
+    }
+    return 1;
+}
+
+/* The connector's first record is in p->hs.rec[0]: an INIT is answered
+ * with the CHALLENGE (*next: wait for its HELLO), a stream's record is
+ * taken at once.  Returns 0 if the caller closes the socket. */
+static int on_first(struct uccl__ep *ep, struct pending *p, int *next)
+{
+    struct uccl__hello h;
+    *next = 0;
+    int rc = uccl__hs_read_first(&p->hs, &h);
+    if (rc) {
+        LOG_WARN("dropped connection from %s: %s", p->name, uccl_last_error());
+        uccl__hs_refuse(p->fd, UCCL_ERR_PROTO); /* an older peer reads our version in it */
+        return 0;
+    }
+    if (h.type == UCCL_HS_STREAM)
+        return on_stream(ep, p, &h);
+    uccl__hs_challenge(&p->hs, &ep->local, ep->local.secret, ep->local.secret_len);
+    /* A fresh socket's buffer takes 256 bytes at once. */
+    ssize_t n = send(p->fd, p->hs.rec[1], UCCL_HELLO_SIZE, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n != UCCL_HELLO_SIZE) {
+        LOG_WARN("dropped connection from %s: could not send the challenge", p->name);
+        return 0;
+    }
+    *next = 1;
     return 1;
 }
 
@@ -207,71 +286,164 @@ static void expire_incomplete(struct uccl__ep *ep, int all)
     }
 }
 
+/* The slot a new socket may take when all are in use: -1 if none has
+ * waited IDLE_NS in its step. */
+static int victim(const struct pending *pend, unsigned n, uint64_t now)
+{
+    int best = -1;
+    unsigned best_count = 0;
+    for (unsigned i = 0; i < n; i++) {
+        if (now - pend[i].step_start < IDLE_NS)
+            continue;
+        unsigned count = 0;
+        for (unsigned j = 0; j < n; j++)
+            count += pend[j].src == pend[i].src;
+        if (best < 0 || count > best_count ||
+            (count == best_count && pend[i].step_start < pend[best].step_start))
+            best = (int)i, best_count = count;
+    }
+    return best;
+}
+
+static void drop(struct pending *pend, unsigned *n, unsigned i, int status)
+{
+    if (status)
+        uccl__hs_refuse(pend[i].fd, status);
+    close(pend[i].fd);
+    pend[i] = pend[--*n];
+}
+
+/* Read what p's socket has of its current record; 1: the record is whole. */
+static int read_some(struct pending *p, int *closed)
+{
+    uint8_t *buf = p->hs.rec[p->step == 0 ? 0 : 2];
+    ssize_t r = recv(p->fd, buf + p->got, UCCL_HELLO_SIZE - p->got, MSG_DONTWAIT);
+    if (r > 0) {
+        p->got += (size_t)r;
+        return p->got == UCCL_HELLO_SIZE;
+    }
+    if (r == 0 || (errno != EAGAIN && errno != EINTR))
+        *closed = 1;
+    return 0;
+}
+
+/* Accept what waits on lfd while there is room (or a slot to evict). */
+static void accept_new(struct uccl__ep *ep, int lfd, struct pending *pend, unsigned *n,
+                       uint64_t now)
+{
+    for (int k = 0; k < MAX_PENDING; k++) {
+        int v = *n < MAX_PENDING ? -1 : victim(pend, *n, now);
+        if (*n == MAX_PENDING && v < 0)
+            return;
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof(sa);
+        int fd = accept4(lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0)
+            return;
+        if (v >= 0) {
+            LOG_WARN("dropped connection from %s: idle in its handshake while others wait",
+                     pend[v].name);
+            drop(pend, n, (unsigned)v, UCCL_REFUSE_BUSY);
+        }
+        uccl__sock_tune(fd);
+        struct pending *p = &pend[(*n)++];
+        p->fd = fd;
+        p->step = 0;
+        p->got = 0;
+        p->step_start = now;
+        p->src = sa.sin_family == AF_INET ? sa.sin_addr.s_addr : 0;
+        uccl__sock_peer_name(fd, p->name, sizeof(p->name));
+    }
+    (void)ep;
+}
+
 static void *listener_main(void *arg)
 {
     struct uccl__ep *ep = arg;
-    struct pending pend[MAX_PENDING];
+    struct pending *pend = calloc(MAX_PENDING, sizeof(*pend));
     unsigned npend = 0;
+    int nlisten = ep->listen_lo_fd >= 0 ? 2 : 1;
+    if (!pend) {
+        LOG_ERROR("listener of port %d: out of memory; it accepts nothing", ep->local.port);
+        nlisten = 0;
+    }
     for (;;) {
-        struct pollfd pfd[MAX_PENDING + 2];
+        struct pollfd pfd[MAX_PENDING + 3];
+        uint64_t now = uccl__now_ns();
+        int room = npend < MAX_PENDING || victim(pend, npend, now) >= 0;
+        int timeout_ms = 500;
+        for (unsigned i = 0; i < npend; i++) { /* wake for the next deadline or eviction */
+            uint64_t at = pend[i].step_start + (room ? STEP_NS : IDLE_NS);
+            int ms = at > now ? (int)((at - now) / 1000000ull) + 1 : 0;
+            timeout_ms = ms < timeout_ms ? ms : timeout_ms;
+        }
         pfd[0] = (struct pollfd){.fd = ep->wake_pipe[0], .events = POLLIN};
-        pfd[1] = (struct pollfd){.fd = ep->listen_fd, .events = npend < MAX_PENDING ? POLLIN : 0};
+        pfd[1] = (struct pollfd){.fd = nlisten > 0 ? ep->listen_fd : -1,
+                                 .events = room ? POLLIN : 0};
+        pfd[2] = (struct pollfd){.fd = nlisten > 1 ? ep->listen_lo_fd : -1,
+                                 .events = room ? POLLIN : 0};
         for (unsigned i = 0; i < npend; i++)
-            pfd[i + 2] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
-        int n = poll(pfd, npend + 2, 500);
+            pfd[i + 3] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
+        unsigned polled = npend;
+        int n = poll(pfd, polled + 3, timeout_ms);
         if (n < 0 && errno != EINTR)
             break;
         if (pfd[0].revents)
             break; /* close() */
-        uint64_t now = uccl__now_ns();
-        if (pfd[1].revents & POLLIN) {
-            int fd = accept4(ep->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-            if (fd >= 0) {
-                uccl__sock_tune(fd);
-                pend[npend] = (struct pending){.fd = fd, .deadline = now + UCCL_HANDSHAKE_NS};
-                uccl__sock_peer_name(fd, pend[npend].name, sizeof(pend[npend].name));
-                npend++;
-            }
-        }
-        for (unsigned i = 0; i < npend;) {
+        now = uccl__now_ns();
+        /* Walk back so that a slot filled from the end is one already seen. */
+        for (unsigned i = polled; i-- > 0;) {
             struct pending *p = &pend[i];
-            int done = 0, keep = 0;
-            if (now > p->deadline) { /* trickling counts as silence */
-                LOG_WARN("dropped connection from %s: no complete handshake within %llu s",
-                         p->name, (unsigned long long)(UCCL_HANDSHAKE_NS / 1000000000ull));
-                done = 1;
-            } else if (pfd[i + 2].revents && pfd[i + 2].fd == p->fd) {
-                ssize_t r = recv(p->fd, p->buf + p->got, sizeof(p->buf) - p->got, 0);
-                if (r > 0) {
-                    p->got += (size_t)r;
-                    if (p->got == sizeof(p->buf)) {
-                        done = 1;
-                        keep = on_hello(ep, p);
-                    }
-                } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
-                    LOG_WARN("dropped connection from %s: closed during the handshake "
-                             "after %zu bytes", p->name, p->got);
-                    done = 1;
+            int closed = 0, whole = 0;
+            if (pfd[i + 3].revents)
+                whole = read_some(p, &closed);
+            if (closed) {
+                LOG_WARN("dropped connection from %s: closed during the handshake after %zu "
+                         "bytes", p->name, p->got);
+                drop(pend, &npend, i, 0);
+            } else if (whole && p->step == 0) {
+                int next = 0;
+                if (!on_first(ep, p, &next)) {
+                    drop(pend, &npend, i, 0);
+                } else if (next) {
+                    p->step = 1;
+                    p->got = 0;
+                    p->step_start = now;
+                } else {
+                    pend[i] = pend[--npend]; /* a stream: its connection has the fd */
                 }
-            }
-            if (done) {
-                if (!keep)
-                    close(p->fd);
-                pend[i] = pend[--npend];
-                pfd[i + 2] = pfd[npend + 2];
-            } else {
-                i++;
+            } else if (whole) {
+                int keep = on_hello(ep, p);
+                if (keep)
+                    pend[i] = pend[--npend];
+                else
+                    drop(pend, &npend, i, 0);
+            } else if (now - p->step_start > STEP_NS) { /* trickling counts as silence */
+                LOG_WARN("dropped connection from %s: no %s within %llu s", p->name,
+                         p->step ? "HELLO after the challenge" : "handshake",
+                         (unsigned long long)(STEP_NS / 1000000000ull));
+                drop(pend, &npend, i, UCCL_REFUSE_BUSY);
             }
         }
+        if (pfd[1].revents & POLLIN)
+            accept_new(ep, ep->listen_fd, pend, &npend, now);
+        if (pfd[2].revents & POLLIN)
+            accept_new(ep, ep->listen_lo_fd, pend, &npend, now);
         expire_incomplete(ep, 0);
     }
     for (unsigned i = 0; i < npend; i++)
         close(pend[i].fd);
+    free(pend);
     return NULL;
 }
 
 int uccl__listener_start(struct uccl__ep *ep)
 {
+    /* Non-blocking: accept() after poll() must not wait for a socket the
+     * peer reset meanwhile. */
+    if (uccl__sock_set_nonblock(ep->listen_fd, 1) ||
+        (ep->listen_lo_fd >= 0 && uccl__sock_set_nonblock(ep->listen_lo_fd, 1)))
+        return UCCL_ERR_IO;
     if (pipe2(ep->wake_pipe, O_CLOEXEC) < 0)
         return uccl__err(UCCL_ERR_IO, "pipe2: %s", strerror(errno));
     if (pthread_create(&ep->listener, NULL, listener_main, ep))

@@ -25,23 +25,34 @@ static uint64_t get64(const uint8_t *p)
     return v;
 }
 
-static void put_head(uint8_t *p, uint32_t magic, uint16_t type)
+static void put_head_v(uint8_t *p, uint32_t magic, uint16_t version, uint16_t type)
 {
     put32(p, magic);
-    put16(p + 4, UCCL_WIRE_VERSION);
+    put16(p + 4, version);
     put16(p + 6, type);
 }
 
-static int check_head(const uint8_t *p, uint32_t magic, const char *what, uint16_t *type_p)
+static void put_head(uint8_t *p, uint32_t magic, uint16_t type)
+{
+    put_head_v(p, magic, UCCL_WIRE_VERSION, type);
+}
+
+static int check_head_v(const uint8_t *p, uint32_t magic, uint16_t version, const char *what,
+                        uint16_t *type_p)
 {
     if (get32(p) != magic)
         return uccl__err(UCCL_ERR_PROTO, "%s: bad magic 0x%08x (expected 0x%08x)", what,
                          get32(p), magic);
-    if (get16(p + 4) != UCCL_WIRE_VERSION)
+    if (get16(p + 4) != version)
         return uccl__err(UCCL_ERR_PROTO, "%s: wire version %u, this build speaks %u", what,
-                         get16(p + 4), UCCL_WIRE_VERSION);
+                         get16(p + 4), version);
     *type_p = get16(p + 6);
     return UCCL_OK;
+}
+
+static int check_head(const uint8_t *p, uint32_t magic, const char *what, uint16_t *type_p)
+{
+    return check_head_v(p, magic, UCCL_WIRE_VERSION, what, type_p);
 }
 
 /* Copy a string into a fixed-size, zero-filled field, always terminated. */
@@ -58,21 +69,24 @@ static void get_str(char *dst, const uint8_t *src, size_t n)
     dst[n - 1] = '\0';
 }
 
-/* ---- hello --------------------------------------------------------------- */
+/* ---- hello ----------------------------------------------------------------- */
 enum {
-    H_SECLEN = 8, H_SECRET = 12, H_HOST = 76, H_PID = 140, H_GPU = 144, H_RANK = 148,
-    H_TP = 152, H_SHMMODE = 156, H_NSTREAMS = 160, H_SIDX = 164, H_TOKEN = 168,
-    H_PADDR = 176, H_PCOOKIE = 184, H_STATUS = 192, H_LPORT = 196, H_CHUNK = 200,
-    H_SHMNAME = 208, H_CAPS = 252, /* .. 256 */
+    H_NONCE = 8, H_TOKEN = 40, H_STATUS = 48, H_PID = 52, H_GPU = 56, H_RANK = 60, H_TP = 64,
+    H_SHMMODE = 68, H_NSTREAMS = 72, H_SIDX = 76, H_LPORT = 80, H_CAPS = 84, H_CHUNK = 88,
+    H_PADDR = 96, H_HOST = 104, H_SHMNAME = 168, H_SHMNAME_END = 212, /* 212..224 zero */
+    H_MAC = UCCL_HELLO_MAC_OFF, /* .. 256 */
 };
+_Static_assert(H_HOST + UCCL_HOSTID_MAX == H_SHMNAME, "hello layout");
+_Static_assert(H_SHMNAME_END <= UCCL_HELLO_SEAL_END && H_NONCE + UCCL_NONCE_BYTES ==
+               UCCL_HELLO_SEAL_OFF, "hello layout");
 
 void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE])
 {
     memset(out, 0, UCCL_HELLO_SIZE);
-    put_head(out, UCCL_WIRE_MAGIC, h->type);
-    put32(out + H_SECLEN, h->secret_len);
-    memcpy(out + H_SECRET, h->secret, h->secret_len <= UCCL_SECRET_MAX ? h->secret_len : 0);
-    put_str(out + H_HOST, h->host_id, UCCL_HOSTID_MAX);
+    put_head_v(out, UCCL_WIRE_MAGIC, UCCL_HELLO_VERSION, h->type);
+    memcpy(out + H_NONCE, h->nonce, UCCL_NONCE_BYTES);
+    put64(out + H_TOKEN, h->conn_token);
+    put32(out + H_STATUS, (uint32_t)h->status);
     put32(out + H_PID, h->pid);
     put32(out + H_GPU, (uint32_t)h->gpu_idx);
     put32(out + H_RANK, (uint32_t)h->rank);
@@ -80,31 +94,52 @@ void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE
     put32(out + H_SHMMODE, h->shm_mode);
     put32(out + H_NSTREAMS, h->num_streams);
     put32(out + H_SIDX, h->stream_index);
-    put64(out + H_TOKEN, h->conn_token);
-    put64(out + H_PADDR, h->probe_addr);
-    put64(out + H_PCOOKIE, h->probe_cookie);
-    put32(out + H_STATUS, (uint32_t)h->status);
     put32(out + H_LPORT, h->listen_port);
-    put64(out + H_CHUNK, h->chunk_bytes);
-    put_str(out + H_SHMNAME, h->shm_name, H_CAPS - H_SHMNAME);
     put32(out + H_CAPS, h->caps);
+    put64(out + H_CHUNK, h->chunk_bytes);
+    put64(out + H_PADDR, h->probe_addr);
+    put_str(out + H_HOST, h->host_id, UCCL_HOSTID_MAX);
+    put_str(out + H_SHMNAME, h->shm_name, H_SHMNAME_END - H_SHMNAME);
+    memcpy(out + H_MAC, h->mac, UCCL_MAC_BYTES);
+}
+
+/* The terms of a HELLO or an ACK. */
+static int check_terms(const struct uccl__hello *v)
+{
+    if (v->transport >= UCCL_TP_COUNT)
+        return uccl__err(UCCL_ERR_PROTO, "handshake: unknown transport %u", v->transport);
+    if (v->shm_mode > 1)
+        return uccl__err(UCCL_ERR_PROTO, "handshake: unknown shm mode %u", v->shm_mode);
+    if (v->num_streams < 1 || v->num_streams > UCCL_MAX_STREAMS)
+        return uccl__err(UCCL_ERR_PROTO, "handshake: %u streams (allowed 1..%d)",
+                         v->num_streams, UCCL_MAX_STREAMS);
+    if (v->stream_index >= v->num_streams)
+        return uccl__err(UCCL_ERR_PROTO, "handshake: stream index %u >= %u streams",
+                         v->stream_index, v->num_streams);
+    if (v->chunk_bytes < 4096 || v->chunk_bytes > (64u << 20))
+        return uccl__err(UCCL_ERR_PROTO, "handshake: chunk size %llu outside 4 KiB..64 MiB",
+                         (unsigned long long)v->chunk_bytes);
+    for (const char *c = v->shm_name; *c; c++) {
+        int ok = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') ||
+                 (*c >= '0' && *c <= '9') || *c == '-' || *c == '_' || *c == '.';
+        if (!ok || (c == v->shm_name && *c == '.'))
+            return uccl__err(UCCL_ERR_PROTO, "handshake: bad shared-memory name");
+    }
+    return UCCL_OK;
 }
 
 int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h)
 {
     struct uccl__hello v;
     memset(&v, 0, sizeof(v));
-    int rc = check_head(in, UCCL_WIRE_MAGIC, "handshake", &v.type);
+    int rc = check_head_v(in, UCCL_WIRE_MAGIC, UCCL_HELLO_VERSION, "handshake", &v.type);
     if (rc)
         return rc;
-    if (v.type < UCCL_HELLO_CONN || v.type > UCCL_HELLO_ACK)
-        return uccl__err(UCCL_ERR_PROTO, "handshake: unknown type %u", v.type);
-    v.secret_len = get32(in + H_SECLEN);
-    if (v.secret_len > UCCL_SECRET_MAX)
-        return uccl__err(UCCL_ERR_PROTO, "handshake: secret length %u > %d", v.secret_len,
-                         UCCL_SECRET_MAX);
-    memcpy(v.secret, in + H_SECRET, v.secret_len);
-    get_str(v.host_id, in + H_HOST, UCCL_HOSTID_MAX);
+    if (v.type < UCCL_HS_CONN || v.type > UCCL_HS_REFUSE)
+        return uccl__err(UCCL_ERR_PROTO, "handshake: unknown record type %u", v.type);
+    memcpy(v.nonce, in + H_NONCE, UCCL_NONCE_BYTES);
+    v.conn_token = get64(in + H_TOKEN);
+    v.status = (int32_t)get32(in + H_STATUS);
     v.pid = get32(in + H_PID);
     v.gpu_idx = (int32_t)get32(in + H_GPU);
     v.rank = (int32_t)get32(in + H_RANK);
@@ -112,33 +147,18 @@ int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h)
     v.shm_mode = get32(in + H_SHMMODE);
     v.num_streams = get32(in + H_NSTREAMS);
     v.stream_index = get32(in + H_SIDX);
-    v.conn_token = get64(in + H_TOKEN);
-    v.probe_addr = get64(in + H_PADDR);
-    v.probe_cookie = get64(in + H_PCOOKIE);
-    v.status = (int32_t)get32(in + H_STATUS);
     v.listen_port = get32(in + H_LPORT);
-    v.chunk_bytes = get64(in + H_CHUNK);
-    get_str(v.shm_name, in + H_SHMNAME, H_CAPS - H_SHMNAME);
     v.caps = get32(in + H_CAPS); /* unknown bits: a newer peer's, ignored */
-    if (v.transport >= UCCL_TP_COUNT)
-        return uccl__err(UCCL_ERR_PROTO, "handshake: unknown transport %u", v.transport);
-    if (v.shm_mode > 1)
-        return uccl__err(UCCL_ERR_PROTO, "handshake: unknown shm mode %u", v.shm_mode);
-    if (v.num_streams < 1 || v.num_streams > UCCL_MAX_STREAMS)
-        return uccl__err(UCCL_ERR_PROTO, "handshake: %u streams (allowed 1..%d)",
-                         v.num_streams, UCCL_MAX_STREAMS);
-    if (v.stream_index >= v.num_streams)
-        return uccl__err(UCCL_ERR_PROTO, "handshake: stream index %u >= %u streams",
-                         v.stream_index, v.num_streams);
-    if (v.chunk_bytes < 4096 || v.chunk_bytes > (64u << 20))
-        return uccl__err(UCCL_ERR_PROTO, "handshake: chunk size %llu outside 4 KiB..64 MiB",
-                         (unsigned long long)v.chunk_bytes);
-    for (const char *c = v.shm_name; *c; c++) {
-        int ok = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') ||
-                 (*c >= '0' && *c <= '9') || *c == '-' || *c == '_' || *c == '.';
-        if (!ok || (c == v.shm_name && *c == '.'))
-            return uccl__err(UCCL_ERR_PROTO, "handshake: bad shared-memory name");
-    }
+    v.chunk_bytes = get64(in + H_CHUNK);
+    v.probe_addr = get64(in + H_PADDR);
+    get_str(v.host_id, in + H_HOST, UCCL_HOSTID_MAX);
+    get_str(v.shm_name, in + H_SHMNAME, H_SHMNAME_END - H_SHMNAME);
+    memcpy(v.mac, in + H_MAC, UCCL_MAC_BYTES);
+    if ((v.type == UCCL_HS_HELLO || v.type == UCCL_HS_ACK || v.type == UCCL_HS_STREAM) &&
+        (rc = check_terms(&v)))
+        return rc;
+    if (v.type == UCCL_HS_REFUSE && v.status >= 0)
+        return uccl__err(UCCL_ERR_PROTO, "handshake: a refusal with status %d", v.status);
     *h = v;
     return UCCL_OK;
 }

@@ -15,39 +15,64 @@
 #define UCCL_SHMNAME_MAX   48
 #define UCCL_MAX_STREAMS   16
 
-/* ---- handshake ---------------------------------------------------------- */
+/* ---- handshake ----------------------------------------------------------
+ * Every socket a connection uses starts with four records of 256 bytes
+ * (tp/handshake.h tells why in this order):
+ *   connector: INIT (its nonce; for an extra socket, the connection's token)
+ *   acceptor:  CHALLENGE (its nonce, its identity sealed, its proof)
+ *   connector: HELLO (its terms and identity, its proof)
+ *   acceptor:  ACK (its terms, its proof), or at any step REFUSE (a status,
+ *              nothing else).
+ * The handshake's records have their own version: every other record
+ * (control messages, chunks, descriptors, metadata) travels only between
+ * ends that agreed on this one. */
+#define UCCL_HELLO_VERSION 2 /* 1: the secret in clear, one round trip */
 enum {
-    UCCL_HELLO_CONN = 1,   /* connector -> acceptor: new connection (control socket) */
-    UCCL_HELLO_STREAM = 2, /* connector -> acceptor: extra TCP data stream */
-    UCCL_HELLO_ACK = 3,    /* acceptor -> connector: verdict */
+    UCCL_HS_CONN = 1,      /* INIT of a new connection (its control socket) */
+    UCCL_HS_STREAM = 2,    /* INIT of one more socket of a connection (data stream, setup) */
+    UCCL_HS_CHALLENGE = 3,
+    UCCL_HS_HELLO = 4,
+    UCCL_HS_ACK = 5,
+    UCCL_HS_REFUSE = 6,
 };
 
 enum { UCCL_TP_AUTO = 0, UCCL_TP_TCP = 1, UCCL_TP_SHM = 2, UCCL_TP_IPC = 3, UCCL_TP_RDMA = 4,
        UCCL_TP_COUNT = 5 };
 
 #define UCCL_HELLO_SIZE 256
+#define UCCL_NONCE_BYTES 32
+#define UCCL_MAC_BYTES 32
+/* The bytes of a CHALLENGE that are sealed (the acceptor's identity): all
+ * between the nonce and the proof. */
+#define UCCL_HELLO_SEAL_OFF 40
+#define UCCL_HELLO_SEAL_END 224
+#define UCCL_HELLO_MAC_OFF 224
 struct uccl__hello {
     uint16_t type;
-    uint32_t secret_len;
-    uint8_t secret[UCCL_SECRET_MAX];
-    char host_id[UCCL_HOSTID_MAX];      /* NUL-terminated after decode */
-    uint32_t pid;
+    uint8_t nonce[UCCL_NONCE_BYTES];   /* INIT: the connector's; CHALLENGE: the acceptor's */
+    uint64_t conn_token;                /* INIT of a stream, HELLO: names the connection */
+    int32_t status;                     /* ACK: UCCL_OK; REFUSE: the reason */
+    uint32_t pid;                       /* CHALLENGE (sealed), HELLO: the sender's process */
     int32_t gpu_idx;
     int32_t rank;
     uint32_t transport;                 /* requested (HELLO) or chosen (ACK) */
     uint32_t shm_mode;                  /* tp_shm: 0 = CMA, 1 = shared-memory ring */
     uint32_t num_streams;               /* tp_tcp data streams, 1..UCCL_MAX_STREAMS */
     uint32_t stream_index;
-    uint64_t conn_token;                /* binds HELLO_STREAM sockets to their connection */
-    uint64_t probe_addr, probe_cookie;  /* CMA probe: 8 bytes the peer may read */
-    int32_t status;                     /* ACK: UCCL_OK or the refusal */
     uint32_t listen_port;
+    uint32_t caps;                      /* HELLO of a connection: UCCL_CAP_* of the connector */
     uint64_t chunk_bytes;               /* tp_tcp chunk size, 4 KiB .. 64 MiB */
-    char shm_name[UCCL_SHMNAME_MAX];    /* tp_shm ring segment, NUL-terminated (44 on the wire) */
-    uint32_t caps;                      /* HELLO_CONN: UCCL_CAP_* of the connector */
+    uint64_t probe_addr;                /* CMA probe: where the sender's probe word is */
+    char host_id[UCCL_HOSTID_MAX];      /* CHALLENGE (sealed), HELLO, ACK; NUL-terminated */
+    char shm_name[UCCL_SHMNAME_MAX];    /* ACK: tp_shm ring segment (44 bytes on the wire) */
+    uint8_t mac[UCCL_MAC_BYTES];        /* CHALLENGE, HELLO, ACK: the sender's proof */
 };
 #define UCCL_CAP_RDMA 1u                /* an RDMA device is usable here */
+#define UCCL_CAP_CMA 2u                 /* the connector found the acceptor's pid holding the
+                                           socket's other end: CMA may go both ways */
 void uccl__hello_encode(const struct uccl__hello *h, uint8_t out[UCCL_HELLO_SIZE]);
+/* Checks the head (magic, version: an older peer's record is refused with
+ * both versions named), the type, and every field the type uses. */
 int uccl__hello_decode(const uint8_t in[UCCL_HELLO_SIZE], struct uccl__hello *h);
 
 /* ---- control messages (one connection, both directions) ------------------ */

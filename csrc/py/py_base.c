@@ -27,8 +27,10 @@ PyObject *uccl__py_raise(PyObject *module, int status, const char *msg)
     case UCCL_ERR_NOTFOUND:
         type = st->unknown_id_error;
         break;
-    case UCCL_ERR_INVALID:
     case UCCL_ERR_MISMATCH:
+        type = st->mismatch_error;
+        break;
+    case UCCL_ERR_INVALID:
     case UCCL_ERR_CLOSED:
         type = PyExc_ValueError;
         break;

@@ -67,6 +67,11 @@ static int Endpoint_init(PyObject *op, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "rank must be -1 (none) or >= 0, got %d", rank);
         return -1;
     }
+    if (port < -1 || port > 65535) {
+        PyErr_Format(PyExc_ValueError, "port must be -1 (the well-known port, else any free "
+                     "one), 0 (any free port) or 1..65535, got %d", port);
+        return -1;
+    }
     if (self->ep) {
         PyErr_SetString(PyExc_RuntimeError, "Endpoint.__init__ called twice");
         return -1;

@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "net/wire.h"
+#include "base/ptracer.h"
+#include "base/sha256.h"
 
 static PyObject *mod_parse_metadata(PyObject *module, PyObject *args)
 {
@@ -83,7 +85,49 @@ static PyObject *mod_fifo_fields(PyObject *module, PyObject *args)
                          (unsigned long long)f[4]);
 }
 
+/* The handshake's primitives, for their known-answer tests. */
+static PyObject *mod_sha256(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *in;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y#", &in, &n))
+        return NULL;
+    uint8_t out[UCCL_SHA256_BYTES];
+    uccl__sha256(in, (size_t)n, out);
+    return PyBytes_FromStringAndSize((const char *)out, sizeof(out));
+}
+
+static PyObject *mod_hmac_sha256(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *key, *in;
+    Py_ssize_t klen, n;
+    if (!PyArg_ParseTuple(args, "y#y#", &key, &klen, &in, &n))
+        return NULL;
+    uint8_t out[UCCL_SHA256_BYTES];
+    uccl__hmac_sha256(key, (size_t)klen, in, (size_t)n, out);
+    return PyBytes_FromStringAndSize((const char *)out, sizeof(out));
+}
+
+static PyObject *mod_ptracer(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    int scope;
+    long want;
+    unsigned peers;
+    uccl__ptracer_state(&scope, &want, &peers);
+    return Py_BuildValue("(ilI)", scope, want, peers);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_sha256", mod_sha256, METH_VARARGS, "_sha256(data) -> the engine's SHA-256 digest"},
+    {"_hmac_sha256", mod_hmac_sha256, METH_VARARGS,
+     "_hmac_sha256(key, data) -> the engine's HMAC-SHA256"},
+    {"_ptracer", mod_ptracer, METH_NOARGS,
+     "_ptracer() -> (Yama scope or -1, what this process asks of Yama: 0 nothing, -1 any, "
+     "else a pid; peer processes granted)"},
     {"fifo_item", mod_fifo_item, METH_VARARGS,
      "fifo_item(window, token, addr, len, base) -> the 64-byte one-sided descriptor"},
     {"fifo_fields", mod_fifo_fields, METH_VARARGS,
@@ -153,7 +197,16 @@ static int module_exec(PyObject *m)
     Py_DECREF(bases);
     if (!st->unknown_id_error)
         return -1;
-    if (PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
+    /* The ranks' calls disagree (a size, an operation, a root): the
+     * callers' mistake, as every argument error is (a ValueError). */
+    st->mismatch_error = PyErr_NewExceptionWithDoc(
+        "uccl_collective.UcclMismatchError",
+        "The ranks' calls disagree (sizes, operations, roots): nothing of the mismatched "
+        "data was written.", PyExc_ValueError, NULL);
+    if (!st->mismatch_error)
+        return -1;
+    if (PyModule_AddObjectRef(m, "UcclMismatchError", st->mismatch_error) < 0 ||
+        PyModule_AddObjectRef(m, "UcclError", st->error) < 0 ||
         PyModule_AddObjectRef(m, "UcclTimeoutError", st->timeout_error) < 0 ||
         PyModule_AddObjectRef(m, "UcclUnknownIdError", st->unknown_id_error) < 0)
         return -1;
@@ -208,7 +261,8 @@ static int module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "FIFO_ITEM_SIZE", UCCL_FIFO_ITEM_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "AG_AUTO", UCCL_AG_AUTO) < 0 ||
         PyModule_AddIntConstant(m, "AG_DIRECT", UCCL_AG_DIRECT) < 0 ||
-        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0)
+        PyModule_AddIntConstant(m, "AG_RING", UCCL_AG_RING) < 0 ||
+        PyModule_AddIntConstant(m, "AG_NO_DIAGNOSIS", UCCL_AG_NO_DIAGNOSIS) < 0)
         return -1;
     static const struct { const char *name; int value; } sg_consts[] = {
         {"DT_F32", UCCL_DT_F32}, {"DT_F64", UCCL_DT_F64}, {"DT_F16", UCCL_DT_F16},
@@ -232,6 +286,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->unknown_id_error);
+    Py_VISIT(st->mismatch_error);
     Py_VISIT(st->sg_type);
     Py_VISIT(st->token_type);
     return uccl__py_fast_traverse(&st->fast, visit, arg);
@@ -244,6 +299,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->timeout_error);
     uccl__py_fast_clear(&st->fast); /* first: FastPath reads the hooks while set up */
     Py_CLEAR(st->unknown_id_error);
+    Py_CLEAR(st->mismatch_error);
     Py_CLEAR(st->sg_type);
     Py_CLEAR(st->token_type);
     return 0;

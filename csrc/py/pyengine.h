@@ -60,6 +60,7 @@ typedef struct {
     PyObject *error;         /* UcclError(RuntimeError) */
     PyObject *timeout_error; /* UcclTimeoutError(UcclError, TimeoutError) */
     PyObject *unknown_id_error; /* UcclUnknownIdError(ValueError, RuntimeError) */
+    PyObject *mismatch_error; /* UcclMismatchError(ValueError) */
     PyObject *sg_type;       /* StreamGroup */
     PyObject *token_type;    /* Token */
     struct uccl__py_fast fast; /* py_fastpath.c; empty until fast_setup() */
@@ -79,8 +80,8 @@ typedef struct {
 extern struct PyModuleDef uccl__py_module_def; /* (py_module.c's; module_of compares it) */
 uccl__py_state *uccl__py_state_of(PyObject *module);
 uint64_t uccl__py_mono_ns(void);
-/* Raise the exception that fits status (ValueError, UcclError,
- * UcclTimeoutError, MemoryError) with msg; returns NULL. */
+/* Raise the exception that fits status (ValueError, UcclMismatchError,
+ * UcclError, UcclTimeoutError, MemoryError) with msg; returns NULL. */
 PyObject *uccl__py_raise(PyObject *module, int status, const char *msg);
 /* This extension's module, found through tp's MRO (tp may be a Python
  * subclass of one of our types); a new reference, or NULL with TypeError. */

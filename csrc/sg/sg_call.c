@@ -13,13 +13,15 @@
 #include "sg/sgroup.h"
 #include "base/status.h"
 
-/* Operation kinds: compared across ranks (with the argument), so calls that
- * disagree fail loudly instead of moving the wrong bytes. */
-enum { K_ALLREDUCE = 0x10, K_REDUCE_SCATTER, K_ALLGATHER, K_BROADCAST, K_REDUCE };
+/* Operation kinds (sgroup.h): compared across ranks (with the argument), so
+ * calls that disagree fail loudly instead of moving the wrong bytes. */
+enum { K_ALLREDUCE = UCCL_SG_K_ALLREDUCE, K_REDUCE_SCATTER = UCCL_SG_K_REDUCE_SCATTER,
+       K_ALLGATHER = UCCL_SG_K_ALLGATHER, K_BROADCAST = UCCL_SG_K_BROADCAST,
+       K_REDUCE = UCCL_SG_K_REDUCE };
 
 static uint32_t kind(int k, int dtype, int op, int root)
 {
-    return (uint32_t)k | (uint32_t)dtype << 8 | (uint32_t)op << 16 | (uint32_t)root << 24;
+    return UCCL_SG_KIND(k, dtype, op, root);
 }
 
 /* Chunk r of count elements split n ways (the first count % n one longer). */

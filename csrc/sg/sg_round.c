@@ -137,18 +137,42 @@ static void head_name(const struct slot_head *h, char out[17])
     out[16] = '\0';
 }
 
-/* Rank r's call in round k (its slot's header h) against this rank's. */
+/* A call in words, for a mismatch's message: "broadcast(root 1, 20 bytes)",
+ * "all_reduce(SUM, 12 elements of int64, one launch)"; a general round's
+ * kind and argument as numbers. */
+static void call_words(const char *what, uint32_t kind, uint64_t arg, char *out, size_t len)
+{
+    int k = UCCL_SG_KIND_OP(kind), red = k == UCCL_SG_K_ALLREDUCE ||
+                                         k == UCCL_SG_K_REDUCE_SCATTER || k == UCCL_SG_K_REDUCE;
+    const char *launch = kind & UCCL_SG_FUSED_KIND ? ", one launch" : "";
+    char root[32] = "";
+    if (k == UCCL_SG_K_BROADCAST || k == UCCL_SG_K_REDUCE)
+        snprintf(root, sizeof(root), "root %d, ", UCCL_SG_KIND_ROOT(kind));
+    if (red)
+        snprintf(out, len, "%s(%s%s, %llu elements of %s%s)", what, root,
+                 uccl_red_name(UCCL_SG_KIND_RED(kind)), (unsigned long long)arg,
+                 uccl_dtype_name(UCCL_SG_KIND_DTYPE(kind)), launch);
+    else if (k == UCCL_SG_K_ALLGATHER || k == UCCL_SG_K_BROADCAST)
+        snprintf(out, len, "%s(%s%llu bytes%s)", what, root, (unsigned long long)arg, launch);
+    else
+        snprintf(out, len, "%s(kind %#x, argument %llu)", what, kind, (unsigned long long)arg);
+}
+
+/* Rank r's call in round k (its slot's header h) against this rank's: the
+ * operation's kind (with its type, operator, root) and argument, its
+ * phases.  (General rounds of different operations are told apart by what
+ * they publish and pull, buffer by buffer: map_range.) */
 static int compare(uccl_sg_t *sg, int r, uint32_t k, const struct slot_head *h, uint32_t kind,
                    uint64_t arg, int phases, const char *what)
 {
     if (h->kind == kind && h->arg == arg && (int)h->phases == phases)
         return UCCL_OK;
-    char theirs[17];
+    char theirs[17], a[160], b[160];
     head_name(h, theirs);
-    return uccl__err(UCCL_ERR_MISMATCH, "%s: the ranks' calls disagree in round %u: rank %d is "
-                     "in %s (kind %#x, argument %llu), rank %d in %s (kind %#x, argument %llu)%s",
-                     what, k, r, theirs, h->kind, (unsigned long long)h->arg, sg->rank, what,
-                     kind, (unsigned long long)arg,
+    call_words(theirs, h->kind, h->arg, a, sizeof(a));
+    call_words(what, kind, arg, b, sizeof(b));
+    return uccl__err(UCCL_ERR_MISMATCH, "%s: the ranks' calls disagree in round %u: rank %d "
+                     "calls %s, rank %d calls %s%s", what, k, r, a, sg->rank, b,
                      (h->kind ^ kind) == UCCL_SG_FUSED_KIND ? "; one of them a one-launch round: "
                      "UCCL_SG_FUSED_BYTES must be the same on every rank" : "");
 }

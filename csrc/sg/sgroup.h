@@ -55,6 +55,20 @@
 #define UCCL_SG_P2P_SLOTS 16   /* messages of a pair posted ahead before a post waits */
 #define UCCL_SG_FUSED_KIND 0x80u /* in a one-launch round's kind (compared across ranks) */
 
+/* The kinds of the collectives' rounds (sg_call.c): the operation, its
+ * element type, operator and root in one word, compared across ranks with
+ * the argument (elements for the reductions, bytes for allgather and
+ * broadcast); sg_round.c names what differs.  A general round's kind is the
+ * caller's (stream_group.py: 1, argument 0). */
+enum { UCCL_SG_K_ALLREDUCE = 0x10, UCCL_SG_K_REDUCE_SCATTER, UCCL_SG_K_ALLGATHER,
+       UCCL_SG_K_BROADCAST, UCCL_SG_K_REDUCE };
+#define UCCL_SG_KIND(k, dtype, op, root)                                                   \
+    ((uint32_t)(k) | (uint32_t)(dtype) << 8 | (uint32_t)(op) << 16 | (uint32_t)(root) << 24)
+#define UCCL_SG_KIND_OP(kind) ((int)((kind) & 0x7fu))
+#define UCCL_SG_KIND_DTYPE(kind) ((int)((kind) >> 8 & 0xffu))
+#define UCCL_SG_KIND_RED(kind) ((int)((kind) >> 16 & 0xffu))
+#define UCCL_SG_KIND_ROOT(kind) ((int)((kind) >> 24 & 0xffu))
+
 /* element types and reduction operators of uccl_sg_call.red: base/dtype.h */
 
 /* Tags name what a rank publishes: every peer's buffer, or the k-th to rank d. */

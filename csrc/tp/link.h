@@ -30,8 +30,7 @@ struct uccl__local {
     int rank;                        /* -1: none */
     int port;                        /* the endpoint's listening port */
     int forced_tp;                   /* UCCL_TP_AUTO unless UCCL_P2P_TRANSPORT says */
-    volatile uint64_t probe_word;    /* CMA probe: peers read this to test access */
-    uint8_t secret[UCCL_SECRET_MAX]; /* what a connecting peer must present */
+    uint8_t secret[UCCL_SECRET_MAX]; /* what a connecting peer must prove it holds */
     uint32_t secret_len;
 
     /* settings (from the environment, at endpoint creation) */
@@ -58,12 +57,18 @@ struct uccl__link {
     char peer_ip[46];
     int peer_port, peer_gpu, peer_rank;
     uint32_t peer_pid;
+    int peer_pid_ok;                 /* peer_pid holds the other end of the control socket
+                                        (net/sock_owner.h): only then may CMA reach it */
     char peer_host[UCCL_HOSTID_MAX];
 
     /* the handshake's terms */
     uint64_t token;                  /* names the connection on its extra streams */
-    uint8_t secret[UCCL_SECRET_MAX]; /* connector: presented on every extra stream */
+    uint8_t secret[UCCL_SECRET_MAX]; /* connector: the secret its first handshake proves */
     uint32_t secret_len;
+    uint8_t conn_key[32];            /* from the first handshake: extra streams prove it */
+    volatile uint64_t probe_word;    /* CMA probe: the peer reads this (handshake.h) */
+    uint32_t ptracer_pid;            /* a Yama grant this connection holds (base/ptracer.h),
+                                        released with its last reference */
     unsigned num_streams;            /* extra streams (a transport may change it at setup) */
     size_t chunk_bytes;
 

@@ -2,9 +2,13 @@
  *
  * CMA mode (preferred): one copy, by the kernel, straight between the two
  * processes' buffers with process_vm_readv/writev.  The acceptor does every
- * copy (see proto.c); at the handshake it proves it may by reading an 8-byte
- * cookie from the connector's memory.  Where Yama restricts ptrace, each
- * process first lets any of its user's processes attach (PR_SET_PTRACER_ANY).
+ * copy (see proto.c) but the initiator's reads.  CMA is used only with a
+ * peer whose pid was found to hold the other end of the control socket
+ * (link.h: peer_pid_ok), and only once each side read the other's probe
+ * word and found there the value both derive from the connection's key
+ * (handshake.h): never an address and value a peer chose alone.  Where
+ * Yama restricts ptrace, each side lets the other's pid attach for as long
+ * as the connection lives (base/ptracer.h).
  *
  * Control messages travel through queues in a shared segment (no system
  * call per message); the control socket only tells that the peer is gone.
@@ -21,7 +25,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/queue.h>
 #include <sys/stat.h>
 #include <linux/futex.h>
@@ -36,7 +39,9 @@
 #include "base/log.h"
 #include "net/sock.h"
 #include "base/status.h"
+#include "tp/handshake.h"
 #include "tp/tp_shm_ipc.h"
+#include "base/ptracer.h"
 
 #define RING_SLOTS 8
 #define RING_SLOT_BYTES (512u << 10)
@@ -87,16 +92,29 @@ struct shm_conn {
 
 static int shm_available(void)
 {
-    /* Let peers of the same user read and write our memory with CMA where Yama
-     * would otherwise forbid it.  Without Yama this fails harmlessly. */
-    FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
-    if (f) {
-        int scope = 0;
-        if (fscanf(f, "%d", &scope) == 1 && scope == 1)
-            prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
-        fclose(f);
-    }
     return UCCL_OK;
+}
+
+/* Can this side copy from and into the peer's memory?  NULL if so, else
+ * why not.  The word at addr in the peer (whose pid holds the connection)
+ * must hold the value its side derives from the connection's key. */
+static const char *probe_peer(struct uccl__link *lk, uint64_t addr, int peer_is_connector,
+                              char *why, size_t why_len)
+{
+    if (!lk->peer_pid_ok)
+        return "its pid was not found to hold the other end of the connection "
+               "(another network or pid namespace?)";
+    uint64_t word = 0;
+    struct iovec l = {&word, sizeof(word)};
+    struct iovec r = {(void *)(uintptr_t)addr, sizeof(word)};
+    ssize_t n = process_vm_readv((pid_t)lk->peer_pid, &l, 1, &r, 1, 0);
+    if (n != (ssize_t)sizeof(word)) {
+        snprintf(why, why_len, "process_vm_readv: %s", n < 0 ? strerror(errno) : "short read");
+        return why;
+    }
+    if (word != uccl__hs_probe_value(lk->conn_key, peer_is_connector))
+        return "its probe word does not hold the value of this connection";
+    return NULL;
 }
 
 /* Copied in pieces so that a connection failed meanwhile (timeout, close)
@@ -234,18 +252,22 @@ static int shm_conn_accept(struct uccl__link *lk, const struct uccl__hello *peer
     if (!s)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     int mode = lk->local->shm_mode;
-    uint64_t cookie = 0;
-    struct iovec l = {&cookie, sizeof(cookie)};
-    struct iovec r = {(void *)(uintptr_t)peer->probe_addr, sizeof(cookie)};
-    ssize_t n = process_vm_readv((pid_t)peer->pid, &l, 1, &r, 1, 0);
-    int cma_ok = n == (ssize_t)sizeof(cookie) && cookie == peer->probe_cookie;
+    char buf[160];
+    const char *why = mode == 1 ? NULL
+                      : !(peer->caps & UCCL_CAP_CMA)
+                          ? "it could not check that this process holds the other end of the "
+                            "connection"
+                          : probe_peer(lk, peer->probe_addr, 1, buf, sizeof(buf));
+    int cma_ok = mode != 1 && why == NULL;
     if (!cma_ok && mode == 0)
-        return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_SHM_MODE=cma but reading pid %u with "
-                         "process_vm_readv failed: %s", peer->pid,
-                         n < 0 ? strerror(errno) : "wrong probe value (another pid namespace?)");
+        return uccl__err(UCCL_ERR_UNAVAIL, "UCCL_P2P_SHM_MODE=cma, but CMA with pid %u is not "
+                         "possible: %s", lk->peer_pid, why);
     if (!cma_ok && mode < 0)
-        LOG_INFO("CMA to pid %u not permitted (%s): using the shared-memory ring", peer->pid,
-                 n < 0 ? strerror(errno) : "probe mismatch");
+        LOG_INFO("no CMA with pid %u (%s): using the shared-memory ring", lk->peer_pid, why);
+    if (cma_ok && lk->peer_pid != (uint32_t)getpid()) { /* its reads of us, for as long as we live */
+        uccl__ptracer_grant(lk->peer_pid);
+        lk->ptracer_pid = lk->peer_pid;
+    }
     int ring = !(cma_ok && mode != 1);
     lk->direct = !ring;
     ack->shm_mode = (uint32_t)ring;
@@ -278,14 +300,12 @@ static int shm_conn_connected(struct uccl__link *lk, const struct uccl__hello *a
     if (lk->direct) {
         /* Reads are pulled by this side (the initiator copies into its own
          * buffer), so CMA must work this way round too. */
-        uint64_t cookie = 0;
-        struct iovec l = {&cookie, sizeof(cookie)};
-        struct iovec r = {(void *)(uintptr_t)ack->probe_addr, sizeof(cookie)};
-        ssize_t n = process_vm_readv((pid_t)ack->pid, &l, 1, &r, 1, 0);
-        if (n != (ssize_t)sizeof(cookie) || cookie != ack->probe_cookie)
-            return uccl__err(UCCL_ERR_UNAVAIL, "the peer chose CMA, but reading pid %u with "
-                             "process_vm_readv fails here (%s); set UCCL_P2P_SHM_MODE=ring",
-                             ack->pid, n < 0 ? strerror(errno) : "probe mismatch");
+        char buf[160];
+        const char *why = probe_peer(lk, ack->probe_addr, 0, buf, sizeof(buf));
+        if (why)
+            return uccl__err(UCCL_ERR_UNAVAIL, "the peer chose CMA, but CMA with pid %u is not "
+                             "possible from here (%s); set UCCL_P2P_SHM_MODE=ring", lk->peer_pid,
+                             why);
     }
     /* Only a name of our own scheme: a peer must not make us open (and
      * unlink) some other shared-memory object of this user. */

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..p2p import UcclTimeoutError
+from ..p2p import UcclMismatchError, UcclTimeoutError
 
 MAGIC = 0x75636370_32700001   # "uccp2p" v1
 
@@ -46,23 +46,32 @@ class _Recv:
         self.handles: list = []        # what must finish (header's, payload's)
         self.decided = src is not None
 
-    def _check(self) -> None:
+    def _check(self, cause: BaseException | None = None) -> None:
+        """The header against the receive (after the payload's receive
+        failed with cause: the header arrived before it, and says why)."""
         magic, n = self.hdr.tolist()
         if magic != MAGIC:
+            if cause is not None:
+                return   # (no header came: the engine's message stands)
             raise ValueError(f"recv from rank {self.src}: the message has no uccl header "
                              f"(magic {magic:#x}): the ranks' send/recv calls do not match")
         if n != _nbytes(self.t):
-            raise ValueError(f"recv from rank {self.src}: rank {self.src} sent {n} bytes, the "
-                             f"receive tensor holds {_nbytes(self.t)} "
-                             f"({tuple(self.t.shape)} {self.t.dtype})")
+            raise UcclMismatchError(
+                f"recv from rank {self.src}: size mismatch: rank {self.src} sent {n} bytes, the "
+                f"receive tensor holds {_nbytes(self.t)} ({tuple(self.t.shape)} {self.t.dtype}); "
+                "nothing was written") from cause
 
     def test(self) -> bool:
         if not self.decided:
             self.chan.progress()
             if not self.decided:
                 return False
-        if not all(h.test() for h in self.handles):
-            return False
+        try:
+            if not all(h.test() for h in self.handles):
+                return False
+        except UcclMismatchError as e:
+            self._check(e)
+            raise
         self._check()
         return True
 
@@ -70,8 +79,12 @@ class _Recv:
         deadline = time.monotonic() + timeout
         if not self.decided:
             self.chan.progress(self, deadline)
-        for h in self.handles:
-            h.wait(max(deadline - time.monotonic(), 1e-3))
+        try:
+            for h in self.handles:
+                h.wait(max(deadline - time.monotonic(), 1e-3))
+        except UcclMismatchError as e:   # the payload's size: the header says what came
+            self._check(e)
+            raise
         self._check()
 
 

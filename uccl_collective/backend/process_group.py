@@ -31,7 +31,7 @@ from ..core import stream_group
 from ..core.collective import CollectiveContext
 from ..core.dispatch import HASH_IS_OP, Dispatch
 from ..p2p import UcclTimeoutError
-from . import _anysource, _barrier, _profiling, _reduce, _sparse
+from . import _anysource, _barrier, _check, _profiling, _reduce, _sparse
 from ._algorithms import Algorithms, _Staged
 from ._work import IF_IDLE, P2PWork, Runner, StreamWork, Task, Work
 
@@ -172,8 +172,21 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         d = self._d
         self._fast_allreduce, self._fast_allgather = d.allreduce_c, d.allgather_c
         self._round_allreduce, self._round_allgather = d.allreduce, d.allgather
+        #: every call's header, compared across the ranks (_check.py); its
+        #: count numbers the group's collective calls as they are made
+        self._chk = _check.Checker(self._ctx, rank, size)
         self._alg = Algorithms(self._ctx, self._d, rank, size,
-                               _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size)))
+                               _reduce.Parallel(_reduce.default_width(self._ctx.local_world_size)),
+                               self._chk)
+
+    def _call(self, what: str, root: int = -1) -> tuple:
+        """A collective call made: its number on this group (every rank
+        numbers its calls alike, so a rank that skipped one, or raised
+        before its exchange, shows at the next), as the header check takes
+        it (_algorithms.Call)."""
+        chk = self._chk
+        chk.calls += 1
+        return what, chk.calls, root
 
     # -- identity --------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -245,20 +258,24 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     # -- allgather ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
         what = "all_gather"
+        call = self._call(what)
         inp = _one(input_tensors, what)
         if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
             raise ValueError(f"{what}: expected one list of output tensors")
         outs = _per_rank(output_tensors[0], inp, self.size(), what, "output")
-        d = self._d
+        alg = self._alg
 
         def run():
             staged = [_Staged(o, copy_in=False) for o in outs]
-            d.xctx.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged])
+            alg.allgather(inp.contiguous(), [s.t.reshape(-1) for s in staged], call)
             for s in staged:
                 s.back()
         return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
 
-    def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Callable:
+    def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str,
+                     call: tuple | None) -> Callable:
+        """The task of one all_gather_into_tensor (call: its header, or None
+        for a piece of a coalesced call checked as a whole)."""
         out, inp = _checked(out, f"{what} output"), _checked(inp, f"{what} input")
         n = self.size()
         if out.dtype != inp.dtype:
@@ -266,27 +283,31 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if out.numel() != n * inp.numel():
             raise ValueError(f"{what}: output has {out.numel()} elements; group size {n} x "
                              f"input's {inp.numel()} = {n * inp.numel()} expected")
-        d = self._d
+        alg = self._alg
         if not out.is_cuda and out.is_contiguous() and inp.is_contiguous():
-            # The engine writes the output's bytes itself (no torch op on it),
-            # so no alias is needed: two of them were ~20 us of a 4-byte
-            # all_gather_into_tensor on the GPU machine's host.
-            return lambda: d.xctx.allgather(inp, out.reshape(-1))
+            # Written by the engine or copied out of the header's slots
+            # without autograd, so no alias is needed: two of them were
+            # ~20 us of a 4-byte all_gather_into_tensor on the GPU machine's host.
+            flat = out.reshape(-1)
+            return lambda: alg.allgather(inp, flat, call)
         out, inp = _alias(out), _alias(inp)
 
         def run():
             s = _Staged(out, copy_in=False)
-            d.xctx.allgather(inp.contiguous(), s.t.reshape(-1))
+            alg.allgather(inp.contiguous(), s.t.reshape(-1), call)
             s.back()
         return run
 
     def _allgather_base(self, output_tensor, input_tensor, opts=None):
-        w = self._fast_allgather(output_tensor, input_tensor, opts)
+        try:
+            w = self._fast_allgather(output_tensor, input_tensor, opts)
+        finally:   # (as allreduce)
+            call = self._call("all_gather_into_tensor")
         if w is None:
             w = self._round_allgather(output_tensor, input_tensor, opts)
         if w is not None:
             return w
-        run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor")
+        run = self._gather_flat(output_tensor, input_tensor, "all_gather_into_tensor", call)
         return self._submit(run, [output_tensor], opts, uses=[input_tensor],
                             prof=("all_gather_into_tensor", [input_tensor]))
 
@@ -295,11 +316,16 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         what = "all_gather_into_tensor (coalesced)"
+        call = self._call(what)
         if len(outputs) != len(inputs):
             raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
-        runs = [self._gather_flat(o, i, what) for o, i in zip(outputs, inputs)]
+        runs = [self._gather_flat(o, i, what, None) for o, i in zip(outputs, inputs)]
+        alg, first = self._alg, inputs[0] if len(inputs) else None
 
         def run():
+            # one header for the whole call (the pieces then move unchecked)
+            alg.check(call, first, first.dtype if first is not None else None,
+                      sum(i.numel() for i in inputs))
             for r in runs:
                 r()
         return self._submit(run, list(outputs), opts, uses=list(inputs),
@@ -310,6 +336,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         what = "all_gather_coalesced"
+        call = self._call(what)
         ins = [_tensor(t, what) for t in input_list]
         n = self.size()
         if len(output_lists) != n:
@@ -323,13 +350,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 if o.numel() != i.numel() or o.dtype != i.dtype:
                     raise ValueError(f"{what}: output {tuple(o.shape)} {o.dtype} does not match "
                                      f"input {tuple(i.shape)} {i.dtype}")
-        d = self._d
+        d, alg = self._d, self._alg
 
         def run():
             # bytes of every input, back to back (dtypes may differ)
             flat = torch.cat([i.contiguous().reshape(-1).view(torch.uint8) for i in ins]) \
                 if ins else torch.empty(0, dtype=torch.uint8)
             got = torch.empty(n * flat.numel(), dtype=torch.uint8, device=flat.device)
+            alg.check(call, flat, torch.uint8, flat.numel())
             d.xctx.allgather(flat, got)
             for r, outs in enumerate(out_lists):
                 off = r * flat.numel()
@@ -342,38 +370,50 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        w = self._fast_allreduce(tensors, opts)
+        try:
+            w = self._fast_allreduce(tensors, opts)
+        finally:   # the call's number (_call), whatever its route, after the C path's try
+            chk = self._chk
+            chk.calls += 1
+        seq = chk.calls
         if w is None:
             w = self._round_allreduce(tensors, opts)
         if w is not None:
             return w
         what = "all_reduce"
+        alg = self._alg
         if _sparse.is_sparse(tensors):   # as Gloo (_sparse.py)
             sp = _sparse.check(tensors, opts)
-            return self._submit(lambda: _sparse.allreduce(self._ctx, sp, self.rank(), self.size()),
-                                list(tensors), opts, prof=("sparse_all_reduce", tensors))
+            call = ("all_reduce (sparse)", seq, -1)
+
+            def sparse():
+                alg.check(call, sp, sp.dtype, sp.dim())
+                _sparse.allreduce(self._ctx, sp, self.rank(), self.size())
+            return self._submit(sparse, list(tensors), opts, prof=("sparse_all_reduce", tensors))
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
-        alg = self._alg
+        call = (what, seq, -1)
 
         def run():
             s = _Staged(t)
-            alg.allreduce_flat(s.t.reshape(-1), op)
+            alg.allreduce_flat(s.t.reshape(-1), op, call)
             s.back()
         return self._submit(run, list(tensors), opts, prof=("all_reduce", tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         what = "all_reduce_coalesced"
+        call = self._call(what)
         ts = [_tensor(t, what) for t in tensors]
+        alg = self._alg
         if not ts:
-            return self._submit(lambda: None, [], opts, prof=("all_reduce_coalesced", []))
+            return self._submit(lambda: alg.check(call, None), [], opts,
+                                prof=("all_reduce_coalesced", []))
         _same_dtype(ts, ts[0].dtype, what)
         op = self._reduce_fn(opts, ts[0].dtype, what)
-        alg = self._alg
 
         def run():
             flat = alg.work_copy(ts, ts[0].dtype)
-            alg.allreduce_flat(flat, op)
+            alg.allreduce_flat(flat, op, call)
             off = 0
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view(t.shape))
@@ -382,14 +422,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         what = "reduce"
+        seq = self._call(what)[1]
         t = _one(tensors, what)
         op = self._reduce_fn(opts, t.dtype, what)
         root = self._root(opts, what)
         w = self._d.reduce(tensors, t, root, opts)
         if w is not None:
             return w
-        alg = self._alg
-        return self._submit(lambda: alg.reduce(t, op, root), list(tensors), opts,
+        alg, call = self._alg, (what, seq, root)
+        return self._submit(lambda: alg.reduce(t, op, root, call), list(tensors), opts,
                             prof=("reduce", tensors))
 
     def _scatter_check(self, out, inp, what: str, op_opts):
@@ -405,13 +446,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output_tensor, input_tensor, opts=None):
         what = "reduce_scatter_tensor"
+        call = self._call(what)
         w = self._d.reduce_scatter(output_tensor, input_tensor, opts)
         if w is not None:
             return w
         out, inp, op = self._scatter_check(output_tensor, input_tensor, what, opts)
         alg = self._alg
         return self._submit(
-            lambda: alg.reduce_scatter_flat(out, alg.rs_input([inp], inp.dtype), op, what),
+            lambda: alg.reduce_scatter_flat(out, alg.rs_input([inp], inp.dtype), op, what, call),
             [output_tensor], opts, uses=[input_tensor],
             prof=("reduce_scatter_tensor", [output_tensor]))
 
@@ -420,12 +462,18 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         what = "reduce_scatter_tensor (coalesced)"
+        call = self._call(what)
         if len(outputs) != len(inputs):
             raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
         checked = [self._scatter_check(o, i, what, opts) for o, i in zip(outputs, inputs)]
         alg = self._alg
 
         def run():
+            if checked:   # one header for the whole call (the pieces then move unchecked)
+                o, _, op = checked[0]
+                alg.check(call, o, o.dtype, sum(c[0].numel() for c in checked), op)
+            else:
+                alg.check(call, None)
             for o, i, op in checked:
                 alg.reduce_scatter_flat(o, alg.rs_input([i], i.dtype), op, what)
         return self._submit(run, list(outputs), opts, uses=list(inputs),
@@ -436,6 +484,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         what = "reduce_scatter"
+        call = self._call(what)
         out = _one(output_tensors, what)
         if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
             raise ValueError(f"{what}: expected one list of input tensors")
@@ -443,7 +492,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         op = self._reduce_fn(opts, out.dtype, what)
         alg = self._alg
         return self._submit(
-            lambda: alg.reduce_scatter_flat(out, alg.rs_input(ins, out.dtype), op, what),
+            lambda: alg.reduce_scatter_flat(out, alg.rs_input(ins, out.dtype), op, what, call),
             list(output_tensors), opts, uses=ins, prof=("reduce_scatter", input_tensors))
 
     # -- rooted and personalised ----------------------------------------------
@@ -457,6 +506,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         what = "broadcast"
+        seq = self._call(what)[1]
         t = _one(tensors, what)
         root = self._root(opts, what)
         if opts is not None and opts.rootTensor != 0:
@@ -464,19 +514,21 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         w = self._d.broadcast(tensors, t, root, opts)
         if w is not None:
             return w
-        alg = self._alg
-        return self._submit(lambda: alg.broadcast(t, root, what), list(tensors), opts,
+        alg, call = self._alg, (what, seq, root)
+        return self._submit(lambda: alg.broadcast(t, root, what, call), list(tensors), opts,
                             prof=("broadcast", tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         what = "gather"
+        seq = self._call(what)[1]
         inp = _one(input_tensors, what)
         me, n = self.rank(), self.size()
         root = self._root(opts, what)
         outs = _root_side(output_tensors, inp, n, root, me, what, "output")
-        alg = self._alg
+        alg, call = self._alg, (what, seq, root)
 
         def run():
+            alg.check(call, inp, inp.dtype, inp.numel())
             staged = [_Staged(o, copy_in=False) for o in outs]
             alg.star(what, root, [s.t for s in staged], inp.contiguous(), to_root=True)
             for s in staged:
@@ -485,13 +537,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         what = "scatter"
+        seq = self._call(what)[1]
         out = _one(output_tensors, what)
         me, n = self.rank(), self.size()
         root = self._root(opts, what)
         ins = _root_side(input_tensors, out, n, root, me, what, "input")
-        alg = self._alg
+        alg, call = self._alg, (what, seq, root)
 
         def run():
+            alg.check(call, out, out.dtype, out.numel())
             s = _Staged(out, copy_in=False)
             alg.star(what, root, [i.contiguous() for i in ins], s.t, to_root=False)
             s.back()
@@ -500,6 +554,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def alltoall_base(self, output_tensor, input_tensor, output_split_sizes,
                       input_split_sizes, opts=None):
         what = "all_to_all_single"
+        call = self._call(what)
         out, inp = _tensor(output_tensor, f"{what} output"), _tensor(input_tensor, f"{what} input")
         if out.dtype != inp.dtype:
             raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
@@ -529,8 +584,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise ValueError(f"{what}: this rank sends itself {ib[me][1] - ib[me][0]} elements "
                              f"but expects {ob[me][1] - ob[me][0]}")
         alg = self._alg
+        counts = [b - a for a, b in ib] + [b - a for a, b in ob]
 
         def run():
+            alg.check_pairs(call, inp, counts)
             s = _Staged(out, copy_in=False)
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
             alg.exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
@@ -545,6 +602,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         what = "all_to_all"
+        call = self._call(what)
         n = self.size()
         outs = [_tensor(t, f"{what} output") for t in output_tensors]
         ins = [_tensor(t, f"{what} input") for t in input_tensors]
@@ -558,8 +616,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             raise ValueError(f"{what}: this rank sends itself {ins[me].numel()} elements but "
                              f"expects {outs[me].numel()}")
         alg = self._alg
+        counts = [i.numel() for i in ins] + [o.numel() for o in outs]
 
         def run():
+            alg.check_pairs(call, ins[0], counts)
             staged = [_Staged(o, copy_in=False) for o in outs]
             alg.exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
             for s in staged:
@@ -663,17 +723,14 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- synchronisation and life cycle -----------------------------------------
     def barrier(self, opts=None):
-        ctx, n = self._ctx, self.size()
-
-        def run():
-            if n > 1:
-                one = torch.zeros(1, dtype=torch.uint8)
-                ctx.allgather(one, torch.empty(n, dtype=torch.uint8))
-        return self._submit(run, [], opts, prof=("barrier", []))
+        call, alg = self._call("barrier"), self._alg
+        # every rank's header, exchanged: a barrier (and one call compared)
+        return self._submit(lambda: alg.check(call, None), [], opts, prof=("barrier", []))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """As Gloo's (_barrier.py): names the ranks that did not arrive."""
         secs = _barrier.timeout_s(timeout, self._timeout)
+        self._call("monitored_barrier")   # (numbered; its own exchange has no header)
 
         def run():
             try:

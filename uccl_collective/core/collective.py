@@ -17,6 +17,7 @@ one kernel (network namespaces) still use TCP between them.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import json
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _engine
-from ..p2p import Endpoint, FloatType, UcclError, UcclTimeoutError
+from ..p2p import Endpoint, FloatType, UcclError, UcclMismatchError, UcclTimeoutError
 from . import config, dispatch
 from .gpu_ring import GpuRing, Remote
 # (StreamHandle, NO_STREAM and stream_args: names this module has always offered)
@@ -201,6 +202,7 @@ class CollectiveContext:
         if not secret:  # a per-job secret, handed out through the store
             if me == 0:
                 store.set("secret", secrets.token_hex(16))
+            self._store_wait(store, ["secret"], [0], "the job's secret from rank 0")
             secret = store.get("secret").decode()
         node = node_id()
         self.ep = Endpoint(self.local_gpu_idx, self.num_cpus, timeout_s=self.timeout_s,
@@ -214,10 +216,29 @@ class CollectiveContext:
         self.setup_seconds = time.perf_counter() - t0
         return self
 
+    def _store_wait(self, store, keys: list[str], ranks: list[int], what: str) -> None:
+        """Wait for keys of the store within the context's timeout (the
+        group's, not the store's own, often longer): setup is bounded as
+        every call is.  UcclTimeoutError names the ranks that never came."""
+        timeout_s = self.timeout_s or config.get("UCCL_P2P_TIMEOUT_S")
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as e:   # torch's store raises its own error on a timeout
+            try:
+                missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            except Exception:   # noqa: BLE001 - the store itself may be gone
+                missing = ranks
+            raise UcclTimeoutError(
+                f"CollectiveContext setup (rank {self.rank} of {self.world_size}): waited "
+                f"{timeout_s:g} s for {what}; rank(s) {missing} never published theirs "
+                f"({type(e).__name__}: {e})") from e
+
     def _connect_all(self, store, node: str, secret: str) -> None:
         n, me, ep = self.world_size, self.rank, self.ep
         ip, port = ep.address()
         store.set(f"meta/{me}", json.dumps({"ip": ip, "port": port, "node": node}))
+        self._store_wait(store, [f"meta/{r}" for r in range(n)], list(range(n)),
+                         "every rank's address")
         metas = [json.loads(store.get(f"meta/{r}")) for r in range(n)]
         self.nodes = [m["node"] for m in metas]
         self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
@@ -634,6 +655,8 @@ class CollectiveContext:
         chunks = self._recv_chunks(send_tensor, recv, what, uneven)
         send = self._buf(send_tensor, what)
         bufs = [self._buf(c, what) for c in chunks]
+        if uneven and not async_op and engine_only:
+            self._check_uneven(cm, send[1], [b[1] for b in bufs], what)
         if engine_only:
             return dispatch.allgather(self, cm, [send_tensor, *chunks], send, bufs, algo,
                                       async_op, False, what)
@@ -653,6 +676,34 @@ class CollectiveContext:
             self._p2p([("send", out_c, right), ("recv", in_c, left)], what, blocking=True)
         return None, Handle(cm)
 
+    _AGV_MAGIC = 0x7663636c   # b"lccv": a record of _check_uneven's
+
+    def _check_uneven(self, cm: Any, sends: int, expects: list[int], what: str) -> None:
+        """Before a blocking allgatherv moves anything: every rank tells
+        every other how many bytes it sends and expects from each, so that
+        a disagreement raises UcclMismatchError on every rank, naming the
+        ranks and sizes (the transfers alone would fail only the two ranks
+        of each pair that disagree).  One small allgather more."""
+        n, me = self.world_size, self.rank
+        rec = torch.tensor([self._AGV_MAGIC, sends, *expects], dtype=torch.int64)
+        got = torch.empty(n * (n + 2), dtype=torch.int64)
+        base, k = got.data_ptr(), 8 * (n + 2)
+        cm.allgather((rec.data_ptr(), k, 0), [(base + r * k, k, 0) for r in range(n)],
+                     _engine.AG_DIRECT, False, self.timeout_s, -1, 0)
+        rows = got.view(n, n + 2).tolist()
+        alien = [r for r in range(n) if rows[r][0] != self._AGV_MAGIC]
+        if alien:
+            raise UcclMismatchError(f"{what}: rank(s) {alien} are not in an allgatherv (this is "
+                                    f"rank {me}); nothing was sent or received")
+        bad = [(r, q, rows[r][1], rows[q][2 + r]) for r in range(n) for q in range(n)
+               if q != r and rows[q][2 + r] != rows[r][1]]
+        if bad:
+            shown = "; ".join(f"rank {r} sends {s} bytes, rank {q} expects {x} from it"
+                              for r, q, s, x in bad[:8])
+            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+            raise UcclMismatchError(f"{what}: the ranks' chunk sizes disagree (this is rank "
+                                    f"{me}): {shown}{more}; nothing was sent or received")
+
     def iallgather(self, send_tensor: torch.Tensor, recv: Any, algorithm: str = "auto") -> Handle:
         op, handle = self._iallgather(send_tensor, recv, algorithm, "iallgather", False)
         return handle or Handle(self._comm, [op], (), (send_tensor, recv), self._orphans)
@@ -671,6 +722,11 @@ class CollectiveContext:
 
     def allgatherv(self, send_tensor: torch.Tensor, recv_list: Sequence[torch.Tensor],
                    algorithm: str = "auto") -> None:
+        """recv_list[r] <- rank r's send_tensor.  Every rank's sizes are
+        compared first (one small exchange): a disagreement raises
+        UcclMismatchError on every rank and moves nothing.  (iallgatherv
+        does not wait for the others to compare: there only the ranks
+        whose sizes disagree raise.)"""
         _, handle = self._iallgather(send_tensor, recv_list, algorithm, "allgatherv", True, False)
         if handle is not None:
             handle.wait(self.timeout_s)

@@ -11,7 +11,7 @@ already there: current_stream reads it from sys.modules; join_group's
 tcp:// and file:// stores import torch.distributed when used), never
 uccl_collective.core or uccl_collective.backend."""
 from .. import _engine
-from .._engine import UcclError, UcclTimeoutError, UcclUnknownIdError
+from .._engine import UcclError, UcclMismatchError, UcclTimeoutError, UcclUnknownIdError
 from ._buffers import OP_READ, OP_RECV, OP_SEND, OP_WRITE, buffer_of, current_stream, get_oob_ip
 from ._endpoint import Endpoint, FloatType
 from ._xfer_api import XferDesc, XferHandle
@@ -21,5 +21,6 @@ from ._metadata import gpu_bus_id, parse_metadata  # noqa: F401
 from ._rendezvous import GroupAPI  # noqa: F401
 from ._xfer_api import TransferAPI  # noqa: F401
 
-__all__ = ["Endpoint", "FloatType", "UcclError", "UcclTimeoutError", "UcclUnknownIdError",
-           "XferDesc", "XferHandle", "buffer_of", "current_stream", "get_oob_ip"]
+__all__ = ["Endpoint", "FloatType", "UcclError", "UcclMismatchError", "UcclTimeoutError",
+           "UcclUnknownIdError", "XferDesc", "XferHandle", "buffer_of", "current_stream",
+           "get_oob_ip"]
