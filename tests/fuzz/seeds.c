@@ -11,6 +11,7 @@
 #include "sgfake.h"
 #include "sg/sg_page.h"
 #include "net/wire.h"
+#include "base/status.h"
 
 static const char *root;
 static int sgfake_allowed(int p, uint64_t k, uint64_t a, size_t l)
@@ -32,53 +33,115 @@ static void put(const char *h, const char *name, const void *p, size_t n)
     }
 }
 
-static void le32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i); }
+
 static void le64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> 8 * i); }
 
-/* ---- handshake ---- */
+/* ---- handshake (fuzz_hello.c says the input's layout: a mode byte, then records) ---- */
 static struct uccl__hello hello(int type)
 {
-    struct uccl__hello h = {.type = (uint16_t)type, .secret_len = 6, .pid = 4242, .gpu_idx = -1,
-                            .rank = 1, .transport = UCCL_TP_SHM, .num_streams = 2,
+    struct uccl__hello h = {.type = (uint16_t)type, .pid = 4242, .gpu_idx = -1, .rank = 1,
+                            .transport = UCCL_TP_SHM, .num_streams = 2,
                             .conn_token = 0x1122334455667788ull, .probe_addr = 0x7fff0000,
-                            .probe_cookie = 99, .listen_port = 5000, .chunk_bytes = 1 << 20,
-                            .caps = UCCL_CAP_RDMA};
-    memcpy(h.secret, "s3cret", 6);
+                            .listen_port = 5000, .chunk_bytes = 1 << 20, .caps = UCCL_CAP_RDMA};
+    memset(h.nonce, 0x5a, sizeof(h.nonce));
+    memset(h.mac, 0xa5, sizeof(h.mac));
     snprintf(h.host_id, sizeof(h.host_id), "0123456789abcdef-boot-id");
-    snprintf(h.shm_name, sizeof(h.shm_name), "uccl-ring-1234_x.y");
+    if (type == UCCL_HS_ACK)
+        snprintf(h.shm_name, sizeof(h.shm_name), "uccl-ring-1234_x.y");
+    if (type == UCCL_HS_REFUSE)
+        h.status = UCCL_ERR_AUTH;
     return h;
+}
+
+/* mode byte, then records a and b (b may be NULL) */
+static void hs_put(const char *name, int mode, const struct uccl__hello *a,
+                   const struct uccl__hello *b)
+{
+    uint8_t buf[1 + 2 * UCCL_HELLO_SIZE];
+    buf[0] = (uint8_t)mode;
+    uccl__hello_encode(a, buf + 1);
+    if (b)
+        uccl__hello_encode(b, buf + 1 + UCCL_HELLO_SIZE);
+    put("hello", name, buf, b ? sizeof(buf) : 1 + UCCL_HELLO_SIZE);
+}
+
+/* one record (mode 0), patched at byte `at` (-1: none) */
+static void hs_rec(const char *name, struct uccl__hello h, int at, uint8_t v)
+{
+    uint8_t buf[1 + UCCL_HELLO_SIZE] = {0};
+    uccl__hello_encode(&h, buf + 1);
+    if (at >= 0)
+        buf[1 + at] = v;
+    put("hello", name, buf, sizeof(buf));
 }
 
 static void hellos(void)
 {
-    uint8_t b[UCCL_HELLO_SIZE];
-    struct uccl__hello h;
-    const char *names[] = {"", "conn", "stream", "ack"};
-    for (int t = 1; t <= 3; t++) {
-        h = hello(t);
-        uccl__hello_encode(&h, b);
-        put("hello", names[t], b, sizeof(b));
+    enum { SIGN = 4, SEAL = 8, SIGN2 = 16, NOKEY = 32, TCP = 64 };
+    static const char *names[] = {"", "init", "stream", "challenge", "hello", "ack", "refuse"};
+    struct uccl__hello h, a, b;
+    char name[64];
+    /* every record type, as its sender makes it */
+    for (int t = UCCL_HS_CONN; t <= UCCL_HS_REFUSE; t++) {
+        snprintf(name, sizeof(name), "rec-%s", names[t]);
+        hs_rec(name, hello(t), -1, 0);
     }
-    h = hello(1), h.secret_len = 64, memset(h.secret, 'k', 64);
-    uccl__hello_encode(&h, b), put("hello", "secret-64", b, sizeof(b));
-    h = hello(1), uccl__hello_encode(&h, b), le32(b + 8, 65), put("hello", "secret-65", b, sizeof(b));
-    h = hello(2), h.num_streams = 16, h.stream_index = 15;
-    uccl__hello_encode(&h, b), put("hello", "streams-16", b, sizeof(b));
-    h = hello(2), h.num_streams = 17, uccl__hello_encode(&h, b), put("hello", "streams-17", b, sizeof(b));
-    h = hello(2), h.stream_index = 2, uccl__hello_encode(&h, b), put("hello", "index-past", b, sizeof(b));
-    h = hello(1), h.chunk_bytes = 4095, uccl__hello_encode(&h, b), put("hello", "chunk-small", b, sizeof(b));
-    h = hello(1), h.chunk_bytes = (64u << 20) + 1;
-    uccl__hello_encode(&h, b), put("hello", "chunk-big", b, sizeof(b));
-    h = hello(1), h.transport = UCCL_TP_COUNT, uccl__hello_encode(&h, b), put("hello", "tp-unknown", b, sizeof(b));
-    h = hello(3), h.shm_name[0] = '.', uccl__hello_encode(&h, b), put("hello", "shm-dot", b, sizeof(b));
-    h = hello(3), h.shm_name[3] = '/', uccl__hello_encode(&h, b), put("hello", "shm-slash", b, sizeof(b));
-    h = hello(1), uccl__hello_encode(&h, b), memset(b + 76, 'h', 64); /* host id unterminated */
-    put("hello", "host-unterminated", b, sizeof(b));
-    h = hello(1), uccl__hello_encode(&h, b), memset(b + 208, 'n', 44);
-    put("hello", "shm-unterminated", b, sizeof(b));
-    h = hello(1), uccl__hello_encode(&h, b), b[4] = 2, put("hello", "version-2", b, sizeof(b));
-    h = hello(1), uccl__hello_encode(&h, b), b[0] ^= 1, put("hello", "bad-magic", b, sizeof(b));
-    put("hello", "short", b, 12);
+    /* every bound the decoder checks */
+    h = hello(UCCL_HS_HELLO), h.num_streams = 16, h.stream_index = 15;
+    hs_rec("rec-streams-16", h, -1, 0);
+    h = hello(UCCL_HS_HELLO), h.num_streams = 17, hs_rec("rec-streams-17", h, -1, 0);
+    h = hello(UCCL_HS_HELLO), h.stream_index = 2, hs_rec("rec-index-past", h, -1, 0);
+    h = hello(UCCL_HS_HELLO), h.chunk_bytes = 4095, hs_rec("rec-chunk-small", h, -1, 0);
+    h = hello(UCCL_HS_ACK), h.chunk_bytes = (64u << 20) + 1, hs_rec("rec-chunk-big", h, -1, 0);
+    h = hello(UCCL_HS_HELLO), h.transport = UCCL_TP_COUNT, hs_rec("rec-tp-unknown", h, -1, 0);
+    h = hello(UCCL_HS_ACK), h.shm_mode = 2, hs_rec("rec-shm-mode-2", h, -1, 0);
+    h = hello(UCCL_HS_ACK), h.shm_name[0] = '.', hs_rec("rec-shm-dot", h, -1, 0);
+    h = hello(UCCL_HS_ACK), h.shm_name[3] = '/', hs_rec("rec-shm-slash", h, -1, 0);
+    h = hello(UCCL_HS_REFUSE), h.status = 0, hs_rec("rec-refuse-status-0", h, -1, 0);
+    h = hello(UCCL_HS_REFUSE), h.status = -100, hs_rec("rec-refuse-busy", h, -1, 0);
+    hs_rec("rec-version-1", hello(UCCL_HS_HELLO), 4, 1);
+    hs_rec("rec-bad-magic", hello(UCCL_HS_HELLO), 0, 'V');
+    hs_rec("rec-type-0", hello(UCCL_HS_HELLO), 6, 0);
+    hs_rec("rec-type-7", hello(UCCL_HS_HELLO), 6, 7);
+    {
+        uint8_t buf[1 + UCCL_HELLO_SIZE] = {0};
+        h = hello(UCCL_HS_ACK), uccl__hello_encode(&h, buf + 1);
+        memset(buf + 1 + 104, 'h', 64 + 44); /* host id and shm name with no end */
+        put("hello", "rec-strings-unterminated", buf, sizeof(buf));
+        put("hello", "rec-short", buf, 13);
+    }
+    /* the acceptor's steps (mode 1): a connector's INIT then HELLO, or a STREAM */
+    a = hello(UCCL_HS_CONN), b = hello(UCCL_HS_HELLO);
+    hs_put("acc-init-hello-signed", 1 | SIGN, &a, &b);
+    hs_put("acc-init-hello-signed-nokey", 1 | SIGN | NOKEY, &a, &b);
+    hs_put("acc-init-hello-unsigned", 1, &a, &b);
+    b.conn_token = 0, hs_put("acc-hello-token-0", 1 | SIGN, &a, &b);
+    b = hello(UCCL_HS_ACK), hs_put("acc-ack-for-hello", 1 | SIGN, &a, &b);
+    a = hello(UCCL_HS_STREAM), hs_put("acc-stream-signed", 1 | SIGN, &a, NULL);
+    hs_put("acc-stream-unsigned", 1, &a, NULL);
+    a.conn_token = 0, hs_put("acc-stream-token-0", 1 | SIGN, &a, NULL);
+    a = hello(UCCL_HS_HELLO), hs_put("acc-hello-first", 1 | SIGN, &a, NULL);
+    /* the connector's steps (mode 2): the listener's CHALLENGE then its ACK */
+    a = hello(UCCL_HS_CHALLENGE), b = hello(UCCL_HS_ACK);
+    b.transport = UCCL_TP_TCP;
+    hs_put("con-all-signed", 2 | SIGN | SEAL | SIGN2, &a, &b);
+    hs_put("con-all-signed-tcp", 2 | SIGN | SEAL | SIGN2 | TCP, &a, &b);
+    hs_put("con-all-signed-nokey", 2 | SIGN | SEAL | SIGN2 | NOKEY, &a, &b);
+    hs_put("con-challenge-unsigned", 2 | SEAL | SIGN2, &a, &b);
+    hs_put("con-ack-unsigned", 2 | SIGN | SEAL, &a, &b);
+    hs_put("con-challenge-unsealed", 2 | SIGN | SIGN2, &a, &b);
+    a.pid = 0, hs_put("con-no-pid", 2 | SIGN | SEAL | SIGN2, &a, &b);
+    a = hello(UCCL_HS_CHALLENGE), b = hello(UCCL_HS_ACK), b.shm_mode = 0;
+    hs_put("con-shm-cma", 2 | SIGN | SEAL | SIGN2, &a, &b);
+    a = hello(UCCL_HS_REFUSE), hs_put("con-refused-auth", 2, &a, NULL);
+    a.status = -100, hs_put("con-refused-busy", 2, &a, NULL);
+    a = hello(UCCL_HS_CHALLENGE), b = hello(UCCL_HS_REFUSE);
+    hs_put("con-refused-after-hello", 2 | SIGN | SEAL, &a, &b);
+    /* an extra socket (mode 3): the listener's ACK to our STREAM */
+    a = hello(UCCL_HS_ACK), a.transport = UCCL_TP_TCP;
+    hs_put("str-ack-signed", 3 | SIGN, &a, NULL);
+    hs_put("str-ack-unsigned", 3, &a, NULL);
+    a = hello(UCCL_HS_REFUSE), hs_put("str-refused", 3, &a, NULL);
 }
 
 /* ---- control messages ---- */
