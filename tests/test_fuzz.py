@@ -11,6 +11,7 @@ is fuzzed for FUZZ_SECONDS from its corpus; a crash fails the test and
 names the input to keep."""
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -81,6 +82,10 @@ def test_fuzz(name, tmp_path):
         f"{name}: libFuzzer found {found or 'a failure'} in {tmp_path}; fix it, then keep the "
         f"input as a regression input in {keep}/\n{p.stderr[-6000:]}")
     assert "Done" in p.stderr and "stat::number_of_executed_units" in p.stderr, p.stderr[-2000:]
+    stats = dict(re.findall(r"^stat::(\w+):\s+(\d+)", p.stderr, re.M))
+    # shown by pytest -rP (the figures docs/testing.md quotes)
+    print(f"fuzz {name}: {stats['number_of_executed_units']} inputs in {FUZZ_SECONDS} s, "
+          f"{stats.get('new_units_added', '?')} new, peak {stats.get('peak_rss_mb', '?')} MB")
 
 
 def test_the_fuzzer_catches_a_planted_bug(tmp_path):

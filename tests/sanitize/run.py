@@ -11,8 +11,16 @@ then reads them.  A report with a frame in the engine (a csrc/ source line,
 or the module) is a finding; reports with none (python's own, torch's, a
 compiler's that a test ran) are counted, not findings.  The suppression
 files beside this one (asan.supp, ubsan.supp, tsan.supp) name what is not
-a bug, each with its reason.  The ordinary engine is built
-again at the end.  Exit status 0: pytest passed and no finding."""
+a bug, each with its reason.  Exit status 0: pytest passed and no finding.
+
+The sanitized engine is built out of the tree (build/sanitize-<mode>/, with
+its own object files) and loaded through a shadow of the package there
+(build/sanitize-<mode>/pkg/uccl_collective/: links to the package's files,
+the sanitized module in place of the ordinary one), put first on
+PYTHONPATH.  The ordinary in-place engine is never rebuilt or replaced, so a
+run stopped at any moment (Ctrl-C, a kill, a timeout) leaves the tree as it
+was.  A test that starts python with PYTHONPATH set to the repository
+alone runs the ordinary engine in that child (unsanitized, still working)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +28,7 @@ import collections
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,15 +67,50 @@ def runtime_env(mode: str, logs: pathlib.Path) -> dict:
     return env
 
 
-def build(sanitize: str) -> None:
-    env = {**os.environ, "UCCL_SANITIZE": sanitize}
-    if not sanitize:
-        env.pop("UCCL_SANITIZE")
-    p = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=ROOT,
+def build(mode: str) -> pathlib.Path:
+    """The engine built for `mode` under build/sanitize-<mode>/ (setup.py,
+    UCCL_SANITIZE), and a shadow package there that loads it: the folder
+    to put first on PYTHONPATH."""
+    top = ROOT / "build" / f"sanitize-{mode}"
+    env = {**os.environ, "UCCL_SANITIZE": MODES[mode][0]}
+    p = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
+                        str(top / "lib"), "--build-temp", str(top / "temp")], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
-        raise SystemExit(f"building the engine (UCCL_SANITIZE={sanitize!r}) failed:\n"
+        raise SystemExit(f"building the engine (UCCL_SANITIZE={MODES[mode][0]}) failed:\n"
                          f"{p.stdout[-3000:]}{p.stderr[-3000:]}")
+    built = sorted((top / "lib" / "uccl_collective").glob("_engine*.so"))
+    if len(built) != 1:
+        raise SystemExit(f"expected one sanitized module in {top / 'lib'}, found {built}")
+    pkg = top / "pkg" / "uccl_collective"
+    if pkg.exists():
+        shutil.rmtree(pkg)
+    pkg.mkdir(parents=True)
+    for entry in (ROOT / "uccl_collective").iterdir():
+        if entry.name == "__pycache__" or entry.name.startswith("_engine"):
+            continue
+        (pkg / entry.name).symlink_to(entry)
+    (pkg / built[0].name).symlink_to(built[0])
+    return top / "pkg"
+
+
+# python -m / -c put the working folder (the repository, with the ordinary
+# engine) before PYTHONPATH: the runner drops it (ranks a test spawns with
+# multiprocessing take the runner's path).
+BOOT = ("import os, sys\n"
+        "if sys.path and sys.path[0] in ('', os.getcwd()): del sys.path[0]\n")
+
+
+def check_loaded(env: dict, pkg_root: pathlib.Path) -> None:
+    """The python the tests run imports the sanitized module (not the
+    in-place one: an editable install's path, say, coming first)."""
+    p = subprocess.run([sys.executable, "-c", BOOT + "import uccl_collective._engine as e; "
+                        "print(e.__file__)"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    where = p.stdout.strip()
+    if p.returncode or not where.startswith(str(pkg_root)):
+        raise SystemExit(f"the sanitized engine does not load (got {where!r}):\n"
+                         f"{p.stderr[-3000:]}")
 
 
 def reports(logs: pathlib.Path):
@@ -94,27 +138,24 @@ def main() -> int:
     ap.add_argument("mode", choices=sorted(MODES))
     ap.add_argument("tests", nargs="+", help="test files (and pytest options)")
     ap.add_argument("--logs", help="keep the reports in this folder (default: a temporary one)")
-    ap.add_argument("--keep-build", action="store_true",
-                    help="leave the sanitized engine in place (then LD_PRELOAD is needed)")
     a, extra = ap.parse_known_args()  # the rest goes to pytest (-k, -x, -v ...)
     logs = pathlib.Path(a.logs or tempfile.mkdtemp(prefix=f"uccl-{a.mode}-"))
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    build(MODES[a.mode][0])
-    try:
-        env = {**os.environ, **runtime_env(a.mode, logs), "PYTHONPATH": str(ROOT)}
-        with open(logs / "pytest.out", "w") as out:
-            p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p",
-                                  "no:cacheprovider", *a.tests, *extra], cwd=ROOT, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 errors="replace")
-            for line in p.stdout:
-                out.write(line)
-                sys.stdout.write(line)
-            p.wait()
-    finally:
-        if not a.keep_build:
-            build("")
+    pkg_root = build(a.mode)
+    path = os.pathsep.join(p for p in (str(pkg_root), str(ROOT), os.environ.get("PYTHONPATH"))
+                           if p)
+    env = {**os.environ, **runtime_env(a.mode, logs), "PYTHONPATH": path}
+    check_loaded(env, pkg_root)
+    with open(logs / "pytest.out", "w") as out:
+        p = subprocess.Popen([sys.executable, "-c", BOOT + "import pytest; sys.exit(pytest.main())",
+                              "-q", "-s", "-p", "no:cacheprovider", *a.tests, *extra], cwd=ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace")
+        for line in p.stdout:
+            out.write(line)
+            sys.stdout.write(line)
+        p.wait()
     found, other = collections.OrderedDict(), collections.Counter()
     for kind, text in reports(logs):
         where = first_engine_frame(text)
