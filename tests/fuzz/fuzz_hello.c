@@ -221,7 +221,7 @@ static void connector(const uint8_t *a, const uint8_t *b, int mode, int flags)
     loc->forced_tp = flags & FLAG_TCP ? UCCL_TP_TCP : UCCL_TP_AUTO;
     lk->local = loc;
     lk->is_connector = 1;
-    /* a busy refusal dials again: here, a port nobody listens on */
+    /* a busy refusal would dial again: here, a port nobody listens on */
     snprintf(lk->peer_ip, sizeof(lk->peer_ip), "127.0.0.1");
     lk->peer_port = 1;
     lk->token = 0x1122334455667788ull;
@@ -234,9 +234,15 @@ static void connector(const uint8_t *a, const uint8_t *b, int mode, int flags)
     pthread_t t;
     if (pthread_create(&t, NULL, peer_main, &pr))
         abort();
+    /* A busy refusal makes the connector wait and dial again until its
+     * deadline: given one, a deadline too close for another try (the
+     * redial is the socket layer's, not a decoder's; seconds per input). */
     struct uccl__hello ack;
     int type = mode == 3 ? UCCL_HS_STREAM : UCCL_HS_CONN;
-    int rc = uccl__handshake(lk, sv[0], type, 1, uccl__now_ns() + 2000000000ull, &ack);
+    int busy = uccl__hello_decode(a, &ack) == 0 && ack.type == UCCL_HS_REFUSE &&
+               ack.status == UCCL_REFUSE_BUSY;
+    uint64_t wait = busy ? 3000000ull : 1000000000ull;
+    int rc = uccl__handshake(lk, sv[0], type, 1, uccl__now_ns() + wait, &ack);
     FUZZ_SAY(rc);
     shutdown(sv[0], SHUT_RDWR);
     pthread_join(t, NULL);
