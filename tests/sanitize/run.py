@@ -42,10 +42,22 @@ ENGINE = re.compile(r"\bcsrc/\w+/\w+\.[ch]:\d+|_engine\.abi3\.so")
 
 #: what CI runs (`run.py address ci`, .ci/run): the transfer paths, the
 #: handshake with hostile and hand-made records, the threaded engine and the
-#: stream-ordered groups, in about N minutes on 2 cores (docs/testing.md)
+#: stream-ordered groups: 126 tests, under 5 minutes on 2 cores (docs/testing.md)
 CI = ["tests/test_transfers.py", "tests/test_handshake_security.py", "tests/test_hostile_peer.py",
       "tests/test_security.py", "tests/test_concurrency.py", "tests/test_stream_group.py",
       "tests/test_stream_p2p.py", "tests/test_errors.py"]
+
+
+#: tests whose check means nothing under a sanitizer, each with the reason
+DESELECT = {
+    "address": [
+        # looks for any 8 bytes a refused client got that is an address mapped
+        # in the server: ASan maps terabytes of shadow memory, so random bytes
+        # (a nonce, a proof) and small numbers read as addresses there
+        "tests/test_handshake_security.py::test_refusal_tells_nothing",
+    ],
+    "thread": [],
+}
 
 
 def runtime_env(mode: str, logs: pathlib.Path) -> dict:
@@ -159,8 +171,10 @@ def main() -> int:
            "PYTHONUNBUFFERED": "1"}
     check_loaded(env, pkg_root)
     with open(logs / "pytest.out", "w") as out:
+        skip = [f"--deselect={t}" for t in DESELECT[a.mode]]
         p = subprocess.Popen([sys.executable, "-c", BOOT + "import pytest; sys.exit(pytest.main())",
-                              "-q", "-s", "-p", "no:cacheprovider", *a.tests, *extra], cwd=ROOT,
+                              "-q", "-s", "-p", "no:cacheprovider", *skip, *a.tests, *extra],
+                             cwd=ROOT,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              errors="replace")
         for line in p.stdout:
