@@ -56,6 +56,18 @@ def test_metadata_roundtrip(endpoints):
         assert ok and target.accept()[0] is True
 
 
+def test_metadata_carries_the_longest_secret(endpoints):
+    """A secret of 64 bytes (the most UCCL_P2P_SECRET takes) goes whole into
+    the metadata, and a peer connects with it (the record once had room for
+    62: the last two bytes were lost, and the peer was refused)."""
+    secret = "".join(chr(ord("a") + i % 26) for i in range(64))
+    srv = endpoints(secret=secret)
+    meta = srv.get_metadata()
+    assert len(meta) == 192 and secret.encode() in meta
+    ok, conn = endpoints(secret=secret).add_remote_endpoint(meta)
+    assert ok and srv.accept()[0] is True
+
+
 def test_metadata_upstream_ipv6_form_is_refused_with_the_reason():
     """Upstream's 22-byte (IPv6) form parses to an error that says so."""
     with pytest.raises(ValueError, match="IPv6"):

@@ -326,11 +326,16 @@ def test_broadcast_from_every_root():
 def test_calls_that_disagree_fail_every_rank_and_release_every_stream(round_form):
     n = 3
     groups = make_groups(n)
+    # the failed round's copies may still run once its words are released:
+    # its buffers live until the streams are freed (the emulated device's
+    # memory is the heap; ASan saw the copy read a freed tensor)
+    alive = []
 
     def rank(r):
         ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
         a = torch.ones(8, dtype=torch.uint8)
         b = torch.zeros(8 if r != 1 else 12, dtype=torch.uint8)   # rank 1 expects 12 from 0
+        alive.append((a, b))
         ctx._p2p([("send", a, (r + 1) % n), ("recv", b, (r - 1) % n)], "sendrecv")
         return b
     res, err, streams = on_ranks(n, rank)
@@ -348,6 +353,7 @@ def test_calls_that_disagree_fail_every_rank_and_release_every_stream(round_form
     # after a failure nothing tells when a real stream is past its copies:
     # the mappings of the failed round are never released
     counts = close_all(groups, streams + streams2)
+    del alive
     # ranks 0 and 2 had mapped their peer; with arenas (one-launch), every
     # rank mapped its peers' at that first round too
     arenas = n * (n - 1) if round_form == "one-launch" else 0

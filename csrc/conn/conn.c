@@ -331,7 +331,7 @@ void uccl__conn_fail(struct uccl__conn *c, int status, const char *fmt, ...)
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
 
-    if (c->peer_bye)
+    if (__atomic_load_n(&c->peer_bye, __ATOMIC_RELAXED)) /* the service thread sets it */
         LOG_INFO("%s", c->fail_msg);
     else if (status != UCCL_ERR_CLOSED)
         LOG_WARN("%s", c->fail_msg);

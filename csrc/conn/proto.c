@@ -439,7 +439,7 @@ int uccl__proto_handle(struct uccl__conn *c, const struct uccl__msg *m)
     case UCCL_MSG_RREQ:
         return on_window_request(c, m);
     case UCCL_MSG_BYE:
-        c->peer_bye = 1;
+        __atomic_store_n(&c->peer_bye, 1, __ATOMIC_RELAXED); /* read by a closing thread */
         uccl__conn_fail(c, UCCL_ERR_IO, "the peer closed its endpoint");
         return UCCL_OK;
     case UCCL_MSG_GO:

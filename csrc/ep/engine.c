@@ -189,7 +189,8 @@ int uccl_ep_create(const struct uccl_ep_opts *o, uccl_ep_t **ep_p)
                            slen, UCCL_SECRET_MAX);
         goto err_free;
     }
-    memcpy(loc->secret, sec, slen);
+    if (slen) /* sec may be NULL (no secret): memcpy's pointers must not be */
+        memcpy(loc->secret, sec, slen);
     loc->secret_len = (uint32_t)slen;
 
     if ((status = uccl__sock_local_ip(ep->ip, sizeof(ep->ip))) != UCCL_OK)

@@ -285,6 +285,10 @@ int uccl__fifo_decode(const uint8_t *in, size_t in_len, struct uccl__fifo_item *
 
 /* ---- metadata ------------------------------------------------------------------ */
 #define UCCL_META_MAGIC 0x444D4355u /* "UCMD" */
+/* The secret's length (16 bits) and the secret, which ends the record: a
+ * longest secret (64 bytes) fills it to its last byte. */
+enum { M_SECLEN = 126, M_SECRET = 128 };
+_Static_assert(M_SECRET + UCCL_SECRET_MAX == UCCL_META_SIZE, "the secret fits the metadata");
 void uccl__meta_encode(const struct uccl__meta *m, uint8_t out[UCCL_META_SIZE])
 {
     memset(out, 0, UCCL_META_SIZE);
@@ -293,8 +297,8 @@ void uccl__meta_encode(const struct uccl__meta *m, uint8_t out[UCCL_META_SIZE])
     put32(out + 54, m->port);
     put32(out + 58, (uint32_t)m->gpu_idx);
     put_str(out + 62, m->host_id, UCCL_HOSTID_MAX);
-    put32(out + 126, m->secret_len);
-    memcpy(out + 130, m->secret, m->secret_len <= UCCL_SECRET_MAX ? m->secret_len : 0);
+    put16(out + M_SECLEN, (uint16_t)m->secret_len);
+    memcpy(out + M_SECRET, m->secret, m->secret_len <= UCCL_SECRET_MAX ? m->secret_len : 0);
 }
 
 int uccl__meta_encode_upstream(const struct uccl__meta *m, uint8_t out[UCCL_META_UPSTREAM_SIZE])
@@ -332,10 +336,10 @@ int uccl__meta_decode(const uint8_t *in, size_t in_len, struct uccl__meta *m)
     m->port = get32(in + 54);
     m->gpu_idx = (int32_t)get32(in + 58);
     get_str(m->host_id, in + 62, UCCL_HOSTID_MAX);
-    m->secret_len = get32(in + 126);
+    m->secret_len = get16(in + M_SECLEN);
     if (m->port == 0 || m->port > 65535 || m->secret_len > UCCL_SECRET_MAX)
         return uccl__err(UCCL_ERR_INVALID, "endpoint metadata: bad port %u or secret "
                          "length %u", m->port, m->secret_len);
-    memcpy(m->secret, in + 130, m->secret_len);
+    memcpy(m->secret, in + M_SECRET, m->secret_len);
     return UCCL_OK;
 }

@@ -165,6 +165,11 @@ static int copy_second(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p
                          "rank %d: rank %d sends %llu bytes, rank %d receives %llu", k, src, dst,
                          src, (unsigned long long)(o->send ? o->len : od.len), dst,
                          (unsigned long long)(o->send ? od.len : o->len));
+    if (od.addr + od.len < od.addr)
+        return uccl__err(UCCL_ERR_PROTO, "stream-ordered group: message %u from rank %d to "
+                         "rank %d: rank %d's buffer [%#llx, +%llu) wraps round the address "
+                         "space", k, src, dst, o->peer, (unsigned long long)od.addr,
+                         (unsigned long long)od.len);
     struct uccl_sg_copy cp = {0, 0, o->len};
     int rc = UCCL_OK;
     if (o->len) {

@@ -103,6 +103,10 @@ static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint6
         return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d published nothing for rank %d to read "
                          "%zu bytes from (tag %#llx): the ranks' calls disagree", what, r,
                          sg->rank, len, (unsigned long long)tag);
+    if (e->addr + e->len < e->addr)
+        return uccl__err(UCCL_ERR_PROTO, "%s: rank %d published [%#llx, +%llu), which wraps "
+                         "round the address space", what, r, (unsigned long long)e->addr,
+                         (unsigned long long)e->len);
     if (exact && e->len != len)
         return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d sends %llu bytes where rank %d "
                          "receives %zu", what, r, (unsigned long long)e->len, sg->rank, len);
@@ -228,12 +232,14 @@ static int read_peers(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *w
                                                  what, deadline, intr, intr_arg, &rc);
         if (rc)
             return rc;
-        if (h->count > (uint32_t)MAX_ENTRIES)
+        /* read once: the peer's process writes the page, the bound checked is the one used */
+        uint32_t count = __atomic_load_n(&h->count, __ATOMIC_RELAXED);
+        if (count > (uint32_t)MAX_ENTRIES)
             return uccl__err(UCCL_ERR_PROTO, "%s: rank %d published %u buffers (at most %d)",
-                             what, r, h->count, MAX_ENTRIES);
-        sg->peer_cnt[r] = h->count;
+                             what, r, count, MAX_ENTRIES);
+        sg->peer_cnt[r] = count;
         memcpy(sg->peer_ent + (size_t)r * MAX_ENTRIES, (const uint8_t *)h + sizeof(*h),
-               (size_t)h->count * ENTRY_BYTES);
+               (size_t)count * ENTRY_BYTES);
     }
     return UCCL_OK;
 }

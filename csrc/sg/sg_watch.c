@@ -261,7 +261,10 @@ int uccl_sg_close(uccl_sg_t *sg)
             uccl__sg_p2p_free(sg, &sg->p2p[i]);
         for (int i = 0; i < sg->fz_nimp; i++)
             sg->ops->unmap(sg->d, sg->fz_imp[i]);
-    } /* else the mappings stay: the stream may still copy through them */
+    } else { /* the mappings stay: the stream may still copy through them; their lists go */
+        for (int i = 0; i < sg->npend; i++)
+            free(sg->pend[i].imp);
+    }
     uccl__sg_reg_drop_all(sg);
     sg->ops->event_free(sg->d, sg->ev_start);
     sg->ops->event_free(sg->d, sg->ev_mark);

@@ -141,12 +141,15 @@ static int tcp_conn_connected(struct uccl__link *lk, const struct uccl__hello *a
     return UCCL_OK;
 }
 
-/* Account a dispatched chunk; the thread that accounts the last byte ends the job. */
+/* Account a dispatched chunk; the thread that accounts the last byte ends the job.
+ * The job's length is read before this thread's bytes are added: once they
+ * are, another data thread may account the last byte and free the job. */
 static void account(struct uccl__link *lk, struct tcp_job *j, size_t n, int failed)
 {
+    size_t len = j->len;
     if (failed)
         atomic_store(&j->err, 1);
-    if (atomic_fetch_add(&j->accounted, n) + n == j->len) {
+    if (atomic_fetch_add(&j->accounted, n) + n == len) {
         uccl__conn_tx_done(lk->conn, j->cookie, atomic_load(&j->err) ? UCCL_ERR_IO : UCCL_OK);
         free(j);
     }
