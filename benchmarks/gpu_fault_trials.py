@@ -1,4 +1,4 @@
-"""Fault trials on GPUs (issue 35): one rank SIGKILLed, or SIGSTOPped, at a
+"""Fault trials on GPUs: one rank SIGKILLed, or SIGSTOPped, at a
 random moment of a loop of each operation, one process per GPU; every
 survivor must raise within the timeout + 5 s, raise again at once, get its
 CUDA stream back, close and give its GPU memory back, and nothing may stay

@@ -403,6 +403,20 @@ def trial(op: str, world: int, *, mode: str = "kill", victim: int, delay_s: floa
                 seconds=round(time.monotonic() - t0, 2))
 
 
+def trial_fresh(op: str, world: int, **kw) -> dict:
+    """trial() from a fresh interpreter: the ranks are forked from the
+    driver, which must not have made engines or threads of its own (a
+    pytest process has; a fork copies their locks mid-use)."""
+    arg = json.dumps(dict(kw, op=op, world=world))
+    limit = 2 * kw.get("timeout_s", 5.0) + kw.get("delay_s", 0) + 240
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), arg], capture_output=True,
+                       text=True, timeout=limit)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"the trial's driver exited {p.returncode}: {p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def verdict(t: dict) -> list[str]:
     """What went wrong in a trial (empty: it passed).  A survivor must raise
     within timeout + 5 s of the kill, raise again at once, get its stream
@@ -460,3 +474,7 @@ def campaign(ops, world: int, trials: int, *, mode: str = "kill", timeout_s: flo
                 f"raised {[x.get('raised_s') for x in surv]} s, {t['seconds']} s, "
                 f"{'ok' if not t['bad'] else 'FAIL ' + '; '.join(t['bad'])}")
     return out
+
+
+if __name__ == "__main__":   # trial_fresh's driver
+    print(json.dumps(trial(**json.loads(sys.argv[1]))), flush=True)

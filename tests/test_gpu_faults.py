@@ -31,7 +31,7 @@ def test_killed_rank(op):
     within timeout + 5 s, again at once, its stream completes later work
     and it closes; once the ranks are gone nothing is left in /dev/shm or
     on the GPUs."""
-    _check(G.trial(op, WORLD, victim=WORLD - 1, delay_s=0.05, size=1 << 20, timeout_s=5))
+    _check(G.trial_fresh(op, WORLD, victim=WORLD - 1, delay_s=0.05, size=1 << 20, timeout_s=5))
 
 
 @needs_gpus
@@ -39,7 +39,7 @@ def test_killed_rank(op):
 def test_stalled_rank(op):
     """A SIGSTOPped rank: the survivors raise at the timeout; continued, the
     stalled rank raises too."""
-    t = G.trial(op, WORLD, mode="stop", victim=0, delay_s=0.05, size=1 << 20, timeout_s=3)
+    t = G.trial_fresh(op, WORLD, mode="stop", victim=0, delay_s=0.05, size=1 << 20, timeout_s=3)
     _check(t)
     assert all(r.get("raised_s", 0) >= 2.5 for r in t["results"][1:]), t
 
@@ -47,7 +47,7 @@ def test_stalled_rank(op):
 @pytest.mark.parametrize("op", ["all_reduce", "send_recv", "ctx_allgather"])
 def test_harness_on_cpu(op):
     """The same trial on CPU tensors, three ranks: the survivors raise."""
-    t = G.trial(op, 3, victim=1, delay_s=0.05, size=1 << 16, timeout_s=10, device="cpu")
+    t = G.trial_fresh(op, 3, victim=1, delay_s=0.05, size=1 << 16, timeout_s=10, device="cpu")
     _check(t)
     assert [r.get("error") is not None for r in t["results"]] == [True, False, True], t
 
