@@ -33,8 +33,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from _harness import BASE_ENV as ENV, SENDING_CLIENT  # noqa: E402
 
-ENV = {"UCCL_SOCKET_IFNAME": "lo", "UCCL_P2P_LOG_LEVEL": "ERROR"}
 CTX = mp.get_context("spawn")
 
 
@@ -91,18 +91,6 @@ def case_rts(n, q):
 
 # ---------------------------------------------------------------- dead
 KILLED = 10
-_DEAD_CLIENT = r"""
-import os, sys, time
-import numpy as np
-from uccl_collective.p2p import Endpoint
-ep = Endpoint(port=0, timeout_s=10)
-ok, conn = ep.connect("127.0.0.1", -1, remote_port=int(sys.argv[1]))
-b = np.full(4096, 7, np.uint8)
-mr = ep.reg(b.ctypes.data, b.nbytes)[1]
-ep.send(conn, mr, b.ctypes.data, b.nbytes)
-print("sent", flush=True)
-time.sleep(60)
-"""
 
 
 def _polite_clients(port, n):
@@ -132,7 +120,7 @@ def case_dead(n, q):
         ep.recv(conn, mr, b.ctypes.data, b.nbytes)
     cl.join(60)
     for _ in range(killed):                      # no BYE: the process dies
-        p = subprocess.Popen([sys.executable, "-c", _DEAD_CLIENT, str(port)], env={**os.environ},
+        p = subprocess.Popen([sys.executable, "-c", SENDING_CLIENT, str(port)], env={**os.environ},
                              stdout=subprocess.PIPE, start_new_session=True)
         conn = ep.accept(timeout=30)[3]
         ep.recv(conn, mr, b.ctypes.data, b.nbytes)

@@ -37,6 +37,21 @@ CTX = mp.get_context("spawn")
 #: Environment every rank gets: loopback only, quiet engine logs.
 BASE_ENV = {"UCCL_SOCKET_IFNAME": "lo", "UCCL_P2P_LOG_LEVEL": "ERROR"}
 
+#: `python -c` of a client that connects to 127.0.0.1:argv[1], sends 4 KiB,
+#: prints "sent" and waits to be killed (a peer that dies without a BYE).
+SENDING_CLIENT = r"""
+import os, sys, time
+import numpy as np
+from uccl_collective.p2p import Endpoint
+ep = Endpoint(port=0, timeout_s=10)
+ok, conn = ep.connect("127.0.0.1", -1, remote_port=int(sys.argv[1]))
+b = np.full(4096, 7, np.uint8)
+mr = ep.reg(b.ctypes.data, b.nbytes)[1]
+ep.send(conn, mr, b.ctypes.data, b.nbytes)
+print("sent", flush=True)
+time.sleep(60)
+"""
+
 #: name -> (environment, the transport conn_transport() must report).  "rdma"
 #: runs over the verbs emulator (tests/ibv_emu, built by conftest.py).
 TRANSPORTS = {

@@ -60,14 +60,7 @@ CHUNK_READ = 3
 CHUNK_HDR = 32
 
 
-def recvn(s, n):
-    out = b""
-    while len(out) < n:
-        d = s.recv(n - len(out))
-        if not d:
-            raise EOFError("closed after %d bytes" % len(out))
-        out += d
-    return out
+recvn = _wire.recvn
 
 
 def msg(typ, seq=0, ln=0, addr_=0, window=0, token=0, offset=0, aux=0):

@@ -32,14 +32,14 @@ import socket
 import struct
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from _harness import BASE_ENV, MiB, TRANSPORTS, Pair, addr, catch, kill_group, rand_bytes, run_one
+from _harness import (BASE_ENV, SENDING_CLIENT, MiB, TRANSPORTS, Pair, addr, catch, kill_group,
+                      rand_bytes, run_one)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,6 +56,20 @@ def _fds() -> int:
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
+
+def _hung_up(ep, conn, sock):
+    """(whether the endpoint hung up on the peer's socket within 3 s, what a
+    recv on that connection raises now)."""
+    sock.settimeout(3)
+    try:
+        eof = sock.recv(1) == b""
+    except (ConnectionError, socket.timeout) as e:
+        eof = isinstance(e, ConnectionError)
+    buf = np.zeros(16, np.uint8)
+    mr = ep.reg(addr(buf), 16)[1]
+    err = catch(ep.recv, conn, mr, addr(buf), 16)
+    ep.dereg(mr)
+    return eof, err
 
 def _rss_kib() -> int:
     with open("/proc/self/status") as f:
@@ -230,14 +244,7 @@ def _rts_flood(ch):
     consumed = _flood_rts(q, sock, FLOOD)
     time.sleep(0.5)
     rss1 = _rss_kib()
-    sock.settimeout(3)
-    try:
-        eof = sock.recv(1) == b""
-    except (ConnectionError, socket.timeout) as e:
-        eof = isinstance(e, ConnectionError)
-    buf = np.zeros(16, np.uint8)
-    mr = ep.reg(addr(buf), 16)[1]
-    err = catch(ep.recv, conn, mr, addr(buf), 16)
+    eof, err = _hung_up(ep, conn, sock)
     removed = ep.remove_remote_endpoint(conn)
     time.sleep(0.3)
     rss2 = _rss_kib()
@@ -274,19 +281,6 @@ def test_unmatched_rts_flood_is_bounded():
 # 3. dead accepted connections, never removed
 POLITE = 24
 KILLED = 6
-
-_KILLED_CLIENT = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    from uccl_collective.p2p import Endpoint
-    ep = Endpoint(port=0, timeout_s=10)
-    ok, conn = ep.connect("127.0.0.1", -1, remote_port=int(sys.argv[1]))
-    b = np.full(4096, 7, np.uint8)
-    mr = ep.reg(b.ctypes.data, b.nbytes)[1]
-    ep.send(conn, mr, b.ctypes.data, b.nbytes)
-    print("sent", flush=True)
-    time.sleep(60)
-""")
 
 
 def _reap_server(ch):
@@ -339,7 +333,7 @@ def _reap_client(ch):
             ep.close()
     env = {**os.environ, "PYTHONPATH": ROOT}
     for i in range(KILLED):                             # no BYE: the process dies
-        p = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, str(port)], env=env,
+        p = subprocess.Popen([sys.executable, "-c", SENDING_CLIENT, str(port)], env=env,
                              stdout=subprocess.PIPE, start_new_session=True)
         try:
             line = p.stdout.readline()
@@ -545,14 +539,7 @@ def _rreq_flood(ch):
                     gos += 1
         except TimeoutError:
             pass
-    sock.settimeout(3)
-    try:
-        eof = sock.recv(1) == b""
-    except (ConnectionError, socket.timeout) as e:
-        eof = isinstance(e, ConnectionError)
-    buf = np.zeros(16, np.uint8)
-    bmr = ep.reg(addr(buf), 16)[1]
-    err = catch(ep.recv, conn, bmr, addr(buf), 16)
+    eof, err = _hung_up(ep, conn, sock)
     t0 = time.monotonic()
     derr = catch(ep.dereg, mr)                 # no read holds the region any more
     dereg_s = time.monotonic() - t0

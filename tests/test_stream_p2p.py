@@ -601,11 +601,9 @@ def test_posts_from_several_threads_at_once():
     close_all(groups, streams)
 
 
-def test_closing_with_a_message_the_peer_never_posts_fails_within_the_timeout():
-    """The receiver lives on and never posts: the sender's close waits for
-    it (a slower receiver would still come) up to the group's timeout, then
-    fails the group naming the message."""
-    groups = make_groups(2, timeout_s=2.0)
+def _rank0_sends_and_rank1_never_posts(groups):
+    """Rank 0 sends rank 1 a staged message; rank 1 posts nothing.  The
+    caller streams."""
     x = torch.ones(100, dtype=torch.uint8)
 
     def rank(r):
@@ -614,6 +612,15 @@ def test_closing_with_a_message_the_peer_never_posts_fails_within_the_timeout():
         return None
     _res, err, streams = on_ranks(2, rank)
     assert err == [None, None], err
+    return streams
+
+
+def test_closing_with_a_message_the_peer_never_posts_fails_within_the_timeout():
+    """The receiver lives on and never posts: the sender's close waits for
+    it (a slower receiver would still come) up to the group's timeout, then
+    fails the group naming the message."""
+    groups = make_groups(2, timeout_s=2.0)
+    streams = _rank0_sends_and_rank1_never_posts(groups)
     t0 = time.monotonic()
     c = groups[0].c
     groups[0].close()
@@ -631,14 +638,7 @@ def test_closing_with_a_message_the_peer_closed_without_posting_fails_at_once():
     """The receiver closed its group without posting: it never will, and
     the sender's close fails the group at once, not after the timeout."""
     groups = make_groups(2, timeout_s=30.0)
-    x = torch.ones(100, dtype=torch.uint8)
-
-    def rank(r):
-        if r == 0:
-            wait_all(groups[0], post(groups[0], [(1, True, x)]))
-        return None
-    _res, err, streams = on_ranks(2, rank)
-    assert err == [None, None], err
+    streams = _rank0_sends_and_rank1_never_posts(groups)
     groups[1].close()
     t0 = time.monotonic()
     groups[0].close()
