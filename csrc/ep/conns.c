@@ -173,7 +173,7 @@ int uccl__ep_add_conn(struct uccl__ep *ep, struct uccl__conn *c, int queue)
     return rc;
 }
 
-void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
+int uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
 {
     struct uccl__conn *gone[1];
     pthread_mutex_lock(&ep->mu);
@@ -182,6 +182,7 @@ void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id)
     pthread_mutex_unlock(&ep->mu);
     if (queued)
         uccl__conn_put(c);
+    return c != NULL;
 }
 
 /* Under ep->mu: add_remote_endpoint's entries for connection id go (it

@@ -103,7 +103,10 @@ void uccl__ep_reap(struct uccl__ep *ep);
 /* UCCL_ERR_NOTFOUND for a conn_id the table lacks, saying what it may be. */
 int uccl__ep_no_conn(uint64_t id);
 /* Take connection id out of the table (a connection that could not start). */
-void uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id);
+/* Take connection id out of the table (and the accept queue): 1 if it was
+ * there (the caller now holds the table's reference), 0 if another thread
+ * (remove_remote_endpoint) took it first. */
+int uccl__ep_del_conn(struct uccl__ep *ep, uint64_t id);
 /* The table's connections (the table keeps its references); NULL if none
  * or out of memory.  Under ep->mu, or once no thread adds any. */
 struct uccl__conn **uccl__ep_conn_list(struct uccl__ep *ep, size_t *n_p);

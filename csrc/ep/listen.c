@@ -80,20 +80,28 @@ static int choose_transport(struct uccl__ep *ep, const struct uccl__hello *h, in
 
 static void start_accepted(struct uccl__ep *ep, struct uccl__conn *c)
 {
+    /* Once in the table and the accept queue, accept() may return it and
+     * remove_remote_endpoint() drop the table's reference while this
+     * thread still starts it: hold one of our own till the end. */
+    uccl__conn_get(c);
     int rc = uccl__ep_add_conn(ep, c, 1);
+    int tabled = rc == UCCL_OK;
     if (rc == UCCL_OK)
         rc = uccl__conn_start(c);
     if (rc) {
         LOG_WARN("accepted connection from %s could not start: %s", c->link.peer_ip,
                  uccl_last_error());
-        if (c->id)
-            uccl__ep_del_conn(ep, c->id);
+        /* the creator's reference, held by the table if it got there and
+         * nobody took it out meanwhile */
+        int ours = !tabled || uccl__ep_del_conn(ep, c->id);
         uccl__conn_close(c);
-        uccl__conn_put(c);
-        return;
+        if (ours)
+            uccl__conn_put(c);
+    } else {
+        LOG_INFO("accepted connection %llu from %s:%d over %s", (unsigned long long)c->id,
+                 c->link.peer_ip, c->link.peer_port, c->link.tp->name);
     }
-    LOG_INFO("accepted connection %llu from %s:%d over %s", (unsigned long long)c->id,
-             c->link.peer_ip, c->link.peer_port, c->link.tp->name);
+    uccl__conn_put(c);
 }
 
 /* A new connection's HELLO is in p->hs.rec[2].  Returns 1 if the fd now
