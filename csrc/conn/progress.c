@@ -362,6 +362,10 @@ void uccl__conn_close(struct uccl__conn *c)
     }
     if (c->link.tp && c->link.tp->conn_destroy)
         c->link.tp->conn_destroy(&c->link);
+    if (c->link.ptracer_pid) { /* closed: the peer copies our memory no more */
+        uccl__ptracer_release(c->link.ptracer_pid);
+        c->link.ptracer_pid = 0;
+    }
     pthread_mutex_unlock(&c->close_mu);
 }
 
