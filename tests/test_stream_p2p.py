@@ -609,6 +609,9 @@ def _rank0_sends_and_rank1_never_posts(groups):
     def rank(r):
         if r == 0:
             wait_all(groups[0], post(groups[0], [(1, True, x)]))
+            # the stream copies x into staging after the call returns: x must
+            # outlive that copy (ASan in CI caught a free before it)
+            assert _engine._sg_emu_stream_idle(_callers.stream, 5.0)
         return None
     _res, err, streams = on_ranks(2, rank)
     assert err == [None, None], err
