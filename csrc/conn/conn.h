@@ -170,7 +170,7 @@ struct uccl__conn {
     struct uccl__idmap inflight; /* key(kind, seq/op) -> req awaiting the peer */
     struct uccl__idmap rx;       /* key(data kind, id) -> req that streamed bytes land in */
     STAILQ_HEAD(, uccl__job) jobs;     /* for the worker thread */
-    int started;
+    atomic_int started;          /* set under mu; read without it by drivers and close */
     pthread_t svc_thread, worker_thread;
     /* Reading the control socket: one reader at a time.  A thread blocked in
      * a transfer on this connection "drives" it (reads and handles messages

@@ -181,7 +181,7 @@ static void *service_main(void *arg)
  * Returns at once if another thread already drives c. */
 int uccl__conn_drive_begin(struct uccl__conn *c)
 {
-    if (!c->started || uccl__conn_driving())
+    if (!atomic_load(&c->started) || uccl__conn_driving())
         return 0;
     pthread_mutex_lock(&c->mu);
     if (c->driver || atomic_load(&c->link.failed)) {
@@ -306,7 +306,7 @@ int uccl__conn_start(struct uccl__conn *c)
         pthread_join(c->svc_thread, NULL);
         return uccl__err(UCCL_ERR_NOMEM, "pthread_create failed");
     }
-    c->started = rc == UCCL_OK;
+    atomic_store(&c->started, rc == UCCL_OK);
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
@@ -314,8 +314,7 @@ int uccl__conn_start(struct uccl__conn *c)
 static void join_threads(struct uccl__conn *c)
 {
     pthread_mutex_lock(&c->mu); /* pairs with conn_start */
-    int started = c->started;
-    c->started = 0;
+    int started = atomic_exchange(&c->started, 0);
     pthread_mutex_unlock(&c->mu);
     if (started) {
         pthread_join(c->svc_thread, NULL);
@@ -336,7 +335,7 @@ void uccl__conn_close(struct uccl__conn *c)
     /* Answers already owed go first (uccl__req_answer); bounded: 100 ms. */
     for (int i = 0; i < 2000 && atomic_load(&c->answering) > 0; i++)
         usleep(50);
-    if (!atomic_load(&c->link.failed) && c->started) {
+    if (!atomic_load(&c->link.failed) && atomic_load(&c->started)) {
         /* Tell the peer this is a close, not a crash; never wait long for it. */
         struct uccl__msg m = {.type = UCCL_MSG_BYE};
         uint8_t buf[UCCL_MSG_SIZE];
@@ -381,7 +380,7 @@ int uccl__conn_release(struct uccl__conn *c, int refs)
      * (every entry point checks `failed` before it touches anything). */
     int ready = c->released ||
                 (c->fail_done && !c->driver && !atomic_load(&c->svc_reading) &&
-                 (!c->started || atomic_load(&c->threads_out) == 2) &&
+                 (!atomic_load(&c->started) || atomic_load(&c->threads_out) == 2) &&
                  atomic_load(&c->refs) - atomic_load(&c->nreqs) == refs);
     pthread_mutex_unlock(&c->mu);
     if (!ready || c->released) {
