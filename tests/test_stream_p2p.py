@@ -18,8 +18,9 @@ import torch
 from uccl_collective import _engine
 from uccl_collective.p2p import UcclError
 from test_stream_group import (  # noqa: F401 - caller_streams, no_stale_words: autouse
-    PAGE, RANK_BYTES, Ctx, _callers, caller_streams, close_all, drain, make_groups,
-    no_stale_words, on_ranks)
+    PAGE, RANK_BYTES, Ctx, _callers, caller_streams, close_all, make_groups, no_stale_words,
+    on_ranks)
+from test_stream_group import drain as drain_streams
 from uccl_collective.core import stream_group as sgm
 
 P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sg/sgroup.h
@@ -28,6 +29,16 @@ CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64   # struct p2p_chan (csrc/sg/sg_pa
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def drain(groups, streams, failed=False):
+    """The streams idle; and, unless the test failed the groups itself,
+    none failed: a failed group releases its streams' waits, so a message
+    never copied would otherwise read as "passed" and its buffer as
+    corrupt (the groups' 5 s timeout, run under TSan, did that)."""
+    drain_streams(groups, streams)
+    if not failed:
+        assert [g.error() for g in groups] == [None] * len(groups)
 
 
 def post(g, msgs):
@@ -234,7 +245,7 @@ def test_sizes_that_differ_fail_both_sides_and_release_the_streams():
     res, err, streams = on_ranks(2, rank)
     assert isinstance(err[1], UcclError) and "rank 0 sends 8 bytes, rank 1 receives 12" in \
         str(err[1]), err
-    drain(groups, streams)   # rank 0's stream, waiting for the copy, was released
+    drain(groups, streams, failed=True)   # rank 0's stream, waiting for the copy, was released
     for r in range(2):
         with pytest.raises(UcclError, match="rank 0 sends 8 bytes, rank 1 receives 12"):
             groups[r].check()
@@ -262,7 +273,7 @@ def test_a_receiver_that_never_posts_fails_the_group_within_the_timeout():
     assert err == [None, None], err
     took = res[0][0]
     assert 0.9 < took < 5.0, took
-    drain(groups, streams)   # the caller's stream waited for the copy: released
+    drain(groups, streams, failed=True)   # the caller's stream waited for the copy: released
     for r in range(2):
         with pytest.raises(UcclError, match="message 1 from rank 0 to rank 1 not in place "
                                             "within 1 s: the receiver never posted its recv"):
@@ -326,7 +337,7 @@ def test_a_sender_too_far_ahead_of_a_receiver_that_never_comes_times_out():
     watchdog = "message 1 from rank 0 to rank 1 not in place within 1 s: the receiver never " \
         "posted its recv" in msg
     assert i == P2P_SLOTS and (slot_wait or watchdog), res
-    drain(groups, streams)
+    drain(groups, streams, failed=True)
     close_all(groups, streams)
 
 
@@ -469,7 +480,7 @@ def test_every_rank_sending_then_receiving_unstaged_fails_loudly_as_a_deadlock(m
     res, err, streams = on_ranks(2, rank)
     assert err == [None, None], err
     assert all(t < 5 for t, _x, _y in res), res
-    drain(groups, streams)
+    drain(groups, streams, failed=True)
     for g in groups:
         with pytest.raises(UcclError, match="not in place within 1 s"):
             g.check()
@@ -633,7 +644,7 @@ def test_closing_with_a_message_the_peer_never_posts_fails_within_the_timeout():
                                         "closed the group: the receiver never posted its recv"):
         groups[1].check()
     del c
-    drain([groups[1]], streams)
+    drain([groups[1]], streams, failed=True)
     close_all([groups[1]], streams)
 
 

@@ -229,7 +229,8 @@ size_t uccl_sg_fused_bytes(uccl_sg_t *sg);
 /* `stream` waits for message `code` to be in place, or for a staged send
  * to be staged (no host wait). */
 int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream);
-/* Is message `code` in place (or staged)? (1 yes, 0 not yet, < 0 not a code of this group) */
+/* Is message `code` in place (or staged)? (1 yes, 0 not yet, < 0 not a code of this group)
+ * A failed group releases its words: then 1 says nothing (uccl_sg_error first). */
 int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code);
 /* Tests: number this rank's messages on every channel as if k had gone
  * through each already (the next is k + 1, or 1 past 0xffffffff), so that
