@@ -12,8 +12,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "ibv_emu"
 ROOT = HERE.parent
 OUT = SRC / "build" / "libibverbs.so.1"
-_C = [SRC / "ibv_emu.c", SRC / "ibv_emu_qp.c", SRC / "ibv_emu_sock.c"]
-_SOURCES = _C + [SRC / "ibv_emu.h", SRC / "ibv_emu.map", ROOT / "csrc" / "load" / "ibv_loader.h"]
+_C = [SRC / "ibv_emu.c", SRC / "ibv_emu_device.c", SRC / "ibv_emu_cq.c", SRC / "ibv_emu_qp.c",
+      SRC / "ibv_emu_wire.c", SRC / "ibv_emu_sock.c"]
+_SOURCES = _C + [SRC / "ibv_emu.h", SRC / "ibv_emu_qp.h", SRC / "ibv_emu.map",
+                 ROOT / "csrc" / "load" / "ibv_loader.h"]
 
 
 def path() -> str:

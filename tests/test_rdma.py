@@ -45,8 +45,15 @@ def test_emulator_symbol_versions():
                          text=True, timeout=30, check=True).stdout
     for name in ("ibv_get_device_list", "ibv_open_device", "ibv_query_port", "ibv_query_gid",
                  "ibv_alloc_pd", "ibv_reg_mr", "ibv_dereg_mr", "ibv_create_cq",
-                 "ibv_create_qp", "ibv_modify_qp", "ibv_destroy_qp", "ibv_query_qp"):
+                 "ibv_create_qp", "ibv_modify_qp", "ibv_destroy_qp", "ibv_query_qp",
+                 # what rdma-core's programs import besides (test_ibv_programs.py)
+                 "ibv_get_device_guid", "ibv_query_device", "ibv_get_cq_event",
+                 "ibv_ack_cq_events", "ibv_wc_status_str"):
         assert f"{name}@@IBVERBS_1.1" in out, name
+    for name in ("ibv_create_comp_channel", "ibv_destroy_comp_channel", "ibv_read_sysfs_file"):
+        assert f"{name}@@IBVERBS_1.0" in out, name
+    assert "ibv_qp_to_qp_ex@@IBVERBS_1.6" in out
+    assert "ibv_query_gid_type@@IBVERBS_PRIVATE_34" in out
     assert "_ibv_query_gid_ex@@IBVERBS_1.11" in out
     assert "ibv_post_send" not in out, "the data path is inline (context ops), never exported"
 
