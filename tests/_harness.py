@@ -22,6 +22,7 @@ import multiprocessing as mp
 from multiprocessing import connection as mp_connection
 import os
 import signal
+import socket
 import subprocess
 import time
 import traceback
@@ -66,6 +67,16 @@ POISON = 0xA5          # receive buffers are filled with this before a transfer
 GUARD = 4096           # bytes past every receive region that must stay POISON
 MiB = 1 << 20
 CHAN_TIMEOUT = 30.0    # default bound of a rank waiting for its peer
+
+
+def free_port() -> int:
+    """A TCP port free on every local address right now (the OS picks it),
+    for programs that listen on a port they are given: parallel runs never
+    share one.  Another process may take it before it is used: a caller
+    that can tell ("couldn't listen") asks again."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------
