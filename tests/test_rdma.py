@@ -25,7 +25,9 @@ from _harness import MiB, Pair, addr, all_poison, catch, poisoned, rand_bytes, r
 
 SCENARIOS = ["write_imm", "read", "bad_rkey", "out_of_bounds", "no_remote_read", "bad_lkey",
              "ordered", "rnr_wait", "rnr_exceeded", "peer_dies", "peer_dies_midway",
-             "state_machine", "send", "send_too_long"]
+             "state_machine", "send", "send_too_long", "rnr_requester_count",
+             "qp_no_remote_write", "read_into_readonly", "recv_no_local_write", "cq_order",
+             "flush_on_err"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -19,6 +19,11 @@
 #include "load/ibv_loader.h"
 
 static struct uccl__ibv ib;
+/* per scenario: the RNR timer code each side sets at RTR, the access
+ * rights each side's QP grants at INIT */
+static int rnr_timer = 1;
+static unsigned qp_access = IBV_ACCESS_LOCAL_WRITE_ | IBV_ACCESS_REMOTE_WRITE_ |
+                            IBV_ACCESS_REMOTE_READ_;
 static int (*query_qp)(struct ibv_qp_s *, struct ibv_qp_attr_s *, int, struct ibv_qp_init_attr_s *);
 static const char *who = "?";
 
@@ -100,7 +105,7 @@ static int to_init(struct side *s, unsigned access)
 static int to_rtr(struct side *s, uint32_t peer_qpn, int with_av)
 {
     struct ibv_qp_attr_s a = {.qp_state = IBV_QPS_RTR_, .path_mtu = 3, .dest_qp_num = peer_qpn,
-                              .max_dest_rd_atomic = 1, .min_rnr_timer = 1};
+                              .max_dest_rd_atomic = 1, .min_rnr_timer = (uint8_t)rnr_timer};
     a.ah_attr.is_global = 1;
     a.ah_attr.port_num = 1;
     a.ah_attr.grh.sgid_index = 1;
@@ -139,8 +144,7 @@ static void open_side(struct side *s)
 static void connect_side(struct side *s, int rnr_retry)
 {
     uint32_t peer;
-    CHECK(to_init(s, IBV_ACCESS_LOCAL_WRITE_ | IBV_ACCESS_REMOTE_WRITE_ | IBV_ACCESS_REMOTE_READ_)
-          == 0, "INIT");
+    CHECK(to_init(s, qp_access) == 0, "INIT");
     xchg(s, &s->qp->qp_num, &peer, sizeof(peer));
     CHECK(to_rtr(s, peer, 1) == 0, "RTR");
     CHECK(to_rts(s, rnr_retry) == 0, "RTS");
@@ -178,6 +182,24 @@ static struct ibv_wc_s poll1(struct side *s)
     }
     CHECK(0, "no completion within 10 s");
     return wc;
+}
+
+/* Wait (bounded: 2 s) for the QP to reach a state; 1 if it did. */
+static int reaches(struct side *s, int state)
+{
+    for (int i = 0; i < 2000; i++) {
+        if (qp_state(s) == state)
+            return 1;
+        usleep(1000);
+    }
+    return 0;
+}
+
+static double ms_since(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
 }
 
 static int none_within(struct side *s, int ms)
@@ -234,7 +256,13 @@ static int scenario(const char *name, struct side *s, int is_a)
         goto state_machine;
     if (!strcmp(name, "read") && !is_a)
         randomize(mem, N, 9); /* before the requester can know the region */
-    connect_side(s, !strcmp(name, "rnr_exceeded") ? 1 : 7);
+    if (!strcmp(name, "qp_no_remote_write") && !is_a)
+        qp_access = IBV_ACCESS_LOCAL_WRITE_ | IBV_ACCESS_REMOTE_READ_;
+    if (!strcmp(name, "rnr_requester_count"))
+        rnr_timer = 20; /* 10.24 ms */
+    /* the RNR retry count is the requester's: 3 there, 7 (forever) here */
+    connect_side(s, !strcmp(name, "rnr_exceeded") ? 1
+                    : !strcmp(name, "rnr_requester_count") && is_a ? 3 : 7);
     xchg(s, &mine, &peer, sizeof(mine));
     if (!strcmp(name, "write_imm")) {
         if (is_a) {
@@ -387,6 +415,166 @@ static int scenario(const char *name, struct side *s, int is_a)
                 CHECK(all_is(mem, 64, 0xA5), "an RNR-refused write landed");
             }
             sync_peer(s);
+        }
+    } else if (!strcmp(name, "rnr_requester_count")) {
+        /* The requester's rnr_retry (3) bounds the retries, not the
+         * responder's (7: forever); each waits the responder's
+         * min_rnr_timer (code 20: 10.24 ms), so giving up takes >= 30 ms. */
+        if (is_a) {
+            struct timespec t0;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            CHECK(post(s, 3, IBV_WR_RDMA_WRITE_WITH_IMM_, mem, 64, mr->lkey, peer.addr, peer.rkey, 5)
+                  == 0, "post");
+            struct ibv_wc_s wc = poll1(s);
+            double ms = ms_since(&t0);
+            CHECK(wc.status == IBV_WC_RNR_RETRY_EXC_ERR_, "status %d, expected RNR_RETRY_EXC_ERR",
+                  wc.status);
+            CHECK(ms >= 3 * 10.24 * 0.99, "gave up after %.2f ms: fewer than 3 timers of 10.24 ms",
+                  ms);
+            CHECK(qp_state(s) == IBV_QPS_ERR_, "QP state %d after RNR exceeded", qp_state(s));
+        } else {
+            CHECK(none_within(s, 300), "a completion without a posted receive");
+            CHECK(all_is(mem, 64, 0xA5), "an RNR-refused write landed");
+        }
+        sync_peer(s);
+    } else if (!strcmp(name, "qp_no_remote_write")) {
+        /* The responder's QP grants remote read but not remote write (its
+         * region grants both): a READ is served, a WRITE refused. */
+        if (is_a) {
+            randomize(mem, 4096, 3);
+            CHECK(post(s, 8, IBV_WR_RDMA_READ_, mem, 4096, mr->lkey, peer.addr, peer.rkey, 0) == 0,
+                  "post read");
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(wc.wr_id == 8 && wc.status == 0 && all_is(mem, 4096, 0xA5),
+                  "read: status %d, or the bytes are not the responder's", wc.status);
+            randomize(mem, 4096, 3);
+            CHECK(post(s, 9, IBV_WR_RDMA_WRITE_, mem, 4096, mr->lkey, peer.addr, peer.rkey, 0) == 0,
+                  "post write");
+            wc = poll1(s);
+            CHECK(wc.wr_id == 9 && wc.status == IBV_WC_REM_ACCESS_ERR_,
+                  "write: status %d, expected REM_ACCESS_ERR", wc.status);
+            CHECK(qp_state(s) == IBV_QPS_ERR_, "QP state %d", qp_state(s));
+        }
+        sync_peer(s);
+        if (!is_a)
+            CHECK(all_is(mem, N + GUARD, 0xA5), "a write the QP refuses changed memory");
+    } else if (!strcmp(name, "read_into_readonly")) {
+        /* A READ's destination must grant local write: a region without it
+         * is a local protection error, the QP in ERR, nothing written. */
+        if (is_a) {
+            unsigned char *ro = filled(4096, 0x11);
+            struct ibv_mr_s *rmr = ib.reg_mr(s->pd, ro, 4096, 0);
+            CHECK(rmr, "reg_mr without rights");
+            CHECK(post(s, 4, IBV_WR_RDMA_READ_, ro, 4096, rmr->lkey, peer.addr, peer.rkey, 0) == 0,
+                  "post");
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(wc.wr_id == 4 && wc.status == 4 /* LOC_PROT_ERR */, "status %d", wc.status);
+            CHECK(qp_state(s) == IBV_QPS_ERR_ && all_is(ro, 4096, 0x11), "ERR / untouched");
+        }
+        sync_peer(s);
+    } else if (!strcmp(name, "recv_no_local_write")) {
+        /* A SEND into a receive whose buffer the responder may not write:
+         * a local protection error there (the QP to ERR), a remote
+         * operational error for the sender. */
+        if (is_a) {
+            sync_peer(s); /* the receive is posted */
+            CHECK(post(s, 6, IBV_WR_SEND_, mem, 100, mr->lkey, 0, 0, 0) == 0, "post");
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(wc.wr_id == 6 && wc.status == 11 /* REM_OP_ERR */, "send: status %d", wc.status);
+        } else {
+            unsigned char *ro = filled(4096, 0x11);
+            struct ibv_mr_s *rmr = ib.reg_mr(s->pd, ro, 4096, 0);
+            CHECK(rmr, "reg_mr without rights");
+            struct ibv_sge_s sge = {(uint64_t)(uintptr_t)ro, 4096, rmr->lkey};
+            struct ibv_recv_wr_s wr = {.wr_id = 12, .sg_list = &sge, .num_sge = 1}, *bad;
+            CHECK(s->ctx->ops.post_recv(s->qp, &wr, &bad) == 0, "post_recv");
+            sync_peer(s);
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(wc.wr_id == 12 && wc.status == 4 /* LOC_PROT_ERR */, "recv: status %d", wc.status);
+            CHECK(all_is(ro, 4096, 0x11), "a SEND landed in a buffer without local write");
+            CHECK(reaches(s, IBV_QPS_ERR_), "responder QP state %d", qp_state(s));
+        }
+        sync_peer(s);
+    } else if (!strcmp(name, "cq_order")) {
+        /* Both sides at once: K WRITEs and K SENDs interleaved (write i
+         * before send i) into K posted receives, one CQ for both queues.
+         * Each queue completes in its own order (sends in post order,
+         * receives in posting order, message i in receive i), and a
+         * receive's completion means the WRITE before it is in place. */
+        enum { K = 64, SZ = 256 };
+        unsigned char *rx = mem, *wdst = mem + N / 2, *ssrc = mem + N / 4,
+                      *wsrc = mem + N / 4 + K * SZ;
+        unsigned mine = is_a ? 100 : 200, theirs = is_a ? 200 : 100;
+        for (int i = 0; i < K; i++) {
+            struct ibv_sge_s sge = {(uint64_t)(uintptr_t)(rx + i * SZ), SZ, mr->lkey};
+            struct ibv_recv_wr_s wr = {.wr_id = 5000 + i, .sg_list = &sge, .num_sge = 1}, *bad;
+            CHECK(s->ctx->ops.post_recv(s->qp, &wr, &bad) == 0, "post_recv %d", i);
+            randomize(ssrc + i * SZ, SZ, mine + i);
+            randomize(wsrc + i * SZ, SZ, mine + 1000 + i);
+        }
+        sync_peer(s);
+        for (int i = 0; i < K; i++) {
+            CHECK(post(s, 2 * i, IBV_WR_RDMA_WRITE_, wsrc + i * SZ, SZ, mr->lkey,
+                       peer.addr + N / 2 + i * SZ, peer.rkey, 0) == 0, "post write %d", i);
+            CHECK(post(s, 2 * i + 1, IBV_WR_SEND_, ssrc + i * SZ, SZ, mr->lkey, 0, 0, 0) == 0,
+                  "post send %d", i);
+        }
+        uint64_t next_send = 0, next_recv = 5000;
+        unsigned char want[SZ];
+        for (int n = 0; n < 3 * K; n++) {
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(wc.status == 0 && wc.qp_num == s->qp->qp_num, "wc %lu status %d",
+                  (unsigned long)wc.wr_id, wc.status);
+            if (wc.opcode & IBV_WC_RECV_) {
+                int i = (int)(wc.wr_id - 5000);
+                CHECK(wc.wr_id == next_recv++ && wc.byte_len == SZ,
+                      "receive %lu out of order or %u bytes", (unsigned long)wc.wr_id, wc.byte_len);
+                randomize(want, SZ, theirs + i);
+                CHECK(memcmp(rx + i * SZ, want, SZ) == 0, "message %d not in receive %d", i, i);
+                randomize(want, SZ, theirs + 1000 + i);
+                CHECK(memcmp(wdst + i * SZ, want, SZ) == 0,
+                      "receive %d completed before the WRITE posted ahead of its SEND landed", i);
+            } else {
+                CHECK(wc.wr_id == next_send++, "send-queue completion %lu, expected %lu",
+                      (unsigned long)wc.wr_id, (unsigned long)next_send - 1);
+                CHECK(wc.opcode == (wc.wr_id % 2 ? 0 /* IBV_WC_SEND */ : IBV_WC_RDMA_WRITE_),
+                      "opcode %d for %lu", wc.opcode, (unsigned long)wc.wr_id);
+            }
+        }
+        sync_peer(s);
+    } else if (!strcmp(name, "flush_on_err")) {
+        /* A QP moved to ERR flushes everything outstanding, each queue in
+         * order: the SEND waiting on the receiver (RNR, forever), those
+         * queued behind it, every posted receive; later posts too.  The
+         * flushed SENDs never land, even in a receive posted afterwards. */
+        if (is_a) {
+            for (int i = 0; i < 4; i++)
+                CHECK(post_recv(s, 100 + i) == 0, "post_recv");
+            for (int i = 1; i <= 3; i++)
+                CHECK(post(s, i, IBV_WR_SEND_, mem, 64, mr->lkey, 0, 0, 0) == 0, "post send");
+            CHECK(none_within(s, 200), "a completion while the receiver has no receive");
+            struct ibv_qp_attr_s a = {.qp_state = IBV_QPS_ERR_};
+            CHECK(ib.modify_qp(s->qp, &a, IBV_QP_STATE_) == 0, "-> ERR");
+            uint64_t next_send = 1, next_recv = 100;
+            for (int n = 0; n < 7; n++) {
+                struct ibv_wc_s wc = poll1(s);
+                CHECK(wc.status == IBV_WC_WR_FLUSH_ERR_ && wc.qp_num == s->qp->qp_num,
+                      "wc %lu status %d", (unsigned long)wc.wr_id, wc.status);
+                uint64_t *next = wc.wr_id >= 100 ? &next_recv : &next_send;
+                CHECK(wc.wr_id == (*next)++, "flushed %lu out of its queue's order",
+                      (unsigned long)wc.wr_id);
+            }
+            CHECK(next_send == 4 && next_recv == 104, "not all flushed");
+            CHECK(post(s, 7, IBV_WR_SEND_, mem, 64, mr->lkey, 0, 0, 0) == 0 && post_recv(s, 8) == 0,
+                  "post in ERR");
+            struct ibv_wc_s w1 = poll1(s), w2 = poll1(s);
+            CHECK(w1.status == IBV_WC_WR_FLUSH_ERR_ && w2.status == IBV_WC_WR_FLUSH_ERR_ &&
+                  w1.wr_id + w2.wr_id == 15, "posts in ERR: %d %d", w1.status, w2.status);
+            sync_peer(s);
+        } else {
+            sync_peer(s); /* the requester flushed its SENDs */
+            CHECK(post_recv(s, 9) == 0, "post_recv");
+            CHECK(none_within(s, 300), "a flushed SEND landed in a receive posted later");
         }
     } else if (!strcmp(name, "peer_dies")) {
         if (is_a) {

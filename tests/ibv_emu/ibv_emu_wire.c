@@ -154,7 +154,7 @@ static void *tx_main(void *arg)
         e->tx_busy = 1;
         pthread_mutex_unlock(&e->mu);
         int rc = emu_send_full(fd, iov, n);
-        int fatal = r && r->fatal;
+        int fatal = r && r->fatal, request = !r;
         if (r) {
             free(r->data);
             free(r);
@@ -170,7 +170,9 @@ static void *tx_main(void *arg)
          * goes unanswered: retry exceeded. */
         while (rc && !e->stop && e->qp.state != IBV_QPS_ERR_ && !e->peer_gone)
             pthread_cond_wait(&e->cv, &e->mu);
-        if ((rc || e->out) && e->peer_gone && e->qp.state != IBV_QPS_ERR_)
+        /* (a response that could not go out breaks nothing: a responder
+         * does not wait for its requester) */
+        if (((rc && request) || e->out) && e->peer_gone && e->qp.state != IBV_QPS_ERR_)
             emu_qp_error_locked(e, IBV_WC_RETRY_EXC_ERR_);
     }
     pthread_mutex_unlock(&e->mu);
@@ -189,25 +191,46 @@ static const long rnr_timer_us[32] = {
  * NAK and the requester's retries would (`retries`, the requester's
  * rnr_retry: 7 means without limit), each after min_rnr_timer, or give up
  * (NULL).  A receive posted meanwhile is taken at once, as the next retry
- * would find it. */
+ * would find it.  A requester that went away (its QP in ERR or destroyed:
+ * it shut the socket down) retries no more: give up too, so a receive
+ * posted later is not consumed by a request its sender has flushed. */
+static int peer_shut(struct emu_qp *e)
+{
+    struct pollfd pf = {.fd = e->fd, .events = POLLRDHUP};
+    return poll(&pf, 1, 0) == 1 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
 static struct rwr *take_recv(struct emu_qp *e, int retries)
 {
     pthread_mutex_lock(&e->mu);
-    for (int tries = 0; !e->rq && !e->stop && e->qp.state != IBV_QPS_ERR_; tries++) {
+    int gone = 0, rnr = !e->rq; /* a receive there at once: taken, whatever follows */
+    for (int tries = 0; !e->rq && !e->stop && !gone && e->qp.state != IBV_QPS_ERR_;
+         tries++) {
         if (retries != 7 && tries >= retries)
             break;
         struct timespec end;
         clock_gettime(CLOCK_MONOTONIC, &end);
-        end.tv_nsec += rnr_timer_us[e->min_rnr_timer & 31] * 1000L;
-        end.tv_sec += end.tv_nsec / 1000000000L;
-        end.tv_nsec %= 1000000000L;
-        /* the whole timer, whatever else wakes the thread meanwhile */
-        while (!e->rq && !e->stop && e->qp.state != IBV_QPS_ERR_ &&
-               pthread_cond_timedwait(&e->cv, &e->mu, &end) != ETIMEDOUT)
-            ;
+        long left_us = rnr_timer_us[e->min_rnr_timer & 31];
+        /* the whole timer, whatever else wakes the thread meanwhile, in
+         * slices of at most 50 ms to look for the requester's shutdown */
+        while (!e->rq && !e->stop && !gone && e->qp.state != IBV_QPS_ERR_ && left_us > 0) {
+            long us = left_us < 50000 ? left_us : 50000;
+            left_us -= us;
+            end.tv_nsec += us * 1000L;
+            end.tv_sec += end.tv_nsec / 1000000000L;
+            end.tv_nsec %= 1000000000L;
+            while (!e->rq && !e->stop && e->qp.state != IBV_QPS_ERR_ &&
+                   pthread_cond_timedwait(&e->cv, &e->mu, &end) != ETIMEDOUT)
+                ;
+            gone = peer_shut(e);
+        }
     }
+    /* after an RNR wait, checked once more before a receive is taken: the
+     * requester may have shut down before it was posted (unnoticed here) */
+    gone = gone || (rnr && peer_shut(e));
+    e->peer_gone |= gone; /* what it sent after this is not executed either */
     struct rwr *r = e->rq;
-    if (r && e->qp.state != IBV_QPS_ERR_) {
+    if (r && !gone && e->qp.state != IBV_QPS_ERR_) {
         e->rq = r->next;
         if (!e->rq)
             e->rq_tail = &e->rq;
@@ -224,7 +247,7 @@ static int on_request(struct emu_qp *e, const struct pkt *p)
 {
     int fd = e->fd;
     pthread_mutex_lock(&e->mu);
-    int dropped = e->refused || e->qp.state == IBV_QPS_ERR_;
+    int dropped = e->refused || e->peer_gone || e->qp.state == IBV_QPS_ERR_;
     pthread_mutex_unlock(&e->mu);
     if (dropped) /* after a refusal, or in ERR: nothing executes, nothing answers */
         return p->type == P_READ ? 0 : emu_drain(fd, p->len);
@@ -269,11 +292,17 @@ static int on_request(struct emu_qp *e, const struct pkt *p)
         else
             status = IBV_WC_REM_ACCESS_ERR_;
     } else { /* SEND: scatter into the receive's buffers */
+        /* every buffer the message reaches must be local and writable
+         * (local protection error), and they must hold it all (length) */
         uint64_t room = 0;
-        for (int i = 0; i < r->nsge; i++)
-            room += emu_mr_check(e->qp.pd, r->sge[i].lkey, r->sge[i].addr, r->sge[i].length,
-                             IBV_ACCESS_LOCAL_WRITE_) ? r->sge[i].length : 0;
-        if (room < p->len)
+        for (int i = 0; !status && i < r->nsge && room < p->len; i++) {
+            if (emu_mr_check(e->qp.pd, r->sge[i].lkey, r->sge[i].addr, r->sge[i].length,
+                             IBV_ACCESS_LOCAL_WRITE_))
+                room += r->sge[i].length;
+            else
+                status = 4; /* IBV_WC_LOC_PROT_ERR */
+        }
+        if (!status && room < p->len)
             status = 1; /* IBV_WC_LOC_LEN_ERR */
         for (int i = 0, left = (int)p->len; !status && !rc && left > 0 && i < r->nsge; i++) {
             uint32_t n = r->sge[i].length < (uint32_t)left ? r->sge[i].length : (uint32_t)left;
@@ -290,7 +319,11 @@ static int on_request(struct emu_qp *e, const struct pkt *p)
         if (r)
             emu_complete_recv(e, r, status, IBV_WC_RECV_, 0, 0, 0, 0);
         free(r);
-        queue_rsp(e, P_NAK, status == 1 ? 9 /* IBV_WC_REM_INV_REQ_ERR */ : (uint32_t)status,
+        /* the requester hears: too long, an invalid request; a receive
+         * the responder could not use, a remote operational error */
+        queue_rsp(e, P_NAK, status == 1   ? 9  /* IBV_WC_REM_INV_REQ_ERR */
+                            : status == 4 ? 11 /* IBV_WC_REM_OP_ERR */
+                                          : (uint32_t)status,
                   NULL, 0);
         return 0;
     }
