@@ -75,10 +75,16 @@ int emu_post_send(struct ibv_qp_s *qp, struct ibv_send_wr_s *wr, struct ibv_send
 int emu_post_recv(struct ibv_qp_s *qp, struct ibv_recv_wr_s *wr, struct ibv_recv_wr_s **bad);
 
 /* ibv_emu_sock.c: 0, or -1 once the peer is gone (or the socket shut down). */
-struct sockaddr_un;
 int emu_send_full(int fd, struct iovec *iov, int n);
 int emu_recv_full(int fd, void *buf, size_t len);
 int emu_drain(int fd, size_t len);     /* read and discard len bytes */
-void emu_abstract_name(uint32_t qpn, struct sockaddr_un *a, socklen_t *len);
+/* The wire's sockets (Unix, or TCP with UCCL_IBV_EMU_IPV4): */
+uint32_t emu_ipv4(void);               /* that address (network order), or 0 */
+int emu_listen(uint32_t *qpn_p);       /* a QP's listening socket and its number; -1 */
+int emu_dial(uint32_t dest_qpn, const union ibv_gid_u *dgid); /* connected, or -1 */
+/* Which of two QPs connects (the other accepts), and whether a destination
+ * is the QP itself. */
+int emu_dials(uint32_t qpn, uint32_t dest_qpn, const union ibv_gid_u *dgid);
+int emu_same_qp(uint32_t qpn, uint32_t dest_qpn, const union ibv_gid_u *dgid);
 
 #endif

@@ -12,6 +12,7 @@
  * their legacy path or fail with EOPNOTSUPP, as with any provider that
  * lacks them. */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -185,10 +186,12 @@ static void gid_of(int index, union ibv_gid_u *g)
         g->raw[0] = 0xfe;
         g->raw[1] = 0x80;
         g->raw[15] = 1;
-    } else {
+    } else { /* ::ffff:<the port's IPv4 address>, 127.0.0.1 by default */
+        uint32_t ip = emu_ipv4();
+        if (!ip)
+            ip = htonl(0x7f000001);
         g->raw[10] = g->raw[11] = 0xff;
-        g->raw[12] = 127;
-        g->raw[15] = 1;
+        memcpy(g->raw + 12, &ip, sizeof(ip));
     }
 }
 

@@ -34,22 +34,9 @@ EXPORT struct ibv_qp_s *ibv_create_qp(struct ibv_pd_s *pd, struct ibv_qp_init_at
         errno = ENOMEM;
         return NULL;
     }
-    e->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     e->fd = -1;
-    for (int i = 0; e->listen_fd >= 0 && i < 1000; i++) {
-        uint32_t qpn = emu_random_key() & 0xffffff;
-        struct sockaddr_un sa;
-        socklen_t sl;
-        emu_abstract_name(qpn, &sa, &sl);
-        if (qpn > 1 && bind(e->listen_fd, (struct sockaddr *)&sa, sl) == 0 &&
-            listen(e->listen_fd, 4) == 0) {
-            e->qp.qp_num = qpn;
-            break;
-        }
-    }
-    if (!e->qp.qp_num) {
-        if (e->listen_fd >= 0)
-            close(e->listen_fd);
+    e->listen_fd = emu_listen(&e->qp.qp_num);
+    if (e->listen_fd < 0) {
         free(e);
         errno = ENOMEM;
         return NULL;
@@ -139,10 +126,12 @@ EXPORT int ibv_modify_qp(struct ibv_qp_s *qp, struct ibv_qp_attr_s *a, int mask)
                IBV_QP_MAX_DEST_RD_ATOMIC_ | IBV_QP_MIN_RNR_TIMER_;
         /* RoCE: the address vector must carry a GRH with a valid source GID */
         if ((mask & need) != need || !a->ah_attr.is_global || a->ah_attr.grh.sgid_index > 1 ||
-            a->dest_qp_num == 0 || a->dest_qp_num > 0xffffff || a->dest_qp_num == qp->qp_num)
+            a->dest_qp_num == 0 || a->dest_qp_num > 0xffffff ||
+            emu_same_qp(qp->qp_num, a->dest_qp_num, &a->ah_attr.grh.dgid))
             rc = EINVAL;
         else {
             e->dest_qpn = a->dest_qp_num;
+            e->dgid = a->ah_attr.grh.dgid;
             e->min_rnr_timer = a->min_rnr_timer;
             rc = emu_link_up(e);
         }

@@ -28,6 +28,7 @@ struct emu_qp {
     pthread_cond_t cv;
     int listen_fd, fd;
     uint32_t dest_qpn;
+    union ibv_gid_u dgid;         /* the peer's GID (the TCP wire's address) */
     unsigned access;
     int rnr_retry, min_rnr_timer, sq_sig_all, stop, threads, linked;
     struct ibv_qp_attr_s attr;    /* as last modified (ibv_query_qp) */

@@ -452,14 +452,11 @@ static void *rx_main(void *arg)
 
 int emu_link_up(struct emu_qp *e)
 {
-    if (e->qp.qp_num < e->dest_qpn) {
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        struct sockaddr_un sa;
-        socklen_t sl;
-        emu_abstract_name(e->dest_qpn, &sa, &sl);
+    if (emu_dials(e->qp.qp_num, e->dest_qpn, &e->dgid)) {
+        int fd = emu_dial(e->dest_qpn, &e->dgid);
         uint32_t hello[2] = {e->qp.qp_num, e->dest_qpn};
         struct iovec iov = {hello, sizeof(hello)};
-        if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) || emu_send_full(fd, &iov, 1)) {
+        if (fd < 0 || emu_send_full(fd, &iov, 1)) {
             /* no such QP: requests will go unanswered (retry exceeded) */
             if (fd >= 0)
                 close(fd);
