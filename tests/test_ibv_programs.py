@@ -105,12 +105,15 @@ def test_devinfo_unknown_device_fails():
 
 # --------------------------------------------------------------------------
 # ibv_rc_pingpong between two processes
-def _listening(port: int) -> bool:
-    """Is some socket listening on TCP `port` (/proc: never connects, since
-    the pingpong server takes the first connection as its peer)?"""
-    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _listening(port: int, pid: int | None = None) -> bool:
+    """Is some socket listening on TCP `port` (in process pid's network
+    namespace)?  Read from /proc: never connects, since the pingpong server
+    takes the first connection as its peer."""
+    where = f"/proc/{pid}/net" if pid else "/proc/net"
+    for f in ("tcp", "tcp6"):
         try:
-            rows = open(f).read().splitlines()[1:]
+            with open(f"{where}/{f}") as fh:
+                rows = fh.read().splitlines()[1:]
         except OSError:
             continue
         for r in rows:
@@ -120,26 +123,30 @@ def _listening(port: int) -> bool:
     return False
 
 
-def _pingpong(args: list[str], tries: int = 3) -> tuple[str, str]:
-    """Server and client with the same options; (server out, client out),
-    both having exited 0 within the timeout."""
+def pingpong(args: list[str], tries: int = 3, host: str = "127.0.0.1", port: int | None = None,
+             wrap: tuple[list[str], list[str]] = ([], []),
+             envs: tuple[dict, dict] = ({}, {})) -> tuple[str, str]:
+    """Server and client with the same options, each command prefixed by
+    its `wrap` (e.g. ip netns exec) and run with its `envs`; (server out,
+    client out), both having exited 0 within the timeout."""
     for _ in range(tries):
-        port = free_port()
-        cmd = ["ibv_rc_pingpong", "-p", str(port), *args]
-        srv = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
+        p = port or free_port()
+        cmd = ["ibv_rc_pingpong", "-p", str(p), *args]
+        srv = subprocess.Popen(wrap[0] + cmd, env=_env(**envs[0]), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 20
-            while not _listening(port) and srv.poll() is None and time.monotonic() < deadline:
+            while (not _listening(p, srv.pid) and srv.poll() is None
+                   and time.monotonic() < deadline):
                 time.sleep(0.02)
             if srv.poll() is not None:
                 out = srv.communicate(timeout=10)[0]
-                if "Couldn't listen" in out:
+                if "Couldn't listen" in out and not port:
                     continue  # the port was taken meanwhile: another one
                 pytest.fail(f"server exited {srv.returncode} before listening:\n{out}")
-            assert _listening(port), "server not listening within 20 s"
-            cli = subprocess.run(cmd + ["127.0.0.1"], env=_env(), capture_output=True, text=True,
-                                 timeout=120)
+            assert _listening(p, srv.pid), "server not listening within 20 s"
+            cli = subprocess.run(wrap[1] + cmd + [host], env=_env(**envs[1]), capture_output=True,
+                                 text=True, timeout=120)
             sout = srv.communicate(timeout=120)[0]
         finally:
             if srv.poll() is None:
@@ -153,7 +160,7 @@ def _pingpong(args: list[str], tries: int = 3) -> tuple[str, str]:
 
 
 ADDR = re.compile(r"(local|remote) address:\s+LID 0x0000, QPN 0x([0-9a-f]{6}), PSN 0x[0-9a-f]{6}, "
-                  r"GID ::ffff:127\.0\.0\.1$", re.M)
+                  r"GID ::ffff:([\d.]+)$", re.M)
 BYTES = re.compile(r"^(\d+) bytes in ([\d.]+) seconds = ([\d.]+) Mbit/sec$", re.M)
 ITERS = re.compile(r"^(\d+) iters in ([\d.]+) seconds = ([\d.]+) usec/iter$", re.M)
 
@@ -164,19 +171,26 @@ def test_rc_pingpong(size, iters, events):
     """Round trips of SENDs between two RC QPs, the receiver checking the
     bytes (-c); RoCE needs a GRH, hence -g 1 (GID 1: RoCE v2)."""
     args = ["-g", "1", "-c", "-s", str(size), "-n", str(iters)] + (["-e"] if events else [])
-    sout, cout = _pingpong(args)
-    qpn = {}
+    check_pingpong(*pingpong(args), size, iters)
+
+
+def check_pingpong(sout: str, cout: str, size: int, iters: int,
+                   gids: tuple[str, str] = ("127.0.0.1", "127.0.0.1")) -> None:
+    """Both sides printed rdma-core's rate lines for size x iters, each side
+    names the other's QP and GID, and the receiver found nothing invalid."""
+    seen = {}
     for side, out in (("server", sout), ("client", cout)):
-        addrs = dict(ADDR.findall(out))
+        addrs = {k: (qpn, gid) for k, qpn, gid in ADDR.findall(out)}
         assert set(addrs) == {"local", "remote"}, f"{side}:\n{out}"
-        qpn[side] = addrs
+        seen[side] = addrs
         b, it = BYTES.findall(out), ITERS.findall(out)
         assert len(b) == 1 and len(it) == 1, f"{side}:\n{out}"
         assert int(b[0][0]) == size * iters * 2 and float(b[0][2]) > 0, f"{side}:\n{out}"
         assert int(it[0][0]) == iters and float(it[0][2]) > 0, f"{side}:\n{out}"
         assert "invalid data" not in out and "Failed" not in out, f"{side}:\n{out}"
-    assert qpn["server"]["remote"] == qpn["client"]["local"], qpn
-    assert qpn["client"]["remote"] == qpn["server"]["local"], qpn
+    assert seen["server"]["remote"] == seen["client"]["local"], seen
+    assert seen["client"]["remote"] == seen["server"]["local"], seen
+    assert (seen["server"]["local"][1], seen["client"]["local"][1]) == gids, seen
 
 
 def test_rc_pingpong_without_grh_is_refused():
@@ -190,7 +204,7 @@ def test_rc_pingpong_without_grh_is_refused():
                            text=True)
     try:
         deadline = time.monotonic() + 20
-        while not _listening(port) and srv.poll() is None and time.monotonic() < deadline:
+        while not _listening(port, srv.pid) and srv.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         cli = subprocess.run(cmd + ["127.0.0.1"], env=_env(), capture_output=True, text=True,
                              timeout=60)

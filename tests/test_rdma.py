@@ -30,12 +30,18 @@ SCENARIOS = ["write_imm", "read", "bad_rkey", "out_of_bounds", "no_remote_read",
              "flush_on_err"]
 
 
+@pytest.mark.parametrize("wire", ["unix", "tcp"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_emulator_semantics(scenario):
+def test_emulator_semantics(scenario, wire):
     """One RC semantic of the emulator between two processes, checked by the
-    C driver (what each scenario asserts is written next to it there)."""
+    C driver (what each scenario asserts is written next to it there); over
+    each of the emulator's wires: abstract Unix sockets (the default) and
+    TCP (UCCL_IBV_EMU_IPV4, here on loopback; what two hosts use)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCCL_IBV_EMU")}
+    if wire == "tcp":
+        env["UCCL_IBV_EMU_IPV4"] = "127.0.0.1"
     p = subprocess.run([_ibv_emu.check_path(), _ibv_emu.path(), scenario], capture_output=True,
-                       text=True, timeout=90)
+                       text=True, timeout=90, env=env)
     assert p.returncode == 0 and f"OK {scenario}" in p.stdout, p.stdout + p.stderr
 
 
