@@ -38,7 +38,7 @@ CHECK = SRC / "build" / "emu_check"
 
 def check_path() -> str:
     """The emulator's own test driver (ibv_emu/emu_check.c), built if stale."""
-    srcs = [SRC / "emu_check.c", ROOT / "csrc" / "load" / "ibv_loader.h"]
+    srcs = [SRC / "emu_check.c", SRC / "ibv_emu.h", ROOT / "csrc" / "load" / "ibv_loader.h"]
     if CHECK.exists() and all(CHECK.stat().st_mtime >= s.stat().st_mtime for s in srcs):
         return str(CHECK)
     CHECK.parent.mkdir(exist_ok=True)

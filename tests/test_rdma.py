@@ -27,7 +27,7 @@ SCENARIOS = ["write_imm", "read", "bad_rkey", "out_of_bounds", "no_remote_read",
              "ordered", "rnr_wait", "rnr_exceeded", "peer_dies", "peer_dies_midway",
              "state_machine", "send", "send_too_long", "rnr_requester_count",
              "qp_no_remote_write", "read_into_readonly", "recv_no_local_write", "cq_order",
-             "flush_on_err"]
+             "flush_on_err", "send_inline", "cq_events"]
 
 
 @pytest.mark.parametrize("wire", ["unix", "tcp"])

@@ -37,8 +37,8 @@ def test_p2p_suite_over_rdma_between_namespaces(two_nodes):  # noqa: F811
            if not k.startswith(("UCCL_IBV", "UCCL_P2P", "UCCL_TEST"))}
     env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
                UCCL_TEST_NETNS=",".join(":".join(n) for n in two_nodes))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "rdma",
-                        *[os.path.join(HERE, f) for f in P2P_FILES]],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-k", "rdma", *[os.path.join(HERE, f) for f in P2P_FILES]],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     out = p.stdout + p.stderr
     m = re.search(r"(\d+) passed", out)

@@ -7,6 +7,8 @@
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +19,7 @@
 #include <unistd.h>
 
 #include "load/ibv_loader.h"
+#include "ibv_emu.h" /* rdma-core's structs the engine does not declare */
 
 static struct uccl__ibv ib;
 /* per scenario: the RNR timer code each side sets at RTR, the access
@@ -26,6 +29,13 @@ static unsigned qp_access = IBV_ACCESS_LOCAL_WRITE_ | IBV_ACCESS_REMOTE_WRITE_ |
                             IBV_ACCESS_REMOTE_READ_;
 static int (*query_qp)(struct ibv_qp_s *, struct ibv_qp_attr_s *, int, struct ibv_qp_init_attr_s *);
 static const char *who = "?";
+/* completion channels (the cq_events scenario gives each side's CQ one) */
+static struct ibv_comp_channel_s *(*create_channel)(struct ibv_context_s *);
+static int (*destroy_channel)(struct ibv_comp_channel_s *);
+static int (*get_cq_event)(struct ibv_comp_channel_s *, struct ibv_cq_s **, void **);
+static void (*ack_cq_events)(struct ibv_cq_s *, unsigned);
+static struct ibv_comp_channel_s *channel;
+static int want_channel;
 
 #define CHECK(cond, ...)                                                                   \
     do {                                                                                   \
@@ -56,10 +66,16 @@ static void load(const char *path)
     V(create_qp, "ibv_create_qp", "IBVERBS_1.1");
     V(modify_qp, "ibv_modify_qp", "IBVERBS_1.1");
     V(destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1");
+    V(destroy_cq, "ibv_destroy_cq", "IBVERBS_1.1");
     V(query_gid_ex, "_ibv_query_gid_ex", "IBVERBS_1.11");
 #undef V
-    *(void **)&query_qp = dlvsym(h, "ibv_query_qp", "IBVERBS_1.1");
-    CHECK(query_qp, "no ibv_query_qp@IBVERBS_1.1");
+#define X(p, n, v) CHECK((*(void **)&p = dlvsym(h, n, v)) != NULL, "no %s@%s", n, v)
+    X(query_qp, "ibv_query_qp", "IBVERBS_1.1");
+    X(create_channel, "ibv_create_comp_channel", "IBVERBS_1.0");
+    X(destroy_channel, "ibv_destroy_comp_channel", "IBVERBS_1.0");
+    X(get_cq_event, "ibv_get_cq_event", "IBVERBS_1.1");
+    X(ack_cq_events, "ibv_ack_cq_events", "IBVERBS_1.1");
+#undef X
 }
 
 struct side {
@@ -132,9 +148,11 @@ static void open_side(struct side *s)
     s->ctx = ib.open_device(l[0]);
     CHECK(s->ctx && s->ctx->ops.post_send && s->ctx->ops.poll_cq, "open_device / ops table");
     s->pd = ib.alloc_pd(s->ctx);
-    s->cq = ib.create_cq(s->ctx, 256, NULL, NULL, 0);
+    if (want_channel)
+        CHECK((channel = create_channel(s->ctx)) != NULL, "create_comp_channel");
+    s->cq = ib.create_cq(s->ctx, 256, s, channel, 0);
     struct ibv_qp_init_attr_s ia = {.send_cq = s->cq, .recv_cq = s->cq, .qp_type = IBV_QPT_RC_,
-                                    .cap = {64, 64, 1, 1, 0}};
+                                    .cap = {64, 64, 1, 1, 64}};
     s->qp = ib.create_qp(s->pd, &ia);
     CHECK(s->pd && s->cq && s->qp && s->qp->qp_num > 0 && s->qp->qp_num <= 0xffffff, "pd/cq/qp");
     ib.free_device_list(l);
@@ -490,7 +508,8 @@ static int scenario(const char *name, struct side *s, int is_a)
             CHECK(s->ctx->ops.post_recv(s->qp, &wr, &bad) == 0, "post_recv");
             sync_peer(s);
             struct ibv_wc_s wc = poll1(s);
-            CHECK(wc.wr_id == 12 && wc.status == 4 /* LOC_PROT_ERR */, "recv: status %d", wc.status);
+            CHECK(wc.wr_id == 12 && wc.status == 4 /* LOC_PROT_ERR */, "recv: status %d",
+                  wc.status);
             CHECK(all_is(ro, 4096, 0x11), "a SEND landed in a buffer without local write");
             CHECK(reaches(s, IBV_QPS_ERR_), "responder QP state %d", qp_state(s));
         }
@@ -576,6 +595,92 @@ static int scenario(const char *name, struct side *s, int is_a)
             CHECK(post_recv(s, 9) == 0, "post_recv");
             CHECK(none_within(s, 300), "a flushed SEND landed in a receive posted later");
         }
+    } else if (!strcmp(name, "send_inline")) {
+        /* An inline SEND is copied at post: its buffer needs no key and is
+         * the caller's again at once; one longer than max_inline_data (64
+         * here, as ibv_query_qp says) is refused. */
+        struct ibv_qp_attr_s qa;
+        struct ibv_qp_init_attr_s ia;
+        CHECK(query_qp(s->qp, &qa, 0, &ia) == 0 && qa.cap.max_inline_data == 64 &&
+              ia.cap.max_send_wr == 64 && ia.send_cq == s->cq && qa.qp_access_flags == qp_access &&
+              qa.rnr_retry == 7 && qa.min_rnr_timer == rnr_timer, "ibv_query_qp");
+        unsigned char src[65];
+        if (is_a) {
+            sync_peer(s); /* the receive is posted */
+            randomize(src, sizeof(src), 21);
+            struct ibv_sge_s sge = {(uint64_t)(uintptr_t)src, 65, 0xdeadbeef};
+            struct ibv_send_wr_s wr = {.wr_id = 6, .sg_list = &sge, .num_sge = 1,
+                                       .opcode = IBV_WR_SEND_,
+                                       .send_flags = IBV_SEND_SIGNALED_ | IBV_SEND_INLINE_};
+            struct ibv_send_wr_s *bad = NULL;
+            CHECK(s->ctx->ops.post_send(s->qp, &wr, &bad) == EINVAL && bad == &wr, "65 B inline");
+            sge.length = 64;
+            CHECK(s->ctx->ops.post_send(s->qp, &wr, &bad) == 0, "64 B inline");
+            memset(src, 0, sizeof(src));
+            struct ibv_wc_s wc = poll1(s);
+            CHECK(wc.wr_id == 6 && wc.status == 0, "inline send: status %d", wc.status);
+        } else {
+            struct ibv_sge_s sge = {(uint64_t)(uintptr_t)mem, 4096, mr->lkey};
+            struct ibv_recv_wr_s wr = {.wr_id = 12, .sg_list = &sge, .num_sge = 1}, *bad;
+            CHECK(s->ctx->ops.post_recv(s->qp, &wr, &bad) == 0, "post_recv");
+            sync_peer(s);
+            struct ibv_wc_s wc = poll1(s);
+            randomize(src, sizeof(src), 21);
+            CHECK(wc.status == 0 && wc.byte_len == 64 && memcmp(mem, src, 64) == 0 &&
+                  all_is(mem + 64, 64, 0xA5), "inline bytes: status %d len %u", wc.status,
+                  wc.byte_len);
+        }
+        sync_peer(s);
+    } else if (!strcmp(name, "cq_events")) {
+        /* The requester sends four SENDs, one at a time; the responder's CQ
+         * (with a channel) is armed before the 1st (an event), not re-armed
+         * for the 2nd (none), armed solicited-only for the 3rd (plain: none)
+         * and the 4th (solicited: an event). */
+        static const int solicited[4] = {0, 0, 0, 1}, armed[4] = {1, 0, 2, 2},
+                         event[4] = {1, 0, 0, 1};
+        int events = 0;
+        if (!is_a) {
+            fcntl(channel->fd, F_SETFL, O_NONBLOCK);
+            struct ibv_cq_s *cq;
+            void *ctx;
+            CHECK(get_cq_event(channel, &cq, &ctx) == -1 && errno == EAGAIN, "an event unarmed");
+            CHECK(ib.destroy_cq(s->cq) == EBUSY && destroy_channel(channel) == EBUSY,
+                  "a CQ used by a QP, or a channel used by a CQ, destroyed");
+        }
+        for (int i = 0; i < 4; i++) {
+            if (is_a) {
+                sync_peer(s);
+                struct ibv_sge_s sge = {(uint64_t)(uintptr_t)mem, 16, mr->lkey};
+                struct ibv_send_wr_s wr = {.wr_id = 6, .sg_list = &sge, .num_sge = 1,
+                                           .opcode = IBV_WR_SEND_,
+                                           .send_flags = IBV_SEND_SIGNALED_ |
+                                                         (solicited[i] ? IBV_SEND_SOLICITED_ : 0)};
+                struct ibv_send_wr_s *bad;
+                CHECK(s->ctx->ops.post_send(s->qp, &wr, &bad) == 0, "post");
+                CHECK(poll1(s).status == 0, "send %d", i);
+            } else {
+                struct ibv_sge_s sge = {(uint64_t)(uintptr_t)mem, 16, mr->lkey};
+                struct ibv_recv_wr_s wr = {.wr_id = 10 + i, .sg_list = &sge, .num_sge = 1}, *bad;
+                CHECK(s->ctx->ops.post_recv(s->qp, &wr, &bad) == 0, "post_recv");
+                if (armed[i])
+                    CHECK(s->cq->context->ops.req_notify_cq(s->cq, armed[i] == 2) == 0, "arm");
+                sync_peer(s);
+                CHECK(poll1(s).wr_id == (uint64_t)(10 + i), "receive %d", i);
+                struct pollfd pf = {.fd = channel->fd, .events = POLLIN};
+                int ready = poll(&pf, 1, event[i] ? 5000 : 200) == 1;
+                CHECK(ready == event[i], "SEND %d: %s event", i, ready ? "an unexpected" : "no");
+                struct ibv_cq_s *cq = NULL;
+                void *ctx = NULL;
+                if (ready) {
+                    CHECK(get_cq_event(channel, &cq, &ctx) == 0 && cq == s->cq && ctx == s,
+                          "get_cq_event: the CQ and its context");
+                    events++;
+                }
+            }
+        }
+        if (!is_a)
+            ack_cq_events(s->cq, (unsigned)events);
+        sync_peer(s);
     } else if (!strcmp(name, "peer_dies")) {
         if (is_a) {
             CHECK(post_recv(s, 21) == 0, "post_recv");
@@ -673,10 +778,13 @@ int main(int argc, char **argv)
     struct side s = {.fd = pid == 0 ? sv[1] : sv[0]};
     close(pid == 0 ? sv[0] : sv[1]);
     who = pid == 0 ? "responder" : "requester";
+    want_channel = !strcmp(argv[2], "cq_events");
     open_side(&s);
     scenario(argv[2], &s, pid != 0);
     if (pid == 0) {
         ib.destroy_qp(s.qp);
+        if (channel) /* every event acked: destroy_cq does not wait */
+            CHECK(ib.destroy_cq(s.cq) == 0 && destroy_channel(channel) == 0, "destroy cq, channel");
         _exit(0);
     }
     int st = 0;
@@ -685,6 +793,8 @@ int main(int argc, char **argv)
     CHECK(expect_kill ? WIFSIGNALED(st) : WIFEXITED(st) && WEXITSTATUS(st) == 0,
           "the responder failed (status 0x%x)", st);
     ib.destroy_qp(s.qp);
+    if (channel)
+        CHECK(ib.destroy_cq(s.cq) == 0 && destroy_channel(channel) == 0, "destroy cq, channel");
     printf("OK %s\n", argv[2]);
     return 0;
 }

@@ -154,7 +154,8 @@ int emu_dial(uint32_t dest_qpn, const union ibv_gid_u *dgid)
         return -1;
     int rc;
     if (ip) {
-        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(dest_qpn >> 8)),
+        struct sockaddr_in sa = {.sin_family = AF_INET,
+                                 .sin_port = htons((uint16_t)(dest_qpn >> 8)),
                                  .sin_addr.s_addr = gid_ipv4(dgid)};
         /* bounded: an unreachable peer fails the QP, it does not hang modify_qp */
         struct timeval tv = {5, 0}, none = {0, 0};
