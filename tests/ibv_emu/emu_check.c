@@ -52,30 +52,28 @@ static void load(const char *path)
 {
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     CHECK(h, "dlopen %s: %s", path, dlerror());
-#define V(f, n, v) CHECK((*(void **)&ib.f = dlvsym(h, n, v)) != NULL, "no %s@%s", n, v)
-    V(get_device_list, "ibv_get_device_list", "IBVERBS_1.1");
-    V(free_device_list, "ibv_free_device_list", "IBVERBS_1.1");
-    V(get_device_name, "ibv_get_device_name", "IBVERBS_1.1");
-    V(open_device, "ibv_open_device", "IBVERBS_1.1");
-    V(query_port, "ibv_query_port", "IBVERBS_1.1");
-    V(query_gid, "ibv_query_gid", "IBVERBS_1.1");
-    V(alloc_pd, "ibv_alloc_pd", "IBVERBS_1.1");
-    V(reg_mr, "ibv_reg_mr", "IBVERBS_1.1");
-    V(dereg_mr, "ibv_dereg_mr", "IBVERBS_1.1");
-    V(create_cq, "ibv_create_cq", "IBVERBS_1.1");
-    V(create_qp, "ibv_create_qp", "IBVERBS_1.1");
-    V(modify_qp, "ibv_modify_qp", "IBVERBS_1.1");
-    V(destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1");
-    V(destroy_cq, "ibv_destroy_cq", "IBVERBS_1.1");
-    V(query_gid_ex, "_ibv_query_gid_ex", "IBVERBS_1.11");
+#define V(p, n, v) CHECK((*(void **)&(p) = dlvsym(h, n, v)) != NULL, "no %s@%s", n, v)
+    V(ib.get_device_list, "ibv_get_device_list", "IBVERBS_1.1");
+    V(ib.free_device_list, "ibv_free_device_list", "IBVERBS_1.1");
+    V(ib.get_device_name, "ibv_get_device_name", "IBVERBS_1.1");
+    V(ib.open_device, "ibv_open_device", "IBVERBS_1.1");
+    V(ib.query_port, "ibv_query_port", "IBVERBS_1.1");
+    V(ib.query_gid, "ibv_query_gid", "IBVERBS_1.1");
+    V(ib.alloc_pd, "ibv_alloc_pd", "IBVERBS_1.1");
+    V(ib.reg_mr, "ibv_reg_mr", "IBVERBS_1.1");
+    V(ib.dereg_mr, "ibv_dereg_mr", "IBVERBS_1.1");
+    V(ib.create_cq, "ibv_create_cq", "IBVERBS_1.1");
+    V(ib.create_qp, "ibv_create_qp", "IBVERBS_1.1");
+    V(ib.modify_qp, "ibv_modify_qp", "IBVERBS_1.1");
+    V(ib.destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1");
+    V(ib.destroy_cq, "ibv_destroy_cq", "IBVERBS_1.1");
+    V(ib.query_gid_ex, "_ibv_query_gid_ex", "IBVERBS_1.11");
+    V(query_qp, "ibv_query_qp", "IBVERBS_1.1");
+    V(create_channel, "ibv_create_comp_channel", "IBVERBS_1.0");
+    V(destroy_channel, "ibv_destroy_comp_channel", "IBVERBS_1.0");
+    V(get_cq_event, "ibv_get_cq_event", "IBVERBS_1.1");
+    V(ack_cq_events, "ibv_ack_cq_events", "IBVERBS_1.1");
 #undef V
-#define X(p, n, v) CHECK((*(void **)&p = dlvsym(h, n, v)) != NULL, "no %s@%s", n, v)
-    X(query_qp, "ibv_query_qp", "IBVERBS_1.1");
-    X(create_channel, "ibv_create_comp_channel", "IBVERBS_1.0");
-    X(destroy_channel, "ibv_destroy_comp_channel", "IBVERBS_1.0");
-    X(get_cq_event, "ibv_get_cq_event", "IBVERBS_1.1");
-    X(ack_cq_events, "ibv_ack_cq_events", "IBVERBS_1.1");
-#undef X
 }
 
 struct side {
