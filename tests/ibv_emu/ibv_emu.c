@@ -8,10 +8,13 @@
  * which verbs.h's inline data path calls, and the symbol versions
  * (ibv_emu.map).
  *
- * Semantics are those of RC queue pairs between processes on one host:
- *  - each QP has a 24-bit number unique on the host (it names an abstract
- *    Unix socket, so bind() is the uniqueness check); at RTR the QP with the
- *    lower number connects to its peer's socket, the other accepts;
+ * Semantics are those of RC queue pairs between processes:
+ *  - each QP has a 24-bit number unique in its network namespace: it names
+ *    an abstract Unix socket (bind() is the uniqueness check), or, with
+ *    UCCL_IBV_EMU_IPV4, carries the TCP port it listens on at that address
+ *    (which joins QPs across namespaces and hosts); at RTR the QP with the
+ *    lower number (and address) connects to its peer's socket, the other
+ *    accepts;
  *  - per QP one sender thread (requests in post order, then responses) and
  *    one receiver thread (requests: checked and placed; responses: matched
  *    to the oldest outstanding request), so delivery is ordered per QP;
@@ -34,7 +37,7 @@
  * Devices: UCCL_IBV_EMU_DEVICES (comma-separated names, default "emu0";
  * empty: none); UCCL_IBV_EMU_PORT_DOWN=<name>|all makes ports DOWN.  Each
  * has one Ethernet port with GID 0 fe80::1 (RoCE v1) and GID 1
- * ::ffff:127.0.0.1 (RoCE v2).
+ * ::ffff:<UCCL_IBV_EMU_IPV4, else 127.0.0.1> (RoCE v2).
  *
  * rdma-core's own programs (ibv_devices, ibv_devinfo, ibv_rc_pingpong) run
  * on it unchanged: it also exports what they import (device queries, the

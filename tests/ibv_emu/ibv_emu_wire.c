@@ -1,9 +1,8 @@
 /* The verbs emulator's wire (ibv_emu.c says what the library is): RC QPs
- * between processes on one host, each pair joined by a Unix socket named
- * after the accepting QP's number; per QP a sender thread (requests in post
- * order, then responses) and a receiver thread (requests checked against
- * the regions and placed, responses matched to the oldest request
- * outstanding). */
+ * between processes, each pair joined by one socket (ibv_emu_sock.c: Unix,
+ * or TCP); per QP a sender thread (requests in post order, then responses)
+ * and a receiver thread (requests checked against the regions and placed,
+ * responses matched to the oldest request outstanding). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
