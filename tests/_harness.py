@@ -22,6 +22,7 @@ import multiprocessing as mp
 from multiprocessing import connection as mp_connection
 import os
 import signal
+import socket
 import subprocess
 import time
 import traceback
@@ -66,6 +67,16 @@ POISON = 0xA5          # receive buffers are filled with this before a transfer
 GUARD = 4096           # bytes past every receive region that must stay POISON
 MiB = 1 << 20
 CHAN_TIMEOUT = 30.0    # default bound of a rank waiting for its peer
+
+
+def free_port() -> int:
+    """A TCP port free on every local address right now (the OS picks it),
+    for programs that listen on a port they are given: parallel runs never
+    share one.  Another process may take it before it is used: a caller
+    that can tell ("couldn't listen") asks again."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------
@@ -177,8 +188,41 @@ class Chan:
         self._to_parent.send(("event", (tag, value)))
 
 
+#: Two hosts (tests/test_rdma_netns.py): "<netns>:<veth>:<ip>,<netns>:<veth>:<ip>" puts rank
+#: "server" in the first network namespace and "client" in the second, each with its own host
+#: id, its veth as the engine's interface and the verbs emulator's port on its address.
+NETNS_ENV = "UCCL_TEST_NETNS"
+CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str, env: dict) -> dict:
+    """Move this rank into its network namespace (before the engine starts a
+    thread: later threads inherit it); returns env with that host's settings."""
+    import ctypes
+
+    nodes = [n.split(":") for n in os.environ[NETNS_ENV].split(",")]
+    me = 0 if name == "server" else 1
+    ns, veth, ip = nodes[me]
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {ns}")
+    finally:
+        os.close(fd)
+    return {**env, "UCCL_SOCKET_IFNAME": veth, "UCCL_P2P_HOST_ID": f"host-{ns}",
+            "UCCL_IBV_EMU_IPV4": ip, "UCCL_TEST_PEER_IP": nodes[1 - me][2]}
+
+
+def peer_ip() -> str:
+    """In a rank: the address its peer's endpoint is on (loopback, or the other
+    host's in two-host runs)."""
+    return os.environ.get("UCCL_TEST_PEER_IP", "127.0.0.1")
+
+
 def _rank_main(name, fn, env, to_peer, from_peer, from_parent, to_parent, kwargs):
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent dumps a hung rank's stacks
+    if os.environ.get(NETNS_ENV):
+        env = _enter_netns(name, env)
     os.environ.update(env)  # before the engine reads it (at Endpoint creation)
     ch = Chan(name, to_peer, from_peer, from_parent, to_parent)
     try:

@@ -12,8 +12,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "ibv_emu"
 ROOT = HERE.parent
 OUT = SRC / "build" / "libibverbs.so.1"
-_C = [SRC / "ibv_emu.c", SRC / "ibv_emu_qp.c", SRC / "ibv_emu_sock.c"]
-_SOURCES = _C + [SRC / "ibv_emu.h", SRC / "ibv_emu.map", ROOT / "csrc" / "load" / "ibv_loader.h"]
+_C = [SRC / "ibv_emu.c", SRC / "ibv_emu_device.c", SRC / "ibv_emu_cq.c", SRC / "ibv_emu_qp.c",
+      SRC / "ibv_emu_wire.c", SRC / "ibv_emu_sock.c"]
+_SOURCES = _C + [SRC / "ibv_emu.h", SRC / "ibv_emu_qp.h", SRC / "ibv_emu.map",
+                 ROOT / "csrc" / "load" / "ibv_loader.h"]
 
 
 def path() -> str:
@@ -36,7 +38,7 @@ CHECK = SRC / "build" / "emu_check"
 
 def check_path() -> str:
     """The emulator's own test driver (ibv_emu/emu_check.c), built if stale."""
-    srcs = [SRC / "emu_check.c", ROOT / "csrc" / "load" / "ibv_loader.h"]
+    srcs = [SRC / "emu_check.c", SRC / "ibv_emu.h", ROOT / "csrc" / "load" / "ibv_loader.h"]
     if CHECK.exists() and all(CHECK.stat().st_mtime >= s.stat().st_mtime for s in srcs):
         return str(CHECK)
     CHECK.parent.mkdir(exist_ok=True)

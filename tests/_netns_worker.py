@@ -1,6 +1,8 @@
 """One rank of tests/test_collective_netns.py, launched by torchrun inside a
 network namespace ("node").  argv[1]: "copy" (use_copy_engine_for_intra=True)
-or "dist" (False).  Env NETNS_EXPECT_IP: the address the engine must advertise.
+or "dist" (False), both with cross-node peers over TCP; or "rdma": as "copy",
+with cross-node peers over RDMA (the verbs emulator, its wire on the veth).
+Env NETNS_EXPECT_IP: the address the engine must advertise.
 
 Checks are recorded, not raised, so one mismatch does not desynchronise the
 ranks; an exception (engine error, timeout) ends the rank at once.  Exit 0 only
@@ -48,7 +50,7 @@ def main() -> int:
     dist.all_gather_object(nodes, my_node)
     check(len(set(nodes)) == 2, f"expected ranks on 2 nodes, got node ranks {nodes}")
 
-    ctx = collective.init_collective(use_copy_engine_for_intra=(mode == "copy"), timeout_s=30)
+    ctx = collective.init_collective(use_copy_engine_for_intra=(mode != "dist"), timeout_s=30)
     ip = ctx.ep.address()[0]
     check(ip == os.environ["NETNS_EXPECT_IP"],
           f"engine advertises {ip}, expected {os.environ['NETNS_EXPECT_IP']} "
@@ -61,8 +63,9 @@ def main() -> int:
             continue
         tp = ctx.transport_to(p)
         if nodes[p] != my_node:
-            check(tp == "tcp", f"transport_to({p}) (other node) = {tp!r}, expected 'tcp'")
-        elif mode == "copy":
+            want = "rdma" if mode == "rdma" else "tcp"
+            check(tp == want, f"transport_to({p}) (other node) = {tp!r}, expected {want!r}")
+        elif mode != "dist":
             check(tp.startswith("shm"), f"transport_to({p}) (same node) = {tp!r}, expected shm-*")
         else:
             check(tp == "torch.distributed",

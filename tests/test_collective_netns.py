@@ -4,7 +4,10 @@ one torchrun per namespace (static rendezvous, 2 ranks each, world 4).
 The namespaces share one kernel (one boot id), so the library must tell the
 nodes apart through torchrun's GROUP_RANK: cross-node peers must go through
 the engine over TCP (on the veth addresses), same-node peers through shared
-memory (use_copy_engine_for_intra=True) or torch.distributed (False).  The
+memory (use_copy_engine_for_intra=True) or torch.distributed (False).  In the
+rdma_inter case each node also has an emulated RDMA NIC (tests/ibv_emu, its
+port and wire on the node's veth address): cross-node peers must then use
+RDMA, same-node ones shared memory.  The
 worker (tests/_netns_worker.py) checks transports, allgather (direct and ring,
 tensor and list receive), allgatherv and a cross-node sendrecv ring step
 against dist.all_gather / known data, bit for bit.
@@ -22,6 +25,7 @@ import time
 
 import pytest
 
+import _ibv_emu
 from _harness import kill_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,7 +110,7 @@ def _kill_netns(ns: str) -> None:
 
 def _run_job(nodes, mode: str, tmp_path) -> float:
     """Both torchruns of one job; fails naming the node that failed or hung."""
-    base = {k: v for k, v in os.environ.items() if k not in _DROP}
+    base = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("UCCL_IBV")}
     base.update(PYTHONPATH=REPO + os.pathsep + base.get("PYTHONPATH", ""),
                 UCCL_P2P_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                 TORCH_CPP_LOG_LEVEL="ERROR")
@@ -117,6 +121,8 @@ def _run_job(nodes, mode: str, tmp_path) -> float:
         for i, (ns, veth, addr) in enumerate(nodes):
             env = dict(base, UCCL_SOCKET_IFNAME=veth, GLOO_SOCKET_IFNAME=veth,
                        NETNS_EXPECT_IP=addr)
+            if mode == "rdma":  # each node's emulated NIC on its veth address
+                env.update(UCCL_IBVERBS_LIB=_ibv_emu.path(), UCCL_IBV_EMU_IPV4=addr)
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
                    "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "2",
                    "--rdzv_backend", "static", "--master_addr", master,
@@ -166,7 +172,7 @@ def _run_job(nodes, mode: str, tmp_path) -> float:
     return elapsed
 
 
-@pytest.mark.parametrize("mode", ["copy", "dist"],
-                         ids=["copy_engine_intra", "torch_distributed_intra"])
+@pytest.mark.parametrize("mode", ["copy", "dist", "rdma"],
+                         ids=["copy_engine_intra", "torch_distributed_intra", "rdma_inter"])
 def test_two_node_netns(two_nodes, mode, tmp_path):
     _run_job(two_nodes, mode, tmp_path)

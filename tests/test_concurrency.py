@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from _harness import TRANSPORTS, addr, all_poison, poisoned, rand_bytes, run_pair, sha, MiB
+from _harness import TRANSPORTS, addr, all_poison, peer_ip, poisoned, rand_bytes, run_pair, sha, MiB
 
 NCONN, PER_CONN = 4, 2
 
@@ -67,7 +67,7 @@ def _client(ch):
     port = ch.recv("port")
     conns = []
     for c in range(NCONN):
-        ok, conn = ep.connect("127.0.0.1", -1, remote_port=port)
+        ok, conn = ep.connect(peer_ip(), -1, remote_port=port)
         assert ok is True
         conns.append(conn)
         ch.send(f"connected{c}")
@@ -137,7 +137,7 @@ def _stall_client(ch):
     port = ch.recv("port")
     conns = []
     for c in range(2):
-        conns.append(ep.connect("127.0.0.1", 0, remote_port=port)[1])
+        conns.append(ep.connect(peer_ip(), 0, remote_port=port)[1])
         ch.send(f"connected{c}")
     live = rand_bytes(4 * MiB + 1, 7)
     ep.send(conns[1], ep.reg(addr(live), live.nbytes)[1], addr(live), live.nbytes)

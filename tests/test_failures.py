@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from _harness import (MiB, TRANSPORT_NAMES, TRANSPORTS, Pair, addr, all_poison, catch, poisoned,
-                      rand_bytes, run_one, run_pair)
+from _harness import (MiB, TRANSPORT_NAMES, TRANSPORTS, Pair, addr, all_poison, catch, peer_ip,
+                      poisoned, rand_bytes, run_one, run_pair)
 
 BIG = 64 * MiB
 SURVIVOR_TIMEOUT = 10.0   # the survivor's timeout_s; peer death must be noticed well before
@@ -200,7 +200,7 @@ def _silent_peer(ch):
 
     ep = Endpoint(port=0, timeout_s=5)
     port = ch.recv("port")
-    conns = [ep.connect("127.0.0.1", -1, remote_port=port)[1] for _ in range(2)]
+    conns = [ep.connect(peer_ip(), -1, remote_port=port)[1] for _ in range(2)]
     ch.recv("timed_out", timeout=30)
     # too late: the receiver gave up on connection 2, so this must not land
     data = rand_bytes(4097, 9)

@@ -25,15 +25,23 @@ from _harness import MiB, Pair, addr, all_poison, catch, poisoned, rand_bytes, r
 
 SCENARIOS = ["write_imm", "read", "bad_rkey", "out_of_bounds", "no_remote_read", "bad_lkey",
              "ordered", "rnr_wait", "rnr_exceeded", "peer_dies", "peer_dies_midway",
-             "state_machine", "send", "send_too_long"]
+             "state_machine", "send", "send_too_long", "rnr_requester_count",
+             "qp_no_remote_write", "read_into_readonly", "recv_no_local_write", "cq_order",
+             "flush_on_err", "send_inline", "cq_events"]
 
 
+@pytest.mark.parametrize("wire", ["unix", "tcp"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_emulator_semantics(scenario):
+def test_emulator_semantics(scenario, wire):
     """One RC semantic of the emulator between two processes, checked by the
-    C driver (what each scenario asserts is written next to it there)."""
+    C driver (what each scenario asserts is written next to it there); over
+    each of the emulator's wires: abstract Unix sockets (the default) and
+    TCP (UCCL_IBV_EMU_IPV4, here on loopback; what two hosts use)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCCL_IBV_EMU")}
+    if wire == "tcp":
+        env["UCCL_IBV_EMU_IPV4"] = "127.0.0.1"
     p = subprocess.run([_ibv_emu.check_path(), _ibv_emu.path(), scenario], capture_output=True,
-                       text=True, timeout=90)
+                       text=True, timeout=90, env=env)
     assert p.returncode == 0 and f"OK {scenario}" in p.stdout, p.stdout + p.stderr
 
 
@@ -45,8 +53,15 @@ def test_emulator_symbol_versions():
                          text=True, timeout=30, check=True).stdout
     for name in ("ibv_get_device_list", "ibv_open_device", "ibv_query_port", "ibv_query_gid",
                  "ibv_alloc_pd", "ibv_reg_mr", "ibv_dereg_mr", "ibv_create_cq",
-                 "ibv_create_qp", "ibv_modify_qp", "ibv_destroy_qp", "ibv_query_qp"):
+                 "ibv_create_qp", "ibv_modify_qp", "ibv_destroy_qp", "ibv_query_qp",
+                 # what rdma-core's programs import besides (test_ibv_programs.py)
+                 "ibv_get_device_guid", "ibv_query_device", "ibv_get_cq_event",
+                 "ibv_ack_cq_events", "ibv_wc_status_str"):
         assert f"{name}@@IBVERBS_1.1" in out, name
+    for name in ("ibv_create_comp_channel", "ibv_destroy_comp_channel", "ibv_read_sysfs_file"):
+        assert f"{name}@@IBVERBS_1.0" in out, name
+    assert "ibv_qp_to_qp_ex@@IBVERBS_1.6" in out
+    assert "ibv_query_gid_type@@IBVERBS_PRIVATE_34" in out
     assert "_ibv_query_gid_ex@@IBVERBS_1.11" in out
     assert "ibv_post_send" not in out, "the data path is inline (context ops), never exported"
 

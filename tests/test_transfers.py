@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from _harness import (GUARD, MiB, TRANSPORT_NAMES, TRANSPORTS, addr, all_poison, catch, poisoned,
-                      rand_bytes, run_pair, sha)
+from _harness import (GUARD, MiB, TRANSPORT_NAMES, TRANSPORTS, addr, all_poison, catch, peer_ip,
+                      poisoned, rand_bytes, run_pair, sha)
 
 SIZES = [0, 1, 4097, 64 * MiB]
 IOV_SIZES = [1, 4097, 0, 65536]
@@ -70,7 +70,8 @@ def _server_setup(ch, timeout_s=30):
     ep = Endpoint(port=0, timeout_s=timeout_s)
     ch.send("meta", ep.get_metadata())
     ok, ip, gpu, conn = ep.accept()
-    assert ok is True and ip == "127.0.0.1" and gpu == -1, (ok, ip, gpu)
+    # (the client's address: loopback, or its own host's in two-host runs)
+    assert ok is True and ip == peer_ip() and gpu == -1, (ok, ip, gpu)
     return ep, conn
 
 

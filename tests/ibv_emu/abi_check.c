@@ -1,11 +1,13 @@
 /* Compiled against rdma-core's own <infiniband/verbs.h> (when installed):
  * every struct member, size and constant the engine declares itself in
- * csrc/load/ibv_loader.h (and the emulator relies on) must match.  A mismatch
- * is a compile error naming it. */
+ * csrc/load/ibv_loader.h, and the emulator in ibv_emu.h (what rdma-core's
+ * programs read: devices, device attributes, completion channels, the CQ's
+ * event counters), must match.  A mismatch is a compile error naming it. */
 #include <stddef.h>
 #include <infiniband/verbs.h>
 
 #include "load/ibv_loader.h"
+#include "ibv_emu.h"
 
 #define SAME_SIZE(a, b) _Static_assert(sizeof(struct a) == sizeof(struct b), #a " size")
 #define SAME_OFF(a, b, f, g) \
@@ -108,5 +110,43 @@ SAME(IBV_WC_WITH_IMM, IBV_WC_WITH_IMM_); SAME(IBV_PORT_ACTIVE, IBV_PORT_ACTIVE_)
 SAME(IBV_LINK_LAYER_INFINIBAND, IBV_LINK_LAYER_INFINIBAND_);
 SAME(IBV_LINK_LAYER_ETHERNET, IBV_LINK_LAYER_ETHERNET_);
 SAME(IBV_GID_TYPE_ROCE_V2, IBV_GID_TYPE_ROCE_V2_); SAME(IBV_GID_TYPE_ROCE_V1, IBV_GID_TYPE_ROCE_V1_);
+
+/* The emulator's own declarations (ibv_emu.h) */
+SAME_SIZE(ibv_device, ibv_device_s);
+SAME_OFF(ibv_device, ibv_device_s, transport_type, transport_type);
+SAME_OFF(ibv_device, ibv_device_s, name, name);
+SAME_OFF(ibv_device, ibv_device_s, ibdev_path, ibdev_path);
+SAME_SIZE(ibv_comp_channel, ibv_comp_channel_s);
+SAME_OFF(ibv_comp_channel, ibv_comp_channel_s, fd, fd);
+SAME_OFF(ibv_comp_channel, ibv_comp_channel_s, refcnt, refcnt);
+SAME_SIZE(ibv_device_attr, ibv_device_attr_s);
+SAME_OFF(ibv_device_attr, ibv_device_attr_s, node_guid, node_guid);
+SAME_OFF(ibv_device_attr, ibv_device_attr_s, max_qp_wr, max_qp_wr);
+SAME_OFF(ibv_device_attr, ibv_device_attr_s, atomic_cap, atomic_cap);
+SAME_OFF(ibv_device_attr, ibv_device_attr_s, max_srq_sge, max_srq_sge);
+SAME_OFF(ibv_device_attr, ibv_device_attr_s, max_pkeys, max_pkeys);
+SAME_OFF(ibv_device_attr, ibv_device_attr_s, phys_port_cnt, phys_port_cnt);
+_Static_assert(sizeof(((struct ibv_device_attr *)0)->atomic_cap) == sizeof(int), "atomic_cap");
+/* ibv_get_cq_event/ibv_ack_cq_events/ibv_destroy_cq use the CQ's own lock */
+SAME_OFF(ibv_cq, ibv_cq_s, channel, channel);
+SAME_OFF(ibv_cq, ibv_cq_s, cq_context, cq_context);
+SAME_OFF(ibv_cq, ibv_cq_s, mutex, mutex);
+SAME_OFF(ibv_cq, ibv_cq_s, cond, cond);
+SAME_OFF(ibv_cq, ibv_cq_s, comp_events_completed, comp_events_completed);
+SAME_OFF(ibv_qp, ibv_qp_s, qp_context, qp_context);
+SAME_OFF(ibv_qp_attr, ibv_qp_attr_s, cap, cap);
+SAME_OFF(ibv_qp_attr, ibv_qp_attr_s, sq_psn, sq_psn);
+SAME_OFF(ibv_qp_cap, ibv_qp_cap_s, max_inline_data, max_inline_data);
+SAME_OFF(ibv_port_attr, ibv_port_attr_s, active_speed, active_speed);
+SAME_OFF(ibv_port_attr, ibv_port_attr_s, phys_state, phys_state);
+SAME(IBV_SEND_SOLICITED, IBV_SEND_SOLICITED_); SAME(IBV_SEND_INLINE, IBV_SEND_INLINE_);
+/* The emulator's context is a legacy one: a struct verbs_context ends with
+ * the struct ibv_context that programs see, and verbs.h reaches the
+ * extended members before it only where abi_compat holds the marker
+ * below, which the emulator never sets (so ibv_query_device_ex & co. take
+ * their legacy path). */
+_Static_assert(offsetof(struct verbs_context, context) + sizeof(struct ibv_context) ==
+               sizeof(struct verbs_context), "verbs_context ends with ibv_context");
+_Static_assert(__VERBS_ABI_IS_EXTENDED == (void *)-1, "the extended-context marker");
 
 int main(void) { return 0; }
