@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import itertools
 import json
+import logging
 import numbers
 import os
 import secrets
@@ -40,6 +41,8 @@ from .gpu_ring import GpuRing, Remote
 from .handles import Handle, StreamHandle, _flatten_handles, _handle  # noqa: F401
 from .stream_group import NO_STREAM, StreamGroup, stream_args  # noqa: F401
 from .stream_group import enabled as _stream_ordered
+
+log = logging.getLogger("uccl_collective")
 
 __all__ = [
     "CollectiveContext", "Handle", "P2POp", "init_collective", "get_collective",
@@ -107,6 +110,23 @@ class P2POp:
         return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
 
 
+def _group_moves_cuda(group: Any) -> bool:
+    """Can the torch.distributed group move CUDA tensors point to point?
+    Gloo cannot (it reads a device pointer as host memory); a group made
+    for several devices ("cpu:gloo,cuda:nccl") can when CUDA has its own."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:   # "cpu:gloo,cuda:nccl"
+        per_device = dict(part.split(":", 1) for part in backend.split(","))
+        return per_device.get("cuda", "gloo") != "gloo"
+    return backend != "gloo"
+
+
+def _uses_cuda() -> bool:
+    """Will this rank move CUDA tensors?  What it can tell at setup: a GPU
+    is visible to torch."""
+    return torch.cuda.is_available()
+
+
 class CollectiveContext:
     """CollectiveContext(num_cpus=4, local_gpu_idx=None, use_copy_engine_for_intra=False)
 
@@ -119,7 +139,14 @@ class CollectiveContext:
     the context, else under a per-process sequence number).
     ``timeout_s`` bounds every blocking call (default UCCL_P2P_TIMEOUT_S or
     300 s); ``group`` is the torch.distributed group same-node traffic uses
-    when use_copy_engine_for_intra=False (default: the world)."""
+    when use_copy_engine_for_intra=False (default: the world).
+
+    Where that group cannot move CUDA tensors (Gloo, as upstream's scripts
+    bootstrap) and a rank of a node sees a GPU, same-node traffic goes
+    through this engine instead, as with use_copy_engine_for_intra=True
+    (copy engine for CUDA tensors, shared memory for CPU ones), with one
+    INFO line saying so: every rank takes the same decision from what all
+    published at setup."""
 
     def __init__(self, num_cpus: int = 4, local_gpu_idx: int | None = None,
                  use_copy_engine_for_intra: bool = False, *,
@@ -236,11 +263,13 @@ class CollectiveContext:
     def _connect_all(self, store, node: str, secret: str) -> None:
         n, me, ep = self.world_size, self.rank, self.ep
         ip, port = ep.address()
-        store.set(f"meta/{me}", json.dumps({"ip": ip, "port": port, "node": node}))
+        store.set(f"meta/{me}", json.dumps({"ip": ip, "port": port, "node": node,
+                                            "cuda": _uses_cuda()}))
         self._store_wait(store, [f"meta/{r}" for r in range(n)], list(range(n)),
                          "every rank's address")
         metas = [json.loads(store.get(f"meta/{r}")) for r in range(n)]
         self.nodes = [m["node"] for m in metas]
+        self._route_cuda_through_engine(metas)
         self._engine_peer = [r != me and (self.use_copy_engine_for_intra or
                                           self.nodes[r] != node) for r in range(n)]
         # Whether every pair of ranks talks through this engine: the same on
@@ -511,6 +540,22 @@ class CollectiveContext:
             h.wait(self.timeout_s)
             return None
         return h
+
+    def _route_cuda_through_engine(self, metas: list[dict]) -> None:
+        """Same-node traffic goes through torch.distributed (upstream's
+        use_copy_engine_for_intra=False) only where its group can move the
+        CUDA tensors some rank of the node will send: else through this
+        engine.  Decided from every rank's published metadata, so the same
+        on every rank."""
+        if self.use_copy_engine_for_intra or not (dist.is_available() and dist.is_initialized()):
+            return   # the engine already, or no torch.distributed group to use
+        if not any(m.get("cuda") for m in metas) or _group_moves_cuda(self._group):
+            return
+        self.use_copy_engine_for_intra = True
+        log.info("CollectiveContext (rank %d): the torch.distributed group's backend (%s) cannot "
+                 "move CUDA tensors: same-node traffic goes through uccl_collective's engine "
+                 "(CUDA IPC for CUDA tensors, shared memory for CPU ones), as with "
+                 "use_copy_engine_for_intra=True", self.rank, dist.get_backend(self._group))
 
     def _check_torch_route(self, t: torch.Tensor, what: str) -> None:
         """Gloo reads a CUDA tensor's device pointer as host memory and
