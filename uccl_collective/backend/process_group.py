@@ -583,6 +583,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if ob[me][1] - ob[me][0] != ib[me][1] - ib[me][0]:
             raise ValueError(f"{what}: this rank sends itself {ib[me][1] - ib[me][0]} elements "
                              f"but expects {ob[me][1] - ob[me][0]}")
+        if out.is_contiguous() and inp.is_contiguous():
+            fo, fi = out.reshape(-1), inp.reshape(-1)
+            work = self._streamed_all_to_all([fo[a:b] for a, b in ob], [fi[a:b] for a, b in ib],
+                                             [output_tensor], (inp,), what)
+            if work is not None:
+                return work
         alg = self._alg
         counts = [b - a for a, b in ib] + [b - a for a, b in ob]
 
@@ -615,6 +621,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if outs[me].numel() != ins[me].numel():
             raise ValueError(f"{what}: this rank sends itself {ins[me].numel()} elements but "
                              f"expects {outs[me].numel()}")
+        if all(t.is_contiguous() for t in outs + ins):
+            work = self._streamed_all_to_all(outs, ins, list(output_tensors), tuple(ins), what)
+            if work is not None:
+                return work
         alg = self._alg
         counts = [i.numel() for i in ins] + [o.numel() for o in outs]
 
@@ -657,6 +667,35 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         self._keep_unfinished_p2p()
         self._p2p_live.append((codes, (t, tensors)))
         return P2PWork(sg, codes, list(tensors))
+
+    def _streamed_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                             result: list, uses: tuple, what: str) -> P2PWork | None:
+        """all_to_all of contiguous CUDA tensors of one device where the
+        group's ranks share this host (the dispatch's row 6): a message to
+        and from every peer, all posted here at once on the pairs' streams
+        with no host hand-off (StreamGroup.all_to_all), and the own chunk
+        copied on the current stream; a P2PWork, as NCCL's all_to_all is
+        its grouped sends and receives.  None elsewhere (the task of rows
+        3-5).  Split sizes the peers disagree on fail the group, naming
+        both sides' bytes."""
+        dev = outs[0].device
+        if not all(t.is_cuda and t.device == dev for t in outs + ins):
+            return None
+        sg = self._d.p2p(outs[0], what)
+        if sg is None:
+            return None
+        me = self.rank()
+        prof = _profiling.begin(what, list(uses))
+        try:
+            outs[me].copy_(ins[me])
+            codes = sg.all_to_all(stream_group._raw_stream(sg.dev),
+                                  [(t.data_ptr(), t.numel() * t.element_size()) for t in ins],
+                                  [(t.data_ptr(), t.numel() * t.element_size()) for t in outs])
+        finally:
+            _profiling.end(prof)
+        self._keep_unfinished_p2p()
+        self._p2p_live.append((codes, (outs, ins, uses)))
+        return P2PWork(sg, codes, result)
 
     def _keep_unfinished_p2p(self) -> None:
         """Drop the tensors of messages in place; once the group failed (the

@@ -65,6 +65,10 @@ facts hold is the route:
       has a stream group on its device          the pair's stream, a P2PWork.  A capture
                                                 raises.  (Else a task of the p2p
                                                 channel: row 4 or 5)
+      all_to_all / all_to_all_single of         a message to and from every peer, posted
+      contiguous CUDA tensors of that device    at once on the pairs' streams (no host
+      (before rows 3-5)                         hand-off), the own chunk copied on the
+                                                caller's stream, a P2PWork
 
 Rows 1 and 2 take the same facts; row 1 is their common case made in C
 (csrc/py/py_fastpath.c: its checks mirror fast() and kernel_codes();

@@ -320,6 +320,27 @@ class StreamGroup:
             out.append((peer, send, ptr, nb, self.pair_stream(peer) if ok else 0))
         return self.c.p2p(caller, out)
 
+    def all_to_all(self, caller: int, sends: Sequence[tuple[int, int]],
+                   recvs: Sequence[tuple[int, int]]) -> list[int]:
+        """all_to_all as messages: sends[j] and recvs[j], (ptr, nbytes), go
+        to and come from rank j, every pair's two in one post, after the
+        work on stream `caller`, with no host hand-off (a round of the
+        group's thread before).  The own chunk (sends[rank] to
+        recvs[rank]) is the caller's to copy on its stream.  Unequal and
+        empty chunks are messages like any other (an empty one still pairs
+        with the peer's); sizes that differ between the two sides of a
+        pair fail the group, naming both.  Returns the codes."""
+        n, me = self.size, self.rank
+        if len(sends) != n or len(recvs) != n:
+            raise ValueError(f"all_to_all: {len(sends)} sends and {len(recvs)} receives for a "
+                             f"group of {n}")
+        msgs = []
+        for k in range(1, n):   # rank me+k first: the pairs' streams start staggered
+            j = (me + k) % n
+            msgs.append((j, True, *sends[j]))
+            msgs.append((j, False, *recvs[j]))
+        return self.p2p(caller, msgs) if msgs else []
+
     def _make_arena(self, peer: int, eager: int) -> None:
         with self._arena_lock:   # one per peer, whichever thread sends first
             if peer in self._arenas:
