@@ -12,8 +12,10 @@ p2p stands on the engine alone, core on p2p, backend on core.
 from . import collective, gpu_ring, p2p  # noqa: F401 (the public modules)
 from ._engine import UcclError, UcclMismatchError, UcclTimeoutError, UcclUnknownIdError
 from .backend import register as _register_backend
+from .core import not_traced as _not_traced
 
 _register_backend()  # torch.distributed.init_process_group("uccl")
+_not_traced.install()  # torch.compile runs this package's frames as they are
 
 __all__ = ["UcclError", "UcclMismatchError", "UcclTimeoutError", "UcclUnknownIdError"]
 __version__ = "0.1.0"

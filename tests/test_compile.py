@@ -1,0 +1,109 @@
+"""torch.compile with the "uccl" backend (core/not_traced.py): a compiled
+DDP model trains, bit for bit as the same compiled model on Gloo (dynamo
+used to fail hard on the backend's Python frames, which DDP's reducer
+calls at a graph break); a compiled function that calls dist.all_reduce
+gives the sum; and the package goes on dynamo's skip list only once dynamo
+is imported (importing it costs about a second)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+CTX = mp.get_context("spawn")
+
+
+def _rank(rank, ws, backend, path, q):
+    import faulthandler
+    faulthandler.dump_traceback_later(240, exit=True)   # a hang names its stack
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import uccl_collective  # noqa: F401 - registers "uccl"
+        dist.init_process_group(backend, store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        model = torch.compile(torch.nn.parallel.DistributedDataParallel(m))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):   # the reducer rebuilds its buckets after the first
+            model(torch.randn(8, 16, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        @torch.compile
+        def scaled_sum(x):
+            y = x * 2
+            dist.all_reduce(y)
+            return y + 1
+        x = torch.from_numpy(np.random.default_rng(7 + rank).integers(-1000, 1000, 33)).float()
+        got = scaled_sum(x)
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, ([p.detach().numpy().copy() for p in m.parameters()], got.numpy().copy())))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def _job(tmp_path, backend, ws=2):
+    q = CTX.Queue()
+    ps = [CTX.Process(target=_rank, args=(r, ws, backend, str(tmp_path / backend), q))
+          for r in range(ws)]
+    for p in ps:
+        p.start()
+    try:
+        got = dict(q.get(timeout=300) for _ in ps)
+    finally:
+        for p in ps:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    for r in range(ws):
+        assert not isinstance(got[r], str), f"{backend} rank {r}: {got[r]}"
+    return got
+
+
+def test_compiled_ddp_and_a_compiled_all_reduce_match_gloo(tmp_path):
+    uccl, gloo = _job(tmp_path, "uccl"), _job(tmp_path, "gloo")
+    xs = [np.random.default_rng(7 + r).integers(-1000, 1000, 33).astype(np.float32)
+          for r in range(2)]
+    want = sum(x * 2 for x in xs) + 1
+    for r in range(2):
+        for i, (a, b) in enumerate(zip(uccl[r][0], gloo[r][0])):
+            assert np.array_equal(a, b), f"rank {r}: parameter {i} differs from Gloo's"
+        assert np.array_equal(uccl[r][1], want), (r, uccl[r][1], want)
+    # and DDP kept the ranks' models equal
+    for a, b in zip(uccl[0][0], uccl[1][0]):
+        assert np.array_equal(a, b)
+
+
+def _fresh(code: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip()
+
+
+def test_the_skip_list_waits_for_dynamo_and_then_holds_the_package():
+    out = _fresh(
+        "import sys, os, uccl_collective\n"
+        "print('loaded' if 'torch._dynamo.trace_rules' in sys.modules else 'not loaded')\n"
+        "import torch._dynamo.trace_rules as tr\n"
+        "d = os.path.dirname(uccl_collective.__file__)\n"
+        "print(any(s.rstrip('/') == d for s in tr.SKIP_DIRS), bool(tr.SKIP_DIRS_RE.match("
+        "uccl_collective.backend.process_group.__file__)))\n")
+    assert out.splitlines() == ["not loaded", "True True"], out
+
+
+def test_dynamo_loaded_first_is_covered_too():
+    out = _fresh(
+        "import os, torch._dynamo.trace_rules as tr, uccl_collective\n"
+        "d = os.path.dirname(uccl_collective.__file__)\n"
+        "print(sum(s.rstrip('/') == d for s in tr.SKIP_DIRS))\n"
+        "from uccl_collective.core import not_traced; not_traced.install()\n"
+        "print(sum(s.rstrip('/') == d for s in tr.SKIP_DIRS))\n")
+    assert out.splitlines() == ["1", "1"], out
