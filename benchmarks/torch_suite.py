@@ -378,13 +378,14 @@ def _read(results: pathlib.Path) -> dict:
 
 
 def load(folder: pathlib.Path, backend: str, ws: int, names: list[str]) -> dict:
-    """An earlier run's results for the selected tests."""
-    path = folder / f"results_{backend}_ws{ws}.jsonl"
-    if not path.exists():
-        raise SystemExit(f"--reference: {path} does not exist")
-    got = {n: r for n, r in _read(path).items() if n in set(names)}
+    """An earlier run's results for the selected tests (every range of it
+    found in folder and its subfolders)."""
+    if not any(folder.rglob(f"results_{backend}_ws{ws}*.jsonl")):
+        raise SystemExit(f"--reference: no results_{backend}_ws{ws}*.jsonl in {folder}")
+    got = {n: r for n, r in merge([folder], backend, ws).items() if n in set(names)}
     for n in names:
-        got.setdefault(n, {"test": n, "status": "not run", "reason": f"not in {path}",
+        got.setdefault(n, {"test": n, "status": "not run",
+                           "reason": f"not in {folder}'s results_{backend}_ws{ws}*.jsonl",
                            "seconds": 0})
     return got
 

@@ -215,3 +215,15 @@ def test_device_script_is_valid_bash():
     assert p.returncode == 0, p.stderr
     text = script.read_text()
     assert "--as nccl" in text and "--shard" in text and "--from" in text
+
+
+def test_reference_reads_every_range(tmp_path):
+    ts = _launcher()
+    _write_range(tmp_path / "a", "nccl", "_shard01of02", ["test_a"], {"test_a": ("passed", "")})
+    _write_range(tmp_path / "b", "nccl", "_shard02of02", ["test_b", "test_c"],
+                 {"test_b": ("failed", "x")})
+    got = ts.load(tmp_path, "nccl", 2, ["test_a", "test_b", "test_c", "test_z"])
+    assert {n: r["status"] for n, r in got.items()} == {
+        "test_a": "passed", "test_b": "failed", "test_c": "not run", "test_z": "not run"}
+    with pytest.raises(SystemExit, match="--reference"):
+        ts.load(tmp_path, "uccl", 2, ["test_a"])
