@@ -301,25 +301,48 @@ def _env(backend: str, ws: int, copy_dir: pathlib.Path, results: pathlib.Path,
     return env
 
 
-def list_tests(copy_dir: pathlib.Path, as_: str = "gloo") -> list[str]:
+def list_tests(copy_dir: pathlib.Path, as_: str = "gloo",
+               static_skips: set | None = None) -> list[str]:
+    """The suite's test names; static_skips, if given, receives those it
+    skips by a decorator chosen at import (no rank is started for them)."""
     env = _env("nccl" if as_ == "nccl" else "gloo", 2, copy_dir, copy_dir / "unused", "cpu", 60,
                as_=as_)
     with tempfile.TemporaryDirectory() as tmp:
         env["TEMP_DIR"] = tmp
         out = subprocess.run([sys.executable, str(CHILD), "--list"], env=env, check=True,
                              capture_output=True, text=True, timeout=300).stdout
-    return [n for n in out.split() if n.startswith("test_")]
+    names = []
+    for line in out.splitlines():
+        words = line.split()
+        if words and words[0].startswith("test_"):
+            names.append(words[0])
+            if static_skips is not None and words[1:] == ["skip"]:
+                static_skips.add(words[0])
+    return names
 
 
-def shard(names: list[str], spec: str) -> tuple[list[str], str]:
-    """The i-th of N contiguous ranges of the (sorted) names, spec "i/N"
-    (1 <= i <= N), and the suffix of its files ("_shard03of12")."""
+#: A test skipped by a decorator at import costs next to nothing.
+_STATIC_SKIP_WEIGHT = 0.01
+
+
+def shard(names: list[str], spec: str, static_skips: set | None = None
+          ) -> tuple[list[str], str]:
+    """The i-th of N contiguous ranges of the names in name order, spec
+    "i/N" (1 <= i <= N), and the suffix of its files ("_shard03of12").  The
+    ranges are cut so that each holds about as many tests that start ranks
+    (those not in static_skips) as the others."""
     m = re.fullmatch(r"(\d+)/(\d+)", spec or "")
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
         raise SystemExit(f"--shard: expected i/N with 1 <= i <= N, got {spec!r}")
     i, n = int(m.group(1)), int(m.group(2))
     names = sorted(names)
-    part = names[(i - 1) * len(names) // n:i * len(names) // n]
+    skips = static_skips or set()
+    weights = [_STATIC_SKIP_WEIGHT if t in skips else 1.0 for t in names]
+    total, before, part = sum(weights), 0.0, []
+    for t, w in zip(names, weights):
+        if min(n - 1, int((before + w / 2) / total * n)) == i - 1:
+            part.append(t)
+        before += w
     return part, f"_shard{i:02d}of{n:02d}"
 
 
@@ -592,12 +615,16 @@ def main(argv: list[str] | None = None) -> int:
             copy_dir = pathlib.Path(copy_tmp)
             for note in (make_copy_as_nccl(copy_dir) if nccl else make_copy(copy_dir)):
                 print(f"torch_suite: note: {note}", flush=True)
-            names = pick(list_tests(copy_dir, args.as_))
+            static_skips: set = set()
+            names = pick(list_tests(copy_dir, args.as_, static_skips))
             if args.shard:
-                names, suffix = shard(names, args.shard)
-                if names:
-                    print(f"torch_suite: range {args.shard}: {len(names)} tests, {names[0]} .. "
-                          f"{names[-1]}", flush=True)
+                names, suffix = shard(names, args.shard, static_skips)
+                if not names:
+                    print(f"torch_suite: range {args.shard}: no test", flush=True)
+                    return 0
+                print(f"torch_suite: range {args.shard}: {len(names)} tests "
+                      f"({len(set(names) - static_skips)} start ranks), {names[0]} .. "
+                      f"{names[-1]}", flush=True)
             if not names:
                 raise SystemExit("no test selected")
             pre = env_skips(pathlib.Path(args.skip_env_skips)) if args.skip_env_skips else {}

@@ -227,3 +227,25 @@ def test_reference_reads_every_range(tmp_path):
         "test_a": "passed", "test_b": "failed", "test_c": "not run", "test_z": "not run"}
     with pytest.raises(SystemExit, match="--reference"):
         ts.load(tmp_path, "uccl", 2, ["test_a"])
+
+
+def test_ranges_share_out_the_tests_that_start_ranks():
+    ts = _launcher()
+    names = [f"test_{i:03d}" for i in range(100)]
+    skips = {n for n in names[:80]}          # the first 80 skip at import, the last 20 run
+    parts = [ts.shard(names, f"{i}/4", skips)[0] for i in range(1, 5)]
+    assert [t for part in parts for t in part] == names
+    running = [len(set(p) - skips) for p in parts]
+    assert max(running) - min(running) <= 2 and sum(running) == 20, running
+    assert set(parts[0]) >= skips             # the cheap ones go together
+
+
+def test_the_listing_tells_static_skips(tmp_path):
+    ts = _launcher()
+    ts.make_copy_as_nccl(tmp_path)
+    skips: set = set()
+    names = ts.list_tests(tmp_path, "nccl", skips)
+    assert len(names) > 100 and names == sorted(names)
+    # gated at import as for NCCL: a CPU-tensor test skips there, a CUDA one starts ranks
+    assert "test_all_reduce_sum" in skips and "test_all_reduce_sum_cuda" not in skips
+    assert "test_send_recv_nccl" not in skips and "test_send_recv" in skips
