@@ -1,4 +1,4 @@
-"""Runs torch's own distributed conformance suite against "uccl" and Gloo.
+"""Runs torch's own distributed conformance suite against "uccl" and Gloo (or NCCL).
 
 The suite is ``torch.testing._internal.distributed.distributed_test``
 (``DistributedTest._DistTestBase`` with ``TestDistBackend``), as torch's
@@ -544,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tests", default="", help="comma-separated test names to run")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only the I-th of N contiguous ranges of the selected tests in "
-                        "name order; its files are named ..._shardIofN (merge them with --from)")
+                        "name order, cut so that each holds about as many tests that start "
+                        "ranks; its files are named ..._shardIIofNN (merge them with --from)")
     p.add_argument("--reference", default=None, metavar="DIR",
                    help="take the reference backend's (the second's) results from an earlier "
                         "run's output folder instead of running it again")
