@@ -417,7 +417,9 @@ def merge(folders: list[pathlib.Path], backend: str, ws: int) -> dict:
     """The results of every range run for backend and world size, gathered
     from the folders (searched recursively): {test: record}.  A test that a
     range was given (its tests_*.json) and that has no result is "not run";
-    a test recorded twice keeps its last record in name order of the files."""
+    a test recorded more than once keeps the record of the last folder (a
+    range run again in a later call wins), within a folder of the last file
+    in name order."""
     got, given = {}, {}
     for folder in folders:
         for path in sorted(folder.rglob(f"tests_{backend}_ws{ws}*.json")):
@@ -556,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="from_dirs", action="append", default=[], metavar="DIR",
                    help="run nothing: write the report from the results of earlier runs "
                         "(every range of them, searched for in DIR and its subfolders; "
-                        "repeatable); tests a range was given but did not record are not run")
+                        "repeatable; a test recorded in several folders is taken from the "
+                        "last); tests a range was given but did not record are not run")
     p.add_argument("--start", choices=("spawn", "fork"), default="spawn",
                    help="how the suite starts each test's ranks: spawn (torch's "
                         "test_distributed_spawn.py; default) or fork (torch's former "

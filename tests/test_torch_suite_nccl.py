@@ -249,3 +249,16 @@ def test_the_listing_tells_static_skips(tmp_path):
     # gated at import as for NCCL: a CPU-tensor test skips there, a CUDA one starts ranks
     assert "test_all_reduce_sum" in skips and "test_all_reduce_sum_cuda" not in skips
     assert "test_send_recv_nccl" not in skips and "test_send_recv" in skips
+
+
+def test_a_range_run_again_later_wins(tmp_path):
+    ts = _launcher()
+    names = ["test_a", "test_b"]
+    _write_range(tmp_path / "call1", "uccl", "_shard01of01", names,
+                 {"test_a": ("failed", "timeout")})                      # cut short
+    _write_range(tmp_path / "call2", "uccl", "_shard01of01", names,
+                 {"test_a": ("passed", ""), "test_b": ("passed", "")})   # run again
+    got = ts.merge([tmp_path / "call1", tmp_path / "call2"], "uccl", 2)
+    assert {n: r["status"] for n, r in got.items()} == {"test_a": "passed", "test_b": "passed"}
+    got = ts.merge([tmp_path / "call2", tmp_path / "call1"], "uccl", 2)
+    assert got["test_a"]["status"] == "failed"
