@@ -5,7 +5,8 @@
 # per GPU), run with NCCL itself and then with uccl, back to back.  Each
 # backend's tests are cut into SHARDS ranges of test names (default 12), run
 # side by side, JOBS at a time (default: all); each range is cut at
-# RANGE_TIMEOUT seconds (default: BUDGET=480 s shared among the backends).
+# RANGE_TIMEOUT seconds (default: BUDGET=480 s shared among the backends;
+# with JOBS below the number of ranges they run in waves, each that long).
 #
 #   bash benchmarks/device_torch_suite_nccl.sh              # every range, nccl then uccl
 #   RANGES="3 4" bash benchmarks/device_torch_suite_nccl.sh # only these ranges (of SHARDS)
