@@ -5,7 +5,9 @@ Environment (set by the launcher): BACKEND, WORLD_SIZE, TEMP_DIR as torch's
 own launcher (test/distributed/test_distributed_spawn.py) sets them;
 UCCL_SUITE_COPY_DIR, the folder holding the launcher's rewritten copy of
 distributed_test.py (module _uccl_distributed_test); UCCL_SUITE_RESULTS,
-the JSON-lines file each test's outcome is appended to.
+the JSON-lines file each test's outcome is appended to; with --as nccl,
+UCCL_SUITE_AS=nccl and UCCL_SUITE_PG_BACKEND, the backend of the groups the
+copy makes (BACKEND is then "nccl").
 
 Every rank is a process spawned by the suite (multiprocessing "spawn"), which
 imports this file again as __mp_main__: what is done at import here (the
@@ -28,9 +30,12 @@ from torch.testing._internal.common_distributed import DistTestCases  # noqa: E4
 import uccl_collective  # noqa: E402,F401  (registers "uccl")
 
 # Wherever the suite lists the backends that have a feature, uccl is listed
-# as Gloo is ("plugin": require_backend_is_available accepts it).
-for _feature in ("gpu", "cuda", "ddp", "subgroup", "plugin"):
-    DistTestCases.backend_feature.setdefault(_feature, set()).add("uccl")
+# as Gloo is ("plugin": require_backend_is_available accepts it).  Not with
+# --as nccl (UCCL_SUITE_AS=nccl): there the suite reads BACKEND as "nccl" and
+# NCCL's entries decide; the copy's prelude makes the groups uccl's.
+if os.environ.get("UCCL_SUITE_AS") != "nccl":
+    for _feature in ("gpu", "cuda", "ddp", "subgroup", "plugin"):
+        DistTestCases.backend_feature.setdefault(_feature, set()).add("uccl")
 
 import _uccl_distributed_test as _dt  # noqa: E402
 
@@ -116,7 +121,11 @@ def _selected(names: list[str]) -> unittest.TestSuite:
 def main() -> int:
     names = [n for n in sys.argv[1:] if n]
     if names == ["--list"]:
-        print("\n".join(unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)))
+        # "name" per test, "name skip" for one the suite skips before starting ranks
+        # (a skip decorator that its gating chose at import)
+        for n in unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn):
+            skip = getattr(getattr(TestDistBackendWithSpawn, n), "__unittest_skip__", False)
+            print(f"{n} skip" if skip else n)
         return 0
     suite = _selected(names)
     runner = unittest.TextTestRunner(verbosity=2, resultclass=lambda *a, **k: _Recorder(
