@@ -125,6 +125,20 @@ _GPU_COUNT = ("if torch.cuda.is_available() and torch.cuda.device_count() < int(
               "torch.cuda.device_count() < int(")
 
 
+def _rewrite(src: str, rules: list, name: str, path: str, mode: str, notes: list) -> str:
+    """src with every (pattern, replacement, required) rule applied; a
+    required rule that matches nothing stops the run, naming it; the others
+    go into notes."""
+    for pat, rep, required in rules:
+        src, n = re.subn(pat, rep, src)
+        if n == 0:
+            if required:
+                raise SystemExit(f"torch_suite:{mode} {pat!r} not found in {path}: "
+                                 f"this torch's suite differs; update {name}")
+            notes.append(f"rule {pat!r} matched nothing")
+    return src
+
+
 def make_copy(dest: pathlib.Path) -> list[str]:
     """Writes the rewritten suite to dest/_uccl_distributed_test.py; returns
     notes on rules that matched nothing."""
@@ -132,13 +146,7 @@ def make_copy(dest: pathlib.Path) -> list[str]:
     path = importlib.util.find_spec("torch.testing._internal.distributed.distributed_test").origin
     src = pathlib.Path(path).read_text()
     notes = []
-    for pat, rep, required in _AS_GLOO:
-        src, n = re.subn(pat, rep, src)
-        if n == 0:
-            if required:
-                raise SystemExit(f"torch_suite: {pat!r} not found in {path}: "
-                                 "this torch's suite gates differently; update _AS_GLOO")
-            notes.append(f"rule {pat!r} matched nothing")
+    src = _rewrite(src, _AS_GLOO, "_AS_GLOO", path, "", notes)
     if _PRELUDE_AT not in src:
         raise SystemExit(f"torch_suite: {_PRELUDE_AT.strip()!r} not found in {path}")
     src = src.replace(_PRELUDE_AT, _PRELUDE_AT + _PRELUDE, 1)
@@ -264,13 +272,7 @@ def make_copy_as_nccl(dest: pathlib.Path, src: str | None = None) -> list[str]:
         if needed not in src:
             raise SystemExit(f"torch_suite: --as nccl: {needed.strip()!r} not found in {path}: "
                              "this torch's suite differs; update _AS_NCCL_NEEDED")
-    for pat, rep, required in _AS_NCCL:
-        src, n = re.subn(pat, rep, src)
-        if n == 0:
-            if required:
-                raise SystemExit(f"torch_suite: --as nccl: {pat!r} not found in {path}: "
-                                 "this torch's suite differs; update _AS_NCCL")
-            notes.append(f"rule {pat!r} matched nothing")
+    src = _rewrite(src, _AS_NCCL, "_AS_NCCL", path, " --as nccl:", notes)
     src = src.replace(_PRELUDE_AT, _PRELUDE_AT + _NCCL_PRELUDE, 1)
     (dest / "_uccl_distributed_test.py").write_text(src)
     if importlib.util.find_spec("expecttest") is None:

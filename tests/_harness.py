@@ -375,6 +375,28 @@ class Pair:
         return s, c
 
 
+def run_ranks(target: Callable, ws: int, args: tuple = (), timeout: float = 120.0) -> dict:
+    """target(rank, ws, *args, queue) in ws spawned processes, each putting
+    (rank, result) on the queue, or (rank, "Error: ...") where it failed;
+    returns {rank: result}, having failed the test naming any rank's error.
+    Processes still alive at the end are killed."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=target, args=(r, ws, *args, q)) for r in range(ws)]
+    for p in ps:
+        p.start()
+    try:
+        got = dict(q.get(timeout=timeout) for _ in ps)
+    finally:
+        for p in ps:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    for r in range(ws):
+        assert not isinstance(got[r], str), f"rank {r}: {got[r]}"
+    return got
+
+
 def run_pair(server: Callable, client: Callable, *, timeout: float = 60.0, **kw) -> tuple[Any, Any]:
     """Run server and client ranks to completion; returns their results."""
     with Pair(server, client, **kw) as pair:

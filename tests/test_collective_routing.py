@@ -10,12 +10,11 @@ others follow), and the data moved are CPU tensors (random, poisoned
 receive buffers, checked end to end)."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 
-CTX = mp.get_context("spawn")
+from _harness import run_ranks
+
 POISON = 0xA5
 
 
@@ -60,21 +59,7 @@ def _rank(rank, ws, path, gpu_ranks, q):
 
 
 def _job(tmp_path, ws, gpu_ranks):
-    q = CTX.Queue()
-    ps = [CTX.Process(target=_rank, args=(r, ws, str(tmp_path / "store"), gpu_ranks, q))
-          for r in range(ws)]
-    for p in ps:
-        p.start()
-    try:
-        got = dict(q.get(timeout=120) for _ in ps)
-    finally:
-        for p in ps:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    for r in range(ws):
-        assert isinstance(got[r], dict), f"rank {r}: {got[r]}"
-    return got
+    return run_ranks(_rank, ws, (str(tmp_path / "store"), gpu_ranks))
 
 
 @pytest.mark.parametrize("ws", [2, 3])

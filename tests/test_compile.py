@@ -6,17 +6,15 @@ gives the sum; and the package goes on dynamo's skip list only once dynamo
 is imported (importing it costs about a second)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import subprocess
 import sys
 
 import numpy as np
-import pytest
 
-CTX = mp.get_context("spawn")
-
+from _harness import run_ranks
 
 def _rank(rank, ws, backend, path, q):
+    """Runs in a spawned process (_harness.run_ranks)."""
     import faulthandler
     faulthandler.dump_traceback_later(240, exit=True)   # a hang names its stack
     try:
@@ -51,21 +49,7 @@ def _rank(rank, ws, backend, path, q):
 
 
 def _job(tmp_path, backend, ws=2):
-    q = CTX.Queue()
-    ps = [CTX.Process(target=_rank, args=(r, ws, backend, str(tmp_path / backend), q))
-          for r in range(ws)]
-    for p in ps:
-        p.start()
-    try:
-        got = dict(q.get(timeout=300) for _ in ps)
-    finally:
-        for p in ps:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
-    for r in range(ws):
-        assert not isinstance(got[r], str), f"{backend} rank {r}: {got[r]}"
-    return got
+    return run_ranks(_rank, ws, (backend, str(tmp_path / backend)), timeout=300)
 
 
 def test_compiled_ddp_and_a_compiled_all_reduce_match_gloo(tmp_path):
