@@ -1,0 +1,190 @@
+"""Does opening or closing a CUDA IPC mapping wait for a kernel that runs on the device?
+
+    python3 benchmarks/ipc_close_probe.py                    # both processes on GPU 0
+    python3 benchmarks/ipc_close_probe.py --devices 1,0      # exporter on GPU 1, importer on GPU 0
+    python3 benchmarks/ipc_close_probe.py --spin-ms 3000 --json out.json
+
+Why: the engine opens a peer's GPU memory (cuIpcOpenMemHandle) on the thread
+that serves the peer's write, and closes a dropped mapping there too
+(gpu/gpu_mem.c), while GPU rings' kernels may spin on the device until
+their own puts complete.  If a close (or an open) waits for every kernel of
+the device, such a thread waits for a kernel that waits for it.
+
+Two processes.  The exporter allocates three buffers and sends their IPC
+handles.  The importer opens the first one, then starts a kernel that spins
+for --spin-ms on torch's current stream (torch.cuda._sleep), and from
+another thread, while it spins, times: a copy on a non-blocking stream of
+its own (the control: it should not wait), closing the first mapping,
+opening the second, closing it, and opening the third.  Each line says how
+long the call took and whether it returned before the kernel ended.  Exit
+status 0 whatever the answer; 2 if the probe itself could not run.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import sys
+import threading
+import time
+import types
+
+CU_IPC_LAZY_PEER_ACCESS = 1
+CU_STREAM_NON_BLOCKING = 1
+CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13   # kHz
+
+
+class IpcHandle(ctypes.Structure):
+    """CUipcMemHandle, passed by value."""
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def _cuda() -> types.SimpleNamespace:
+    """The driver calls the probe makes, with their C signatures."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    u64, ptr = ctypes.c_uint64, ctypes.c_void_p
+
+    def fn(names, argtypes):
+        for n in names:
+            if hasattr(lib, n):
+                f = getattr(lib, n)
+                f.argtypes, f.restype = argtypes, ctypes.c_int
+                return f
+        raise SystemExit(f"libcuda has none of {names}")
+    return types.SimpleNamespace(
+        open=fn(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
+                [ctypes.POINTER(u64), IpcHandle, ctypes.c_uint]),
+        close=fn(("cuIpcCloseMemHandle",), [u64]),
+        ctx_get=fn(("cuCtxGetCurrent",), [ctypes.POINTER(ptr)]),
+        ctx_set=fn(("cuCtxSetCurrent",), [ptr]),
+        stream_create=fn(("cuStreamCreate",), [ctypes.POINTER(ptr), ctypes.c_uint]),
+        memcpy=fn(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, ctypes.c_size_t, ptr]),
+        stream_sync=fn(("cuStreamSynchronize",), [ptr]),
+        attr=fn(("cuDeviceGetAttribute",), [ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                            ctypes.c_int]))
+
+
+def _exporter(dev: int, nbytes: int, conn) -> None:
+    import torch
+    torch.cuda.set_device(dev)
+    bufs = [torch.full((nbytes,), i + 1, dtype=torch.uint8, device=dev) for i in range(3)]
+    handles = []
+    for b in bufs:
+        share = b.untyped_storage()._share_cuda_()
+        handles.append((bytes(share[1]), int(share[3])))   # (cudaIpcMemHandle, offset)
+    conn.send(handles)
+    conn.recv()   # until the importer is done: the memory stays allocated
+
+
+def _timed(fn) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    rc = fn()
+    return (time.perf_counter() - t0) * 1e3, int(rc)
+
+
+def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
+    import torch
+    torch.cuda.set_device(dev)
+    torch.cuda.init()
+    torch.empty(1, device=dev)   # the primary context, current on this thread
+    cu = _cuda()
+    ctx = ctypes.c_void_p()
+    cu.ctx_get(ctypes.byref(ctx))
+
+    def open_(h):
+        p = ctypes.c_uint64()
+        rc = cu.open(ctypes.byref(p), IpcHandle(h[0]), CU_IPC_LAZY_PEER_ACCESS)
+        return rc, p.value + h[1]
+
+    rc, p0 = open_(handles[0])
+    if rc:
+        return {"error": f"cuIpcOpenMemHandle before the kernel: CUresult {rc}"}
+    khz = ctypes.c_int()
+    cu.attr(ctypes.byref(khz), CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev)
+    scratch = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    out: dict = {"device": dev, "spin_ms": spin_ms, "calls": []}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(int(spin_ms * khz.value))   # cycles = ms x kHz
+    end.record()
+    t_launch = time.perf_counter()
+
+    def probe():
+        cu.ctx_set(ctx)
+        s = ctypes.c_void_p()
+        cu.stream_create(ctypes.byref(s), CU_STREAM_NON_BLOCKING)
+        calls = [("copy on a non-blocking stream (control)",
+                  lambda: cu.memcpy(scratch.data_ptr(), p0, nbytes, s) or cu.stream_sync(s)),
+                 ("cuIpcCloseMemHandle of a mapping opened before the kernel",
+                  lambda: cu.close(p0 - handles[0][1]))]
+        got = {}
+        calls.append(("cuIpcOpenMemHandle", lambda: got.setdefault("p1", open_(handles[1]))[0]))
+        calls.append(("cuIpcCloseMemHandle of it",
+                      lambda: cu.close(got["p1"][1] - handles[1][1])))
+        calls.append(("cuIpcOpenMemHandle of another",
+                      lambda: open_(handles[2])[0]))
+        for what, fn in calls:
+            ms, rc = _timed(fn)
+            out["calls"].append({"call": what, "ms": round(ms, 3), "cuda_result": rc,
+                                 "returned_at_ms": round((time.perf_counter() - t_launch) * 1e3,
+                                                         3)})
+    th = threading.Thread(target=probe)
+    th.start()
+    th.join(60 + spin_ms / 1e3 * 3)
+    torch.cuda.synchronize()
+    out["kernel_ms"] = round(start.elapsed_time(end), 3)
+    if th.is_alive():
+        out["error"] = "the probe thread did not return within the bound"
+    for c in out["calls"]:
+        c["before_kernel_end"] = c["returned_at_ms"] < out["kernel_ms"] * 0.9
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("--devices", default="0,0",
+                    help="exporter's GPU, importer's GPU (default 0,0)")
+    ap.add_argument("--spin-ms", type=float, default=2000.0,
+                    help="how long the importer's kernel spins (default 2000)")
+    ap.add_argument("--bytes", type=int, default=1 << 20, help="size of each buffer")
+    ap.add_argument("--json", help="write the result here too")
+    a = ap.parse_args()
+    exp_dev, imp_dev = (int(x) for x in a.devices.split(","))
+    import torch
+    if not torch.cuda.is_available():
+        print("no CUDA device: this probe needs one (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_exporter, args=(exp_dev, a.bytes, there))
+    p.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not here.poll(0.5):
+            if not p.is_alive() or time.monotonic() > deadline:
+                print("the exporter sent no handles (it exited, or 120 s passed)",
+                      file=sys.stderr)
+                return 2
+        res = _importer(imp_dev, a.spin_ms, a.bytes, here.recv())
+    finally:
+        try:
+            here.send("done")
+        except OSError:   # the exporter is gone already
+            pass
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    res["devices"] = a.devices
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 2 if "error" in res else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
