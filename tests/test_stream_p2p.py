@@ -696,3 +696,29 @@ def test_a_sender_closing_before_its_receiver_posts_a_staged_send_delivers_it():
     assert 0.2 < closed[0] < 5.0, closed
     drain([groups[1]], streams)
     close_all([groups[1]], streams)
+
+
+@pytest.mark.parametrize("rank, err, want", [
+    (0, "stream-ordered group (rank 1): message 3 from rank 1 to rank 0 not in place",
+     "stream-ordered group (rank 0): failed at rank 1: message 3 from rank 1 to rank 0 not in "
+     "place"),
+    (1, "stream-ordered group (rank 1): message 3 not in place",
+     "stream-ordered group (rank 1): message 3 not in place"),
+    (2, "stream-ordered group (rank 0), allreduce: not within the timeout",
+     "stream-ordered group (rank 2): failed at rank 0, allreduce: not within the timeout"),
+    (0, "rank 3 exited", "stream-ordered group (rank 0): rank 3 exited")])
+def test_a_failure_names_this_rank_once_and_the_rank_that_noticed_it(rank, err, want):
+    assert sgm.failure(rank, err) == want
+
+
+def test_a_peers_failure_reads_without_nested_prefixes():
+    groups = make_groups(2, timeout_s=1.0)
+    groups[1].fail("stream-ordered group (rank 1): the test failed it")
+    msgs = []
+    for g in groups:
+        with pytest.raises(UcclError) as e:
+            g.check()
+        msgs.append(str(e.value))
+    assert all(m.count("stream-ordered group") == 1 for m in msgs), msgs
+    assert msgs[0].startswith("stream-ordered group (rank 0): failed at rank 1"), msgs
+    close_all(groups, [])

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _engine
-from ..core.stream_group import _raw_stream
+from ..core.stream_group import _raw_stream, failure
 from . import _profiling
 from ..p2p import UcclError, UcclTimeoutError
 
@@ -390,7 +390,7 @@ class _GroupWork(dist._Work):
             raise UcclError("the process group was shut down")
         err = c.error()
         if err is not None:
-            raise UcclError(f"stream-ordered group (rank {self._sg.rank}): {err}")
+            raise UcclError(failure(self._sg.rank, err))
         return c
 
     def _error(self) -> str | None:

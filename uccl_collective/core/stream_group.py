@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 import secrets
 import threading
 from typing import Any, Iterable, Sequence
@@ -52,6 +53,21 @@ from . import config
 from .gpu_ring import _name_nvrtc
 
 log = logging.getLogger("uccl_collective")
+
+_NOTICED = re.compile(r"stream-ordered group \(rank (\d+)\)")
+
+
+def failure(rank: int, err: str) -> str:
+    """The group's failure as rank tells it.  The reason in the page starts
+    with the prefix of the rank that noticed it; this rank's name goes in
+    front of it only once: "stream-ordered group (rank 0): failed at rank
+    1: message 3 ...", not the two prefixes nested."""
+    m = _NOTICED.match(err)
+    if m is None:
+        return f"stream-ordered group (rank {rank}): {err}"
+    if int(m.group(1)) == rank:
+        return err
+    return f"stream-ordered group (rank {rank}): failed at rank {m.group(1)}{err[m.end():]}"
 R = dist.ReduceOp.RedOpType
 
 TAG_ALL = 0              # a buffer every peer reads
@@ -359,7 +375,7 @@ class StreamGroup:
     def check(self) -> None:
         err = self.c.error()
         if err is not None:
-            raise UcclError(f"stream-ordered group (rank {self.rank}): {err}")
+            raise UcclError(failure(self.rank, err))
 
     def fail(self, why: str) -> None:
         self.c.fail(why)
