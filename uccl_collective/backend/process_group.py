@@ -658,15 +658,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         sg = self._d.p2p(t, what)
         if sg is None:
             return None
-        prof = _profiling.begin(what, tensors)
-        try:
-            codes = sg.p2p(stream_group._raw_stream(sg.dev),
-                           [(peer, send, t.data_ptr(), t.numel() * t.element_size())])
-        finally:
-            _profiling.end(prof)
-        self._keep_unfinished_p2p()
-        self._p2p_live.append((codes, (t, tensors)))
-        return P2PWork(sg, codes, list(tensors))
+        return self._posted(sg, what, tensors, (t, tensors), list(tensors),
+                            lambda s: sg.p2p(s, [(peer, send, t.data_ptr(), t.nbytes)]))
 
     def _streamed_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor],
                              result: list, uses: tuple, what: str) -> P2PWork | None:
@@ -685,16 +678,24 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if sg is None:
             return None
         me = self.rank()
-        prof = _profiling.begin(what, list(uses))
-        try:
+
+        def post(stream: int) -> list[int]:
             outs[me].copy_(ins[me])
-            codes = sg.all_to_all(stream_group._raw_stream(sg.dev),
-                                  [(t.data_ptr(), t.numel() * t.element_size()) for t in ins],
-                                  [(t.data_ptr(), t.numel() * t.element_size()) for t in outs])
+            return sg.all_to_all(stream, [(t.data_ptr(), t.nbytes) for t in ins],
+                                 [(t.data_ptr(), t.nbytes) for t in outs])
+        return self._posted(sg, what, list(uses), (outs, ins, uses), result, post)
+
+    def _posted(self, sg: Any, what: str, profiled: list, keep: Any, result: list,
+                post: Callable[[int], list[int]]) -> P2PWork:
+        """post(the current stream's handle) -> the messages' codes, under
+        the profiler; `keep` held until they are in place; their Work."""
+        prof = _profiling.begin(what, profiled)
+        try:
+            codes = post(stream_group._raw_stream(sg.dev))
         finally:
             _profiling.end(prof)
         self._keep_unfinished_p2p()
-        self._p2p_live.append((codes, (outs, ins, uses)))
+        self._p2p_live.append((codes, keep))
         return P2PWork(sg, codes, result)
 
     def _keep_unfinished_p2p(self) -> None:

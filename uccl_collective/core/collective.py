@@ -560,7 +560,7 @@ class CollectiveContext:
     def _check_torch_route(self, t: torch.Tensor, what: str) -> None:
         """Gloo reads a CUDA tensor's device pointer as host memory and
         kills the process ("writev: Bad address"): refuse first."""
-        if t.is_cuda and dist.get_backend(self._group) == "gloo":
+        if t.is_cuda and not _group_moves_cuda(self._group):
             raise ValueError(f"{what}: a CUDA tensor to a same-node peer goes through "
                              "torch.distributed when use_copy_engine_for_intra=False, and its "
                              "backend (gloo) cannot move CUDA tensors; use "

@@ -68,6 +68,8 @@ def failure(rank: int, err: str) -> str:
     if int(m.group(1)) == rank:
         return err
     return f"stream-ordered group (rank {rank}): failed at rank {m.group(1)}{err[m.end():]}"
+
+
 R = dist.ReduceOp.RedOpType
 
 TAG_ALL = 0              # a buffer every peer reads
