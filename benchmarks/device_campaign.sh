@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The multi-GPU checks of a tree in three calls on one 4-GPU machine
+# (kind nvidia-h100-x4), back to back so the machine stays warm and the
+# build is made once.  Each part fits one call (BUDGET_S, default 570 s),
+# runs the scripts below with their outputs under /tmp/campaign, and packs
+# them into $OUT/part<N>.tgz (a call brings back 8 files at most).
+#
+#   PART=1  every GPU to itself (fault trials look at every GPU's memory and
+#           at /dev/shm, so nothing else may run beside them):
+#           ipc_close_probe.py (exporter on GPU 1 and on GPU 0), the GPU
+#           ring's SIGKILL trials at 4 and 2 GPUs, tests/test_gpu_faults.py,
+#           upstream's one-GPU-per-rank scripts at 4 ranks.
+#   PART=2  torch's suite gated as NCCL (device_torch_suite_nccl.sh): NCCL
+#           on GPUs 0,1 and uccl on GPUs 2,3 at the same time, then merged.
+#   PART=3  the GPU test files (device_check.sh, RING=0, CUDA MPS) on GPUs
+#           0,1; beside them on GPUs 2,3 upstream's scripts at 2 ranks.
+#
+# Run from the repository root with _upstream/old carried (device_upstream.sh).
+set -uo pipefail
+start=$SECONDS
+budget=${BUDGET_S:-570}
+here=$(dirname "$0")
+dest=${OUT:-bench_out/device}
+res=/tmp/campaign/part${PART:?PART=1, 2 or 3}
+mkdir -p "$res" "$dest"
+OUT=$res
+source "$here/device_build.sh"
+export UCCL_BUILT=1          # the scripts below skip the build made here
+left() { echo $((budget - 25 - (SECONDS - start))); }   # 25 s: packing and the way back
+step() {  # step NAME SECONDS COMMAND...: run, cut at SECONDS (and at the budget), log it
+  local name=$1 lim=$2; shift 2
+  [ "$(left)" -lt "$lim" ] && lim=$(left)
+  [ "$lim" -lt 20 ] && { echo "$name: skipped, budget spent" | tee -a "$res/summary.txt"; return; }
+  timeout -k 10 "$lim" "$@" > "$res/$name.log" 2>&1
+  echo "$name: rc=$? at $((SECONDS - start)) s" | tee -a "$res/summary.txt"
+}
+
+case "$PART" in
+1)
+  step probe_1_0 60 python3 "$here/ipc_close_probe.py" --devices 1,0 --spin-ms 3000 --json "$res/probe_1_0.json"
+  step probe_0_0 60 python3 "$here/ipc_close_probe.py" --devices 0,0 --spin-ms 3000 --json "$res/probe_0_0.json"
+  for w in 4 2; do
+    step "ring_faults_w$w" 150 python3 "$here/gpu_fault_trials.py" --world "$w" --ops gpu_ring \
+      --trials 10 --json "$res/ring_faults_w$w.json"
+  done
+  step gpu_faults_tests 200 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_faults.py
+  step upstream_4 170 env OUT="$res" GPUS=4 BUDGET_S=160 bash "$here/device_upstream.sh"
+  ;;
+2)
+  lim=$(( $(left) - 10 ))
+  for lane in "0,1 nccl" "2,3 uccl"; do
+    set -- $lane
+    CUDA_VISIBLE_DEVICES=$1 OUT="$res/$2" BACKENDS=$2 BUDGET=$((lim - 40)) \
+      timeout -k 10 "$lim" bash "$here/device_torch_suite_nccl.sh" > "$res/suite_$2.log" 2>&1 &
+  done
+  wait
+  echo "suites done at $((SECONDS - start)) s" >> "$res/summary.txt"
+  timeout 60 python3 "$here/torch_suite.py" --as nccl --backends uccl,nccl \
+    --from "$res/nccl/torch_suite_nccl" --from "$res/uccl/torch_suite_nccl" --out "$res" \
+    > "$res/merge.log" 2>&1
+  echo "merge: rc=$?" >> "$res/summary.txt"
+  ;;
+3)
+  lim=$(left)
+  (CUDA_VISIBLE_DEVICES=0,1 OUT="$res/check" RING=0 TEST_TIMEOUT=$((lim - 30)) \
+     timeout -k 10 "$lim" bash "$here/device_check.sh" > "$res/check.log" 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=2,3
+   step upstream_2 240 env OUT="$res" GPUS=2 BUDGET_S=230 bash "$here/device_upstream.sh"
+   step alltoall_2 120 torchrun --nproc_per_node 2 "$here/benchmark_uccl_collective.py" \
+     --backend uccl --op alltoall --device gpu --sizes 8,64K,1M,16M,256M --compare nccl \
+     --json "$res/alltoall_2.json") &
+  wait
+  echo "check: $(tail -3 "$res/check/check_tests.txt" 2>/dev/null | tr '\n' ' ')" >> "$res/summary.txt"
+  ;;
+esac
+cat "$res/summary.txt"
+tar -czf "$dest/part$PART.tgz" -C /tmp/campaign "part$PART"
+cp "$res/summary.txt" "$dest/summary$PART.txt"
