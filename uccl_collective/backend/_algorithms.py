@@ -218,6 +218,25 @@ class Algorithms:
             _reduce.finish_avg(mine, n)
         out.copy_(mine.view(out.shape))
 
+    def reduce_scatter_v(self, out: torch.Tensor, ins: list[torch.Tensor], op: R, what: str,
+                         call: Call | None) -> None:
+        """out <- the reduction over the group of every rank's ins[rank],
+        where the ranks' outputs differ in size (ins[r]: rank r's share):
+        every rank's ins[me] gathered here (a personalised exchange, its
+        split sizes compared across the ranks first), then combined in rank
+        order, the same on every rank."""
+        n, k = self.size, out.numel()
+        self.check_pairs(call, ins[0], [i.numel() for i in ins] + [k] * n)
+        got = self.scratch(n * k * out.element_size(), 0, out.device).view(out.dtype).view(n, k)
+        self.exchange([i.contiguous().reshape(-1) for i in ins], list(got), what)
+        acc = got[0]
+        combine = self._combine(op, out.dtype, out.device)
+        for r in range(1, n):
+            combine(acc, got[r])
+        if op == R.AVG:
+            _reduce.finish_avg(acc, n)
+        out.copy_(acc.view(out.shape))
+
     # -- rooted and personalised ----------------------------------------------
     def broadcast(self, t: torch.Tensor, root: int, what: str, call: Call | None = None) -> None:
         """t <- the root's t."""

@@ -33,6 +33,7 @@ from ..core.dispatch import HASH_IS_OP, Dispatch
 from ..p2p import UcclTimeoutError
 from . import _anysource, _barrier, _check, _profiling, _reduce, _sparse
 from ._algorithms import Algorithms, _Staged
+from ._self_p2p import SelfBox
 from ._work import IF_IDLE, P2PWork, Runner, StreamWork, Task, Work
 
 BACKEND_NAME = "uccl"
@@ -111,6 +112,37 @@ def _per_rank(ts: Any, like: torch.Tensor, n: int, what: str, side: str) -> list
     return ts
 
 
+def _is_opts(opts: Any, field: str) -> bool:
+    """opts is None or an options object (has `field`), not an overload's
+    positional argument (a ReduceOp, a root rank)."""
+    return opts is None or hasattr(opts, field)
+
+
+def _overload(tensors: Any, opts: Any, options: type, **fields: Any) -> tuple[list, Any]:
+    """The arguments of ProcessGroup's other overloads, which a Python
+    group's method receives as they are (torch's own code calls them: DDP's
+    `process_group.allreduce(tensor)`): a lone tensor becomes a list of one,
+    and positional values (fields not None, those not options objects) an
+    options object of type `options`."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    if opts is None or not all(hasattr(opts, f) for f in fields):
+        o = options()
+        for f, v in fields.items():
+            if v is not None:
+                setattr(o, f, v)
+        opts = o
+    return tensors, opts
+
+
+def _uneven(ts: Any, like: torch.Tensor, n: int) -> bool:
+    """Whether a list of n per-rank tensors holds sizes other than like's
+    (all_gather_v / reduce_scatter_v, which NCCL takes)."""
+    return (isinstance(ts, (list, tuple)) and len(ts) == n and
+            all(isinstance(t, torch.Tensor) for t in ts) and
+            any(t.numel() != like.numel() for t in ts))
+
+
 def _root_side(lists: Any, like: torch.Tensor, n: int, root: int, me: int, what: str,
                side: str) -> list[torch.Tensor]:
     """gather's outputs / scatter's inputs: the root's one list of n, checked;
@@ -150,6 +182,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             self._ctx.finalize()
             raise
         self._p2p_live: list = []   # stream-ordered messages not in place yet: (codes, tensors)
+        self._self_box = SelfBox(rank, self._timeout)   # sends to and receives from this rank
         try:
             self._setup(rank, size)
         except BaseException:   # (a bad UCCL_PG_REDUCE_THREADS, say): the contexts go too
@@ -262,6 +295,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         inp = _one(input_tensors, what)
         if not isinstance(output_tensors, (list, tuple)) or len(output_tensors) != 1:
             raise ValueError(f"{what}: expected one list of output tensors")
+        if _uneven(output_tensors[0], inp, self.size()):
+            return self._allgather_v(output_tensors, inp, what, call, opts)
         outs = _per_rank(output_tensors[0], inp, self.size(), what, "output")
         alg = self._alg
 
@@ -271,6 +306,22 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             for s in staged:
                 s.back()
         return self._submit(run, output_tensors, opts, uses=[inp], prof=("all_gather", [inp]))
+
+    def _allgather_v(self, output_tensors, inp: torch.Tensor, what: str, call: tuple,
+                     opts: Any) -> Any:
+        """all_gather whose outputs differ in size (rank r's input fills
+        output r), as ProcessGroupNCCL takes it: an all_to_all sending the
+        input to every rank, so every rank's sizes are compared with every
+        other's before a byte moves (CPU), or by the stream-ordered
+        messages (CUDA)."""
+        n, me = self.size(), self.rank()
+        outs = [_tensor(t, f"{what} output {r}") for r, t in enumerate(output_tensors[0])]
+        _same_dtype(outs, inp.dtype, f"{what} outputs")
+        if outs[me].numel() != inp.numel():
+            raise ValueError(f"{what}: output {me} (this rank's own) has {outs[me].numel()} "
+                             f"elements, its input {inp.numel()}")
+        return self._all_to_all(outs, [inp] * n, list(output_tensors), [inp], what, call,
+                                ("all_gather", [inp]), opts)
 
     def _gather_flat(self, out: torch.Tensor, inp: torch.Tensor, what: str,
                      call: tuple | None) -> Callable:
@@ -370,6 +421,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "reduceOp"):
+            tensors, opts = _overload(tensors, opts, dist.AllreduceOptions, reduceOp=opts)
         try:
             w = self._fast_allreduce(tensors, opts)
         finally:   # the call's number (_call), whatever its route, after the C path's try
@@ -420,7 +473,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                 off += t.numel()
         return self._submit(run, list(tensors), opts, prof=("all_reduce_coalesced", tensors))
 
-    def reduce(self, tensors, opts=None):
+    def reduce(self, tensors, opts=None, op=None):
+        if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "rootRank"):
+            # ProcessGroup.reduce(tensor, root, op)
+            tensors, opts = _overload(tensors, opts, dist.ReduceOptions, rootRank=opts,
+                                      reduceOp=op)
         what = "reduce"
         seq = self._call(what)[1]
         t = _one(tensors, what)
@@ -488,9 +545,21 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out = _one(output_tensors, what)
         if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
             raise ValueError(f"{what}: expected one list of input tensors")
-        ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
+        if _uneven(input_tensors[0], out, self.size()):
+            ins = [_tensor(t, f"{what} input {r}") for r, t in enumerate(input_tensors[0])]
+            _same_dtype(ins, out.dtype, f"{what} inputs")
+            me = self.rank()
+            if ins[me].numel() != out.numel():
+                raise ValueError(f"{what}: input {me} (this rank's own) has {ins[me].numel()} "
+                                 f"elements, its output {out.numel()}")
+        else:
+            ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
         op = self._reduce_fn(opts, out.dtype, what)
         alg = self._alg
+        if any(i.numel() != out.numel() for i in ins):   # as ProcessGroupNCCL's reduce_scatter_v
+            return self._submit(lambda: alg.reduce_scatter_v(out, ins, op, what, call),
+                                list(output_tensors), opts, uses=ins,
+                                prof=("reduce_scatter", input_tensors))
         return self._submit(
             lambda: alg.reduce_scatter_flat(out, alg.rs_input(ins, out.dtype), op, what, call),
             list(output_tensors), opts, uses=ins, prof=("reduce_scatter", input_tensors))
@@ -505,6 +574,9 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return root
 
     def broadcast(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "rootRank"):
+            # ProcessGroup.broadcast(tensor, root)
+            tensors, opts = _overload(tensors, opts, dist.BroadcastOptions, rootRank=opts)
         what = "broadcast"
         seq = self._call(what)[1]
         t = _one(tensors, what)
@@ -621,8 +693,16 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if outs[me].numel() != ins[me].numel():
             raise ValueError(f"{what}: this rank sends itself {ins[me].numel()} elements but "
                              f"expects {outs[me].numel()}")
+        return self._all_to_all(outs, ins, list(output_tensors), ins, what, call,
+                                ("all_to_all", input_tensors), opts)
+
+    def _all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], result: list,
+                    uses: list, what: str, call: tuple, prof: tuple, opts: Any = None) -> Any:
+        """ins[r] to rank r, outs[r] from rank r (checked: one dtype, this
+        rank's own pair of one size): stream-ordered messages where they
+        apply, else a task whose header carries every split size."""
         if all(t.is_contiguous() for t in outs + ins):
-            work = self._streamed_all_to_all(outs, ins, list(output_tensors), tuple(ins), what)
+            work = self._streamed_all_to_all(outs, ins, result, tuple(uses), what)
             if work is not None:
                 return work
         alg = self._alg
@@ -634,8 +714,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             alg.exchange([i.contiguous() for i in ins], [s.t for s in staged], what)
             for s in staged:
                 s.back()
-        return self._submit(run, list(output_tensors), opts, uses=ins,
-                            prof=("all_to_all", input_tensors))
+        return self._submit(run, result, opts, uses=uses, prof=prof)
 
     # -- point to point -------------------------------------------------------
     def _peer(self, peer: int, what: str) -> int:
@@ -714,6 +793,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def send(self, tensors, dstRank, tag=0):
         what = "send"
         t = _one(tensors, what)
+        if dstRank == self.rank():   # as NCCL: matched with a receive from this rank
+            return self._self_box.send(t, list(tensors), tag)
         dst = self._peer(dstRank, what)
         src = t.contiguous()
         work = self._streamed_p2p(src, dst, True, tensors, what)
@@ -732,6 +813,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def recv(self, tensors, srcRank, tag=0):
         what = "recv"
         t = self._recv_tensor(tensors, what)
+        if srcRank == self.rank():
+            return self._self_box.recv(t, list(tensors), tag)
         src = self._peer(srcRank, what)
         work = self._streamed_p2p(t, src, False, tensors, what)
         if work is not None:
