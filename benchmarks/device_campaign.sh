@@ -14,6 +14,11 @@
 #           on GPUs 0,1 and uccl on GPUs 2,3 at the same time, then merged.
 #   PART=3  the GPU test files (device_check.sh, RING=0, CUDA MPS) on GPUs
 #           0,1; beside them on GPUs 2,3 upstream's scripts at 2 ranks.
+#   PART=4  a check of fixes in one call: the probe, the GPU ring's SIGKILL
+#           trials at 4 GPUs (RING_TRIALS, default 20), then on GPUs 0,1
+#           the suite's tests named in SUITE_TESTS with uccl (--as nccl, in
+#           SUITE_SHARDS ranges side by side) and on GPUs 2,3
+#           tests/test_upstream_gpu.py at 2 ranks.
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -71,6 +76,28 @@ case "$PART" in
      --json "$res/alltoall_2.json") &
   wait
   echo "check: $(tail -3 "$res/check/check_tests.txt" 2>/dev/null | tr '\n' ' ')" >> "$res/summary.txt"
+  ;;
+4)
+  step probe_1_0 60 python3 "$here/ipc_close_probe.py" --devices 1,0 --spin-ms 3000 --json "$res/probe_1_0.json"
+  step probe_0_0 60 python3 "$here/ipc_close_probe.py" --devices 0,0 --spin-ms 3000 --json "$res/probe_0_0.json"
+  step ring_faults_w4 "${RING_CAP:-130}" python3 "$here/gpu_fault_trials.py" --world 4 --ops gpu_ring \
+    --trials "${RING_TRIALS:-20}" --json "$res/ring_faults_w4.json"
+  lim=$(left)
+  ns=${SUITE_SHARDS:-6}
+  for i in $(seq 1 "$ns"); do
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$lim" python3 "$here/torch_suite.py" --as nccl \
+      --backends uccl --world-sizes 2 --tests "${SUITE_TESTS:?name the suite tests}" \
+      --shard "$i/$ns" --timeout $((lim - 20)) --test-timeout 60 --out "$res/suite" \
+      > "$res/suite_$i.log" 2>&1 &
+  done
+  (export CUDA_VISIBLE_DEVICES=2,3
+   step upstream_test "$lim" python3 -m pytest -q -rs -p no:cacheprovider \
+     "tests/test_upstream_gpu.py::test_upstream_gpu_scripts_pass_unchanged[2]") &
+  wait
+  timeout 60 python3 "$here/torch_suite.py" --as nccl --backends uccl --from "$res/suite" \
+    --out "$res" > "$res/merge.log" 2>&1
+  { echo "suite merge: rc=$?"; grep -A4 "^| backend" "$res/torch_suite.md"; } >> "$res/summary.txt" 2>&1
+  tail -3 "$res/upstream_test.log" >> "$res/summary.txt"
   ;;
 esac
 cat "$res/summary.txt"
