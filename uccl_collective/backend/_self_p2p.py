@@ -1,8 +1,9 @@
 """Sends to and receives from this rank itself, as NCCL takes them (a
 `batch_isend_irecv` where a rank names itself, e.g. every rank exchanging
-with every rank including itself): no engine connection is involved, a
-send and a receive of one tag are matched in the order they are posted,
-and the bytes are copied in this process.
+with every rank including itself): no engine connection is involved, sends
+and receives are matched in the order they are posted (the tag is not
+used, as for the group's other messages), and the bytes are copied in this
+process.
 
 A send posted before its receive is buffered (a copy of the tensor, taken
 on the current stream), so it completes at once, as a small NCCL send
@@ -10,7 +11,7 @@ does; a receive posted first completes when the send comes.  On CUDA
 tensors the copies are queued on the current stream of the call that makes
 the match, and a receive's wait() orders the caller's current stream after
 them (no host wait), as ProcessGroupNCCL's do.  A receive no send comes
-for raises from wait() at the group's timeout, naming the tag."""
+for raises from wait() at the group's timeout."""
 from __future__ import annotations
 
 import collections
@@ -97,31 +98,30 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
 
 class SelfBox:
     """One group's posted, unmatched self sends (buffered copies) and
-    receives (their tensors and Works), per tag, in posting order."""
+    receives (their tensors and Works), in posting order."""
 
     def __init__(self, rank: int, timeout_s: float):
         self._rank, self._timeout_s = rank, timeout_s
-        self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._recvs: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._sends: collections.deque = collections.deque()
+        self._recvs: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
-    def _check(self, a: torch.Tensor, b: torch.Tensor, tag: int) -> None:
+    def _check(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.numel() != b.numel() or a.dtype != b.dtype:
-            raise ValueError(f"send/recv to this rank ({self._rank}), tag {tag}: the send has "
+            raise ValueError(f"send/recv to this rank ({self._rank}): the send has "
                              f"{a.numel()} elements of {a.dtype}, the receive {b.numel()} of "
                              f"{b.dtype}")
 
-    def send(self, t: torch.Tensor, tensors: list, tag: int) -> SelfWork:
-        work = SelfWork(tensors, f"send to this rank ({self._rank}), tag {tag}",
-                        self._timeout_s)
+    def send(self, t: torch.Tensor, tensors: list) -> SelfWork:
+        work = SelfWork(tensors, f"send to this rank ({self._rank})", self._timeout_s)
         with self._lock:
-            waiting = self._recvs[tag]
+            waiting = self._recvs
             if waiting:
                 dst, rwork = waiting[0]
-                self._check(t, dst, tag)
+                self._check(t, dst)
                 waiting.popleft()
             else:
-                self._sends[tag].append(t.detach().clone(memory_format=torch.contiguous_format))
+                self._sends.append(t.detach().clone(memory_format=torch.contiguous_format))
                 dst = None
         if dst is not None:
             ev = _copy(dst, t)
@@ -131,16 +131,15 @@ class SelfBox:
             work.complete(None)
         return work
 
-    def recv(self, t: torch.Tensor, tensors: list, tag: int) -> SelfWork:
-        work = SelfWork(tensors, f"recv from this rank ({self._rank}), tag {tag}",
-                        self._timeout_s)
+    def recv(self, t: torch.Tensor, tensors: list) -> SelfWork:
+        work = SelfWork(tensors, f"recv from this rank ({self._rank})", self._timeout_s)
         with self._lock:
-            queued = self._sends[tag]
+            queued = self._sends
             if queued:
-                self._check(queued[0], t, tag)
+                self._check(queued[0], t)
                 src = queued.popleft()
             else:
-                self._recvs[tag].append((t, work))
+                self._recvs.append((t, work))
                 return work
         work.complete(_copy(t, src))
         return work

@@ -794,7 +794,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "send"
         t = _one(tensors, what)
         if dstRank == self.rank():   # as NCCL: matched with a receive from this rank
-            return self._self_box.send(t, list(tensors), tag)
+            return self._self_box.send(t, list(tensors))
         dst = self._peer(dstRank, what)
         src = t.contiguous()
         work = self._streamed_p2p(src, dst, True, tensors, what)
@@ -814,7 +814,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "recv"
         t = self._recv_tensor(tensors, what)
         if srcRank == self.rank():
-            return self._self_box.recv(t, list(tensors), tag)
+            return self._self_box.recv(t, list(tensors))
         src = self._peer(srcRank, what)
         work = self._streamed_p2p(t, src, False, tensors, what)
         if work is not None:
