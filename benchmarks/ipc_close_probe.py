@@ -5,17 +5,25 @@
     python3 benchmarks/ipc_close_probe.py --spin-ms 3000 --json out.json
 
 Why: the engine opens a peer's GPU memory (cuIpcOpenMemHandle) on the thread
-that serves the peer's write, and closes a dropped mapping there too
-(gpu/gpu_mem.c), while GPU rings' kernels may spin on the device until
-their own puts complete.  If a close (or an open) waits for every kernel of
-the device, such a thread waits for a kernel that waits for it.
+that serves the peer's write (gpu/gpu_mem.c), while GPU rings' kernels may
+spin on the device until their own puts complete.  If an open waits for
+every kernel of the device, such a thread waits for a kernel that waits for
+it.  Closes of dropped mappings run on a closer thread of the engine's own
+for that reason, but a reopen of memory whose close is still under way
+waits for that close (10 s at most), so a close that waits for kernels
+matters too.
 
-Two processes.  The exporter allocates three buffers and sends their IPC
-handles.  The importer opens the first one, then starts a kernel that spins
-for --spin-ms on torch's current stream (torch.cuda._sleep), and from
-another thread, while it spins, times: a copy on a non-blocking stream of
-its own (the control: it should not wait), closing the first mapping,
-opening the second, closing it, and opening the third.  Each line says how
+Two processes.  The exporter allocates three buffers with the driver
+(cuMemAlloc: three allocations, filled with 1, 2 and 3) and sends their raw
+CUipcMemHandles (cuIpcGetMemHandle), not the handles of torch's
+_share_cuda_(): torch prefixes those with a version and a type byte, and
+small tensors may share one cudaMalloc segment.  It frees the buffers once
+the importer is done.  The importer opens the first one, then starts a
+kernel that spins for --spin-ms on torch's current stream
+(torch.cuda._sleep), and from another thread, while it spins, times: a
+copy on a non-blocking stream of its own (the control: it should not
+wait), closing the first mapping, opening the second, closing it, and
+opening the third (closed after the kernel, untimed).  Each line says how
 long the call took and whether it returned before the kernel ended.  Exit
 status 0 whatever the answer; 2 if the probe itself could not run.
 """
@@ -36,7 +44,9 @@ CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13   # kHz
 
 
 class IpcHandle(ctypes.Structure):
-    """CUipcMemHandle, passed by value."""
+    """CUipcMemHandle, passed by value.  Built from bytes with
+    from_buffer_copy and read with bytes(h): the c_char array field itself
+    stops at the first zero byte, both ways."""
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
@@ -62,19 +72,41 @@ def _cuda() -> types.SimpleNamespace:
         memcpy=fn(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, ctypes.c_size_t, ptr]),
         stream_sync=fn(("cuStreamSynchronize",), [ptr]),
         attr=fn(("cuDeviceGetAttribute",), [ctypes.POINTER(ctypes.c_int), ctypes.c_int,
-                                            ctypes.c_int]))
+                                            ctypes.c_int]),
+        # the exporter's: CUdeviceptr is an unsigned 64-bit integer
+        alloc=fn(("cuMemAlloc_v2",), [ctypes.POINTER(u64), ctypes.c_size_t]),
+        memset=fn(("cuMemsetD8_v2",), [u64, ctypes.c_ubyte, ctypes.c_size_t]),
+        free=fn(("cuMemFree_v2",), [u64]),
+        get_handle=fn(("cuIpcGetMemHandle",), [ctypes.POINTER(IpcHandle), u64]))
 
 
 def _exporter(dev: int, nbytes: int, conn) -> None:
+    """Sends [(raw 64-byte CUipcMemHandle, offset 0)] * 3, or {"error": why}."""
     import torch
     torch.cuda.set_device(dev)
-    bufs = [torch.full((nbytes,), i + 1, dtype=torch.uint8, device=dev) for i in range(3)]
-    handles = []
-    for b in bufs:
-        share = b.untyped_storage()._share_cuda_()
-        handles.append((bytes(share[1]), int(share[3])))   # (cudaIpcMemHandle, offset)
-    conn.send(handles)
-    conn.recv()   # until the importer is done: the memory stays allocated
+    torch.empty(1, device=dev)   # the primary context, current on this thread
+    cu = _cuda()
+    ptrs, handles = [], []
+    try:
+        for i in range(3):
+            p = ctypes.c_uint64()
+            rc = cu.alloc(ctypes.byref(p), nbytes)
+            if rc:
+                conn.send({"error": f"cuMemAlloc_v2 of {nbytes} bytes: CUresult {rc}"})
+                return
+            ptrs.append(p.value)
+            h = IpcHandle()
+            rc = cu.memset(p.value, i + 1, nbytes) or cu.get_handle(ctypes.byref(h), p.value)
+            if rc:
+                conn.send({"error": f"cuMemsetD8_v2 or cuIpcGetMemHandle: CUresult {rc}"})
+                return
+            handles.append((bytes(h), 0))
+        torch.cuda.synchronize()   # the fills are done before the importer looks
+        conn.send(handles)
+        conn.recv()   # until the importer is done: the memory stays allocated
+    finally:
+        for p in ptrs:
+            cu.free(p)
 
 
 def _timed(fn) -> tuple[float, int]:
@@ -94,7 +126,8 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
 
     def open_(h):
         p = ctypes.c_uint64()
-        rc = cu.open(ctypes.byref(p), IpcHandle(h[0]), CU_IPC_LAZY_PEER_ACCESS)
+        rc = cu.open(ctypes.byref(p), IpcHandle.from_buffer_copy(h[0]),
+                     CU_IPC_LAZY_PEER_ACCESS)
         return rc, p.value + h[1]
 
     rc, p0 = open_(handles[0])
@@ -110,6 +143,8 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
     end.record()
     t_launch = time.perf_counter()
 
+    got: dict = {}   # the probe's opens: (CUresult, pointer)
+
     def probe():
         cu.ctx_set(ctx)
         s = ctypes.c_void_p()
@@ -118,12 +153,11 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
                   lambda: cu.memcpy(scratch.data_ptr(), p0, nbytes, s) or cu.stream_sync(s)),
                  ("cuIpcCloseMemHandle of a mapping opened before the kernel",
                   lambda: cu.close(p0 - handles[0][1]))]
-        got = {}
         calls.append(("cuIpcOpenMemHandle", lambda: got.setdefault("p1", open_(handles[1]))[0]))
         calls.append(("cuIpcCloseMemHandle of it",
                       lambda: cu.close(got["p1"][1] - handles[1][1])))
         calls.append(("cuIpcOpenMemHandle of another",
-                      lambda: open_(handles[2])[0]))
+                      lambda: got.setdefault("p2", open_(handles[2]))[0]))
         for what, fn in calls:
             ms, rc = _timed(fn)
             out["calls"].append({"call": what, "ms": round(ms, 3), "cuda_result": rc,
@@ -136,6 +170,8 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
     out["kernel_ms"] = round(start.elapsed_time(end), 3)
     if th.is_alive():
         out["error"] = "the probe thread did not return within the bound"
+    elif got.get("p2", (1,))[0] == 0:   # before the exporter frees it (untimed)
+        cu.close(got["p2"][1] - handles[2][1])
     for c in out["calls"]:
         c["before_kernel_end"] = c["returned_at_ms"] < out["kernel_ms"] * 0.9
     return out
@@ -169,7 +205,11 @@ def main() -> int:
                 print("the exporter sent no handles (it exited, or 120 s passed)",
                       file=sys.stderr)
                 return 2
-        res = _importer(imp_dev, a.spin_ms, a.bytes, here.recv())
+        got = here.recv()
+        if isinstance(got, dict):
+            print(f"the exporter failed: {got['error']}", file=sys.stderr)
+            return 2
+        res = _importer(imp_dev, a.spin_ms, a.bytes, got)
     finally:
         try:
             here.send("done")

@@ -60,12 +60,15 @@ void uccl__gpu_export_free(struct uccl__gpu_export *e);
  * handle once per context, and the contexts (the devices' primary ones) are
  * the process's.  A cudaMalloc allocation is opened once per peer process
  * and allocation, keyed by its buffer id (a freed and reused address has a
- * new one); cuMem memory is mapped once per export. */
+ * new one); cuMem memory is mapped once per export.  Dropped imports are
+ * closed on a thread of their own, never the caller's (gpu_mem.c says why). */
 struct uccl__gpu_import;
 /* A pointer, valid in this process on device dev, to [addr, addr + len) of
  * the memory process pid exported in the record at rec_addr (of pid); the
  * range must lie inside what the record exports.  The mapping stays until
- * uccl__gpu_import_put(*imp_p). */
+ * uccl__gpu_import_put(*imp_p).  Where a close of an earlier mapping of the
+ * same memory is still under way, it waits for that first (10 s at most,
+ * then UCCL_ERR_TIMEOUT). */
 int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t len, int dev,
                          void **ptr_p, struct uccl__gpu_import **imp_p);
 void uccl__gpu_import_put(struct uccl__gpu_import *imp);

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "load/cuda_loader.h"
@@ -304,7 +305,8 @@ static struct {
     unsigned n;
 } imports = {PTHREAD_MUTEX_INITIALIZER, NULL, 0};
 
-static void import_close(struct uccl__gpu_import *x)
+/* Undo what import_open mapped, in device x->dev's context. */
+static void import_unmap(struct uccl__gpu_import *x)
 {
     const struct uccl__cuda *cu = uccl__cuda();
     if (cu && x->how && uccl__cuda_use(x->dev) == UCCL_OK) {
@@ -315,13 +317,149 @@ static void import_close(struct uccl__gpu_import *x)
                 cu->MemUnmap((cu_ptr)(uintptr_t)x->local, x->size);
                 cu->MemAddressFree((cu_ptr)(uintptr_t)x->local, x->size);
             }
-            for (uint32_t i = 0; i < x->nseg; i++)
+            for (uint32_t i = 0; x->handles && i < x->nseg; i++) /* none: failed early */
                 if (x->handles[i])
                     cu->MemRelease(x->handles[i]);
         }
     }
+}
+
+static void import_free(struct uccl__gpu_import *x)
+{
     free(x->handles);
     free(x);
+}
+
+/* ------------------------------------------------------------------------- */
+/* the closer: imports are closed on a thread of their own                    */
+
+/* Why: imports are got and put, and so dropped, by the engine thread that
+ * serves a peer's write (tp/tp_shm_ipc.c), and cuIpcCloseMemHandle,
+ * cuMemUnmap and cuMemRelease may wait for kernels running on the device,
+ * while a GPU ring's kernel spins on the device until its puts complete: a
+ * serving thread blocked in a close would wait for a kernel that waits for
+ * it (benchmarks/ipc_close_probe.py asks the driver whether it waits).  So
+ * no close runs on the caller's thread: one detached thread per process,
+ * started by the first close, makes the device current and closes what is
+ * queued, in order.
+ *
+ * Closed late, the same memory must not be opened again while its close is
+ * queued or running: the driver opens one IPC handle once per context, and
+ * a close that ran after the reopen would unmap what the new import hands
+ * out.  So an import stays at the head of the queue while it is closed (and
+ * is freed after), and uccl__gpu_import_get, before it opens anything,
+ * waits on `done` (without imports.mu, CLOSE_WAIT_NS at most) until no
+ * queued or running close has the same (pid, base, device).  Every close is
+ * queued under imports.mu, as the opens are made, so no close of what a
+ * getter found not pending can be queued before its open is done.
+ *
+ * Where the thread cannot be started, a close runs where it is queued, as
+ * before the closer (under imports.mu).  Nothing stops the thread: at exit
+ * the driver releases what is left, and what is still queued stays
+ * reachable from `closer` (no leak to report, no exit handler to block). */
+#define CLOSE_WAIT_NS (10ull * 1000000000ull)
+
+static struct {
+    pthread_once_t once;           /* the condition variables' init */
+    pthread_mutex_t mu;            /* taken after imports.mu, never before */
+    pthread_cond_t work, done;     /* something is queued; a close finished */
+    struct uccl__gpu_import *head, *tail; /* the head is being closed */
+    int started;
+} closer = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void closer_init(void)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* uccl__now_ns deadlines */
+    pthread_cond_init(&closer.work, &ca);
+    pthread_cond_init(&closer.done, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+static void *closer_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&closer.mu);
+    for (;;) {
+        while (!closer.head)
+            pthread_cond_wait(&closer.work, &closer.mu);
+        struct uccl__gpu_import *x = closer.head;
+        pthread_mutex_unlock(&closer.mu);
+        import_unmap(x); /* may wait for the device: no lock held */
+        pthread_mutex_lock(&closer.mu);
+        closer.head = x->next;
+        if (!closer.head)
+            closer.tail = NULL;
+        pthread_cond_broadcast(&closer.done);
+        import_free(x);
+    }
+    return NULL;
+}
+
+/* Under imports.mu: x is out of the table and nobody copies through it. */
+static void import_close(struct uccl__gpu_import *x)
+{
+    if (!x->how) { /* nothing mapped: no driver call to wait for */
+        import_free(x);
+        return;
+    }
+    pthread_mutex_lock(&closer.mu);
+    if (!closer.started) {
+        pthread_once(&closer.once, closer_init);
+        pthread_attr_t a;
+        pthread_t th;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        closer.started = pthread_create(&th, &a, closer_main, NULL) == 0;
+        pthread_attr_destroy(&a);
+    }
+    int queued = closer.started;
+    if (queued) {
+        x->next = NULL;
+        if (closer.tail)
+            closer.tail->next = x;
+        else
+            closer.head = x;
+        closer.tail = x;
+        pthread_cond_signal(&closer.work);
+    }
+    pthread_mutex_unlock(&closer.mu);
+    if (!queued) {
+        import_unmap(x);
+        import_free(x);
+    }
+}
+
+/* Under closer.mu: is a close of the import of (pid, base, dev) queued or
+ * running? */
+static int close_pending(uint32_t pid, uint64_t base, int dev)
+{
+    for (const struct uccl__gpu_import *x = closer.head; x; x = x->next)
+        if (x->pid == pid && x->base == base && x->dev == dev)
+            return 1;
+    return 0;
+}
+
+/* Under closer.mu (released on return), imports.mu not held: wait until no
+ * close of (pid, base, dev) is queued or running, until deadline at most. */
+static int close_wait(uint32_t pid, uint64_t base, int dev, uint64_t deadline)
+{
+    int rc = UCCL_OK;
+    while (close_pending(pid, base, dev)) {
+        if (uccl__now_ns() >= deadline) {
+            rc = uccl__err(UCCL_ERR_TIMEOUT, "pid %u's GPU memory at 0x%llx (device %d): its "
+                           "earlier mapping was still being closed after %llu s (the driver "
+                           "waits for a kernel?)", pid, (unsigned long long)base, dev,
+                           CLOSE_WAIT_NS / 1000000000ull);
+            break;
+        }
+        struct timespec ts = {.tv_sec = (time_t)(deadline / 1000000000ull),
+                              .tv_nsec = (long)(deadline % 1000000000ull)};
+        pthread_cond_timedwait(&closer.done, &closer.mu, &ts);
+    }
+    pthread_mutex_unlock(&closer.mu);
+    return rc;
 }
 
 static int peer_read(uint32_t pid, uint64_t addr, void *dst, size_t len)
@@ -378,7 +516,7 @@ static int map_chunks(const struct uccl__cuda *cu, struct uccl__gpu_import *x,
         if (r != CU_OK)
             rc = uccl__cuda_err(r, "granting access to a peer's cuMem memory");
     }
-    if (rc) { /* unmap what was mapped: import_close unmaps the whole span */
+    if (rc) { /* unmap what was mapped: import_unmap unmaps the whole span */
         for (uint32_t i = 0; x->handles && i < x->nseg; i++)
             if (x->handles[i])
                 cu->MemUnmap(va + (cu_ptr)(segs[i].base - x->base), segs[i].size);
@@ -434,7 +572,8 @@ static int import_open(struct uccl__gpu_import *x, uint64_t rec_addr,
     return rc;
 }
 
-/* Under imports.mu: forget x (closed now if nobody copies through it). */
+/* Under imports.mu: forget x (closed now if nobody copies through it, else
+ * by the last uccl__gpu_import_put). */
 static void import_drop(struct uccl__gpu_import **link)
 {
     struct uccl__gpu_import *x = *link;
@@ -460,16 +599,33 @@ int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t 
         return uccl__err(UCCL_ERR_PROTO, "peer's GPU range [0x%llx, +%zu) is outside its "
                          "export [0x%llx, +%llu)", (unsigned long long)addr, len,
                          (unsigned long long)hdr.base, (unsigned long long)hdr.size);
+    uint64_t deadline = 0;
     pthread_mutex_lock(&imports.mu);
-    struct uccl__gpu_import *x = imports.head;
-    while (x && !(x->pid == pid && x->owner == hdr.owner && x->id == hdr.id && x->dev == dev))
-        x = x->next;
-    if (x) {
-        x->refs++;
+    struct uccl__gpu_import *x;
+    for (;;) {
+        x = imports.head;
+        while (x && !(x->pid == pid && x->owner == hdr.owner && x->id == hdr.id && x->dev == dev))
+            x = x->next;
+        if (x) {
+            x->refs++;
+            pthread_mutex_unlock(&imports.mu);
+            *ptr_p = x->local + (addr - x->base);
+            *imp_p = x;
+            return UCCL_OK;
+        }
+        /* Not while a close of the same memory is under way (the closer's
+         * comment says why); the table may have it when we come back. */
+        pthread_mutex_lock(&closer.mu);
+        if (!close_pending(pid, hdr.base, dev)) {
+            pthread_mutex_unlock(&closer.mu);
+            break;
+        }
         pthread_mutex_unlock(&imports.mu);
-        *ptr_p = x->local + (addr - x->base);
-        *imp_p = x;
-        return UCCL_OK;
+        if (!deadline)
+            deadline = uccl__now_ns() + CLOSE_WAIT_NS;
+        if ((rc = close_wait(pid, hdr.base, dev, deadline)) != UCCL_OK)
+            return rc;
+        pthread_mutex_lock(&imports.mu);
     }
     /* Opened under the lock: the driver may refuse to open one IPC handle
      * twice in a context, so two threads must not race to it. */
@@ -483,8 +639,8 @@ int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t 
                                    .refs = 1};
     rc = import_open(x, rec_addr, &hdr);
     if (rc) {
-        pthread_mutex_unlock(&imports.mu);
         import_close(x);
+        pthread_mutex_unlock(&imports.mu);
         return rc;
     }
     /* Another export of the owner over the same addresses: a cudaMalloc
@@ -519,10 +675,9 @@ void uccl__gpu_import_put(struct uccl__gpu_import *x)
     if (!x)
         return;
     pthread_mutex_lock(&imports.mu);
-    int close_now = --x->refs == 0 && x->dead;
-    pthread_mutex_unlock(&imports.mu);
-    if (close_now)
+    if (--x->refs == 0 && x->dead) /* queued under the lock: the closer says why */
         import_close(x);
+    pthread_mutex_unlock(&imports.mu);
 }
 
 /* ------------------------------------------------------------------------- */
