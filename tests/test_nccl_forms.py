@@ -155,7 +155,27 @@ def _ddp_join(rank, ws, dist, torch):
     return [p.detach().numpy() for p in m.parameters()]
 
 
-_CASES = {"ddp_join": _ddp_join, "all_gather_v": _all_gather_v, "reduce_scatter_v": _reduce_scatter_v,
+def _ddp_grad_div(rank, ws, dist, torch):
+    """torch's test_ddp_grad_div_uneven_inputs: with
+    join(divide_by_initial_world_size=False) DDP's reducer waits, in the
+    backward pass, for the forward pass's all_reduce of the count of ranks
+    not joined, a Work the Python side has dropped by then (it hung)."""
+    dim, scale = 5, 50.0
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(dim, dim, bias=False),
+                                                    bucket_cap_mb=1)
+    inp = torch.ones(1, dim) * scale
+    n_iters = 3 + 2 * (rank > 0)
+    grads = []
+    for initial in (False, True):
+        with net.join(divide_by_initial_world_size=initial):
+            for _ in range(n_iters):
+                net(inp).sum().backward()
+                grads.append(next(iter(net.parameters())).grad.clone().numpy())
+                net.zero_grad()
+    return grads
+
+
+_CASES = {"ddp_grad_div": _ddp_grad_div, "ddp_join": _ddp_join, "all_gather_v": _all_gather_v, "reduce_scatter_v": _reduce_scatter_v,
           "bad_all_gather_v": _bad_all_gather_v, "self_p2p": _self_p2p,
           "unmatched_self_recv": _unmatched_self_recv, "overloads": _overloads}
 
@@ -243,3 +263,17 @@ def test_ddp_over_uneven_inputs_with_join_trains_as_on_gloo(tmp_path):
     for rank in range(1, WS):
         for a, b in zip(ours[0], ours[rank]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_ddp_join_dividing_by_the_ranks_still_training(tmp_path):
+    got = _run("ddp_grad_div", tmp_path)
+    for rank in range(WS):
+        n_iters = 3 + 2 * (rank > 0)
+        assert len(got[rank]) == 2 * n_iters
+        for i, g in enumerate(got[rank]):
+            by_active = i < n_iters        # the first join: divided by the ranks still active
+            k = i % n_iters
+            active = WS if k < 3 else WS - 1
+            want = 50.0 if by_active else 50.0 * active / WS
+            np.testing.assert_allclose(g, np.full((5, 5), want, np.float32), rtol=1e-6,
+                                       err_msg=f"rank {rank} iteration {i}")

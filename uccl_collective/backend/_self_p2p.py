@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._engine import UcclTimeoutError
+from ._work import kept
 
 
 class SelfWork(dist._Work):
@@ -35,6 +36,7 @@ class SelfWork(dist._Work):
         self._event: torch.cuda.Event | None = None   # after the copy, on CUDA
         self._futures: list[torch.futures.Future] = []
         self._lock = threading.Lock()
+        kept(self, result)
 
     def complete(self, event: torch.cuda.Event | None = None) -> None:
         with self._lock:

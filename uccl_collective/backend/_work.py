@@ -40,6 +40,38 @@ from ..p2p import UcclError, UcclTimeoutError
 #: nothing is ahead (a post must not wait behind a long collective).
 IF_IDLE = "if-idle"
 
+#: Works kept alive for torch's C++ side (kept()): the last KEEP_WORKS of
+#: those whose tensors hold at most KEEP_BYTES.
+KEEP_WORKS, KEEP_BYTES = 128, 64 << 10
+_KEPT: collections.deque = collections.deque(maxlen=KEEP_WORKS)
+
+
+def _small(result: Any, budget: int) -> int:
+    """budget less the bytes of the tensors in result (nested lists too);
+    negative once past it."""
+    for t in result:
+        budget = _small(t, budget) if isinstance(t, (list, tuple)) else \
+            budget - (t.nbytes if isinstance(t, torch.Tensor) else 0)
+        if budget < 0:
+            break
+    return budget
+
+
+def kept(work: dist._Work, result: Any) -> None:
+    """Keeps the Work of a small operation alive a while.  torch hands a
+    Python group's Work to its C++ side as it is: DDP's reducer keeps the
+    forward pass's all_reduce of the count of ranks not yet joined (Join)
+    and waits for it, and reads its future, in the backward pass, after the
+    Python side dropped it.  Once the Python object is gone, the C++ object
+    answers wait() as torch's base Work does, which waits for ever, and
+    get_future() with an error.  Groups torch makes in C++ wrap such Works in
+    a holder of the Python object; a Python ProcessGroup's are not wrapped.
+    So the Works of small operations (counts, flags: at most KEEP_BYTES of
+    tensors) stay alive until KEEP_WORKS later ones are made; large ones are
+    not kept (their tensors would stay with them)."""
+    if _small(result, KEEP_BYTES) >= 0:
+        _KEPT.append(work)
+
 
 class Task:
     __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device", "prof",
@@ -324,6 +356,7 @@ class Work(dist._Work):
     def __init__(self, runner: Runner, task: Task):
         super().__init__()
         self._runner, self._task = runner, task
+        kept(self, task.result)
 
     def _done(self) -> bool:
         t = self._task
@@ -424,6 +457,7 @@ class StreamWork(_GroupWork):
     def __init__(self, sg: Any, k: int, result: list, caller: int):
         super().__init__()
         self._sg, self._k, self._result, self._caller = sg, k, result, caller
+        kept(self, result)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         c = self._c()
@@ -457,6 +491,7 @@ class P2PWork(_GroupWork):
     def __init__(self, sg: Any, codes: list[int], result: list):
         super().__init__()
         self._sg, self._codes, self._result = sg, codes, result
+        kept(self, result)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         c = self._c()
