@@ -47,11 +47,11 @@ _KEPT: collections.deque = collections.deque(maxlen=KEEP_WORKS)
 
 
 def _small(result: Any, budget: int) -> int:
-    """budget less the bytes of the tensors in result (nested lists too);
-    negative once past it."""
+    """budget less the bytes of the tensors in result (nested lists too;
+    a sparse tensor counted as its dense form); negative once past it."""
     for t in result:
         budget = _small(t, budget) if isinstance(t, (list, tuple)) else \
-            budget - (t.nbytes if isinstance(t, torch.Tensor) else 0)
+            budget - (t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0)
         if budget < 0:
             break
     return budget
