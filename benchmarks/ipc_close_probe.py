@@ -22,8 +22,9 @@ the importer is done.  The importer opens the first one, then starts a
 kernel that spins for --spin-ms on torch's current stream
 (torch.cuda._sleep), and from another thread, while it spins, times: a
 copy on a non-blocking stream of its own (the control: it should not
-wait), closing the first mapping, opening the second, closing it, and
-opening the third (closed after the kernel, untimed).  Each line says how
+wait), opening the second and the third, then closing the second and the
+first (the opens first: a close that waits for the kernel would put every
+later call after its end; the third is closed after the kernel, untimed).  Each line says how
 long the call took and whether it returned before the kernel ended.  Exit
 status 0 whatever the answer; 2 if the probe itself could not run.
 """
@@ -149,15 +150,18 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
         cu.ctx_set(ctx)
         s = ctypes.c_void_p()
         cu.stream_create(ctypes.byref(s), CU_STREAM_NON_BLOCKING)
+        # the opens first: a close that waits for the kernel would leave
+        # every later call after its end
         calls = [("copy on a non-blocking stream (control)",
                   lambda: cu.memcpy(scratch.data_ptr(), p0, nbytes, s) or cu.stream_sync(s)),
+                 ("cuIpcOpenMemHandle",
+                  lambda: got.setdefault("p1", open_(handles[1]))[0]),
+                 ("cuIpcOpenMemHandle of another",
+                  lambda: got.setdefault("p2", open_(handles[2]))[0]),
+                 ("cuIpcCloseMemHandle of a mapping opened while the kernel runs",
+                  lambda: cu.close(got["p1"][1] - handles[1][1])),
                  ("cuIpcCloseMemHandle of a mapping opened before the kernel",
                   lambda: cu.close(p0 - handles[0][1]))]
-        calls.append(("cuIpcOpenMemHandle", lambda: got.setdefault("p1", open_(handles[1]))[0]))
-        calls.append(("cuIpcCloseMemHandle of it",
-                      lambda: cu.close(got["p1"][1] - handles[1][1])))
-        calls.append(("cuIpcOpenMemHandle of another",
-                      lambda: got.setdefault("p2", open_(handles[2]))[0]))
         for what, fn in calls:
             ms, rc = _timed(fn)
             out["calls"].append({"call": what, "ms": round(ms, 3), "cuda_result": rc,
