@@ -7,6 +7,7 @@ a trial and a table; --json keeps every trial.
 
     python3 benchmarks/gpu_fault_trials.py --world 4 --trials 10
     python3 benchmarks/gpu_fault_trials.py --world 2 --mode stop --trials 2
+    python3 benchmarks/gpu_fault_trials.py --world 4 --ops gpu_ring --only 2   # one trial again
     python3 benchmarks/gpu_fault_trials.py --device cpu --world 3 --trials 1   # the harness, no GPU
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: CPU tensors (a check of the harness on a machine without GPUs)")
     ap.add_argument("--seed", type=int, default=20261127)
+    ap.add_argument("--only", help="comma-separated trial numbers to run alone (drawn as in "
+                    "the whole campaign: --trials 10 --only 2 runs trial 2 of 10)")
     ap.add_argument("--json", help="write every trial here")
     a = ap.parse_args()
     ops = [o for o in a.ops.split(",") if o]
@@ -44,7 +47,8 @@ def main() -> int:
     else:
         ops = [o for o in ops if o not in G.GPU_ONLY]
     trials = G.campaign(ops, a.world, a.trials, mode=a.mode, timeout_s=a.timeout,
-                        device=a.device, seed=a.seed, log=lambda s: print(s, flush=True))
+                        device=a.device, seed=a.seed, log=lambda s: print(s, flush=True),
+                        only={int(x) for x in a.only.split(",")} if a.only else None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(trials, f, indent=1)

@@ -457,15 +457,20 @@ def verdict(t: dict) -> list[str]:
 
 
 def campaign(ops, world: int, trials: int, *, mode: str = "kill", timeout_s: float = 5.0,
-             device: str = "cuda", seed: int = 20261127, log=print) -> list[dict]:
-    """`trials` trials of each op: victim, delay and size drawn from seed."""
+             device: str = "cuda", seed: int = 20261127, log=print,
+             only: set[int] | None = None) -> list[dict]:
+    """`trials` trials of each op: victim, delay and size drawn from seed;
+    only: run just these trial numbers (each drawn as in the whole
+    campaign, so a failed trial can be run again alone)."""
     rng = random.Random(seed)
     out = []
     for op in ops:
         for i in range(trials):
-            t = trial(op, world, mode=mode, victim=rng.randrange(world),
-                      delay_s=round(rng.uniform(0.0, 0.3), 4), size=SIZES[i % len(SIZES)],
-                      timeout_s=timeout_s, device=device)
+            victim, delay = rng.randrange(world), round(rng.uniform(0.0, 0.3), 4)
+            if only is not None and i not in only:
+                continue
+            t = trial(op, world, mode=mode, victim=victim, delay_s=delay,
+                      size=SIZES[i % len(SIZES)], timeout_s=timeout_s, device=device)
             t["bad"] = verdict(t)
             out.append(t)
             surv = [x for x in t["results"] if x.get("rank") != t["victim"]]
