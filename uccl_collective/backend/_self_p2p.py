@@ -20,13 +20,12 @@ import threading
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._engine import UcclTimeoutError
-from ._work import kept
+from ._work import ResultWork, kept
 
 
-class SelfWork(dist._Work):
+class SelfWork(ResultWork):
     """The Work of a send to, or receive from, this rank."""
 
     def __init__(self, result: list, what: str, timeout_s: float):
@@ -56,9 +55,6 @@ class SelfWork(dist._Work):
             torch.cuda.current_stream(self._event.device).wait_event(self._event)
         return True
 
-    def synchronize(self) -> None:
-        self.wait()
-
     def is_completed(self) -> bool:
         return self._done.is_set() and (self._event is None or self._event.query())
 
@@ -67,15 +63,6 @@ class SelfWork(dist._Work):
 
     def exception(self) -> Any:
         return None
-
-    def result(self) -> list:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        raise ValueError("source_rank: this Work is not a receive from any source")
-
-    _source_rank = source_rank
 
     def get_future(self) -> torch.futures.Future:
         fut = torch.futures.Future()

@@ -407,12 +407,26 @@ class Work(dist._Work):
         return self._runner.future_of(self._task)
 
 
-class _GroupWork(dist._Work):
-    """What the Works of a stream-ordered group share: the group (`_sg`),
-    the result, and the calls that follow from wait() and is_completed()."""
+class ResultWork(dist._Work):
+    """What a Work that holds its result (`_result`) and is no receive from
+    any source answers from its wait()."""
 
     def synchronize(self) -> None:
         self.wait()
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        raise ValueError("source_rank: this Work is not a receive from any source")
+
+    _source_rank = source_rank
+
+
+class _GroupWork(ResultWork):
+    """What the Works of a stream-ordered group share: the group (`_sg`),
+    the result, and the calls that follow from wait() and is_completed()."""
 
     def _c(self) -> Any:
         """The group's engine object, checked (read once: close() may clear
@@ -436,15 +450,6 @@ class _GroupWork(dist._Work):
     def exception(self) -> Any:
         err = self._error()
         return UcclError(f"stream-ordered group: {err}") if err else None
-
-    def result(self) -> list:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        raise ValueError("source_rank: this Work is not a receive from any source")
-
-    _source_rank = source_rank
 
 
 class StreamWork(_GroupWork):
