@@ -421,15 +421,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "reduceOp"):
-            tensors, opts = _overload(tensors, opts, dist.AllreduceOptions, reduceOp=opts)
-        try:
+        try:   # (it declines a lone tensor and a ReduceOp for options: below)
             w = self._fast_allreduce(tensors, opts)
         finally:   # the call's number (_call), whatever its route, after the C path's try
             chk = self._chk
             chk.calls += 1
         seq = chk.calls
         if w is None:
+            if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "reduceOp"):
+                tensors, opts = _overload(tensors, opts, dist.AllreduceOptions, reduceOp=opts)
             w = self._round_allreduce(tensors, opts)
         if w is not None:
             return w
