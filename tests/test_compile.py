@@ -1,5 +1,6 @@
 """torch.compile with the "uccl" backend (core/not_traced.py): a compiled
-DDP model trains, bit for bit as the same compiled model on Gloo (dynamo
+DDP model, and a compiled FSDP2 model, train bit for bit as the same
+compiled models on Gloo (dynamo
 used to fail hard on the backend's Python frames, which DDP's reducer
 calls at a graph break); a compiled function that calls dist.all_reduce
 gives the sum; and the package goes on dynamo's skip list only once dynamo
@@ -64,6 +65,49 @@ def test_compiled_ddp_and_a_compiled_all_reduce_match_gloo(tmp_path):
     # and DDP kept the ranks' models equal
     for a, b in zip(uccl[0][0], uccl[1][0]):
         assert np.array_equal(a, b)
+
+
+def _fsdp_rank(rank, ws, backend, path, q):
+    """A compiled FSDP2 model (fully_shard per layer and at the root) on
+    `backend`; its full parameters after three steps."""
+    import faulthandler
+    faulthandler.dump_traceback_later(240, exit=True)
+    try:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        import uccl_collective  # noqa: F401 - registers "uccl"
+        dist.init_process_group(backend, store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(m)
+        compiled = torch.compile(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            compiled(torch.randn(8, 16, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        full = [p.full_tensor().detach().numpy().copy() for p in m.parameters()]
+        dist.destroy_process_group()
+        q.put((rank, full))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_compiled_fsdp2_matches_gloo(tmp_path):
+    uccl = run_ranks(_fsdp_rank, 2, ("uccl", str(tmp_path / "fsdp_uccl")), timeout=300)
+    gloo = run_ranks(_fsdp_rank, 2, ("gloo", str(tmp_path / "fsdp_gloo")), timeout=300)
+    for r in range(2):
+        for i, (a, b) in enumerate(zip(uccl[r], gloo[r])):
+            assert np.array_equal(a, b), f"rank {r}: parameter {i} differs from Gloo's"
+        for a, b in zip(uccl[r], uccl[0]):   # the ranks' models are one model
+            assert np.array_equal(a, b)
 
 
 def _fresh(code: str) -> str:
