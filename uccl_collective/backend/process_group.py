@@ -112,21 +112,16 @@ def _per_rank(ts: Any, like: torch.Tensor, n: int, what: str, side: str) -> list
     return ts
 
 
-def _is_opts(opts: Any, field: str) -> bool:
-    """opts is None or an options object (has `field`), not an overload's
-    positional argument (a ReduceOp, a root rank)."""
-    return opts is None or hasattr(opts, field)
-
-
 def _overload(tensors: Any, opts: Any, options: type, **fields: Any) -> tuple[list, Any]:
     """The arguments of ProcessGroup's other overloads, which a Python
     group's method receives as they are (torch's own code calls them: DDP's
     `process_group.allreduce(tensor)`): a lone tensor becomes a list of one,
-    and positional values (fields not None, those not options objects) an
-    options object of type `options`."""
+    and positional values in the options' place (`fields`, the first of
+    them being opts itself) an options object of type `options`; the usual
+    form comes back as it is."""
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    if opts is None or not all(hasattr(opts, f) for f in fields):
+    if opts is not None and not hasattr(opts, next(iter(fields))):
         o = options()
         for f, v in fields.items():
             if v is not None:
@@ -141,6 +136,18 @@ def _uneven(ts: Any, like: torch.Tensor, n: int) -> bool:
     return (isinstance(ts, (list, tuple)) and len(ts) == n and
             all(isinstance(t, torch.Tensor) for t in ts) and
             any(t.numel() != like.numel() for t in ts))
+
+
+def _per_rank_v(ts: Any, like: torch.Tensor, me: int, what: str, side: str,
+                other: str) -> list[torch.Tensor]:
+    """An _uneven list, checked: like's dtype, and this rank's own entry of
+    like's size (the peers' sizes are compared by the exchange)."""
+    ts = [_tensor(t, f"{what} {side} {r}") for r, t in enumerate(ts)]
+    _same_dtype(ts, like.dtype, f"{what} {side}s")
+    if ts[me].numel() != like.numel():
+        raise ValueError(f"{what}: {side} {me} (this rank's own) has {ts[me].numel()} "
+                         f"elements, its {other} {like.numel()}")
+    return ts
 
 
 def _root_side(lists: Any, like: torch.Tensor, n: int, root: int, me: int, what: str,
@@ -314,12 +321,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         input to every rank, so every rank's sizes are compared with every
         other's before a byte moves (CPU), or by the stream-ordered
         messages (CUDA)."""
-        n, me = self.size(), self.rank()
-        outs = [_tensor(t, f"{what} output {r}") for r, t in enumerate(output_tensors[0])]
-        _same_dtype(outs, inp.dtype, f"{what} outputs")
-        if outs[me].numel() != inp.numel():
-            raise ValueError(f"{what}: output {me} (this rank's own) has {outs[me].numel()} "
-                             f"elements, its input {inp.numel()}")
+        n = self.size()
+        outs = _per_rank_v(output_tensors[0], inp, self.rank(), what, "output", "input")
         return self._all_to_all(outs, [inp] * n, list(output_tensors), [inp], what, call,
                                 ("all_gather", [inp]), opts)
 
@@ -428,8 +431,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             chk.calls += 1
         seq = chk.calls
         if w is None:
-            if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "reduceOp"):
-                tensors, opts = _overload(tensors, opts, dist.AllreduceOptions, reduceOp=opts)
+            tensors, opts = _overload(tensors, opts, dist.AllreduceOptions, reduceOp=opts)
             w = self._round_allreduce(tensors, opts)
         if w is not None:
             return w
@@ -474,10 +476,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return self._submit(run, list(tensors), opts, prof=("all_reduce_coalesced", tensors))
 
     def reduce(self, tensors, opts=None, op=None):
-        if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "rootRank"):
-            # ProcessGroup.reduce(tensor, root, op)
-            tensors, opts = _overload(tensors, opts, dist.ReduceOptions, rootRank=opts,
-                                      reduceOp=op)
+        # (ProcessGroup.reduce(tensor, root, op) too)
+        tensors, opts = _overload(tensors, opts, dist.ReduceOptions, rootRank=opts, reduceOp=op)
         what = "reduce"
         seq = self._call(what)[1]
         t = _one(tensors, what)
@@ -545,18 +545,12 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         out = _one(output_tensors, what)
         if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
             raise ValueError(f"{what}: expected one list of input tensors")
-        if _uneven(input_tensors[0], out, self.size()):
-            ins = [_tensor(t, f"{what} input {r}") for r, t in enumerate(input_tensors[0])]
-            _same_dtype(ins, out.dtype, f"{what} inputs")
-            me = self.rank()
-            if ins[me].numel() != out.numel():
-                raise ValueError(f"{what}: input {me} (this rank's own) has {ins[me].numel()} "
-                                 f"elements, its output {out.numel()}")
-        else:
-            ins = _per_rank(input_tensors[0], out, self.size(), what, "input")
+        uneven = _uneven(input_tensors[0], out, self.size())
+        ins = (_per_rank_v(input_tensors[0], out, self.rank(), what, "input", "output") if uneven
+               else _per_rank(input_tensors[0], out, self.size(), what, "input"))
         op = self._reduce_fn(opts, out.dtype, what)
         alg = self._alg
-        if any(i.numel() != out.numel() for i in ins):   # as ProcessGroupNCCL's reduce_scatter_v
+        if uneven:   # as ProcessGroupNCCL's reduce_scatter_v
             return self._submit(lambda: alg.reduce_scatter_v(out, ins, op, what, call),
                                 list(output_tensors), opts, uses=ins,
                                 prof=("reduce_scatter", input_tensors))
@@ -574,9 +568,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         return root
 
     def broadcast(self, tensors, opts=None):
-        if isinstance(tensors, torch.Tensor) or not _is_opts(opts, "rootRank"):
-            # ProcessGroup.broadcast(tensor, root)
-            tensors, opts = _overload(tensors, opts, dist.BroadcastOptions, rootRank=opts)
+        # (ProcessGroup.broadcast(tensor, root) too)
+        tensors, opts = _overload(tensors, opts, dist.BroadcastOptions, rootRank=opts)
         what = "broadcast"
         seq = self._call(what)[1]
         t = _one(tensors, what)
@@ -655,12 +648,11 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if ob[me][1] - ob[me][0] != ib[me][1] - ib[me][0]:
             raise ValueError(f"{what}: this rank sends itself {ib[me][1] - ib[me][0]} elements "
                              f"but expects {ob[me][1] - ob[me][0]}")
-        if out.is_contiguous() and inp.is_contiguous():
+        prof = ("all_to_all", [input_tensor])
+        if out.is_contiguous() and inp.is_contiguous():   # the chunks are views
             fo, fi = out.reshape(-1), inp.reshape(-1)
-            work = self._streamed_all_to_all([fo[a:b] for a, b in ob], [fi[a:b] for a, b in ib],
-                                             [output_tensor], (inp,), what)
-            if work is not None:
-                return work
+            return self._all_to_all([fo[a:b] for a, b in ob], [fi[a:b] for a, b in ib],
+                                    [output_tensor], [inp], what, call, prof, opts)
         alg = self._alg
         counts = [b - a for a, b in ib] + [b - a for a, b in ob]
 
@@ -670,8 +662,7 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
             alg.exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
             s.back()
-        return self._submit(run, [output_tensor], opts, uses=[inp],
-                            prof=("all_to_all", [input_tensor]))
+        return self._submit(run, [output_tensor], opts, uses=[inp], prof=prof)
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes,
                           input_split_sizes, opts=None):

@@ -563,7 +563,8 @@ class CollectiveContext:
         if t.is_cuda and not _group_moves_cuda(self._group):
             raise ValueError(f"{what}: a CUDA tensor to a same-node peer goes through "
                              "torch.distributed when use_copy_engine_for_intra=False, and its "
-                             "backend (gloo) cannot move CUDA tensors; use "
+                             f"backend ({dist.get_backend(self._group)}) cannot move CUDA "
+                             "tensors; use "
                              "use_copy_engine_for_intra=True, or a backend that can (nccl, uccl)")
 
     def _watch(self, work) -> Future:
