@@ -19,6 +19,13 @@
 #           the suite's tests named in SUITE_TESTS with uccl (--as nccl, in
 #           SUITE_SHARDS ranges side by side) and on GPUs 2,3
 #           tests/test_upstream_gpu.py at 2 ranks.
+#   PART=5  the 4-GPU ring's warm-up timeout: the probe, then trial ONLY
+#           (default 2) of the ring's SIGKILL campaign alone, with the
+#           engine's INFO log and its threads' stacks (thread_stacks.sh).
+#   PART=6  a fix checked: stream_queue_probe.py (8 and 32 hardware
+#           queues), the GPU ring's SIGKILL trials at 4 GPUs
+#           (RING_TRIALS, default 20), then the GPU test files in two lanes
+#           (GPUs 0,1 and 2,3) under one CUDA MPS daemon.
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -26,7 +33,7 @@ start=$SECONDS
 budget=${BUDGET_S:-570}
 here=$(dirname "$0")
 dest=${OUT:-bench_out/device}
-res=/tmp/campaign/part${PART:?PART=1, 2 or 3}
+res=/tmp/campaign/part${PART:?PART=1 to 6}
 mkdir -p "$res" "$dest"
 OUT=$res
 source "$here/device_build.sh"
@@ -98,6 +105,44 @@ case "$PART" in
     --out "$res" > "$res/merge.log" 2>&1
   { echo "suite merge: rc=$?"; grep -A4 "^| backend" "$res/torch_suite.md"; } >> "$res/summary.txt" 2>&1
   tail -3 "$res/upstream_test.log" >> "$res/summary.txt"
+  ;;
+5)
+  # the 4-GPU ring's warm-up timeout, looked at: the probe, then the trial
+  # that fails, alone, with the engine's INFO log and its threads' stacks
+  step probe_1_0 60 python3 "$here/ipc_close_probe.py" --devices 1,0 --spin-ms 3000 --json "$res/probe_1_0.json"
+  step probe_0_0 60 python3 "$here/ipc_close_probe.py" --devices 0,0 --spin-ms 3000 --json "$res/probe_0_0.json"
+  UCCL_P2P_LOG_LEVEL=INFO timeout -k 10 120 python3 "$here/gpu_fault_trials.py" --world 4 \
+    --ops gpu_ring --trials 10 --only "${ONLY:-2}" --json "$res/ring_only.json" > "$res/ring_only.log" 2>&1 &
+  pid=$!
+  bash "$here/thread_stacks.sh" "$pid" 110 1 > "$res/stacks.txt" 2>&1
+  wait "$pid"
+  echo "ring_only ${ONLY:-2}: rc=$? at $((SECONDS - start)) s" >> "$res/summary.txt"
+  grep -E "trials passed|^\| gpu_ring" "$res/ring_only.log" >> "$res/summary.txt"
+  grep -c "WARNING" "$res/ring_only.log" >> "$res/summary.txt"
+  ;;
+6)
+  # a fix of the GPU copies checked: the ring's SIGKILL trials at 4 GPUs
+  # alone, then the GPU test files in two lanes under one CUDA MPS daemon
+  step streams_8 40 python3 "$here/stream_queue_probe.py" --json "$res/streams_8.json"
+  step streams_32 40 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$here/stream_queue_probe.py" \
+    --json "$res/streams_32.json"
+  grep "waited for the kernel:" "$res"/streams_*.log >> "$res/summary.txt"
+  step ring_faults_w4 "${RING_CAP:-200}" python3 "$here/gpu_fault_trials.py" --world 4 --ops gpu_ring \
+    --trials "${RING_TRIALS:-20}" --json "$res/ring_faults_w4.json"
+  grep -E "trials passed|FAIL" "$res/ring_faults_w4.log" | cut -c1-400 >> "$res/summary.txt"
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  lim=$(left)
+  CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$lim" python3 -m pytest -q -rfs -p no:cacheprovider \
+    tests/test_gpu.py tests/test_gpu_stream_wait.py tests/test_gpu_ring.py > "$res/check_a.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 "$lim" python3 -m pytest -q -rfs -p no:cacheprovider \
+    tests/test_gpu_collective.py > "$res/check_b.txt" 2>&1 &
+  wait
+  for f in check_a check_b; do
+    echo "$f: $(tail -1 "$res/$f.txt")" >> "$res/summary.txt"
+    grep -E "^FAILED|^ERROR" "$res/$f.txt" | head -20 >> "$res/summary.txt"
+  done
   ;;
 esac
 cat "$res/summary.txt"

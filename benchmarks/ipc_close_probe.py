@@ -24,8 +24,11 @@ kernel that spins for --spin-ms on torch's current stream
 copy on a non-blocking stream of its own (the control: it should not
 wait), opening the second and the third, then closing the second and the
 first (the opens first: a close that waits for the kernel would put every
-later call after its end; the third is closed after the kernel, untimed).  Each line says how
-long the call took and whether it returned before the kernel ended.  Exit
+later call after its end; the third is closed after the kernel, untimed).  Then a
+second kernel: one thread closes a mapping while another, 200 ms later,
+times a copy and an open of other memory (does a close under way hold
+them up?).  Each line says how long the call took and whether it returned
+before the kernel ended.  Exit
 status 0 whatever the answer; 2 if the probe itself could not run.
 """
 from __future__ import annotations
@@ -174,11 +177,72 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
     out["kernel_ms"] = round(start.elapsed_time(end), 3)
     if th.is_alive():
         out["error"] = "the probe thread did not return within the bound"
-    elif got.get("p2", (1,))[0] == 0:   # before the exporter frees it (untimed)
-        cu.close(got["p2"][1] - handles[2][1])
+        return out
     for c in out["calls"]:
         c["before_kernel_end"] = c["returned_at_ms"] < out["kernel_ms"] * 0.9
+    if got.get("p2", (1,))[0] != 0:
+        return out
+    out["while_closing"] = _while_closing(cu, ctx, khz.value, spin_ms, nbytes, handles,
+                                          got["p2"][1], scratch, open_)
+    cu.close(got["p2"][1] - handles[2][1])   # before the exporter frees it (untimed)
     return out
+
+
+def _while_closing(cu, ctx, khz, spin_ms, nbytes, handles, p2, scratch, open_) -> dict:
+    """The second kernel: one thread closes a mapping (which waits for the
+    kernel, as the first part shows), and another, 200 ms later, times a
+    copy and an open of other memory.  Whether they wait too tells whether
+    a close under way on the engine's closer thread holds up the thread
+    that serves a peer's write."""
+    import torch
+    rc, p0 = open_(handles[0])
+    if rc:
+        return {"error": f"reopening the first buffer: CUresult {rc}"}
+    res: dict = {"calls": []}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(int(spin_ms * khz))
+    end.record()
+    t0 = time.perf_counter()
+
+    def closer():
+        cu.ctx_set(ctx)
+        ms, rc = _timed(lambda: cu.close(p0 - handles[0][1]))
+        res["calls"].append({"call": "cuIpcCloseMemHandle (the closer)", "ms": round(ms, 3),
+                             "cuda_result": rc,
+                             "returned_at_ms": round((time.perf_counter() - t0) * 1e3, 3)})
+
+    def server():
+        cu.ctx_set(ctx)
+        s = ctypes.c_void_p()
+        cu.stream_create(ctypes.byref(s), CU_STREAM_NON_BLOCKING)
+        time.sleep(0.2)
+        opened: dict = {}
+        for what, fn in (("copy on a non-blocking stream while a close waits",
+                          lambda: cu.memcpy(scratch.data_ptr(), p2, nbytes, s)
+                          or cu.stream_sync(s)),
+                         ("cuIpcOpenMemHandle of other memory while a close waits",
+                          lambda: opened.setdefault("p1", open_(handles[1]))[0])):
+            ms, rc = _timed(fn)
+            res["calls"].append({"call": what, "ms": round(ms, 3), "cuda_result": rc,
+                                 "returned_at_ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        if opened.get("p1", (1,))[0] == 0:
+            res["reopened"] = opened["p1"][1] - handles[1][1]
+    ths = [threading.Thread(target=closer), threading.Thread(target=server)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60 + spin_ms / 1e3 * 3)
+    torch.cuda.synchronize()
+    res["kernel_ms"] = round(start.elapsed_time(end), 3)
+    if any(t.is_alive() for t in ths):
+        res["error"] = "a probe thread did not return within the bound"
+        return res
+    for c in res["calls"]:
+        c["before_kernel_end"] = c["returned_at_ms"] < res["kernel_ms"] * 0.9
+    if "reopened" in res:
+        cu.close(res.pop("reopened"))
+    return res
 
 
 def main() -> int:

@@ -26,6 +26,8 @@
 #define EXPORT_MAGIC 0x3175706c6c636375ull /* "ucclgpu1" */
 #define MAX_SEGS 65536                     /* 1.3 TB of torch's 20 MiB chunks */
 #define MAX_IMPORTS 512                    /* per process; the oldest one goes */
+#define SLOW_DRIVER_NS (100ull * 1000000ull) /* a map or unmap this long is logged */
+
 
 /* ------------------------------------------------------------------------- */
 /* classification                                                             */
@@ -305,6 +307,18 @@ static struct {
     unsigned n;
 } imports = {PTHREAD_MUTEX_INITIALIZER, NULL, 0};
 
+/* Maps and unmaps of a peer's memory are the driver calls that may wait for
+ * the device (the closer's comment): each one is logged at INFO, and at
+ * WARNING where it took SLOW_DRIVER_NS or more, with what it was. */
+static void log_driver_call(const char *what, const struct uccl__gpu_import *x, uint64_t t0)
+{
+    uint64_t ns = uccl__now_ns() - t0;
+    UCCL_LOG(ns >= SLOW_DRIVER_NS ? UCCL_LOG_WARNING : UCCL_LOG_INFO,
+             "%s pid %u's GPU memory [0x%llx, +%llu) on device %d took %.3f ms%s", what, x->pid,
+             (unsigned long long)x->base, (unsigned long long)x->size, x->dev, (double)ns / 1e6,
+             ns >= SLOW_DRIVER_NS ? " (the driver waited for the device?)" : "");
+}
+
 /* Undo what import_open mapped, in device x->dev's context. */
 static void import_unmap(struct uccl__gpu_import *x)
 {
@@ -386,7 +400,9 @@ static void *closer_main(void *arg)
             pthread_cond_wait(&closer.work, &closer.mu);
         struct uccl__gpu_import *x = closer.head;
         pthread_mutex_unlock(&closer.mu);
+        uint64_t t0 = uccl__now_ns();
         import_unmap(x); /* may wait for the device: no lock held */
+        log_driver_call("closing", x, t0);
         pthread_mutex_lock(&closer.mu);
         closer.head = x->next;
         if (!closer.head)
@@ -426,7 +442,9 @@ static void import_close(struct uccl__gpu_import *x)
     }
     pthread_mutex_unlock(&closer.mu);
     if (!queued) {
+        uint64_t t0 = uccl__now_ns();
         import_unmap(x);
+        log_driver_call("closing (no closer thread)", x, t0);
         import_free(x);
     }
 }
@@ -574,9 +592,12 @@ static int import_open(struct uccl__gpu_import *x, uint64_t rec_addr,
 
 /* Under imports.mu: forget x (closed now if nobody copies through it, else
  * by the last uccl__gpu_import_put). */
-static void import_drop(struct uccl__gpu_import **link)
+static void import_drop(struct uccl__gpu_import **link, const char *why)
 {
     struct uccl__gpu_import *x = *link;
+    LOG_INFO("dropping the mapping of pid %u's GPU memory [0x%llx, +%llu) on device %d (%s; "
+             "%u copies still use it)", x->pid, (unsigned long long)x->base,
+             (unsigned long long)x->size, x->dev, why, x->refs);
     *link = x->next;
     imports.n--;
     x->dead = 1;
@@ -621,8 +642,11 @@ int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t 
             break;
         }
         pthread_mutex_unlock(&imports.mu);
-        if (!deadline)
+        if (!deadline) {
             deadline = uccl__now_ns() + CLOSE_WAIT_NS;
+            LOG_INFO("opening pid %u's GPU memory at 0x%llx on device %d waits for its earlier "
+                     "mapping's close", pid, (unsigned long long)hdr.base, dev);
+        }
         if ((rc = close_wait(pid, hdr.base, dev, deadline)) != UCCL_OK)
             return rc;
         pthread_mutex_lock(&imports.mu);
@@ -637,7 +661,9 @@ int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t 
     *x = (struct uccl__gpu_import){.pid = pid, .owner = hdr.owner, .id = hdr.id, .dev = dev,
                                    .base = hdr.base, .size = hdr.size, .nseg = hdr.nseg,
                                    .refs = 1};
+    uint64_t t0 = uccl__now_ns();
     rc = import_open(x, rec_addr, &hdr);
+    log_driver_call(rc ? "failing to open" : "opening", x, t0);
     if (rc) {
         import_close(x);
         pthread_mutex_unlock(&imports.mu);
@@ -651,7 +677,7 @@ int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t 
         struct uccl__gpu_import *o = *l;
         if (o->pid == pid && o->owner == x->owner && o->id != x->id &&
             o->base < x->base + x->size && x->base < o->base + o->size)
-            import_drop(l);
+            import_drop(l, "another export over its addresses");
         else
             l = &o->next;
     }
@@ -659,7 +685,7 @@ int uccl__gpu_import_get(uint32_t pid, uint64_t rec_addr, uint64_t addr, size_t 
         struct uccl__gpu_import **l = &imports.head;
         while ((*l)->next)
             l = &(*l)->next;
-        import_drop(l);
+        import_drop(l, "the table is full");
     }
     x->next = imports.head;
     imports.head = x;

@@ -16,6 +16,7 @@
 
 #include "tp/transport.h"
 #include "gpu/gpu.h"
+#include "base/log.h"
 #include "base/status.h"
 
 int uccl__shm_ipc_mem_key(struct uccl__link *lk, const struct uccl__mr *mr, uintptr_t addr,
@@ -57,9 +58,14 @@ static int ipc_copy(struct uccl__link *lk, char *local, uint64_t local_key, uint
     if (rc)
         return rc;
     int split = UCCL_MK_KIND(local_key) != UCCL_MK_HOST; /* not from/to pageable memory */
+    uint64_t t0 = uccl__now_ns();
     rc = to_peer ? uccl__gpu_copy(dev, mapped, local, len, split, lk->local->timeout_ns)
                  : uccl__gpu_copy(dev, local, mapped, len, split, lk->local->timeout_ns);
     uccl__gpu_import_put(imp);
+    uint64_t ns = uccl__now_ns() - t0;
+    if (ns >= 100000000ull + len) /* 0.1 s more than 1 GB/s: it waited for something */
+        LOG_WARN("a %zu-byte copy %s pid %u's GPU memory on device %d took %.1f ms", len,
+                 to_peer ? "into" : "from", lk->peer_pid, dev, (double)ns / 1e6);
     return rc;
 }
 
