@@ -26,6 +26,9 @@
 #           queues), the GPU ring's SIGKILL trials at 4 GPUs
 #           (RING_TRIALS, default 20), then the GPU test files in two lanes
 #           (GPUs 0,1 and 2,3) under one CUDA MPS daemon.
+#   PART=7  the ring's SIGKILL trials at 4 GPUs with CUDA_MODULE_LOADING=EAGER
+#           and the harness's kernel preload off, then with torch's LAZY
+#           default and the preload.
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -33,7 +36,7 @@ start=$SECONDS
 budget=${BUDGET_S:-570}
 here=$(dirname "$0")
 dest=${OUT:-bench_out/device}
-res=/tmp/campaign/part${PART:?PART=1 to 6}
+res=/tmp/campaign/part${PART:?PART=1 to 7}
 mkdir -p "$res" "$dest"
 OUT=$res
 source "$here/device_build.sh"
@@ -142,6 +145,18 @@ case "$PART" in
   for f in check_a check_b; do
     echo "$f: $(tail -1 "$res/$f.txt")" >> "$res/summary.txt"
     grep -E "^FAILED|^ERROR" "$res/$f.txt" | head -20 >> "$res/summary.txt"
+  done
+  ;;
+7)
+  # the ring's warm-up timeout against CUDA lazy loading: the trials with
+  # every module loaded at start (EAGER) and the harness's preload off, then
+  # torch's default (LAZY) with the harness's preload
+  for run in "eager env CUDA_MODULE_LOADING=EAGER UCCL_FAULTS_NO_PRELOAD=1" "lazy_preload env"; do
+    set -- $run
+    name=$1; shift
+    step "ring_$name" "${RING_CAP:-200}" "$@" python3 "$here/gpu_fault_trials.py" --world 4 \
+      --ops gpu_ring --trials "${RING_TRIALS:-20}" --json "$res/ring_$name.json"
+    grep -E "trials passed|FAIL" "$res/ring_$name.log" | cut -c1-300 >> "$res/summary.txt"
   done
   ;;
 esac

@@ -144,6 +144,15 @@ class _Op:
             self.ring = ctx.gpu_ring(src, win, slots=256, inflight=32)
             size = max(1, nbytes // 16)
             peers = [p for p in range(w) if p != r]
+            if not os.environ.get("UCCL_FAULTS_NO_PRELOAD"):
+                # torch loads a kernel's module at its first launch (CUDA lazy
+                # loading, torch's default), and a load waits for the device's
+                # running kernels while it holds the driver's lock, so the
+                # engine's copies for the ring would wait behind it: a ring
+                # kernel spinning on its puts would then never end.  run()
+                # launches torch.stack while ring kernels spin: load it now.
+                torch.stack([torch.zeros(2, dtype=torch.int64, device=dev)] * len(peers))
+                torch.cuda.synchronize()
 
             def run():
                 st = [self.ring.launch_puts(16, size, dst=p) for p in peers]

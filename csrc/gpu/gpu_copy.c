@@ -4,7 +4,6 @@
 
 #include <pthread.h>
 #include <sched.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,48 +19,37 @@
 #define MAX_DEVS 16
 #define SPLIT_BYTES (8u << 20) /* a copy is split over streams from here on */
 
-/* The copy streams are the process's, a few per device shared by every
- * thread, not each thread's own.  Why: a context has a few hardware work
- * queues per device (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default); streams
- * are dealt onto them in turn as they are made, and the work of one queue
- * runs in order.  Past that many streams in a process, a copy of ours can
- * wait in one queue behind a kernel on a user's stream; a GPU ring's kernel
- * spins until the copies it asked for are done, so such a copy would never
- * start.  (Seen: 4-GPU rings with per-thread streams, some 20 streams a
- * process; copies into a GPU whose ring kernel spun stalled until the
- * timeout, at random, never at 2 GPUs.)  POOL_MIN copy streams and one for
- * copy_start, non-blocking (none waits for the legacy default stream torch
- * works on), made once; each thread starts at its own stream of the pool,
- * so threads' copies spread over them.  Each thread has its own events. */
-#define POOL_MIN 4
-
-struct dev_streams {
-    cu_stream s[MAX_STREAMS + 1]; /* [0, n - 1): copies; [n - 1]: copy_start's */
-    _Atomic int n;                /* 0 until made */
+/* Each thread that copies owns a few non-blocking streams (and an event
+ * each) per device: copies of different threads never queue behind each
+ * other, and none waits for the legacy default stream torch works on. */
+struct lanes {
+    cu_stream s[MAX_STREAMS + 1]; /* [0, UCCL_P2P_CUDA_STREAMS): copies; the next: copy_start's */
+    cu_event e[MAX_STREAMS + 1];
+    int n;
 };
-static struct dev_streams pools[MAX_DEVS];
-static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
-
-struct thread_events {
-    cu_event e[MAX_DEVS][MAX_STREAMS];
-    unsigned start;               /* this thread's first stream of each pool */
+struct thread_lanes {
+    struct lanes dev[MAX_DEVS];
 };
 
-static pthread_key_t events_key;
-static pthread_once_t events_once = PTHREAD_ONCE_INIT;
+static pthread_key_t lanes_key;
+static pthread_once_t lanes_once = PTHREAD_ONCE_INIT;
 
-static void events_free(void *p)
+static void lanes_free(void *p)
 {
-    struct thread_events *t = p;
+    struct thread_lanes *t = p;
     const struct uccl__cuda *cu = uccl__cuda();
-    for (int d = 0; cu && d < MAX_DEVS; d++)
-        for (int i = 0; i < MAX_STREAMS; i++)
-            if (t->e[d][i] && uccl__cuda_use(d) == UCCL_OK)
-                cu->EventDestroy(t->e[d][i]);
+    for (int d = 0; cu && d < MAX_DEVS; d++) {
+        if (t->dev[d].n == 0 || uccl__cuda_use(d) != UCCL_OK)
+            continue;
+        for (int i = 0; i < t->dev[d].n; i++) {
+            cu->EventDestroy(t->dev[d].e[i]);
+            cu->StreamDestroy(t->dev[d].s[i]);
+        }
+    }
     free(t);
 }
 
-static void events_key_make(void) { pthread_key_create(&events_key, events_free); }
+static void lanes_key_make(void) { pthread_key_create(&lanes_key, lanes_free); }
 
 static unsigned lanes_wanted(void)
 {
@@ -74,57 +62,34 @@ static unsigned lanes_wanted(void)
     return (unsigned)n;
 }
 
-/* Device dev's pool (its context is current): its copy streams' count in
- * *ncopy_p. */
-static int pool_get(int dev, struct dev_streams **p_p, unsigned *ncopy_p)
+/* This thread's lanes on device dev (whose context is current), at least want. */
+static int lanes_get(int dev, unsigned want, struct lanes **l_p)
 {
     if (dev < 0 || dev >= MAX_DEVS)
         return uccl__err(UCCL_ERR_INVALID, "CUDA device %d: at most %d devices", dev, MAX_DEVS);
-    struct dev_streams *p = &pools[dev];
-    if (!atomic_load(&p->n)) {
-        pthread_mutex_lock(&pools_mu);
-        int want = (int)(lanes_wanted() > POOL_MIN ? lanes_wanted() : POOL_MIN) + 1, made = 0;
-        cu_result r = CU_OK;
-        while (!atomic_load(&p->n) && made < want &&
-               (r = uccl__cuda()->StreamCreate(&p->s[made], CU_STREAM_NON_BLOCKING)) == CU_OK)
-            made++;
-        if (!atomic_load(&p->n) && made == want)
-            atomic_store(&p->n, want);
-        else
-            for (int i = 0; i < made; i++) /* not all of them: none */
-                uccl__cuda()->StreamDestroy(p->s[i]);
-        pthread_mutex_unlock(&pools_mu);
-        if (r != CU_OK)
-            return uccl__cuda_err(r, "creating a copy stream");
-    }
-    *p_p = p;
-    *ncopy_p = (unsigned)atomic_load(&p->n) - 1;
-    return UCCL_OK;
-}
-
-/* This thread's events on device dev (whose context is current), the first n made. */
-static int events_get(int dev, unsigned n, struct thread_events **t_p)
-{
-    static _Atomic unsigned threads;
-    pthread_once(&events_once, events_key_make);
-    struct thread_events *t = pthread_getspecific(events_key);
+    pthread_once(&lanes_once, lanes_key_make);
+    struct thread_lanes *t = pthread_getspecific(lanes_key);
     if (!t) {
         t = calloc(1, sizeof(*t));
-        if (!t || pthread_setspecific(events_key, t)) {
+        if (!t || pthread_setspecific(lanes_key, t)) {
             free(t);
             return uccl__err(UCCL_ERR_NOMEM, "out of memory");
         }
-        t->start = atomic_fetch_add(&threads, 1);
     }
-    for (unsigned i = 0; i < n; i++)
-        if (!t->e[dev][i]) {
-            cu_result r = uccl__cuda()->EventCreate(&t->e[dev][i], CU_EVENT_DISABLE_TIMING);
-            if (r != CU_OK) {
-                t->e[dev][i] = NULL;
-                return uccl__cuda_err(r, "creating an event");
-            }
+    const struct uccl__cuda *cu = uccl__cuda();
+    struct lanes *l = &t->dev[dev];
+    while ((unsigned)l->n < want) {
+        cu_result r = cu->StreamCreate(&l->s[l->n], CU_STREAM_NON_BLOCKING);
+        if (r == CU_OK) {
+            r = cu->EventCreate(&l->e[l->n], CU_EVENT_DISABLE_TIMING);
+            if (r != CU_OK)
+                cu->StreamDestroy(l->s[l->n]);
         }
-    *t_p = t;
+        if (r != CU_OK)
+            return uccl__cuda_err(r, "creating a copy stream");
+        l->n++;
+    }
+    *l_p = l;
     return UCCL_OK;
 }
 
@@ -172,29 +137,25 @@ int uccl__gpu_copy(int dev, void *dst, const void *src, size_t len, int split,
     unsigned parts = split && len >= 2 * (size_t)SPLIT_BYTES ? (unsigned)(len / SPLIT_BYTES) : 1;
     if (parts > lanes_wanted())
         parts = lanes_wanted();
-    struct dev_streams *p;
-    struct thread_events *t;
-    unsigned ncopy;
-    if ((rc = pool_get(dev, &p, &ncopy)) != UCCL_OK || (rc = events_get(dev, parts, &t)) != UCCL_OK)
+    struct lanes *l = NULL;
+    if ((rc = lanes_get(dev, parts, &l)) != UCCL_OK)
         return rc;
-    cu_event *ev = t->e[dev];
     /* Page-aligned pieces, rounded up so that there are at most `parts`. */
     size_t step = ((len + parts - 1) / parts + 4095) & ~(size_t)4095, off = 0;
     unsigned used = 0;
     for (; off < len; used++) {
         size_t n = len - off < step ? len - off : step;
-        cu_stream s = p->s[(t->start + used) % ncopy];
         cu_result r = cu->MemcpyAsync((cu_ptr)(uintptr_t)dst + off, (cu_ptr)(uintptr_t)src + off,
-                                      n, s);
+                                      n, l->s[used]);
         if (r == CU_OK)
-            r = cu->EventRecord(ev[used], s);
+            r = cu->EventRecord(l->e[used], l->s[used]);
         if (r != CU_OK) { /* let what was queued finish before reporting */
-            wait_events(cu, ev, (int)used, timeout_ns, "GPU copy");
+            wait_events(cu, l->e, (int)used, timeout_ns, "GPU copy");
             return uccl__cuda_err(r, "queueing a GPU copy");
         }
         off += n;
     }
-    rc = wait_events(cu, ev, (int)used, timeout_ns, "GPU copy");
+    rc = wait_events(cu, l->e, (int)used, timeout_ns, "GPU copy");
     if (rc == UCCL_ERR_IO)
         return uccl__err(rc, "copying %zu bytes 0x%zx -> 0x%zx on device %d: %s", len,
                          (size_t)src, (size_t)dst, dev, uccl_last_error());
@@ -211,20 +172,20 @@ int uccl__gpu_copy_start(int dev, void *dst, const void *src, size_t len, void *
     if (rc)
         return rc;
     const struct uccl__cuda *cu = uccl__cuda();
-    struct dev_streams *p; /* the pool's last stream: copies never queue behind these */
-    unsigned side;
-    if ((rc = pool_get(dev, &p, &side)) != UCCL_OK)
+    unsigned side = lanes_wanted(); /* a stream of its own: the thread's copies never queue behind it */
+    struct lanes *l = NULL;
+    if ((rc = lanes_get(dev, side + 1, &l)) != UCCL_OK)
         return rc;
     cu_event ev = NULL;
     cu_result r = ev_p ? cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING) : CU_OK;
     if (r != CU_OK)
         return uccl__cuda_err(r, "creating an event");
-    r = cu->MemcpyAsync((cu_ptr)(uintptr_t)dst, (cu_ptr)(uintptr_t)src, len, p->s[side]);
+    r = cu->MemcpyAsync((cu_ptr)(uintptr_t)dst, (cu_ptr)(uintptr_t)src, len, l->s[side]);
     if (r == CU_OK && ev)
-        r = cu->EventRecord(ev, p->s[side]);
+        r = cu->EventRecord(ev, l->s[side]);
     if (r != CU_OK) { /* what was queued ends first (bounded: a hung copy is not waited out) */
         uint64_t until = uccl__now_ns() + 30000000000ull;
-        while (cu->StreamQuery(p->s[side]) == CU_ERR_NOT_READY && uccl__now_ns() < until)
+        while (cu->StreamQuery(l->s[side]) == CU_ERR_NOT_READY && uccl__now_ns() < until)
             sched_yield();
         if (ev)
             cu->EventDestroy(ev);
@@ -241,13 +202,13 @@ int uccl__gpu_copy_start_mark(int dev, void **ev_p)
     if (rc)
         return rc;
     const struct uccl__cuda *cu = uccl__cuda();
-    struct dev_streams *p;
-    unsigned side;
-    if ((rc = pool_get(dev, &p, &side)) != UCCL_OK)
+    unsigned side = lanes_wanted();
+    struct lanes *l = NULL;
+    if ((rc = lanes_get(dev, side + 1, &l)) != UCCL_OK)
         return rc;
     cu_event ev;
     cu_result r = cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
-    if (r == CU_OK && (r = cu->EventRecord(ev, p->s[side])) != CU_OK)
+    if (r == CU_OK && (r = cu->EventRecord(ev, l->s[side])) != CU_OK)
         cu->EventDestroy(ev);
     if (r != CU_OK)
         return uccl__cuda_err(r, "recording an event after queued GPU copies");
