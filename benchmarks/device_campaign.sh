@@ -29,6 +29,9 @@
 #   PART=7  the ring's SIGKILL trials at 4 GPUs with CUDA_MODULE_LOADING=EAGER
 #           and the harness's kernel preload off, then with torch's LAZY
 #           default and the preload.
+#   PART=8  issue 33's race: gpu_copy_ceiling.py (push, pull, SM) at 4 and
+#           2 GPUs, then every op of benchmark_uccl_collective.py against
+#           NCCL at 4 and 2 ranks (OPS, SIZES to narrow it).
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -36,7 +39,7 @@ start=$SECONDS
 budget=${BUDGET_S:-570}
 here=$(dirname "$0")
 dest=${OUT:-bench_out/device}
-res=/tmp/campaign/part${PART:?PART=1 to 7}
+res=/tmp/campaign/part${PART:?PART=1 to 8}
 mkdir -p "$res" "$dest"
 OUT=$res
 source "$here/device_build.sh"
@@ -157,6 +160,26 @@ case "$PART" in
     step "ring_$name" "${RING_CAP:-200}" "$@" python3 "$here/gpu_fault_trials.py" --world 4 \
       --ops gpu_ring --trials "${RING_TRIALS:-20}" --json "$res/ring_$name.json"
     grep -E "trials passed|FAIL" "$res/ring_$name.log" | cut -c1-300 >> "$res/summary.txt"
+  done
+  ;;
+8)
+  # issue 33's race: the copy ceiling (push, pull, SM) at 4 and 2 GPUs, then
+  # every op against NCCL in the same run, at 4 and then 2 ranks
+  export NCCL_NVLS_ENABLE=0
+  for g in 0,1,2,3 0,1; do
+    step "ceiling_${g//,/}" 90 python3 "$here/gpu_copy_ceiling.py" --gpus "$g" --size 256M \
+      --json "$res/ceiling_${g//,/}.json"
+  done
+  grep -h "busbw" "$res"/ceiling_*.log >> "$res/summary.txt"
+  for w in 4 2; do
+    for op in ${OPS:-allreduce allgather reduce_scatter broadcast alltoall sendrecv}; do
+      step "${op}_$w" 100 torchrun --nproc_per_node "$w" "$here/benchmark_uccl_collective.py" \
+        --backend uccl --op "$op" --device gpu --compare nccl --sizes "${SIZES:-8,64K,1M,16M,256M}" \
+        --json "$res/${op}_$w.json"
+    done
+    step "ctx_allgather_$w" 100 torchrun --nproc_per_node "$w" "$here/benchmark_uccl_collective.py" \
+      --backend context --op allgather --device gpu --compare nccl --sizes "${SIZES:-8,64K,1M,16M,256M}" \
+      --json "$res/ctx_allgather_$w.json"
   done
   ;;
 esac
