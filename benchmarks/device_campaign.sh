@@ -132,7 +132,9 @@ case "$PART" in
   step streams_8 40 python3 "$here/stream_queue_probe.py" --json "$res/streams_8.json"
   step streams_32 40 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$here/stream_queue_probe.py" \
     --json "$res/streams_32.json"
-  grep "waited for the kernel:" "$res"/streams_*.log >> "$res/summary.txt"
+  step streams_wait 40 python3 "$here/stream_queue_probe.py" --blocker wait-value \
+    --json "$res/streams_wait.json"
+  grep "waited for the held stream:" "$res"/streams_*.log >> "$res/summary.txt"
   step ring_faults_w4 "${RING_CAP:-200}" python3 "$here/gpu_fault_trials.py" --world 4 --ops gpu_ring \
     --trials "${RING_TRIALS:-20}" --json "$res/ring_faults_w4.json"
   grep -E "trials passed|FAIL" "$res/ring_faults_w4.log" | cut -c1-400 >> "$res/summary.txt"

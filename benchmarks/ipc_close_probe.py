@@ -75,6 +75,7 @@ def _cuda() -> types.SimpleNamespace:
         stream_create=fn(("cuStreamCreate",), [ctypes.POINTER(ptr), ctypes.c_uint]),
         memcpy=fn(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, ctypes.c_size_t, ptr]),
         stream_sync=fn(("cuStreamSynchronize",), [ptr]),
+        stream_query=fn(("cuStreamQuery",), [ptr]),
         attr=fn(("cuDeviceGetAttribute",), [ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                             ctypes.c_int]),
         # the exporter's: CUdeviceptr is an unsigned 64-bit integer
