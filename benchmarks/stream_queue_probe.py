@@ -16,8 +16,9 @@ to device on it and time the copy to its end.  --blocker kernel holds the
 stream with a kernel that spins --spin-ms; --blocker wait-value with a
 cuStreamWaitValue32 on a word in pinned host memory that the host sets
 --spin-ms later (the stream memory operation the engine's rounds queue).
-A stream whose copy took about --spin-ms shares the held stream's queue.  Prints one line per stream and the indices that
-waited; exit status 0 whatever the answer, 2 if the probe could not run.
+A stream whose copy took about --spin-ms shares the held stream's queue.
+Prints one line per stream and the indices that waited; exit status 0
+whatever the answer, 2 if the probe could not run.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def main() -> int:
         torch.cuda.synchronize()
         rows.append({"stream": k, "copy_ms": round(ms, 3), "cuda_result": rc,
                      "waited": ms > a.spin_ms * 0.5})
-        print(f"stream {k:3d}: copy {ms:8.3f} ms{'  (waited for the held stream)' if ms > a.spin_ms * 0.5 else ''}")
+        note = "  (waited for the held stream)" if ms > a.spin_ms * 0.5 else ""
+        print(f"stream {k:3d}: copy {ms:8.3f} ms{note}")
     waited = [r["stream"] for r in rows if r["waited"]]
     out = {"device": a.device, "blocker": a.blocker, "spin_ms": a.spin_ms, "streams": rows,
            "waited": waited,
