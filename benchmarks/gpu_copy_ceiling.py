@@ -27,7 +27,6 @@ if the probe could not run.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -35,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import parse_size  # noqa: E402
+from ipc_close_probe import _cuda  # noqa: E402
 
 SM_SOURCE = r'''
 extern "C" __global__ void uccl_pull_sm(const unsigned long long *srcs, unsigned long long words,
@@ -47,15 +47,6 @@ extern "C" __global__ void uccl_pull_sm(const unsigned long long *srcs, unsigned
         d[i] = s[i];
 }
 '''
-
-
-def _memcpy():
-    """cuMemcpyDtoDAsync: the copy engine of the stream's device does the copy."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    f = getattr(lib, "cuMemcpyDtoDAsync_v2")
-    f.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    f.restype = ctypes.c_int
-    return f
 
 
 def main() -> int:
@@ -102,7 +93,7 @@ def main() -> int:
         j = gpus.index(p) - (gpus.index(p) > gpus.index(r))
         return dst[r][j * size:(j + 1) * size]
 
-    memcpy = _memcpy()
+    memcpy = _cuda().memcpy   # the copy engine of the stream's device does the copy
     kernels, ptrs = {}, {}
 
     def issue_ce(way: str) -> None:

@@ -76,6 +76,8 @@ def _cuda() -> types.SimpleNamespace:
         memcpy=fn(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, ctypes.c_size_t, ptr]),
         stream_sync=fn(("cuStreamSynchronize",), [ptr]),
         stream_query=fn(("cuStreamQuery",), [ptr]),
+        wait_value32=fn(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"),
+                        [ptr, u64, ctypes.c_uint32, ctypes.c_uint]),
         attr=fn(("cuDeviceGetAttribute",), [ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                             ctypes.c_int]),
         # the exporter's: CUdeviceptr is an unsigned 64-bit integer

@@ -33,15 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ipc_close_probe import CU_DEVICE_ATTRIBUTE_CLOCK_RATE, CU_STREAM_NON_BLOCKING, _cuda  # noqa: E402
 
 
-def _wait_value32():
-    """cuStreamWaitValue32(stream, address, value, flags)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    f = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(lib, "cuStreamWaitValue32")
-    f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,7 +57,6 @@ def main() -> int:
     cu.attr(ctypes.byref(khz), CU_DEVICE_ATTRIBUTE_CLOCK_RATE, a.device)
     word = torch.zeros(1, dtype=torch.int32).pin_memory()   # UVA: its address serves the GPU
     flag = ctypes.c_int32.from_address(word.data_ptr())
-    wait_value = _wait_value32()
     held = torch.cuda.current_stream().cuda_stream
     rows = []
     for k in range(1, a.streams + 1):
@@ -76,7 +66,7 @@ def main() -> int:
             return 2
         if a.blocker == "kernel":
             torch.cuda._sleep(int(a.spin_ms * khz.value))
-        elif wait_value(held, word.data_ptr(), k, 0):   # CU_STREAM_WAIT_VALUE_GEQ
+        elif cu.wait_value32(held, word.data_ptr(), k, 0):   # CU_STREAM_WAIT_VALUE_GEQ
             print(f"cuStreamWaitValue32 failed at stream {k}", file=sys.stderr)
             return 2
         t0 = time.perf_counter()
