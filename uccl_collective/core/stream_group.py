@@ -339,25 +339,34 @@ class StreamGroup:
         return self.c.p2p(caller, out)
 
     def all_to_all(self, caller: int, sends: Sequence[tuple[int, int]],
-                   recvs: Sequence[tuple[int, int]]) -> list[int]:
-        """all_to_all as messages: sends[j] and recvs[j], (ptr, nbytes), go
-        to and come from rank j, every pair's two in one post, after the
-        work on stream `caller`, with no host hand-off (a round of the
-        group's thread before).  The own chunk (sends[rank] to
-        recvs[rank]) is the caller's to copy on its stream.  Unequal and
-        empty chunks are messages like any other (an empty one still pairs
-        with the peer's); sizes that differ between the two sides of a
-        pair fail the group, naming both.  Returns the codes."""
+                   recvs: Sequence[tuple[int, int]], what: str = "all_to_all") -> int:
+        """all_to_all as one round after the work on stream `caller`:
+        sends[j] and recvs[j], (ptr, nbytes), go to and come from rank j,
+        this rank's own chunk copied in the round.  The caller's stream
+        waits for its end (unless it is the group's own).  Returns the
+        round's number."""
+        return self.c.round(*self.order(caller), 0, what, *self.all_to_all_args(sends, recvs))
+
+    def all_to_all_args(self, sends: Sequence[tuple[int, int]],
+                        recvs: Sequence[tuple[int, int]]) -> tuple:
+        """What the engine's round takes after (caller, caller_waits, end
+        event, what) for all_to_all: every rank publishes its chunk for each
+        peer and pulls its own from each, of exactly the size it expects (a
+        pair whose sizes differ fails the group, naming both sides' bytes;
+        an empty chunk still pairs with the peer's).  It is the round of the
+        backend's exchange task (StreamCtx._p2p, one send and one receive
+        per peer), so one rank may post it from its thread while another
+        runs it as a task."""
         n, me = self.size, self.rank
         if len(sends) != n or len(recvs) != n:
             raise ValueError(f"all_to_all: {len(sends)} sends and {len(recvs)} receives for a "
                              f"group of {n}")
-        msgs = []
-        for k in range(1, n):   # rank me+k first: the pairs' streams start staggered
-            j = (me + k) % n
-            msgs.append((j, True, *sends[j]))
-            msgs.append((j, False, *recvs[j]))
-        return self.p2p(caller, msgs) if msgs else []
+        if sends[me][1] != recvs[me][1]:
+            raise ValueError(f"all_to_all: this rank sends itself {sends[me][1]} bytes but "
+                             f"expects {recvs[me][1]}")
+        publish = [(tag_to(j, 0), *sends[j]) for j in range(n) if j != me]
+        pulls = [(j, 1, True, tag_to(me, 0), 0, *recvs[j]) for j in range(n) if j != me]
+        return KIND_EXCHANGE, 0, 1, publish, pulls, [(recvs[me][0], *sends[me])], None
 
     def _make_arena(self, peer: int, eager: int) -> None:
         with self._arena_lock:   # one per peer, whichever thread sends first
