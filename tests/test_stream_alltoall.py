@@ -37,13 +37,31 @@ def _splits(kind, n, rng, rounds):
                     rng.integers(0, 3, (rounds, n, n)) * 8)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("kind, rounds", [("equal", 2), ("unequal", 3), ("moe", 40)])
-def test_all_to_all_delivers_every_chunk(n, kind, rounds):
-    rng = np.random.default_rng(n * 100 + rounds)
+def _plan(kind, n, seed, rounds):
+    """(sizes[round][src][dst], data[round][src][dst]): random bytes."""
+    rng = np.random.default_rng(seed)
     sizes = _splits(kind, n, rng, rounds)
     data = [[[torch.from_numpy(rng.integers(0, 256, int(sizes[k, s, d]), dtype=np.uint8))
               for d in range(n)] for s in range(n)] for k in range(rounds)]
+    return sizes, data
+
+
+def _run_and_check(n, groups, rank, data):
+    """rank(r) on n threads -> [(sends, recvs)] per round; every chunk checked."""
+    res, err, streams = on_ranks(n, rank, timeout=120.0)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        for k, (_sends, recvs) in enumerate(res[r]):
+            for s in range(n):
+                assert torch.equal(recvs[s], data[k][s][r]), f"round {k}: rank {r} from {s}"
+    close_all(groups, streams)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("kind, rounds", [("equal", 2), ("unequal", 3), ("moe", 40)])
+def test_all_to_all_delivers_every_chunk(n, kind, rounds):
+    sizes, data = _plan(kind, n, n * 100 + rounds, rounds)
     groups = make_groups(n, timeout_s=20.0)
 
     def rank(r):
@@ -55,14 +73,7 @@ def test_all_to_all_delivers_every_chunk(n, kind, rounds):
             groups[r].all_to_all(_callers.stream, _spans(sends), _spans(recvs))
             outs.append((sends, recvs))   # kept until the streams ran
         return outs
-    res, err, streams = on_ranks(n, rank, timeout=120.0)
-    assert err == [None] * n, err
-    drain(groups, streams)
-    for r in range(n):
-        for k, (_sends, recvs) in enumerate(res[r]):
-            for s in range(n):
-                assert torch.equal(recvs[s], data[k][s][r]), f"round {k}: rank {r} from {s}"
-    close_all(groups, streams)
+    _run_and_check(n, groups, rank, data)
 
 
 @pytest.mark.parametrize("sent, expected", [(8, 12), (8, 0), (0, 12)])
@@ -119,11 +130,8 @@ def test_the_backends_round_and_its_task_meet(n, monkeypatch):
     import torch.distributed as dist
     monkeypatch.setattr(dispatch, "_dense_cuda", lambda *ts: 0)   # CPU tensors as CUDA ones
     monkeypatch.setattr(dispatch, "capturing", lambda: False)
-    rng = np.random.default_rng(50 + n)
     rounds = 4
-    sizes = _splits("unequal", n, rng, rounds)
-    data = [[[torch.from_numpy(rng.integers(0, 256, int(sizes[k, s, d]), dtype=np.uint8))
-              for d in range(n)] for s in range(n)] for k in range(rounds)]
+    sizes, data = _plan("unequal", n, 50 + n, rounds)
     groups = make_groups(n, timeout_s=20.0)
 
     class Ctx:
@@ -157,11 +165,4 @@ def test_the_backends_round_and_its_task_meet(n, monkeypatch):
         finally:
             d.close()
         return kept
-    res, err, streams = on_ranks(n, rank, timeout=120.0)
-    assert err == [None] * n, err
-    drain(groups, streams)
-    for r in range(n):
-        for k, (_sends, recvs) in enumerate(res[r]):
-            for s in range(n):
-                assert torch.equal(recvs[s], data[k][s][r]), f"round {k}: rank {r} from {s}"
-    close_all(groups, streams)
+    _run_and_check(n, groups, rank, data)
