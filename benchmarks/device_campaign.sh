@@ -29,7 +29,7 @@
 #   PART=7  the ring's SIGKILL trials at 4 GPUs with CUDA_MODULE_LOADING=EAGER
 #           and the harness's kernel preload off, then with torch's LAZY
 #           default and the preload.
-#   PART=8  issue 33's race: gpu_copy_ceiling.py (push, pull, SM) at 4 and
+#   PART=8  the race against NCCL: gpu_copy_ceiling.py (push, pull, SM) at 4 and
 #           2 GPUs, then every op of benchmark_uccl_collective.py against
 #           NCCL at 4 and 2 ranks (OPS, SIZES to narrow it).
 #
@@ -165,7 +165,7 @@ case "$PART" in
   done
   ;;
 8)
-  # issue 33's race: the copy ceiling (push, pull, SM) at 4 and 2 GPUs, then
+  # the race against NCCL: the copy ceiling (push, pull, SM) at 4 and 2 GPUs, then
   # every op against NCCL in the same run, at 4 and then 2 ranks
   export NCCL_NVLS_ENABLE=0
   for g in 0,1,2,3 0,1; do

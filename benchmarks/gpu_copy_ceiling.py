@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_copy_ceiling.py                     # every GPU, 256 MiB
     python3 benchmarks/gpu_copy_ceiling.py --gpus 0,1 --size 64M --json out.json
 
-The ceiling that issue 33's bandwidth target is measured against (busbw of
+The ceiling the multi-GPU bandwidth target is measured against (busbw of
 all_gather and all_reduce at 256 MiB a rank at least 0.9x the best rate
 here), and the measurement behind the choice of who copies.  One process
 drives every GPU named, with peer access on between every pair (torch turns
