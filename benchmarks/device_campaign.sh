@@ -23,7 +23,8 @@
 #           (default 2) of the ring's SIGKILL campaign alone, with the
 #           engine's INFO log and its threads' stacks (thread_stacks.sh).
 #   PART=6  a fix checked: stream_queue_probe.py (8 and 32 hardware
-#           queues), the GPU ring's SIGKILL trials at 4 GPUs
+#           queues), the SIGKILL trials at 4 GPUs of FAULT_OPS (default the
+#           GPU ring)
 #           (RING_TRIALS, default 20), then the GPU test files in two lanes
 #           (GPUs 0,1 and 2,3) under one CUDA MPS daemon.
 #   PART=7  the ring's SIGKILL trials at 4 GPUs with CUDA_MODULE_LOADING=EAGER
@@ -135,8 +136,8 @@ case "$PART" in
   step streams_wait 40 python3 "$here/stream_queue_probe.py" --blocker wait-value \
     --json "$res/streams_wait.json"
   grep "waited for the held stream:" "$res"/streams_*.log >> "$res/summary.txt"
-  step ring_faults_w4 "${RING_CAP:-200}" python3 "$here/gpu_fault_trials.py" --world 4 --ops gpu_ring \
-    --trials "${RING_TRIALS:-20}" --json "$res/ring_faults_w4.json"
+  step ring_faults_w4 "${RING_CAP:-200}" python3 "$here/gpu_fault_trials.py" --world 4 \
+    --ops "${FAULT_OPS:-gpu_ring}" --trials "${RING_TRIALS:-20}" --json "$res/ring_faults_w4.json"
   grep -E "trials passed|FAIL" "$res/ring_faults_w4.log" | cut -c1-400 >> "$res/summary.txt"
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

@@ -28,7 +28,6 @@
 #define MAX_IMPORTS 512                    /* per process; the oldest one goes */
 #define SLOW_DRIVER_NS (100ull * 1000000ull) /* a map or unmap this long is logged */
 
-
 /* ------------------------------------------------------------------------- */
 /* classification                                                             */
 
