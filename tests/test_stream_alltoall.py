@@ -166,3 +166,38 @@ def test_the_backends_round_and_its_task_meet(n, monkeypatch):
             d.close()
         return kept
     _run_and_check(n, groups, rank, data)
+
+
+def test_all_to_all_against_another_exchange_fails_on_both_ranks():
+    """Rank 0 in all_to_all, rank 1 in a gather to rank 0 whose bytes would
+    fit (its send is what rank 0 expects from it): the rounds' kinds differ,
+    so both ranks raise naming the two calls, and nothing is copied."""
+    from uccl_collective.core.stream_group import StreamCtx
+    groups = make_groups(2, timeout_s=5.0)
+    keep = {}
+
+    class Ctx:
+        world_size, timeout_s = 2, 5.0
+
+        def __init__(self, r):
+            self.rank = r
+
+    def rank(r):
+        if r == 0:
+            sends = [torch.ones(4, dtype=torch.uint8) for _ in range(2)]
+            recvs = [torch.full((4,), POISON, dtype=torch.uint8) for _ in range(2)]
+            keep[0] = recvs
+            StreamCtx(Ctx(0), groups[0]).all_to_all(sends, recvs, "all_to_all")
+        else:
+            mine = torch.ones(4, dtype=torch.uint8)
+            keep[1] = mine
+            StreamCtx(Ctx(1), groups[1])._p2p([("send", mine, 0)], "gather")
+    _res, err, streams = on_ranks(2, rank)
+    drain(groups, streams, failed=True)
+    for g in groups:
+        with pytest.raises(UcclError, match=r"the ranks' calls disagree .*rank \d calls "
+                                            r"(all_to_all|gather)\(kind"):
+            g.check()
+    assert torch.equal(keep[0][1], torch.full((4,), POISON, dtype=torch.uint8)), \
+        "rank 1's bytes were copied into rank 0's output"
+    close_all(groups, streams)

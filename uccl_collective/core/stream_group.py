@@ -74,6 +74,8 @@ R = dist.ReduceOp.RedOpType
 
 TAG_ALL = 0              # a buffer every peer reads
 KIND_EXCHANGE = 1        # a general round (its pulls are checked buffer by buffer)
+KIND_ALL_TO_ALL = KIND_EXCHANGE | 1 << 8   # one told apart from the others: a rank in
+                                           # all_to_all meets no gather or scatter
 
 # The raw cudaStream_t of a device's current stream in one call (what Triton
 # uses); torch.cuda.current_stream(dev) builds a Stream object through
@@ -353,10 +355,11 @@ class StreamGroup:
         event, what) for all_to_all: every rank publishes its chunk for each
         peer and pulls its own from each, of exactly the size it expects (a
         pair whose sizes differ fails the group, naming both sides' bytes;
-        an empty chunk still pairs with the peer's).  It is the round of the
-        backend's exchange task (StreamCtx._p2p, one send and one receive
-        per peer), so one rank may post it from its thread while another
-        runs it as a task."""
+        an empty chunk still pairs with the peer's).  The backend's
+        exchange task runs the same round (StreamCtx.all_to_all), so one
+        rank may post it from its thread while another runs it as a task;
+        its kind is its own, so a rank in a gather or scatter does not meet
+        it."""
         n, me = self.size, self.rank
         if len(sends) != n or len(recvs) != n:
             raise ValueError(f"all_to_all: {len(sends)} sends and {len(recvs)} receives for a "
@@ -366,7 +369,7 @@ class StreamGroup:
                              f"expects {recvs[me][1]}")
         publish = [(tag_to(j, 0), *sends[j]) for j in range(n) if j != me]
         pulls = [(j, 1, True, tag_to(me, 0), 0, *recvs[j]) for j in range(n) if j != me]
-        return KIND_EXCHANGE, 0, 1, publish, pulls, [(recvs[me][0], *sends[me])], None
+        return KIND_ALL_TO_ALL, 0, 1, publish, pulls, [(recvs[me][0], *sends[me])], None
 
     def _make_arena(self, peer: int, eager: int) -> None:
         with self._arena_lock:   # one per peer, whichever thread sends first
@@ -471,6 +474,14 @@ class StreamCtx:
         self._g.run(self._stream(), [(TAG_ALL, base + a * esz, (b - a) * esz)],
                     [(r, TAG_ALL, base + s * esz, (e - s) * esz)
                      for r, (s, e) in enumerate(chunk) if r != me], (), "allgather")
+
+    def all_to_all(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                   what: str) -> None:
+        """sends[r] to rank r, recvs[r] from rank r (contiguous): the round
+        a blocking all_to_all posts from its thread (StreamGroup.all_to_all)."""
+        def spans(ts):
+            return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
+        self._g.all_to_all(self._stream(), spans(sends), spans(recvs), what)
 
     def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str,
              blocking: bool = True) -> None:
