@@ -116,10 +116,21 @@ def _exporter(dev: int, nbytes: int, conn) -> None:
             cu.free(p)
 
 
-def _timed(fn) -> tuple[float, int]:
+def _timed(what: str, fn, since: float) -> dict:
+    """One call timed: its row (how long it took, its CUresult, and when it
+    returned, counted from `since`, the kernel's launch)."""
     t0 = time.perf_counter()
     rc = fn()
-    return (time.perf_counter() - t0) * 1e3, int(rc)
+    t1 = time.perf_counter()
+    return {"call": what, "ms": round((t1 - t0) * 1e3, 3), "cuda_result": int(rc),
+            "returned_at_ms": round((t1 - since) * 1e3, 3)}
+
+
+def _before_kernel_end(res: dict) -> None:
+    """Marks each timed call of res by whether it returned before its
+    kernel (res["kernel_ms"]) ended."""
+    for c in res["calls"]:
+        c["before_kernel_end"] = c["returned_at_ms"] < res["kernel_ms"] * 0.9
 
 
 def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
@@ -169,10 +180,7 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
                  ("cuIpcCloseMemHandle of a mapping opened before the kernel",
                   lambda: cu.close(p0 - handles[0][1]))]
         for what, fn in calls:
-            ms, rc = _timed(fn)
-            out["calls"].append({"call": what, "ms": round(ms, 3), "cuda_result": rc,
-                                 "returned_at_ms": round((time.perf_counter() - t_launch) * 1e3,
-                                                         3)})
+            out["calls"].append(_timed(what, fn, t_launch))
     th = threading.Thread(target=probe)
     th.start()
     th.join(60 + spin_ms / 1e3 * 3)
@@ -181,8 +189,7 @@ def _importer(dev: int, spin_ms: float, nbytes: int, handles: list) -> dict:
     if th.is_alive():
         out["error"] = "the probe thread did not return within the bound"
         return out
-    for c in out["calls"]:
-        c["before_kernel_end"] = c["returned_at_ms"] < out["kernel_ms"] * 0.9
+    _before_kernel_end(out)
     if got.get("p2", (1,))[0] != 0:
         return out
     out["while_closing"] = _while_closing(cu, ctx, khz.value, spin_ms, nbytes, handles,
@@ -210,10 +217,8 @@ def _while_closing(cu, ctx, khz, spin_ms, nbytes, handles, p2, scratch, open_) -
 
     def closer():
         cu.ctx_set(ctx)
-        ms, rc = _timed(lambda: cu.close(p0 - handles[0][1]))
-        res["calls"].append({"call": "cuIpcCloseMemHandle (the closer)", "ms": round(ms, 3),
-                             "cuda_result": rc,
-                             "returned_at_ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        res["calls"].append(_timed("cuIpcCloseMemHandle (the closer)",
+                                   lambda: cu.close(p0 - handles[0][1]), t0))
 
     def server():
         cu.ctx_set(ctx)
@@ -226,9 +231,7 @@ def _while_closing(cu, ctx, khz, spin_ms, nbytes, handles, p2, scratch, open_) -
                           or cu.stream_sync(s)),
                          ("cuIpcOpenMemHandle of other memory while a close waits",
                           lambda: opened.setdefault("p1", open_(handles[1]))[0])):
-            ms, rc = _timed(fn)
-            res["calls"].append({"call": what, "ms": round(ms, 3), "cuda_result": rc,
-                                 "returned_at_ms": round((time.perf_counter() - t0) * 1e3, 3)})
+            res["calls"].append(_timed(what, fn, t0))
         if opened.get("p1", (1,))[0] == 0:
             res["reopened"] = opened["p1"][1] - handles[1][1]
     ths = [threading.Thread(target=closer), threading.Thread(target=server)]
@@ -241,8 +244,7 @@ def _while_closing(cu, ctx, khz, spin_ms, nbytes, handles, p2, scratch, open_) -
     if any(t.is_alive() for t in ths):
         res["error"] = "a probe thread did not return within the bound"
         return res
-    for c in res["calls"]:
-        c["before_kernel_end"] = c["returned_at_ms"] < res["kernel_ms"] * 0.9
+    _before_kernel_end(res)
     if "reopened" in res:
         cu.close(res.pop("reopened"))
     return res
