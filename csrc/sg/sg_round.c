@@ -94,9 +94,10 @@ static const struct uccl_sg_pub *own_entry(const struct uccl_sg_call *c, uint64_
     return NULL;
 }
 
-/* Map [off, +len) of what rank r published under tag into *ptr_p. */
-static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
-                     size_t len, int exact, struct pending *p, uintptr_t *ptr_p)
+/* What rank r published under tag, checked for a read of [off, +len) (of
+ * exactly len bytes where exact), in *e_p. */
+static int find_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
+                      size_t len, int exact, const struct entry **e_p)
 {
     const struct entry *e = peer_entry(sg, r, tag);
     if (!e)
@@ -114,8 +115,20 @@ static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint6
         return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d published %llu bytes; rank %d reads "
                          "[%llu, +%zu): the ranks' calls disagree", what, r,
                          (unsigned long long)e->len, sg->rank, (unsigned long long)off, len);
+    *e_p = e;
+    return UCCL_OK;
+}
+
+/* Map [off, +len) of what rank r published under tag into *ptr_p. */
+static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
+                     size_t len, int exact, struct pending *p, uintptr_t *ptr_p)
+{
+    const struct entry *e = NULL;
+    int rc = find_range(sg, what, r, tag, off, len, exact, &e);
+    if (rc)
+        return rc;
     void *imp = NULL;
-    int rc = sg->ops->map(sg->d, r, e->key, e->addr + off, len, ptr_p, &imp);
+    rc = sg->ops->map(sg->d, r, e->key, e->addr + off, len, ptr_p, &imp);
     if (rc == UCCL_OK && imp)
         p->imp[p->nimp++] = imp;
     return rc;
@@ -368,8 +381,12 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     struct uccl_sg_copy *cp2 = cp + c->npull + c->ncopy;
     for (int i = 0; i < c->npull && !rc; i++) {
         const struct uccl_sg_pull *q = &c->pull[i];
-        if (q->len == 0)
+        if (q->len == 0) { /* nothing to map or copy; an exact one still pairs with the peer's */
+            const struct entry *e;
+            if (q->exact)
+                rc = find_range(sg, what, q->peer, q->tag, q->off, 0, 1, &e);
             continue;
+        }
         struct uccl_sg_copy *to = q->phase == 1 ? &cp[n1++] : &cp2[-++n2];
         *to = (struct uccl_sg_copy){q->dst, 0, q->len};
         rc = map_range(sg, what, q->peer, q->tag, q->off, q->len, q->exact, p, &to->src);
@@ -642,10 +659,9 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     struct entry ent[MAX_ENTRIES];
     int nent = 0;
     for (int i = 0; i < c->npub && !rc; i++) {
-        if (c->pub[i].len == 0)
-            continue;
         ent[nent] = (struct entry){c->pub[i].tag, 0, c->pub[i].ptr, c->pub[i].len};
-        rc = uccl__sg_reg_key(sg, c->pub[i].ptr, c->pub[i].len, k, &ent[nent].key, NULL);
+        if (c->pub[i].len) /* an empty one: no memory to share, but the peer's exact pull checks it */
+            rc = uccl__sg_reg_key(sg, c->pub[i].ptr, c->pub[i].len, k, &ent[nent].key, NULL);
         nent++;
     }
     int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped;

@@ -277,10 +277,16 @@ class Algorithms:
 
     def exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str) -> None:
         """Personalised exchange: sends[r] to rank r, recvs[r] from rank r
-        (all contiguous); this rank's own piece is copied."""
+        (all contiguous); this rank's own piece is copied.  On the
+        stream-ordered plane, all_to_all's round (the one a blocking call
+        posts from its thread)."""
+        xctx = self._d.xctx
+        if isinstance(xctx, StreamCtx):
+            xctx.all_to_all(sends, recvs, what)
+            return
         me, n = self.rank, self.size
         recvs[me].copy_(sends[me].view(recvs[me].shape))
         entries = [("recv", recvs[r], r) for r in range(n) if r != me]
         entries += [("send", sends[r], r) for r in range(n) if r != me]
         if entries:
-            self._d.xctx._p2p(entries, what, blocking=True)
+            xctx._p2p(entries, what, blocking=True)

@@ -690,12 +690,15 @@ class ProcessGroupUCCL(dist.ProcessGroup):
     def _all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], result: list,
                     uses: list, what: str, call: tuple, prof: tuple, opts: Any = None) -> Any:
         """ins[r] to rank r, outs[r] from rank r (checked: one dtype, this
-        rank's own pair of one size): stream-ordered messages where they
-        apply, else a task whose header carries every split size."""
-        if all(t.is_contiguous() for t in outs + ins):
-            work = self._streamed_all_to_all(outs, ins, result, tuple(uses), what)
-            if work is not None:
-                return work
+        rank's own pair of one size): a blocking call on CUDA tensors whose
+        ranks share this host posts its stream-ordered round here (the
+        dispatch's row 2); anything else is a task, whose header carries
+        every split size on the CPU path and which, on the stream-ordered
+        path, runs the same round (_algorithms.exchange), so ranks that
+        took either route meet."""
+        work = self._d.all_to_all(outs, ins, result, opts)
+        if work is not None:
+            return work
         alg = self._alg
         counts = [i.numel() for i in ins] + [o.numel() for o in outs]
 
@@ -730,30 +733,6 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             return None
         return self._posted(sg, what, tensors, (t, tensors), list(tensors),
                             lambda s: sg.p2p(s, [(peer, send, t.data_ptr(), t.nbytes)]))
-
-    def _streamed_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor],
-                             result: list, uses: tuple, what: str) -> P2PWork | None:
-        """all_to_all of contiguous CUDA tensors of one device where the
-        group's ranks share this host (the dispatch's row 6): a message to
-        and from every peer, all posted here at once on the pairs' streams
-        with no host hand-off (StreamGroup.all_to_all), and the own chunk
-        copied on the current stream; a P2PWork, as NCCL's all_to_all is
-        its grouped sends and receives.  None elsewhere (the task of rows
-        3-5).  Split sizes the peers disagree on fail the group, naming
-        both sides' bytes."""
-        dev = outs[0].device
-        if not all(t.is_cuda and t.device == dev for t in outs + ins):
-            return None
-        sg = self._d.p2p(outs[0], what)
-        if sg is None:
-            return None
-        me = self.rank()
-
-        def post(stream: int) -> list[int]:
-            outs[me].copy_(ins[me])
-            return sg.all_to_all(stream, [(t.data_ptr(), t.nbytes) for t in ins],
-                                 [(t.data_ptr(), t.nbytes) for t in outs])
-        return self._posted(sg, what, list(uses), (outs, ins, uses), result, post)
 
     def _posted(self, sg: Any, what: str, profiled: list, keep: Any, result: list,
                 post: Callable[[int], list[int]]) -> P2PWork:

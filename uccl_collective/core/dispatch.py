@@ -29,13 +29,14 @@ facts hold is the route:
       size x input
  2    all_reduce (one tensor),                  a stream-ordered round, inline
       all_gather_into_tensor,                   (Dispatch.allreduce, allgather,
-      reduce_scatter_tensor, reduce,            reduce_scatter, reduce, broadcast):
-      broadcast; blocking; no profiler; group   one engine call under the token, a
-      open; dense contiguous CUDA tensors of    StreamWork.  A capture raises
-      one device; the group has a stream        (refuse_capture), a bad operator raises
-      group there (made at the first such       (check_op); the token not free: rows 3-5,
-      call: every peer on this host over        queued behind what holds it
-      shared memory with CUDA IPC,
+      reduce_scatter_tensor, reduce,            reduce_scatter, reduce, broadcast,
+      broadcast, all_to_all(_single) of         all_to_all): one engine call under the
+      contiguous chunks; blocking; no           token, a StreamWork.  A capture raises
+      profiler; group open; dense contiguous    (refuse_capture), a bad operator raises
+      CUDA tensors of one device; the group     (check_op); the token not free: rows 3-5,
+      has a stream group there (made at the     queued behind what holds it (all_to_all's
+      first such call: every peer on this       task runs the same round: a rank may take
+      host over shared memory with CUDA IPC,    either)
       UCCL_STREAM_ORDERED not 0, more than
       one rank); the token free; reductions:
       a kernel for (operator, dtype); shapes
@@ -65,10 +66,6 @@ facts hold is the route:
       has a stream group on its device          the pair's stream, a P2PWork.  A capture
                                                 raises.  (Else a task of the p2p
                                                 channel: row 4 or 5)
-      all_to_all / all_to_all_single of         a message to and from every peer, posted
-      contiguous CUDA tensors of that device    at once on the pairs' streams (no host
-      (before rows 3-5)                         hand-off), the own chunk copied on the
-                                                caller's stream, a P2PWork
 
 Rows 1 and 2 take the same facts; row 1 is their common case made in C
 (csrc/py/py_fastpath.c: its checks mirror fast() and kernel_codes();
@@ -287,6 +284,18 @@ class Dispatch:
             return None
         return self.round(sg, list(tensors), sg.c.broadcast, t.data_ptr(),
                           t.numel() * t.element_size(), root)
+
+    def all_to_all(self, outs: list, ins: list, result: list, opts: Any) -> Any:
+        """Row 2 of all_to_all and all_to_all_single (outs[r] from and ins[r]
+        to rank r, contiguous, this rank's own pair of one size): one round
+        (StreamGroup.all_to_all_args), the same one its task runs; its Work,
+        or None."""
+        sg = self.fast(opts, *outs, *ins)
+        if sg is None:
+            return None
+        return self.round(sg, result, sg.c.round, "all_to_all", *sg.all_to_all_args(
+            [(t.data_ptr(), t.numel() * t.element_size()) for t in ins],
+            [(t.data_ptr(), t.numel() * t.element_size()) for t in outs]))
 
     # -- rows 3-5: a task ----------------------------------------------------------------
     def task(self, fn: Callable, result: Any, uses: Any, p2p: bool, sync: bool) -> tuple:
