@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -111,6 +112,9 @@ def get_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed iterations per size "
                    "(default: 20 up to 16 MB, then 10)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of --iters calls, uccl's "
+                   "and the reference's in turn; each figure is the median, the spread "
+                   "(fastest-slowest round) beside it (default 5)")
     p.add_argument("--async-api", action="store_true",
                    help="iallgather/isend/irecv + wait instead of the blocking calls")
     p.add_argument("--dual", action="store_true", help="sendrecv: both ranks of a pair send")
@@ -139,6 +143,8 @@ def get_args() -> argparse.Namespace:
     pg_ops = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "ring")
     if args.backend == "uccl" and args.op not in pg_ops:
         p.error(f"--backend uccl runs {', '.join(pg_ops)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be 1 or more, got {args.rounds}")
     if args.backend == "context" and args.op not in ("allgather", "sendrecv", "ring"):
         p.error(f"--op {args.op} needs --backend uccl")
     if args.device == "gpu" and not torch.cuda.is_available():
@@ -416,6 +422,8 @@ class GroupRunner(_Bench):
 
     def sizes(self, size: int):
         n, w, op = size // 4, self.world, self.args.op
+        if op == "alltoall":   # a chunk per rank: a multiple of the ranks, one element each at least
+            n = max(w, n - n % w)
         n_in = n * w if op == "reduce_scatter" else n
         n_out = {"allgather": n * w, "reduce_scatter": n, "alltoall": n, "ring": n}.get(op, 0)
         return n, n_in, n_out
@@ -644,21 +652,31 @@ def main() -> None:
         r.buffers(size)
         r.ref_open(size)
         r.verify(size)
-        for _ in range(args.warmup):
-            r.uccl()
-        t = timed(r.uccl, iters, sync, dev)
+        # --rounds rounds of iters calls, uccl's and the reference's taken in
+        # turn (a drift of the machine's pace touches both); the medians
+        ref = args.compare != "none"
+        for fn in (r.uccl, r.ref) if ref else (r.uccl,):
+            for _ in range(args.warmup):
+                fn()
+        ts, gs = [], []
+        for _ in range(args.rounds):
+            ts.append(timed(r.uccl, iters, sync, dev))
+            if ref:
+                gs.append(timed(r.ref, iters, sync, dev))
+        t = statistics.median(ts)
         algbw, busbw = bandwidths(args.op, size, world, t, args.dual)
         row = {"op": args.op, "backend": args.backend, "device": args.device, "world": world,
-               "size": size, "size_str": pretty(size), "iters": iters, "uccl_us": t * 1e6,
+               "size": size, "size_str": pretty(size), "iters": iters, "rounds": args.rounds,
+               "uccl_us": t * 1e6, "uccl_us_min": min(ts) * 1e6, "uccl_us_max": max(ts) * 1e6,
                "uccl_algbw_GBps": algbw, "uccl_busbw_GBps": busbw}
         say(f"[Rank 0] {label} {pretty(size)} : {algbw * 8:.2f} Gbps | {algbw:.2f} GB/s "
-            f"(algbw), busbw {busbw:.2f} GB/s, {t * 1e6:.1f} us")
-        if args.compare != "none":
-            for _ in range(args.warmup):
-                r.ref()
-            g = timed(r.ref, iters, sync, dev)
+            f"(algbw), busbw {busbw:.2f} GB/s, {t * 1e6:.1f} us "
+            f"({min(ts) * 1e6:.1f}-{max(ts) * 1e6:.1f})")
+        if ref:
+            g = statistics.median(gs)
             galg, gbus = bandwidths(args.op, size, world, g, args.dual)
-            row.update({"ref": ref_name, "ref_us": g * 1e6, "ref_algbw_GBps": galg,
+            row.update({"ref": ref_name, "ref_us": g * 1e6, "ref_us_min": min(gs) * 1e6,
+                        "ref_us_max": max(gs) * 1e6, "ref_algbw_GBps": galg,
                         "ref_busbw_GBps": gbus,
                         f"{key}_us": g * 1e6, f"{key}_algbw_GBps": galg,
                         f"{key}_busbw_GBps": gbus, "ratio": busbw / gbus, "time_ratio": t / g})
@@ -667,7 +685,8 @@ def main() -> None:
                 met = t / g <= IPC_TARGET
                 row.update(target_time_ratio=IPC_TARGET, target_met=met)
                 verdict = f", target <= {IPC_TARGET:.2f}x: {'met' if met else 'missed'}"
-            say(f"         {ref_name:>5} busbw {gbus:.2f} GB/s, {g * 1e6:.1f} us  "
+            say(f"         {ref_name:>5} busbw {gbus:.2f} GB/s, {g * 1e6:.1f} us "
+                f"({min(gs) * 1e6:.1f}-{max(gs) * 1e6:.1f})  "
                 f"ratio {busbw / gbus:.2f}x (time uccl/{args.compare} {t / g:.2f}x{verdict})")
         r.ref_close()
         rows.append(row)

@@ -22,17 +22,19 @@
 #   PART=5  the 4-GPU ring's warm-up timeout: the probe, then trial ONLY
 #           (default 2) of the ring's SIGKILL campaign alone, with the
 #           engine's INFO log and its threads' stacks (thread_stacks.sh).
-#   PART=6  a fix checked: stream_queue_probe.py (8 and 32 hardware
-#           queues), the SIGKILL trials at 4 GPUs of FAULT_OPS (default the
-#           GPU ring)
-#           (RING_TRIALS, default 20), then the GPU test files in two lanes
-#           (GPUs 0,1 and 2,3) under one CUDA MPS daemon.
+#   PART=6  a tree's GPU checks: the SIGKILL trials at 4 GPUs of FAULT_OPS
+#           (default the GPU ring; RING_TRIALS, default 20), then the GPU
+#           test files in two lanes (GPUs 0,1 and 2,3) under one CUDA MPS
+#           daemon, then test_gpu_collective.py's cases with a GPU per rank
+#           on every GPU (SPREAD_S kept for them, default 150 s); PROBES=1
+#           runs stream_queue_probe.py (8 and 32 hardware queues) first.
 #   PART=7  the ring's SIGKILL trials at 4 GPUs with CUDA_MODULE_LOADING=EAGER
 #           and the harness's kernel preload off, then with torch's LAZY
 #           default and the preload.
 #   PART=8  the race against NCCL: gpu_copy_ceiling.py (push, pull, SM) at 4 and
 #           2 GPUs, then every op of benchmark_uccl_collective.py against
-#           NCCL at 4 and 2 ranks (OPS, SIZES to narrow it).
+#           NCCL at 4 and 2 ranks (OPS, SIZES to narrow it; CTX=0 leaves out
+#           CollectiveContext.allgather).
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -128,27 +130,33 @@ case "$PART" in
   grep -c "WARNING" "$res/ring_only.log" >> "$res/summary.txt"
   ;;
 6)
-  # a fix of the GPU copies checked: the ring's SIGKILL trials at 4 GPUs
-  # alone, then the GPU test files in two lanes under one CUDA MPS daemon
-  step streams_8 40 python3 "$here/stream_queue_probe.py" --json "$res/streams_8.json"
-  step streams_32 40 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$here/stream_queue_probe.py" \
-    --json "$res/streams_32.json"
-  step streams_wait 40 python3 "$here/stream_queue_probe.py" --blocker wait-value \
-    --json "$res/streams_wait.json"
-  grep "waited for the held stream:" "$res"/streams_*.log >> "$res/summary.txt"
+  # a tree's GPU checks: the SIGKILL trials at 4 GPUs alone, then the GPU
+  # test files in two lanes (GPUs 0,1 and 2,3) under one CUDA MPS daemon,
+  # then the backend's cases with a GPU per rank (every GPU; 8 ranks two a GPU)
+  if [ "${PROBES:-0}" = 1 ]; then
+    step streams_8 40 python3 "$here/stream_queue_probe.py" --json "$res/streams_8.json"
+    step streams_32 40 env CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$here/stream_queue_probe.py" \
+      --json "$res/streams_32.json"
+    step streams_wait 40 python3 "$here/stream_queue_probe.py" --blocker wait-value \
+      --json "$res/streams_wait.json"
+    grep "waited for the held stream:" "$res"/streams_*.log >> "$res/summary.txt"
+  fi
   step ring_faults_w4 "${RING_CAP:-200}" python3 "$here/gpu_fault_trials.py" --world 4 \
     --ops "${FAULT_OPS:-gpu_ring}" --trials "${RING_TRIALS:-20}" --json "$res/ring_faults_w4.json"
   grep -E "trials passed|FAIL" "$res/ring_faults_w4.log" | cut -c1-400 >> "$res/summary.txt"
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  lim=$(left)
+  lim=$(( $(left) - ${SPREAD_S:-150} ))
   CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "$lim" python3 -m pytest -q -rfs -p no:cacheprovider \
     tests/test_gpu.py tests/test_gpu_stream_wait.py tests/test_gpu_ring.py > "$res/check_a.txt" 2>&1 &
   CUDA_VISIBLE_DEVICES=2,3 timeout -k 10 "$lim" python3 -m pytest -q -rfs -p no:cacheprovider \
-    tests/test_gpu_collective.py > "$res/check_b.txt" 2>&1 &
+    tests/test_gpu_collective.py -k "not gpu_per_rank" > "$res/check_b.txt" 2>&1 &
   wait
-  for f in check_a check_b; do
+  step check_spread "$(left)" env UCCL_GPU_TESTS_MPS=1 python3 -m pytest -q -rfs -p no:cacheprovider \
+    tests/test_gpu_collective.py -k gpu_per_rank
+  mv "$res/check_spread.log" "$res/check_spread.txt"
+  for f in check_a check_b check_spread; do
     echo "$f: $(tail -1 "$res/$f.txt")" >> "$res/summary.txt"
     grep -E "^FAILED|^ERROR" "$res/$f.txt" | head -20 >> "$res/summary.txt"
   done
@@ -175,12 +183,12 @@ case "$PART" in
   done
   grep -h "busbw" "$res"/ceiling_*.log >> "$res/summary.txt"
   for w in 4 2; do
-    for op in ${OPS:-allreduce allgather reduce_scatter broadcast alltoall sendrecv}; do
+    for op in ${OPS:-allreduce allgather reduce_scatter broadcast alltoall ring}; do
       step "${op}_$w" 100 torchrun --nproc_per_node "$w" "$here/benchmark_uccl_collective.py" \
         --backend uccl --op "$op" --device gpu --compare nccl --sizes "${SIZES:-8,64K,1M,16M,256M}" \
         --json "$res/${op}_$w.json"
     done
-    step "ctx_allgather_$w" 100 torchrun --nproc_per_node "$w" "$here/benchmark_uccl_collective.py" \
+    [ "${CTX:-1}" = 1 ] && step "ctx_allgather_$w" 100 torchrun --nproc_per_node "$w" "$here/benchmark_uccl_collective.py" \
       --backend context --op allgather --device gpu --compare nccl --sizes "${SIZES:-8,64K,1M,16M,256M}" \
       --json "$res/ctx_allgather_$w.json"
   done

@@ -1,6 +1,6 @@
 """Where a small stream-ordered collective's time goes, on one GPU shared by
-the ranks: for all_reduce and all_gather_into_tensor through the "uccl"
-group, per call, after --warmup calls:
+the ranks: for all_reduce, all_gather_into_tensor and all_to_all_single
+through the "uccl" group, per call, after --warmup calls:
 
     torchrun --nproc_per_node 2 benchmarks/fused_probe.py [--sizes 4,1M] [--iters 1000]
 
@@ -94,7 +94,30 @@ def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
         torch.cuda.synchronize()
         return us
 
-    return [
+    # all_to_all_single's path (row 2: a round through Dispatch.round), piece by piece
+    world = sg.size
+    x, y = torch.randn(world * 16, device=dev), torch.empty(world * 16, device=dev)
+    xs, ys = list(x.chunk(world)), list(y.chunk(world))
+    ao = dist.AllToAllOptions()
+    ao.asyncOp = False
+    spans = ([(t.data_ptr(), 64) for t in xs], [(t.data_ptr(), 64) for t in ys])
+    a2a_args = sg.all_to_all_args(*spans)
+    if d.fast(ao, *ys, *xs) is None:
+        raise SystemExit("all_to_all's fast path does not apply here")
+    a2a = [
+        ("a2a: d.fast(opts, *outs, *ins)", host(lambda: d.fast(ao, *ys, *xs))),
+        ("a2a: sg.all_to_all_args(...)", host(lambda: sg.all_to_all_args(*spans))),
+        ("a2a: engine round (C)", host(lambda: sg.c.round(raw(idx), True, 0, "all_to_all",
+                                                           *a2a_args))),
+        ("a2a: d.round(...) (token, round, Work)", host(lambda: d.round(
+            sg, [y], sg.c.round, "all_to_all", *a2a_args))),
+        ("a2a: d.all_to_all(...)", host(lambda: d.all_to_all((y, x), *spans, [y], ao))),
+        ("a2a: be.alltoall_base(y, x, [], [], opts)", host(lambda: be.alltoall_base(y, x, [], [],
+                                                                                     ao))),
+        ("a2a: dist.all_to_all_single(y, x)", host(lambda: dist.all_to_all_single(y, x,
+                                                                                  group=upg))),
+    ]
+    return a2a + [
         ("python: an empty call", host(lambda: None)),
         ("torch.cuda.current_stream()", host(lambda: torch.cuda.current_stream(idx))),
         ("_raw_stream(dev)", host(lambda: raw(idx))),
@@ -176,11 +199,20 @@ def main() -> None:
         out = torch.empty(world * n, device=dev)
         codes = sg.reduce_codes(t.dtype, _reduce.op_type(dist.ReduceOp.SUM))
         ptr, optr = t.data_ptr(), out.data_ptr()
+        na = max(world, n - n % world)   # all_to_all: a chunk per rank
+        a_in, a_out = torch.randn(na, device=dev), torch.empty(na, device=dev)
+        c = na // world * 4
+
+        def chunks(t):
+            return [(t.data_ptr() + r * c, c) for r in range(world)]
+        a2a_args = sg.all_to_all_args(chunks(a_in), chunks(a_out))
         paths = {
             "all_reduce": (lambda: dist.all_reduce(t, group=upg),
                            lambda: sg.c.allreduce(raw(idx), True, 0, ptr, n, *codes)),
             "all_gather": (lambda: dist.all_gather_into_tensor(out, t, group=upg),
                            lambda: sg.c.allgather(raw(idx), True, 0, ptr, n * 4, optr)),
+            "all_to_all": (lambda: dist.all_to_all_single(a_out, a_in, group=upg),
+                           lambda: sg.c.round(raw(idx), True, 0, "all_to_all", *a2a_args)),
         }
         for op, (dfn, efn) in paths.items():
             res = {}
@@ -212,8 +244,8 @@ def main() -> None:
         for r, w in zip(rows, worst):
             print(f"{r[0]:<12} {r[1]:>8} " + " ".join(f"{v:>10.1f}" for v in w))
         if pieces:
-            print("the backend's fast path for a 4-byte all_reduce, piece by piece (rank 0, "
-                  "host us per call):")
+            print("the backend's fast path for a 64-byte all_to_all_single and a 4-byte "
+                  "all_reduce, piece by piece (rank 0, host us per call):")
         for name, us in pieces:
             print(f"  {name:<44} {us:8.2f}")
         if ab:

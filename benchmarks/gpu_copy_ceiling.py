@@ -17,6 +17,12 @@ receives N-1 chunks at once), three ways:
   sm     one kernel on each receiver whose blocks read the peers' sources
          (16-byte loads) and write its slots; no copy engine
 
+and, the ring's pattern (every GPU receives from one neighbour only, the
+same (N-1) x size bytes, one copy after another on one stream):
+
+  ring-pull  each GPU copies from the GPU before it (index - 1), on its own stream
+  ring-push  each GPU copies into the GPU after it, on its own stream
+
 Each way runs --iters rounds after --warmup, all GPUs at once, timed on the
 host from the first issue to the end of the last copy on every GPU.  The
 sources hold random bytes and every slot is poisoned before the way runs and
@@ -58,7 +64,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sm-blocks", type=int, default=64, help="blocks per peer of the sm way")
-    ap.add_argument("--ways", default="pull,push,sm")
+    ap.add_argument("--ways", default="pull,push,sm,ring-pull,ring-push")
     ap.add_argument("--json", help="write the result here too")
     a = ap.parse_args()
     import torch
@@ -96,6 +102,20 @@ def main() -> int:
     memcpy = _cuda().memcpy   # the copy engine of the stream's device does the copy
     kernels, ptrs = {}, {}
 
+    def left(r: int) -> int:
+        return gpus[gpus.index(r) - 1]
+
+    def issue_ring(way: str) -> None:
+        for r in gpus:
+            issuer = r if way == "ring-pull" else left(r)
+            torch.cuda.set_device(issuer)
+            s = streams[issuer][0]
+            for p in (q for q in gpus if q != r):   # every slot, from the neighbour
+                rc = memcpy(slot(r, p).data_ptr(), src[left(r)].data_ptr(), size, s.cuda_stream)
+                if rc:
+                    raise RuntimeError(f"cuMemcpyDtoDAsync {left(r)} -> {r} on GPU {issuer}: "
+                                       f"CUresult {rc}")
+
     def issue_ce(way: str) -> None:
         for r in gpus:
             for i, p in enumerate(q for q in gpus if q != r):
@@ -121,7 +141,8 @@ def main() -> int:
                 kernels[r] = Kernel(SM_SOURCE, "uccl_pull_sm", device=r)
                 ptrs[r] = torch.tensor([src[p].data_ptr() for p in gpus if p != r],
                                        dtype=torch.int64, device=r)
-        go = issue_sm if way == "sm" else (lambda w=way: issue_ce(w))
+        go = (issue_sm if way == "sm" else (lambda w=way: issue_ring(w))
+              if way.startswith("ring") else (lambda w=way: issue_ce(w)))
         for g in gpus:
             dst[g].fill_(0xA5)
         torch.cuda.synchronize()
@@ -135,8 +156,8 @@ def main() -> int:
         for g in gpus:
             torch.cuda.synchronize(g)
         sec = (time.perf_counter() - t0) / a.iters
-        wrong = [(p, r) for r in gpus for p in gpus
-                 if p != r and not torch.equal(slot(r, p), src[p].to(r))]
+        wrong = [(p, r) for r in gpus for p in gpus if p != r and not torch.equal(
+            slot(r, p), src[left(r) if way.startswith("ring") else p].to(r))]
         bad += [f"{way}: GPU {r}'s slot for GPU {p}" for p, r in wrong]
         busbw = (n - 1) * size / sec / 1e9
         rows.append({"way": way, "ms": round(sec * 1e3, 3), "busbw_GBps": round(busbw, 1),

@@ -168,14 +168,17 @@ class Rank:
         self.rank, self.world, self.params = rank, world, params
         self.seed = int(params["seed"])
         self.cuda = torch.cuda.is_available()
-        self.dev = "cuda" if self.cuda else "cpu"
+        self.dev = "cuda" if self.cuda else "cpu"   # the current device: self.gpu
+        # params["gpus"]: spread the ranks over that many GPUs (rank r on GPU
+        # r % gpus); else every rank on GPU 0
+        self.gpu = rank % int(params.get("gpus", 1))
         self.store = dist.TCPStore("127.0.0.1", store_port, world, False,
                                    timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         self.info: dict = {"pid": os.getpid(), "torch": torch.__version__}
         if self.cuda:
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(self.gpu)
             torch.cuda.init()
-            self.info["device"] = torch.cuda.get_device_name(0)
+            self.info["device"] = f"{torch.cuda.get_device_name(self.gpu)} (GPU {self.gpu})"
         torch.set_num_threads(4)
 
     # -- store ---------------------------------------------------------------

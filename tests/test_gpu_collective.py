@@ -1,5 +1,6 @@
 """Issue 11: CUDA tensors in CollectiveContext and the "uccl" torch.distributed
-backend, between 2-4 processes sharing one GPU.
+backend, between 2-4 processes sharing one GPU, and (the backend) between
+processes with a GPU each.
 
 Each scenario is ONE run of real processes (``python -m _gpu_coll_worker``,
 see that module) that goes through many cases; every case becomes one test
@@ -40,6 +41,11 @@ Scenarios:
            work.wait(), then a clone; on the current and on a side stream.
            DDP (20 steps) against DDP over Gloo on CPU copies; FSDP2 (5
            steps) against a local single-process reference.
+  backend, a GPU per rank (test_backend_gpu_per_rank): the same cases
+           with the ranks spread over the host's GPUs: 2, 3 and 4 ranks a
+           GPU each, 8 ranks two to a GPU under CUDA MPS (a daemon running
+           and UCCL_GPU_TESTS_MPS=1); each skips, naming why, on a host with
+           too few GPUs.
   kill     3 ranks (one SIGKILLs itself) and 2 ranks (one os._exit()s), a
            uccl group and a CollectiveContext with 20 s timeouts: after a
            good warm-up on CUDA tensors the victim dies before the next
@@ -170,7 +176,9 @@ def launch(scenario: str, world: int, *, params: dict, timeout: float,
             handles.append(open(logs[-1], "w"))
             cmd = [sys.executable, "-m", "_gpu_coll_worker", scenario, str(r), str(world),
                    str(store.port), outs[-1], json.dumps(params)]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=TESTS, stdout=handles[-1],
+            # ranks spread over GPUs: LOCAL_RANK names the rank's, as torchrun's does
+            env_r = dict(env, LOCAL_RANK=str(r % params["gpus"])) if "gpus" in params else env
+            procs.append(subprocess.Popen(cmd, env=env_r, cwd=TESTS, stdout=handles[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
         deadline, first_exit = t0 + timeout, None
         while True:
@@ -287,6 +295,50 @@ def test_backend(world, case):
     stream order, DDP and FSDP2;
     'end' destroys the groups cleanly."""
     check(_run_world("backend", world), case, "setup")
+
+
+def _gpu_count() -> int:
+    if not HAVE_CUDA:
+        return 0
+    import torch
+    return torch.cuda.device_count()
+
+
+NGPU = _gpu_count()
+SPREAD_WORLDS = (2, 3, 4, 8)   # 8: two ranks a GPU on a 4-GPU host, under CUDA MPS
+MPS = os.environ.get("UCCL_GPU_TESTS_MPS") == "1"
+
+
+def _spread_skip(world: int) -> str | None:
+    """Why the ranks cannot each have a GPU of their own here (or share
+    them two to a GPU under MPS), or None."""
+    if NGPU < 2:
+        return (f"one GPU per rank needs 2 GPUs or more; this host has {NGPU} "
+                f"({'no CUDA' if not HAVE_CUDA else 'torch.cuda.device_count()'})")
+    if world > 2 * NGPU:
+        return f"{world} ranks on {NGPU} GPUs: at most two ranks a GPU"
+    if world > NGPU and not MPS:
+        return (f"{world} ranks on {NGPU} GPUs share GPUs, which needs a CUDA MPS daemon; start "
+                "one (nvidia-cuda-mps-control -d) and set UCCL_GPU_TESTS_MPS=1")
+    return None
+
+
+@pytest.mark.parametrize("world,case", [pytest.param(w, c, id=f"n{w}-{c}") for w in SPREAD_WORLDS
+                                        for c in CW.case_names("backend", w, _params())])
+def test_backend_gpu_per_rank(world, case):
+    """The backend scenario with the ranks spread over the host's GPUs (rank
+    r on GPU r % min(world, GPUs), LOCAL_RANK set as torchrun sets it): 2, 3
+    and 4 ranks a GPU each, 8 ranks two to a GPU under MPS.  Every dist.*
+    op at every dtype, in place and not, unequal splits, DDP and FSDP2,
+    against the Gloo group on CPU copies (bitwise where the result does not
+    depend on the order of a reduction)."""
+    why = _spread_skip(world)
+    if why:
+        pytest.skip(why)
+    gpus = min(world, NGPU)
+    check(cached_run(("backend-spread", world), lambda: launch(
+        "backend", world, params=_params(gpus=gpus),
+        timeout=TIMEOUTS["backend"] * (1.5 if world > 4 else 1.0))), case, "setup")
 
 
 @pytest.mark.parametrize("run,case", [pytest.param(k, c, id=f"{k}-{c}") for k, v in

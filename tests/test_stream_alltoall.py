@@ -157,7 +157,7 @@ def test_the_backends_round_and_its_task_meet(n, monkeypatch):
                 recvs = [torch.full((int(sizes[k, s, r]),), POISON, dtype=torch.uint8)
                          for s in range(n)]
                 if r % 2 == 0:
-                    w = d.all_to_all(recvs, sends, [recvs], opts)
+                    w = d.all_to_all(recvs + sends, _spans(sends), _spans(recvs), [recvs], opts)
                     assert isinstance(w, StreamWork), w
                 else:
                     task.exchange(sends, recvs, "all_to_all")

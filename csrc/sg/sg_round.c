@@ -364,6 +364,25 @@ static int copies(uccl_sg_t *sg, uintptr_t stream, struct uccl_sg_copy *cs, int 
     return n ? sg->ops->copies(sg->d, stream, cs, n) : UCCL_OK;
 }
 
+/* The order of the pulls: from rank me+1 first, then me+2, ... (stable
+ * within a peer).  Copies from several GPUs on one stream run one after
+ * another; in this order each step is a permutation, every GPU read by one
+ * peer and reading one, where in rank order every rank would read rank 0
+ * first, n-1 readers sharing its links (4 x H200, 256 MiB a peer: one
+ * reader a GPU moved 383 GB/s into each, benchmarks/gpu_copy_ceiling.py
+ * ring-pull, against 228 for n-1 readers at once).  Peers are checked in
+ * range (check_call); one out of it goes last. */
+static void pull_order(const struct uccl_sg_call *c, int n, int me, int *order)
+{
+    int m = 0;
+    for (int d = 0; d <= n; d++)
+        for (int i = 0; i < c->npull; i++) {
+            int p = c->pull[i].peer, key = p >= 0 && p < n ? ((p - me - 1) % n + n) % n : n;
+            if (key == d)
+                order[m++] = i;
+        }
+}
+
 /* Everything after the slots were read, on stream X: map, then queue the
  * phases (ready written with the waits for the peers read, in one call). */
 static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *what, uint32_t k,
@@ -372,15 +391,20 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     const struct uccl__sg_dev *dv = sg->ops;
     int n = sg->size, me = sg->rank, rc = UCCL_OK, n1 = 0, n2 = 0;
     struct uccl_sg_copy *cp = calloc((size_t)c->npull + (size_t)c->ncopy + 1, sizeof(*cp));
+    int *order = calloc((size_t)c->npull + 1, sizeof(*order));
     struct uccl__sg_red_args ra;
     memset(&ra, 0, sizeof(ra));
     unsigned char reads[UCCL_SG_MAX_RANKS] = {0};
-    if (!cp)
+    if (!cp || !order) {
+        free(cp);
+        free(order);
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    pull_order(c, n, me, order);
     /* phase 1's copies first in cp, phase 2's from the end */
     struct uccl_sg_copy *cp2 = cp + c->npull + c->ncopy;
     for (int i = 0; i < c->npull && !rc; i++) {
-        const struct uccl_sg_pull *q = &c->pull[i];
+        const struct uccl_sg_pull *q = &c->pull[order[i]];
         if (q->len == 0) { /* nothing to map or copy; an exact one still pairs with the peer's */
             const struct entry *e;
             if (q->exact)
@@ -416,6 +440,7 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
             }
         }
     }
+    free(order);
     if (rc) {
         free(cp);
         return rc;

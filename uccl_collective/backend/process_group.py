@@ -84,6 +84,12 @@ def _checked(t: Any, what: str) -> torch.Tensor:
     return t
 
 
+def _spans(ts: list) -> list[tuple[int, int]]:
+    """(address, bytes) of each tensor (the fast path's, which takes only
+    contiguous ones)."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
+
+
 def _one(tensors: Any, what: str) -> torch.Tensor:
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
         n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
@@ -620,7 +626,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
                       input_split_sizes, opts=None):
         what = "all_to_all_single"
         call = self._call(what)
-        out, inp = _tensor(output_tensor, f"{what} output"), _tensor(input_tensor, f"{what} input")
+        out = _checked(output_tensor, f"{what} output")
+        inp = _checked(input_tensor, f"{what} input")
         if out.dtype != inp.dtype:
             raise ValueError(f"{what}: output dtype {out.dtype} != input dtype {inp.dtype}")
         n = self.size()
@@ -648,11 +655,16 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         if ob[me][1] - ob[me][0] != ib[me][1] - ib[me][0]:
             raise ValueError(f"{what}: this rank sends itself {ib[me][1] - ib[me][0]} elements "
                              f"but expects {ob[me][1] - ob[me][0]}")
-        prof = ("all_to_all", [input_tensor])
-        if out.is_contiguous() and inp.is_contiguous():   # the chunks are views
-            fo, fi = out.reshape(-1), inp.reshape(-1)
-            return self._all_to_all([fo[a:b] for a, b in ob], [fi[a:b] for a, b in ib],
-                                    [output_tensor], [inp], what, call, prof, opts)
+        if out.is_contiguous() and inp.is_contiguous():
+            # the chunks as (address, bytes), no view made: a view costs the
+            # host more than the engine's round (benchmarks/fused_probe.py --pieces)
+            es, po, pi = out.element_size(), out.data_ptr(), inp.data_ptr()
+            work = self._d.all_to_all((out, inp), [(pi + a * es, (b - a) * es) for a, b in ib],
+                                      [(po + a * es, (b - a) * es) for a, b in ob],
+                                      [output_tensor], opts)
+            if work is not None:
+                return work
+        out, inp = _alias(out), _alias(inp)
         alg = self._alg
         counts = [b - a for a, b in ib] + [b - a for a, b in ob]
 
@@ -662,7 +674,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
             fo, fi = s.t.reshape(-1), inp.contiguous().reshape(-1)
             alg.exchange([fi[a:b] for a, b in ib], [fo[a:b] for a, b in ob], what)
             s.back()
-        return self._submit(run, [output_tensor], opts, uses=[inp], prof=prof)
+        return self._submit(run, [output_tensor], opts, uses=[inp],
+                            prof=("all_to_all", [input_tensor]))
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes,
                           input_split_sizes, opts=None):
@@ -673,8 +686,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         what = "all_to_all"
         call = self._call(what)
         n = self.size()
-        outs = [_tensor(t, f"{what} output") for t in output_tensors]
-        ins = [_tensor(t, f"{what} input") for t in input_tensors]
+        outs = [_checked(t, f"{what} output") for t in output_tensors]
+        ins = [_checked(t, f"{what} input") for t in input_tensors]
         if len(outs) != n or len(ins) != n:
             raise ValueError(f"{what}: {len(outs)} outputs and {len(ins)} inputs for a group "
                              f"of {n}")
@@ -696,9 +709,10 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         every split size on the CPU path and which, on the stream-ordered
         path, runs the same round (_algorithms.exchange), so ranks that
         took either route meet."""
-        work = self._d.all_to_all(outs, ins, result, opts)
+        work = self._d.all_to_all(outs + ins, _spans(ins), _spans(outs), result, opts)
         if work is not None:
             return work
+        outs, ins = [_alias(t) for t in outs], [_alias(t) for t in ins]
         alg = self._alg
         counts = [i.numel() for i in ins] + [o.numel() for o in outs]
 

@@ -285,17 +285,17 @@ class Dispatch:
         return self.round(sg, list(tensors), sg.c.broadcast, t.data_ptr(),
                           t.numel() * t.element_size(), root)
 
-    def all_to_all(self, outs: list, ins: list, result: list, opts: Any) -> Any:
-        """Row 2 of all_to_all and all_to_all_single (outs[r] from and ins[r]
-        to rank r, contiguous, this rank's own pair of one size): one round
-        (StreamGroup.all_to_all_args), the same one its task runs; its Work,
-        or None."""
-        sg = self.fast(opts, *outs, *ins)
+    def all_to_all(self, tensors: list, sends: list, recvs: list, result: list,
+                   opts: Any) -> Any:
+        """Row 2 of all_to_all and all_to_all_single: sends[r] and recvs[r],
+        (address, bytes), the chunks to and from rank r inside tensors
+        (contiguous, checked here; this rank's own pair of one size, checked
+        by the caller): one round (StreamGroup.all_to_all_args), the same
+        one its task runs; its Work, or None."""
+        sg = self.fast(opts, *tensors)
         if sg is None:
             return None
-        return self.round(sg, result, sg.c.round, "all_to_all", *sg.all_to_all_args(
-            [(t.data_ptr(), t.numel() * t.element_size()) for t in ins],
-            [(t.data_ptr(), t.numel() * t.element_size()) for t in outs]))
+        return self.round(sg, result, sg.c.round, "all_to_all", *sg.all_to_all_args(sends, recvs))
 
     # -- rows 3-5: a task ----------------------------------------------------------------
     def task(self, fn: Callable, result: Any, uses: Any, p2p: bool, sync: bool) -> tuple:
