@@ -824,6 +824,14 @@ def _case_pg_setup(x: X, i, p):
     dist = x.dist
     assert dist.get_backend() == "uccl", dist.get_backend()
     assert dist.get_backend(x.gloo) == "gloo", dist.get_backend(x.gloo)
+    nodes = x.R.params.get("nodes")
+    if nodes:   # the "nodes" are apart: TCP between them, shared memory inside one
+        ctx, mine = dist.group.WORLD.context, x.me * nodes // x.ws
+        for q in range(x.ws):
+            if q != x.me:
+                t = ctx.transport_to(q)
+                want = "shm" if q * nodes // x.ws == mine else "tcp"
+                assert t.startswith(want), f"rank {q} (node {q * nodes // x.ws}) via {t}"
     if x.cuda:
         assert x.torch.cuda.current_device() == x.R.gpu, (x.torch.cuda.current_device(), x.R.gpu)
         x.R.info["device"] = x.torch.cuda.get_device_name(x.R.gpu)

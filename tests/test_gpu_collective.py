@@ -46,6 +46,10 @@ Scenarios:
            GPU each, 8 ranks two to a GPU under CUDA MPS (a daemon running
            and UCCL_GPU_TESTS_MPS=1); each skips, naming why, on a host with
            too few GPUs.
+  backend, two nodes (test_backend_two_nodes): 4 ranks, ranks 0-1 and 2-3
+           each with a host id of their own (two "hosts" on one machine):
+           IPC inside a node, TCP between; a GPU per rank (4 GPUs), or the
+           dry run on CPU tensors.
   kill     3 ranks (one SIGKILLs itself) and 2 ranks (one os._exit()s), a
            uccl group and a CollectiveContext with 20 s timeouts: after a
            good warm-up on CUDA tensors the victim dies before the next
@@ -176,8 +180,12 @@ def launch(scenario: str, world: int, *, params: dict, timeout: float,
             handles.append(open(logs[-1], "w"))
             cmd = [sys.executable, "-m", "_gpu_coll_worker", scenario, str(r), str(world),
                    str(store.port), outs[-1], json.dumps(params)]
-            # ranks spread over GPUs: LOCAL_RANK names the rank's, as torchrun's does
-            env_r = dict(env, LOCAL_RANK=str(r % params["gpus"])) if "gpus" in params else env
+            env_r = dict(env)
+            if "gpus" in params:   # ranks spread over GPUs: LOCAL_RANK names the rank's GPU
+                env_r["LOCAL_RANK"] = str(r % params["gpus"])
+            if "nodes" in params:  # consecutive ranks on one "host", as two hosts' ranks are
+                node = f"uccl-gpu-test-node-{r * params['nodes'] // world}"
+                env_r.update(UCCL_P2P_HOST_ID=node, UCCL_NODE_ID=node)
             procs.append(subprocess.Popen(cmd, env=env_r, cwd=TESTS, stdout=handles[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
         deadline, first_exit = t0 + timeout, None
@@ -339,6 +347,23 @@ def test_backend_gpu_per_rank(world, case):
     check(cached_run(("backend-spread", world), lambda: launch(
         "backend", world, params=_params(gpus=gpus),
         timeout=TIMEOUTS["backend"] * (1.5 if world > 4 else 1.0))), case, "setup")
+
+
+@pytest.mark.parametrize("world,case", [pytest.param(4, c, id=f"n4-{c}")
+                                        for c in CW.case_names("backend", 4, _params())])
+def test_backend_two_nodes(world, case):
+    """The backend scenario on two "nodes" of two ranks (ranks 0-1 and 2-3
+    with a host id each, UCCL_P2P_HOST_ID and UCCL_NODE_ID, as ranks of two
+    hosts have): inside a node the ranks' GPU memory moves by CUDA IPC,
+    between nodes over TCP, staged through page-locked memory, and no
+    round is stream-ordered across the nodes.  A GPU per rank where the
+    host has 4; on a machine without CUDA the dry run (CPU tensors) takes
+    the same routes over shared memory and TCP."""
+    if HAVE_CUDA and NGPU < world:
+        pytest.skip(f"two nodes of two GPUs need 4 GPUs; this host has {NGPU}")
+    params = _params(nodes=2, gpus=world) if HAVE_CUDA else _params(nodes=2)
+    check(cached_run(("backend-nodes", world), lambda: launch(
+        "backend", world, params=params, timeout=TIMEOUTS["backend"] * 1.5)), case, "setup")
 
 
 @pytest.mark.parametrize("run,case", [pytest.param(k, c, id=f"{k}-{c}") for k, v in
