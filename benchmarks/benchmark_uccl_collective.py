@@ -100,8 +100,10 @@ def get_args() -> argparse.Namespace:
                    help="context: CollectiveContext calls; uccl: dist.* through the \"uccl\" "
                         "process group")
     p.add_argument("--op", choices=["allgather", "sendrecv", "ring", "allreduce",
-                                    "reduce_scatter", "broadcast", "alltoall"],
-                   default="allgather")
+                                    "reduce_scatter", "broadcast", "alltoall", "all"],
+                   default="allgather", help="all (--backend uccl): every op of the uccl "
+                   "group in turn in one run, then one table of them all (--table)")
+    p.add_argument("--table", metavar="FILE.md", help="the results as a Markdown table (rank 0)")
     p.add_argument("--ring", action="store_true", help="upstream's flag: same as --op ring")
     p.add_argument("--algorithm", choices=["auto", "direct", "ring"], default="auto",
                    help="allgather algorithm")
@@ -141,8 +143,12 @@ def get_args() -> argparse.Namespace:
     if args.ring:
         args.op = "ring"
     pg_ops = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "ring")
-    if args.backend == "uccl" and args.op not in pg_ops:
-        p.error(f"--backend uccl runs {', '.join(pg_ops)}")
+    if args.backend == "uccl" and args.op not in pg_ops + ("all",):
+        p.error(f"--backend uccl runs {', '.join(pg_ops)}, or all of them (--op all)")
+    if args.op == "all" and args.backend != "uccl":
+        p.error("--op all needs --backend uccl")
+    args.ops = list(pg_ops) if args.op == "all" else [args.op]
+    args.op = args.ops[0]
     if args.rounds < 1:
         p.error(f"--rounds must be 1 or more, got {args.rounds}")
     if args.backend == "context" and args.op not in ("allgather", "sendrecv", "ring"):
@@ -422,7 +428,7 @@ class GroupRunner(_Bench):
 
     def sizes(self, size: int):
         n, w, op = size // 4, self.world, self.args.op
-        if op == "alltoall":   # a chunk per rank: a multiple of the ranks, one element each at least
+        if op == "alltoall":   # a chunk per rank: a multiple of the ranks, at least one each
             n = max(w, n - n % w)
         n_in = n * w if op == "reduce_scatter" else n
         n_out = {"allgather": n * w, "reduce_scatter": n, "alltoall": n, "ring": n}.get(op, 0)
@@ -554,22 +560,58 @@ def bandwidths(op: str, size: int, world: int, seconds: float, dual: bool):
     return algbw, algbw
 
 
+def _by_op(rows) -> dict:
+    ops: dict = {}
+    for r in rows:
+        ops.setdefault(r["op"], []).append(r)
+    return ops
+
+
+def table(rows) -> str:
+    """A Markdown table: one row per op, one column per size, each cell
+    "uccl us / reference us (uccl's time over the reference's)", the
+    ratio in bold where uccl is behind."""
+    sizes = list(dict.fromkeys(r["size_str"] for r in rows))
+    out = ["| op | " + " | ".join(sizes) + " |", "| --- |" + " --- |" * len(sizes)]
+    for op, rs in _by_op(rows).items():
+        cells = {r["size_str"]: r for r in rs}
+
+        def cell(r):
+            if r is None:
+                return "-"
+            if "ref_us" not in r:
+                return f"{r['uccl_us']:.1f}"
+            q = f"{r['time_ratio']:.2f}"
+            q = f"**{q}**" if r["time_ratio"] > 1 else q
+            return f"{r['uccl_us']:.1f} / {r['ref_us']:.1f} ({q})"
+        out.append(f"| {op} | " + " | ".join(cell(cells.get(z)) for z in sizes) + " |")
+    return "\n".join(out)
+
+
 def plot(rows, args, world: int) -> None:
+    """busbw against size: one panel per op, uccl and the reference."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [r["size"] for r in rows]
-    ax.plot(xs, [r["uccl_busbw_GBps"] for r in rows], "o-", label="uccl_collective")
-    if args.compare != "none":
-        ax.plot(xs, [r["ref_busbw_GBps"] for r in rows], "s--", label=rows[0]["ref"])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per rank")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"{args.op}, {world} ranks, {args.device}, torch {torch.__version__}")
-    ax.set_xticks(xs, [pretty(x) for x in xs], rotation=45)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ops = _by_op(rows)
+    cols = min(3, len(ops))
+    nrows = (len(ops) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(ops):]:
+        ax.set_visible(False)
+    for ax, (op, rs) in zip(axes.flat, ops.items()):
+        xs = [r["size"] for r in rs]
+        ax.plot(xs, [r["uccl_busbw_GBps"] for r in rs], "o-", label="uccl_collective")
+        if args.compare != "none":
+            ax.plot(xs, [r["ref_busbw_GBps"] for r in rs], "s--", label=rs[0]["ref"])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{op}, {world} ranks")
+        ax.set_xticks(xs, [pretty(x) for x in xs], rotation=45)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{args.device}, torch {torch.__version__}")
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
 
@@ -596,7 +638,8 @@ def setup(args, dev: torch.device):
         r = GroupRunner(args, gloo, rank, world, dev, nccl)
         ctx = dist.group.WORLD.context
         peers = sorted(set(ctx.transport_to(p) for p in range(world) if p != rank))
-        head = (f"[Rank 0] dist.{args.op} through the uccl process group, {world} ranks, "
+        head = (f"[Rank 0] dist.{'/'.join(args.ops)} through the uccl process group, "
+                f"{world} ranks, "
                 f"peers via {'/'.join(peers)}, init_process_group {setup_s * 1e3:.1f} ms, "
                 f"torch {torch.__version__}, {describe_device(dev, world)}, "
                 f"compare {r.ref_label()}")
@@ -618,27 +661,10 @@ def setup(args, dev: torch.device):
     return r, None, head, collective.finalize_collective
 
 
-def main() -> None:
-    args = get_args()
-    os.environ.setdefault("UCCL_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)  # the ranks share the host's cores with the engine's threads
-    if args.backend == "uccl" and args.compare == "none" and args.device == "cpu":
-        args.compare = "gloo"   # the check compares with Gloo's result
-    dev = pick_device(args)
-    r, sync, head, finalize = setup(args, dev)
-    rank, world = r.rank, r.world
-    if world < 2:
-        raise SystemExit("run at least 2 processes (torchrun --nproc_per_node N)")
-    lead = rank == 0
-
-    def say(msg):
-        if lead:
-            tqdm.write(msg, file=sys.stdout)
-            sys.stdout.flush()
-
-    say(head)
-    if args.compare == "nccl":
-        say(f"[Rank 0] note: {NCCL_SHARED_NOTE}; --compare nccl is for hosts with a GPU per rank")
+def run_op(r, args, sync, dev, say, lead: bool) -> list[dict]:
+    """Every size of args.op through r (a runner for that op): verified,
+    then --rounds rounds timed against the reference; its rows."""
+    world = r.world
     label = {"allgather": "Allgather", "ring": "Ring", "sendrecv": "SendRecv",
              "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter",
              "broadcast": "Broadcast", "alltoall": "AllToAll"}[args.op]
@@ -690,11 +716,49 @@ def main() -> None:
                 f"ratio {busbw / gbus:.2f}x (time uccl/{args.compare} {t / g:.2f}x{verdict})")
         r.ref_close()
         rows.append(row)
+    return rows
+
+
+def main() -> None:
+    args = get_args()
+    os.environ.setdefault("UCCL_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)  # the ranks share the host's cores with the engine's threads
+    if args.backend == "uccl" and args.compare == "none" and args.device == "cpu":
+        args.compare = "gloo"   # the check compares with Gloo's result
+    dev = pick_device(args)
+    r, sync, head, finalize = setup(args, dev)
+    rank, world = r.rank, r.world
+    if world < 2:
+        raise SystemExit("run at least 2 processes (torchrun --nproc_per_node N)")
+    lead = rank == 0
+
+    def say(msg):
+        if lead:
+            tqdm.write(msg, file=sys.stdout)
+            sys.stdout.flush()
+
+    say(head)
+    if args.compare == "nccl":
+        say(f"[Rank 0] note: {NCCL_SHARED_NOTE}; --compare nccl is for hosts with a GPU per rank")
+    rows = []
+    for i, op in enumerate(args.ops):
+        if i:   # the next op on the same groups (the runner reads args.op)
+            args.op = op
+            r = type(r)(args, r.obj_group, rank, world, dev, r.nccl_group)
+        rows += run_op(r, args, sync, dev, say, lead)
     if lead:
         write_results(rows, args)
+        if len(args.ops) > 1 or args.table:
+            say(table(rows))
+        if args.table:
+            with open(args.table, "w") as f:
+                f.write(table(rows) + "\n")
         if args.plot:
-            plot(rows, args, world)
-            say(f"[Rank 0] plot written to {args.plot}")
+            try:
+                plot(rows, args, world)
+                say(f"[Rank 0] plot written to {args.plot}")
+            except ImportError as e:   # the results above stand; only the picture is missing
+                say(f"[Rank 0] no plot: {e}")
     dist.barrier(group=sync)  # nobody closes its endpoint while a peer still transfers
     finalize()
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU checks of a tree in three calls on one 4-GPU machine
+# The multi-GPU checks of a tree, a part a call, on one 4-GPU machine
 # (kind nvidia-h100-x4), back to back so the machine stays warm and the
 # build is made once.  Each part fits one call (BUDGET_S, default 570 s),
 # runs the scripts below with their outputs under /tmp/campaign, and packs
@@ -35,6 +35,10 @@
 #           2 GPUs, then every op of benchmark_uccl_collective.py against
 #           NCCL at 4 and 2 ranks (OPS, SIZES to narrow it; CTX=0 leaves out
 #           CollectiveContext.allgather).
+#   PART=9  the race in one call: test_gpu_collective.py's multi-GPU cases (a
+#           GPU per rank, 8 ranks two a GPU under MPS, two "nodes"), then
+#           benchmark_uccl_collective.py --op all against NCCL at 4 and 2
+#           ranks (SIZES, ROUNDS): a table, CSV, JSON and PNG each.
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -42,7 +46,7 @@ start=$SECONDS
 budget=${BUDGET_S:-570}
 here=$(dirname "$0")
 dest=${OUT:-bench_out/device}
-res=/tmp/campaign/part${PART:?PART=1 to 8}
+res=/tmp/campaign/part${PART:?PART=1 to 9}
 mkdir -p "$res" "$dest"
 OUT=$res
 source "$here/device_build.sh"
@@ -191,6 +195,30 @@ case "$PART" in
     [ "${CTX:-1}" = 1 ] && step "ctx_allgather_$w" 100 torchrun --nproc_per_node "$w" "$here/benchmark_uccl_collective.py" \
       --backend context --op allgather --device gpu --compare nccl --sizes "${SIZES:-8,64K,1M,16M,256M}" \
       --json "$res/ctx_allgather_$w.json"
+  done
+  ;;
+9)
+  # the race against NCCL in one call: the multi-GPU tests (a GPU per rank:
+  # 2, 3, 4 ranks, 8 under MPS; two "nodes" of two), then every op at 4
+  # and 2 ranks against NCCL in one run each (--op all): a Markdown table,
+  # CSV, JSON and a PNG (where matplotlib is there) per GPU count
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/uccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/uccl-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d
+  step tests "${TESTS_S:-200}" env UCCL_GPU_TESTS_MPS=1 python3 -m pytest -q -rfs \
+    -p no:cacheprovider tests/test_gpu_collective.py -k "gpu_per_rank or two_nodes"
+  echo quit | nvidia-cuda-mps-control
+  { tail -1 "$res/tests.log"; grep -E "^FAILED|^ERROR" "$res/tests.log" | head -20; } \
+    >> "$res/summary.txt"
+  export NCCL_NVLS_ENABLE=0
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for w in 4 2; do
+    [ "$ngpu" -ge "$w" ] || continue
+    step "race_$w" $(( ($(left) - 20) / (w == 4 ? 2 : 1) )) torchrun --nproc_per_node "$w" \
+      "$here/benchmark_uccl_collective.py" --backend uccl --op all --device gpu --compare nccl \
+      --sizes "${SIZES:-8,64K,1M,16M,256M}" --rounds "${ROUNDS:-3}" --table "$res/race_$w.md" \
+      --csv "$res/race_$w.csv" --json "$res/race_$w.json" --plot "$res/race_$w.png"
+    cat "$res/race_$w.md" >> "$res/summary.txt" 2>/dev/null
   done
   ;;
 esac

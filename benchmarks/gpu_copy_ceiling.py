@@ -125,7 +125,8 @@ def main() -> int:
                 torch.cuda.set_device(issuer)   # the issuer's context is current
                 rc = memcpy(slot(r, p).data_ptr(), src[p].data_ptr(), size, s.cuda_stream)
                 if rc:
-                    raise RuntimeError(f"cuMemcpyDtoDAsync {p} -> {r} on GPU {issuer}: CUresult {rc}")
+                    raise RuntimeError(f"cuMemcpyDtoDAsync {p} -> {r} on GPU {issuer}: "
+                                       f"CUresult {rc}")
 
     def issue_sm() -> None:
         import numpy as np

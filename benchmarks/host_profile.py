@@ -93,7 +93,8 @@ def main() -> None:
     us = (time.perf_counter() - t0) * 1e6 / args.iters
     torch.cuda.synchronize()
     if rank == 0:
-        print(f"[Rank 0] {args.op} of {n * 4} bytes, {world} ranks, {torch.cuda.get_device_name(dev)}: "
+        print(f"[Rank 0] {args.op} of {n * 4} bytes, {world} ranks, "
+              f"{torch.cuda.get_device_name(dev)}: "
               f"{us:.1f} us of host time a call under the profiler, {args.iters} calls")
         for key in ("tottime", "cumulative"):
             s = io.StringIO()
