@@ -143,6 +143,7 @@ def _write_survivor(ch):
     fifo = ch.recv("fifo")
     data = rand_bytes(BIG, 3)
     mr = ep.reg(addr(data), BIG)[1]
+    ch.event("armed")   # connected: the target may die now, not during the handshake
     ch.recv("go", timeout=30)   # from the parent, once the target is dead
     return catch(ep.write, conn, mr, addr(data), BIG, fifo)
 
@@ -154,6 +155,10 @@ def test_target_killed_before_one_sided_write(transport):
     env, _ = TRANSPORTS[transport]
     with Pair(_doomed_target, _write_survivor, env=env) as p:
         p.wait_event("server", "ready")
+        # the acceptor's accept() may return before the connector's connect
+        # does (its CMA check of the acceptor comes last): a kill before
+        # then fails the connect, not the write this test is about
+        p.wait_event("client", "armed", timeout=60)
         p.kill("server")
         p.tell("client", "go")
         err = p.result("client", timeout=SURVIVOR_TIMEOUT + 10)
