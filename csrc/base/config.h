@@ -117,9 +117,11 @@
   X(PG_SMALL_KB, SIZE, 64 * UCCL_KI, 0, 1024 * UCCL_MI, UCCL_KI, "", "64K",                        \
     "backend all_reduce of CPU tensors: up to this size one allgather and a local reduction "      \
     "(plain digits are KiB)")                                                                      \
-  X(PG_ALGO, CHOICE, 0, 0, 0, 1, "auto|ring|direct", "auto",                                       \
-    "backend reduce-scatter (and all_reduce's first half): ring, direct, or auto (the "            \
-    "allgather's choice: direct within a host)")                                                   \
+  X(PG_ALGO, CHOICE, 0, 0, 0, 1, "auto|ring|direct|hier", "auto",                                \
+    "backend reduce-scatter (and all_reduce's first half): ring, direct, hier (all_reduce of CPU " \
+    "tensors by node: within each node, across nodes, within again; where the group spans 2 "     \
+    "nodes or more of the same number of ranks, 2 or more), or auto (hier where it applies, "     \
+    "else the allgather's choice: direct within a host)")                                          \
   X(PG_PIECE_KB, SIZE, 4096 * UCCL_KI, 0, 1024 * UCCL_MI, UCCL_KI, "", "4M",                       \
     "backend reduce-scatter: largest piece reduced at a time (at least 4 pieces per chunk, but "   \
     "none under 1 MiB or this size if smaller; below 64K counts as 64K; plain digits are KiB)")    \

@@ -43,8 +43,10 @@ SMALL_BYTES = config.get("UCCL_PG_SMALL_KB")
 PIECE_BYTES = max(config.get("UCCL_PG_PIECE_KB"), 64 << 10)
 #: Reduce-scatter pieces in flight at once.
 WINDOW = max(config.get("UCCL_PG_WINDOW"), 1)
-#: Reduce-scatter algorithm: auto (the allgather's choice: direct within a
-#: host, the ring across hosts with many ranks), ring or direct.
+#: Reduce-scatter algorithm: auto (all_reduce of CPU tensors on nodes alike:
+#: by node; else the allgather's choice: direct within a host, the ring
+#: across hosts with many ranks), ring, direct, or hier (by node where it
+#: applies, else auto).
 ALGO = config.get("UCCL_PG_ALGO")
 
 
@@ -63,6 +65,16 @@ def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combin
     """flat[chunk[me]] <- the reduction of that chunk over all ranks; with
     allgather, every chunk of flat (all_reduce)."""
     algo = ALGO
+    # all_reduce of CPU tensors on nodes alike: by node (hier_allreduce; ahead
+    # of the flat algorithms on two nodes of two ranks whether the link
+    # between them is slow or not: docs/benchmarks.md)
+    if allgather and algo in ("auto", "hier") and not flat.is_cuda:
+        groups = node_groups(ctx)
+        if groups is not None:
+            hier_allreduce(ctx, flat, groups, combine, scratch_of)
+            return
+    if algo == "hier":   # not an all_reduce of CPU tensors, or nodes unlike: as auto
+        algo = "auto"
     if algo == "auto":
         longest = max(e - s for s, e in chunk) * flat.element_size()
         ring = ctx._cm().pick_algo(_engine.AG_AUTO, longest) == _engine.AG_RING
@@ -73,6 +85,75 @@ def reduce_scatter(ctx, flat: torch.Tensor, chunk: list[tuple[int, int]], combin
     ring_reduce_scatter(ctx, flat, chunk, combine, scratch_of)
     if allgather:
         allgather_chunks(ctx, flat, chunk)
+
+
+class _Sub:
+    """Some ranks of ctx (its global ranks, in one order on every member)
+    as a group of their own for the algorithms here: its own size and
+    rank, its posts sent to the global ranks.  The engine's connections are
+    the whole group's; the sub-groups of one operation use disjoint pairs,
+    or run one after the other, so the posts still match per connection."""
+
+    def __init__(self, ctx, ranks: list[int]):
+        self.ranks, self.world_size, self.rank = ranks, len(ranks), ranks.index(ctx.rank)
+        self.timeout_s, self._real = ctx.timeout_s, ctx._cm()
+
+    def _cm(self) -> "_Sub":
+        return self
+
+    def p2p(self, entries: list, *rest):
+        return self._real.p2p([(op, self.ranks[r], buf) for op, r, buf in entries], *rest)
+
+    def wait(self, op: int, timeout: float) -> None:
+        self._real.wait(op, timeout)
+
+
+def node_groups(ctx) -> list[list[int]] | None:
+    """The ranks of each node in rank order (nodes ordered by their lowest
+    rank) where the group spans 2 nodes or more, each with the same number
+    of ranks, 2 or more; else None.  The same on every rank (every rank
+    knows every rank's node)."""
+    nodes = getattr(ctx, "nodes", None)
+    if not nodes:
+        return None
+    groups: dict = {}
+    for r, node in enumerate(nodes):
+        groups.setdefault(node, []).append(r)
+    sizes = {len(g) for g in groups.values()}
+    if len(groups) < 2 or len(sizes) != 1 or sizes.pop() < 2:
+        return None
+    return list(groups.values())
+
+
+def hier_allreduce(ctx, flat: torch.Tensor, groups: list[list[int]], combine: Callable,
+                   scratch_of: Callable[[int], torch.Tensor]) -> None:
+    """all_reduce of flat (contiguous, 1-D, CPU) by node: within each node a
+    reduce-scatter (rank i of the node holds the node's sum of chunk i),
+    across the nodes an all_reduce of chunk i among the ranks i of every
+    node, then within each node an allgather of the chunks.  Between nodes
+    each rank moves 2 (M-1)/M of its chunk (M nodes), 1/L of the tensor (L
+    ranks a node): the network carries 2 (M-1)/M of the tensor per node
+    where a ring over every rank carries 2 (N-1)/N of it over each link
+    between nodes.  Every chunk's result is made by one rank and copied
+    from it, so the ranks end bitwise alike (its reduction order is not
+    the flat algorithms')."""
+    me = ctx.rank
+    mine = next(g for g in groups if me in g)
+    li = mine.index(me)
+    intra = _Sub(ctx, mine)
+    chunk = bounds(flat.numel(), len(mine))
+    direct_reduce_scatter(intra, flat, chunk, combine, scratch_of)
+    a, b = chunk[li]
+    if b > a:   # every node's rank li holds the same bounds
+        part = flat[a:b]
+        direct_reduce_scatter(_Sub(ctx, [g[li] for g in groups]), part,
+                              bounds(b - a, len(groups)), combine, scratch_of, allgather=True)
+    esz, base = flat.element_size(), flat.data_ptr()
+    entries = [(_SEND, r, _span(base, esz, a, b)) for r in range(len(mine))
+               if r != li and b > a]
+    entries += [(_RECV, r, _span(base, esz, *chunk[r])) for r in range(len(mine))
+                if r != li and chunk[r][1] > chunk[r][0]]
+    _wait(intra, _post(intra, entries, stream_args((flat,))), ctx.timeout_s)
 
 
 def op_type(op) -> R:
