@@ -1,7 +1,8 @@
 """all_reduce by node on the "uccl" backend (backend/_reduce.py
 hier_allreduce, what UCCL_PG_ALGO=auto takes for CPU tensors where the
 nodes are alike, and hier asks for): ranks on "nodes" of their own
-(UCCL_NODE_ID: shared memory inside a node, TCP between), CPU tensors.
+(UCCL_NODE_ID: shared memory inside a node, TCP between, or RDMA over the
+verbs emulator), CPU tensors.
 Within each node a reduce-scatter, across the nodes an all_reduce of each
 rank's chunk, then within each node an allgather.
 
@@ -19,6 +20,7 @@ import os
 import numpy as np
 import pytest
 
+import _ibv_emu
 from _harness import run_ranks
 
 SIZES = [(1 << 20) + 3, 3 * (1 << 20) + 1]   # elements: past the small-tensor path
@@ -34,13 +36,15 @@ def _data(rank: int, n: int, dtype: str, op: str, salt: int) -> np.ndarray:
     return g.standard_normal(n).astype(dtype)
 
 
-def _rank(rank, ws, nodes, algo, path, q):
+def _rank(rank, ws, nodes, algo, verbs, path, q):
     """Runs in a spawned process (_harness.run_ranks)."""
     import faulthandler
     faulthandler.dump_traceback_later(150, exit=True)
     try:
         os.environ["UCCL_NODE_ID"] = f"hier-node-{nodes[rank]}"
         os.environ["UCCL_PG_ALGO"] = algo
+        if verbs:   # the verbs emulator: RDMA between the nodes
+            os.environ["UCCL_IBVERBS_LIB"] = verbs
         import datetime
         import hashlib
 
@@ -65,10 +69,13 @@ def _rank(rank, ws, nodes, algo, path, q):
                 dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
                 out[(dtype, op, n)] = (hashlib.sha256(t.numpy().tobytes()).hexdigest(),
                                        t.numpy())
+        ctx = dist.group.WORLD.context
+        routes = {p: ctx.transport_to(p) for p in range(ws) if p != rank}
         dist.barrier()
         dist.destroy_process_group()
         q.put((rank, ({k: v[0] for k, v in out.items()},
-                      {k: v[1] for k, v in out.items() if k[2] == SIZES[0]}, len(taken))))
+                      {k: v[1] for k, v in out.items() if k[2] == SIZES[0]}, len(taken),
+                      routes)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         import traceback
         q.put((rank, f"Error: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -83,18 +90,27 @@ def _expected(ws: int, n: int, dtype: str, op: str, salt: int) -> np.ndarray:
     return np.prod(np.stack(xs), axis=0)
 
 
-@pytest.mark.parametrize("nodes,algo", [((0, 0, 1, 1), "auto"), ((0, 1, 0, 1), "hier"),
-                                       ((0, 0, 0, 1), "hier"), ((0, 0, 1, 1), "direct")],
-                         ids=["2x2-auto", "2x2-interleaved-hier", "3+1-flat", "2x2-direct"])
-def test_all_reduce_by_node(tmp_path, nodes, algo):
+@pytest.mark.parametrize("nodes,algo,rdma", [((0, 0, 1, 1), "auto", False),
+                                             ((0, 1, 0, 1), "hier", False),
+                                             ((0, 0, 0, 1), "hier", False),
+                                             ((0, 0, 1, 1), "direct", False),
+                                             ((0, 0, 1, 1), "auto", True)],
+                         ids=["2x2-auto", "2x2-interleaved-hier", "3+1-flat", "2x2-direct",
+                              "2x2-rdma"])
+def test_all_reduce_by_node(tmp_path, nodes, algo, rdma):
     """By node where the nodes are alike and UCCL_PG_ALGO is auto or hier;
     the flat algorithms where they are not (3 + 1) or another is asked
-    for (direct): the same results either way."""
+    for (direct): the same results either way.  Between nodes TCP, or RDMA
+    over the verbs emulator (rdma); inside a node shared memory."""
     ws = len(nodes)
-    res = run_ranks(_rank, ws, (nodes, algo, str(tmp_path / "store")), timeout=240)
+    verbs = _ibv_emu.path() if rdma else None
+    res = run_ranks(_rank, ws, (nodes, algo, verbs, str(tmp_path / "store")), timeout=240)
     equal = len({nodes.count(x) for x in nodes}) == 1 and algo in ("auto", "hier")
     for r in range(ws):
-        digests, small, taken = res[r]
+        digests, small, taken, routes = res[r]
+        for p, route in routes.items():
+            want = "shm" if nodes[p] == nodes[r] else "rdma" if rdma else "tcp"
+            assert route.startswith(want), (r, p, route)
         # the route: one by-node all_reduce per call where the nodes are alike, else none
         assert taken == (len(CASES) * len(SIZES) if equal else 0), (r, taken)
         assert digests == res[0][0], f"rank {r}'s results differ from rank 0's"
