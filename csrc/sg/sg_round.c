@@ -370,17 +370,15 @@ static int copies(uccl_sg_t *sg, uintptr_t stream, struct uccl_sg_copy *cs, int 
  * peer and reading one, where in rank order every rank would read rank 0
  * first, n-1 readers sharing its links (4 x H200, 256 MiB a peer: one
  * reader a GPU moved 383 GB/s into each, benchmarks/gpu_copy_ceiling.py
- * ring-pull, against 228 for n-1 readers at once).  Peers are checked in
- * range (check_call); one out of it goes last. */
+ * ring-pull, against 228 for n-1 readers at once).  Every peer is another
+ * rank of the group (check_call). */
 static void pull_order(const struct uccl_sg_call *c, int n, int me, int *order)
 {
     int m = 0;
-    for (int d = 0; d <= n; d++)
-        for (int i = 0; i < c->npull; i++) {
-            int p = c->pull[i].peer, key = p >= 0 && p < n ? ((p - me - 1) % n + n) % n : n;
-            if (key == d)
+    for (int d = 1; d < n; d++)
+        for (int i = 0; i < c->npull; i++)
+            if ((c->pull[i].peer - me + n) % n == d)
                 order[m++] = i;
-        }
 }
 
 /* Everything after the slots were read, on stream X: map, then queue the

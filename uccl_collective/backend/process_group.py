@@ -84,12 +84,6 @@ def _checked(t: Any, what: str) -> torch.Tensor:
     return t
 
 
-def _spans(ts: list) -> list[tuple[int, int]]:
-    """(address, bytes) of each tensor (the fast path's, which takes only
-    contiguous ones)."""
-    return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
-
-
 def _one(tensors: Any, what: str) -> torch.Tensor:
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
         n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
@@ -709,7 +703,8 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         every split size on the CPU path and which, on the stream-ordered
         path, runs the same round (_algorithms.exchange), so ranks that
         took either route meet."""
-        work = self._d.all_to_all(outs + ins, _spans(ins), _spans(outs), result, opts)
+        work = self._d.all_to_all(outs + ins, stream_group.tensor_spans(ins),
+                                  stream_group.tensor_spans(outs), result, opts)
         if work is not None:
             return work
         outs, ins = [_alias(t) for t in outs], [_alias(t) for t in ins]

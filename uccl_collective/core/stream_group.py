@@ -124,6 +124,11 @@ OPS = {R.SUM: _engine.RED_SUM, R.PRODUCT: _engine.RED_PROD, R.MIN: _engine.RED_M
        R.BXOR: _engine.RED_BXOR, R.AVG: _engine.RED_AVG}
 
 
+def tensor_spans(ts: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """(address, bytes) of each tensor (contiguous ones: a round's chunks)."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
+
+
 def tag_to(dst: int, k: int) -> int:
     """The tag of the k-th buffer of one operation sent to rank dst."""
     return (1 << 40) | (dst << 20) | k
@@ -479,9 +484,7 @@ class StreamCtx:
                    what: str) -> None:
         """sends[r] to rank r, recvs[r] from rank r (contiguous): the round
         a blocking all_to_all posts from its thread (StreamGroup.all_to_all)."""
-        def spans(ts):
-            return [(t.data_ptr(), t.numel() * t.element_size()) for t in ts]
-        self._g.all_to_all(self._stream(), spans(sends), spans(recvs), what)
+        self._g.all_to_all(self._stream(), tensor_spans(sends), tensor_spans(recvs), what)
 
     def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str,
              blocking: bool = True) -> None:
