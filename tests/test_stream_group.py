@@ -301,17 +301,26 @@ def test_reductions_compute_what_the_kernel_promises(n):
     close_all(groups, streams)
 
 
-def test_broadcast_from_every_root():
-    n = 3
+SPLIT = 4 << 20   # sg_call.c's BCAST_SPLIT_BYTES: from here, 3+ ranks scatter then allgather
+
+
+@pytest.mark.parametrize("n,nbytes", [(3, 777), (2, SPLIT + 13), (3, SPLIT), (3, SPLIT + 13),
+                                      (4, SPLIT + 4099)])
+def test_broadcast_from_every_root(n, nbytes, round_form):
+    """Every root in turn, random bytes, outputs poisoned.  From SPLIT bytes
+    at 3 ranks or more the round is a scatter (each rank's slice from the
+    root) then an allgather (each slice from the rank that holds it): then
+    every rank publishes its buffer in every round (n registrations each);
+    below it, or at 2 ranks, only the root does (one each)."""
     groups = make_groups(n)
-    data = [torch.from_numpy(np.random.default_rng(r).integers(0, 256, 777, dtype=np.uint8))
+    data = [torch.from_numpy(np.random.default_rng(r).integers(0, 256, nbytes, dtype=np.uint8))
             for r in range(n)]
 
     def rank(r):
         outs = []
         for root in range(n):
-            t = data[r].clone() if r == root else torch.full((777,), 0xA5, dtype=torch.uint8)
-            groups[r].c.broadcast(_callers.stream, True, 0, t.data_ptr(), 777, root)
+            t = data[r].clone() if r == root else torch.full((nbytes,), 0xA5, dtype=torch.uint8)
+            groups[r].c.broadcast(_callers.stream, True, 0, t.data_ptr(), nbytes, root)
             outs.append(t)
         return outs
     res, err, streams = on_ranks(n, rank)
@@ -320,7 +329,11 @@ def test_broadcast_from_every_root():
     for r in range(n):
         for root in range(n):
             assert torch.equal(res[r][root], data[root]), (r, root)
-    close_all(groups, streams)
+    counts = close_all(groups, streams)
+    split = n >= 3 and nbytes >= SPLIT
+    arena = 1 if round_form == "one-launch" else 0   # the one-launch rounds' arena, registered
+    for r, c in enumerate(counts):   # a registration per buffer published
+        assert c[0] - arena == (n if split else 1), (r, c, "split" if split else "one pull")
 
 
 def test_calls_that_disagree_fail_every_rank_and_release_every_stream(round_form):
