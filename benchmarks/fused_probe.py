@@ -101,16 +101,14 @@ def backend_pieces(be, sg, upg, dev, iters: int) -> list[tuple[str, float]]:
     ao = dist.AllToAllOptions()
     ao.asyncOp = False
     spans = ([(t.data_ptr(), 64) for t in xs], [(t.data_ptr(), 64) for t in ys])
-    a2a_args = sg.all_to_all_args(*spans)
     if d.fast(ao, *ys, *xs) is None:
         raise SystemExit("all_to_all's fast path does not apply here")
     a2a = [
         ("a2a: d.fast(opts, *outs, *ins)", host(lambda: d.fast(ao, *ys, *xs))),
-        ("a2a: sg.all_to_all_args(...)", host(lambda: sg.all_to_all_args(*spans))),
-        ("a2a: engine round (C)", host(lambda: sg.c.round(raw(idx), True, 0, "all_to_all",
-                                                           *a2a_args))),
+        ("a2a: engine round (C)", host(lambda: sg.c.all_to_all(raw(idx), True, 0, *spans))),
         ("a2a: d.round(...) (token, round, Work)", host(lambda: d.round(
-            sg, [y], sg.c.round, "all_to_all", *a2a_args))),
+            sg, [y], sg.c.all_to_all, *spans))),
+        ("a2a: the C fast path (FastPath.all_to_all)", host(lambda: d.all_to_all_c(y, x, ao))),
         ("a2a: d.all_to_all(...)", host(lambda: d.all_to_all((y, x), *spans, [y], ao))),
         ("a2a: be.alltoall_base(y, x, [], [], opts)", host(lambda: be.alltoall_base(y, x, [], [],
                                                                                      ao))),
@@ -205,14 +203,14 @@ def main() -> None:
 
         def chunks(t):
             return [(t.data_ptr() + r * c, c) for r in range(world)]
-        a2a_args = sg.all_to_all_args(chunks(a_in), chunks(a_out))
+        a2a_spans = (chunks(a_in), chunks(a_out))
         paths = {
             "all_reduce": (lambda: dist.all_reduce(t, group=upg),
                            lambda: sg.c.allreduce(raw(idx), True, 0, ptr, n, *codes)),
             "all_gather": (lambda: dist.all_gather_into_tensor(out, t, group=upg),
                            lambda: sg.c.allgather(raw(idx), True, 0, ptr, n * 4, optr)),
             "all_to_all": (lambda: dist.all_to_all_single(a_out, a_in, group=upg),
-                           lambda: sg.c.round(raw(idx), True, 0, "all_to_all", *a2a_args)),
+                           lambda: sg.c.all_to_all(raw(idx), True, 0, *a2a_spans)),
         }
         for op, (dfn, efn) in paths.items():
             res = {}

@@ -1,6 +1,7 @@
-"""The backend's blocking all_reduce and all_gather_into_tensor in one C call
-(csrc/py/py_fastpath.c: _engine.FastPath.allreduce / allgather, the first
-row of core/dispatch.py) on the CPU's emulated device.  Its checks read
+"""The backend's blocking all_reduce, all_gather_into_tensor and
+all_to_all_single (no split sizes) in one C call (csrc/py/py_fastpath.c:
+_engine.FastPath.allreduce / allgather / all_to_all, the first row of
+core/dispatch.py) on the CPU's emulated device.  Its checks read
 torch's tensors and options through their Python attributes, so a
 stand-in whose is_cuda is True, over a CPU tensor, takes it here; the
 ranks are threads with emulated groups and streams, as in
@@ -57,6 +58,10 @@ class FakeCuda:
 
     def element_size(self):
         return self.t.element_size()
+
+    @property
+    def shape(self):
+        return self.t.shape
 
 
 class Switch:
@@ -128,6 +133,82 @@ def test_the_c_path_moves_the_bytes_of_both_collectives(n):
             x, out = res[r][i]
             assert torch.equal(x, sum(data[i][q] for q in range(n))), (r, i, "all_reduce")
             assert torch.equal(out, torch.cat(data[i])), (r, i, "all_gather")
+    close_all(groups, streams)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_c_path_all_to_all_meets_the_python_round(n):
+    """all_to_all_single with no split sizes through FastPath.all_to_all on
+    even ranks and StreamGroup.all_to_all (the round the Python path posts)
+    on odd ones: one round, random bytes, poisoned outputs, 2-D tensors
+    whose dim 0 is a multiple of the ranks; the own chunk copied too."""
+    groups = make_groups(n)
+    pgs = [Pg(g, n) for g in groups]
+    rng = np.random.default_rng(11 + n)
+    rows = [n, 3 * n, 100 * n]   # dim 0; 5 float32 a row
+    data = [[torch.from_numpy(rng.standard_normal((d, 5)).astype(np.float32)) for _ in range(n)]
+            for d in rows]
+
+    def rank(r):
+        kept = []
+        for i, d in enumerate(rows):
+            x, out = data[i][r], torch.full((d, 5), float("nan"))
+            if r % 2 == 0:
+                w = pgs[r].fp.all_to_all(FakeCuda(out), FakeCuda(x), sync_opts())
+                assert isinstance(w, StreamWork) and w._caller == _callers.stream, w
+            else:
+                c = x.numel() // n * 4
+                groups[r].all_to_all(_callers.stream,
+                                     [(x.data_ptr() + j * c, c) for j in range(n)],
+                                     [(out.data_ptr() + j * c, c) for j in range(n)])
+            assert not pgs[r]._runner._busy, "the token was not given back"
+            kept.append(out)
+        return kept
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    for r in range(n):
+        for i, d in enumerate(rows):
+            want = torch.cat([data[i][q].chunk(n)[r] for q in range(n)])
+            assert torch.equal(res[r][i], want), (r, d)
+    close_all(groups, streams)
+
+
+def test_the_c_path_all_to_all_declines_what_the_python_path_decides():
+    """Each call the Python path must decide (and raise for, where it is
+    wrong) returns None, publishing nothing: the next round still meets."""
+    groups = make_groups(2)
+    pgs = [Pg(g, 2) for g in groups]
+
+    def rank(r):
+        o, a = sync_opts(), dist.AllToAllOptions()   # asyncOp defaults to True
+        x, y = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+        cases = {
+            "an asynchronous call": lambda: pgs[r].fp.all_to_all(FakeCuda(y), FakeCuda(x), a),
+            "dtypes differ": lambda: pgs[r].fp.all_to_all(FakeCuda(y.double()), FakeCuda(x), o),
+            "sizes differ": lambda: pgs[r].fp.all_to_all(FakeCuda(torch.zeros(6)), FakeCuda(x),
+                                                         o),
+            "dim 0 not a multiple of the ranks": lambda: pgs[r].fp.all_to_all(
+                FakeCuda(y.view(1, 8)), FakeCuda(x.view(1, 8)), o),
+            "no dimension": lambda: pgs[r].fp.all_to_all(FakeCuda(torch.zeros(())),
+                                                         FakeCuda(torch.ones(())), o),
+            "input on another device": lambda: pgs[r].fp.all_to_all(FakeCuda(y),
+                                                                     FakeCuda(x, dev=1), o),
+            "not contiguous": lambda: pgs[r].fp.all_to_all(FakeCuda(y.view(2, 4).t()),
+                                                           FakeCuda(x.view(4, 2)), o),
+            "a CPU tensor": lambda: pgs[r].fp.all_to_all(y, FakeCuda(x), o),
+        }
+        got = {name: fn() for name, fn in cases.items()}
+        assert got == dict.fromkeys(cases), {k: v for k, v in got.items() if v is not None}
+        w = pgs[r].fp.all_to_all(FakeCuda(y), FakeCuda(x), o)   # then a good one meets
+        assert isinstance(w, StreamWork) and w._k == 1, w
+        return y, x   # x too: the peer reads it once the streams run
+    res, err, streams = on_ranks(2, rank)
+    assert err == [None, None], err
+    drain(groups, streams)
+    x = torch.arange(8, dtype=torch.float32)
+    for r in range(2):
+        assert torch.equal(res[r][0], torch.cat([x.chunk(2)[r], x.chunk(2)[r]])), r
     close_all(groups, streams)
 
 
@@ -332,6 +413,27 @@ def test_the_c_path_takes_only_an_engine_group():
         close_all(groups, [])
 
 
+def test_all_to_all_single_tries_the_c_path_only_without_split_sizes():
+    """alltoall_base hands the C path (output, input, opts) when neither
+    side has split sizes, and takes its Work; with split sizes it never
+    asks it (the C call takes equal chunks only), and numbers the call
+    either way (the next header check counts it)."""
+    from datetime import timedelta
+    pg = bk.ProcessGroupUCCL(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    asked, sentinel = [], object()
+    try:
+        pg._fast_all_to_all = lambda o, i, opts: asked.append((o, i, opts)) or sentinel
+        x, y, o = torch.arange(4.0), torch.zeros(4), dist.AllToAllOptions()
+        calls = pg._chk.calls
+        assert pg.alltoall_base(y, x, [], [], o) is sentinel
+        assert asked == [(y, x, o)] and pg._chk.calls == calls + 1
+        w = pg.alltoall_base(y, x, [4], [4], o)   # split sizes: the Python path (CPU here)
+        w.wait()
+        assert len(asked) == 1 and torch.equal(y, x) and pg._chk.calls == calls + 2
+    finally:
+        pg.shutdown()
+
+
 def test_the_backend_gives_the_c_path_its_state():
     """The C path reads only its own state, which the backend keeps: a
     FastPath over the runner's token (the token a task holds is the one the
@@ -346,6 +448,7 @@ def test_the_backend_gives_the_c_path_its_state():
         assert fp.closed is False and fp.group is None
         assert fp.codes is d.codes and fp.codes == {}
         assert pg._fast_allreduce == fp.allreduce and pg._fast_allgather == fp.allgather
+        assert pg._fast_all_to_all == fp.all_to_all
         assert r.busy is False and not r._q and r.closed is None and r.poisoned is None
         assert r.inline(lambda: r.busy) == (True, True) and r.busy is False
         assert bk.ProcessGroupUCCL.allreduce.__code__.co_names[0] == "_fast_allreduce"

@@ -12,7 +12,8 @@ the value the parent computes from the seeds (exact for integers, MIN/MAX
 and small-integer floats; float sums within the bound of two orders of
 reduction), the ranks bitwise alike, the route taken (counted in each
 rank), and nodes of unequal sizes falling back to the flat algorithms with
-the same results."""
+the same results.  The CUDA path's form (_reduce_gpu._by_node) is driven on
+CPU tensors through the same context calls."""
 from __future__ import annotations
 
 import os
@@ -120,6 +121,71 @@ def test_all_reduce_by_node(tmp_path, nodes, algo, rdma):
             if dtype == "float32" and op == "SUM":   # two orders of 4 float32 sums
                 bound = 2 * ws * 2.0 ** -24 * np.sum(np.abs(np.stack(
                     [_data(q, SIZES[0], dtype, op, salt) for q in range(ws)])), axis=0)
+                assert np.all(np.abs(got.astype(np.float64) - want) <= bound), (r, dtype, op)
+            else:
+                assert np.array_equal(got, want.astype(dtype)), (r, dtype, op)
+
+
+def _gpu_form_rank(rank, ws, nodes, path, q):
+    """The CUDA path's by-node all_reduce (_reduce_gpu._by_node), driven on
+    CPU tensors through the same context calls (runs in a spawned process)."""
+    import faulthandler
+    faulthandler.dump_traceback_later(150, exit=True)
+    try:
+        os.environ["UCCL_NODE_ID"] = f"hier-gpu-node-{nodes[rank]}"
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from uccl_collective.backend import _reduce_gpu
+        from uccl_collective.collective import CollectiveContext
+        taken = []
+        orig = _reduce_gpu._by_node
+
+        def counted(*a, **k):
+            taken.append(1)
+            return orig(*a, **k)
+        _reduce_gpu._by_node = counted
+        dist.init_process_group("gloo", store=dist.FileStore(path, ws), rank=rank, world_size=ws,
+                                timeout=datetime.timedelta(seconds=60))
+        ctx = CollectiveContext(use_copy_engine_for_intra=True, timeout_s=30).init()
+        bufs: dict = {}
+
+        def scratch(nb):
+            if bufs.get("s") is None or bufs["s"].numel() < nb:
+                bufs["s"] = torch.empty(nb, dtype=torch.uint8)
+            return bufs["s"][:nb]
+        out = {}
+        for salt, (dtype, op) in enumerate(CASES):
+            for n in SIZES:
+                t = torch.from_numpy(_data(rank, n, dtype, op, salt))
+                _reduce_gpu.allreduce(ctx, t, getattr(dist.ReduceOp.RedOpType, op), scratch)
+                out[(dtype, op, n)] = t.numpy()
+        ctx.finalize()
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, ({k: v for k, v in out.items() if k[2] == SIZES[0]}, len(taken))))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+        q.put((rank, f"Error: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def test_the_cuda_path_by_node_on_cpu_tensors(tmp_path):
+    """The CUDA path's form (_reduce_gpu: one exchange and one reduction a
+    phase, the messages through the context) takes nodes alike by node too;
+    driven here on CPU tensors (the context moves them the same way), 2 x 2:
+    the route counted, every result against the parent's."""
+    nodes = (0, 0, 1, 1)
+    res = run_ranks(_gpu_form_rank, 4, (nodes, str(tmp_path / "store")), timeout=240)
+    for r in range(4):
+        small, taken = res[r]
+        assert taken == len(CASES) * len(SIZES), (r, taken)
+        for salt, (dtype, op) in enumerate(CASES):
+            got, want = small[(dtype, op, SIZES[0])], _expected(4, SIZES[0], dtype, op, salt)
+            if dtype == "float32" and op == "SUM":
+                bound = 2 * 4 * 2.0 ** -24 * np.sum(np.abs(np.stack(
+                    [_data(q, SIZES[0], dtype, op, salt) for q in range(4)])), axis=0)
                 assert np.all(np.abs(got.astype(np.float64) - want) <= bound), (r, dtype, op)
             else:
                 assert np.array_equal(got, want.astype(dtype)), (r, dtype, op)

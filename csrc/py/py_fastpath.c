@@ -1,7 +1,8 @@
-/* The FastPath type (pyengine.h): the "uccl" backend's blocking all_reduce
- * and all_gather_into_tensor on CUDA tensors in one C call, the first row
- * of uccl_collective/core/dispatch.py's table (the backend calls
- * FastPath.allreduce / allgather before anything else).
+/* The FastPath type (pyengine.h): the "uccl" backend's blocking all_reduce,
+ * all_gather_into_tensor and all_to_all_single with no split sizes on CUDA
+ * tensors in one C call, the first row of uccl_collective/core/dispatch.py's
+ * table (the backend calls FastPath.allreduce / allgather / all_to_all
+ * before anything else).
  *
  *   FastPath(token, size)
  *
@@ -43,12 +44,12 @@
 /* the tensors' and options' attributes and methods, interned once */
 enum {
     N_ASYNC, N_REDUCE_OP, N_IS_CUDA, N_LAYOUT, N_IS_CONTIGUOUS, N_GET_DEVICE, N_DTYPE,
-    N_DATA_PTR, N_NUMEL, N_ELEMENT_SIZE, N_COUNT
+    N_DATA_PTR, N_NUMEL, N_ELEMENT_SIZE, N_SHAPE, N_COUNT
 };
 _Static_assert(N_COUNT == UCCL__PY_FAST_NAMES, "struct uccl__py_fast's names");
 static const char *const names[N_COUNT] = {
     "asyncOp", "reduceOp", "is_cuda", "layout", "is_contiguous", "get_device", "dtype",
-    "data_ptr", "numel", "element_size",
+    "data_ptr", "numel", "element_size", "shape",
 };
 
 /* fast_setup(tensor_type, strided, profiler_enabled, capturing, raw_stream, work_type).
@@ -217,7 +218,7 @@ static int group_checks(struct uccl__py_fast *f, uccl__py_fastpath *self, long l
 /* The round under the token, then its Work (StreamWork(group, k, [result],
  * stream)); the round's error raised; None where the token is taken. */
 static PyObject *run(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject *stream,
-                     uint64_t caller, PyObject *result, int gather,
+                     uint64_t caller, PyObject *result, int which,
                      const struct uccl__py_coll_args *a)
 {
     if (uccl__py_token_try(self->token))
@@ -225,7 +226,7 @@ static PyObject *run(struct uccl__py_fast *f, uccl__py_fastpath *self, PyObject 
     /* held across the round, which lets the GIL go (set_group may run meanwhile) */
     uccl__py_sgroup *c = (uccl__py_sgroup *)Py_NewRef((PyObject *)self->c);
     PyObject *group = Py_NewRef(self->group);
-    PyObject *r = uccl__py_sg_fast_round(c, caller, gather, a);
+    PyObject *r = uccl__py_sg_fast_round(c, caller, which, a);
     Py_DECREF(c);
     uccl__py_token_give(self->token);
     if (r && PyErr_Occurred()) /* the round ran, but giving the token back was interrupted */
@@ -300,7 +301,7 @@ static PyObject *FP_allreduce(PyObject *op, PyObject *const *args, Py_ssize_t na
         (ptr = ll_of(f, t, N_DATA_PTR)) >= 0 && (n = ll_of(f, t, N_NUMEL)) >= 0) {
         a.a = (uintptr_t)ptr;
         a.count = (size_t)n;
-        w = run(f, self, stream, caller, t, 0, &a);
+        w = run(f, self, stream, caller, t, UCCL__PY_FAST_ALLREDUCE, &a);
     } else {
         w = decline();
     }
@@ -344,7 +345,64 @@ static PyObject *FP_allgather(PyObject *op, PyObject *const *args, Py_ssize_t na
         (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
         struct uccl__py_coll_args a = {.a = (uintptr_t)src, .b = (uintptr_t)dst,
                                        .count = (size_t)ni * (size_t)es};
-        w = run(f, self, stream, caller, out, 1, &a);
+        w = run(f, self, stream, caller, out, UCCL__PY_FAST_ALLGATHER, &a);
+    } else {
+        w = decline();
+    }
+    Py_XDECREF(stream);
+    return w;
+}
+
+/* t.shape[0], or -1 (no dimension, or soft()) */
+static long long dim0(struct uccl__py_fast *f, PyObject *t)
+{
+    PyObject *sh = PyErr_Occurred() ? NULL : get(f, t, N_SHAPE);
+    long long v = -1;
+    if (sh && PyTuple_Check(sh) && PyTuple_Size(sh) >= 1)
+        v = as_ll(Py_NewRef(PyTuple_GetItem(sh, 0)));
+    Py_XDECREF(sh);
+    return v;
+}
+
+/* all_to_all(output, input, opts) -> StreamWork, or None: all_to_all_single
+ * with no split sizes (the backend calls it only then): dim 0 of both
+ * divisible by the group's size, the same dtype and element count, so
+ * chunk r of each is numel / size elements at r x that */
+static PyObject *FP_all_to_all(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "all_to_all(output, input, opts): %zd arguments",
+                            nargs);
+    PyObject *out = args[0], *inp = args[1], *opts = args[2];
+    struct uccl__py_fast *f = fast_of(self);
+    if (!f)
+        Py_RETURN_NONE;
+    if (!call_checks(f, self, opts))
+        return decline();
+    PyObject *stream = NULL;
+    uint64_t caller = 0;
+    long long dev = dense_cuda(f, out);
+    if (dev < 0 || PyErr_Occurred() || dense_cuda(f, inp) != dev ||
+        group_checks(f, self, dev, &stream, &caller)) {
+        Py_XDECREF(stream);
+        return decline();
+    }
+    PyObject *dto = get(f, out, N_DTYPE), *dti = dto ? get(f, inp, N_DTYPE) : NULL;
+    int same = dto && dto == dti;
+    Py_XDECREF(dto);
+    Py_XDECREF(dti);
+    long long no = ll_of(f, out, N_NUMEL), ni = ll_of(f, inp, N_NUMEL);
+    long long es = ll_of(f, inp, N_ELEMENT_SIZE), src = ll_of(f, inp, N_DATA_PTR);
+    long long dst = ll_of(f, out, N_DATA_PTR), d0 = dim0(f, out), d1 = dim0(f, inp);
+    long long world = self->size;
+    PyObject *w;
+    if (same && no >= 0 && no == ni && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
+        d0 > 0 && d1 > 0 && d0 % world == 0 && d1 % world == 0 &&
+        (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
+        struct uccl__py_coll_args a = {.a = (uintptr_t)src, .b = (uintptr_t)dst,
+                                       .count = (size_t)(ni / world) * (size_t)es};
+        w = run(f, self, stream, caller, out, UCCL__PY_FAST_ALL_TO_ALL, &a);
     } else {
         w = decline();
     }
@@ -491,6 +549,8 @@ static PyMethodDef FP_methods[] = {
      "allreduce(tensors, opts) -> the blocking CUDA all_reduce's Work, or None"},
     {"allgather", (PyCFunction)(void (*)(void))FP_allgather, METH_FASTCALL,
      "allgather(out, inp, opts) -> the blocking CUDA all_gather_into_tensor's Work, or None"},
+    {"all_to_all", (PyCFunction)(void (*)(void))FP_all_to_all, METH_FASTCALL,
+     "all_to_all(output, input, opts) -> StreamWork, or None (all_to_all_single, no splits)"},
     {"set_group", FP_set_group, METH_VARARGS,
      "set_group(group, c, dev): the stream group (set_group(None, None, -1): none)"},
     {NULL, NULL, 0, NULL},

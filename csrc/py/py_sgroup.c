@@ -56,7 +56,7 @@ static int interrupted(void *arg)
     return hit;
 }
 
-typedef int (*call_fn)(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *arg, uint32_t *k);
+typedef uccl__py_sg_call_fn call_fn;
 
 static int sg_close(uccl__py_sgroup *self);
 
@@ -66,7 +66,8 @@ static _Thread_local uccl__py_sgroup *in_round;
 
 /* Run fn without the GIL (and with the endpoint held), return the round.
  * The group stays alive meanwhile: close() waits for rounds in flight. */
-static PyObject *run_round(uccl__py_sgroup *self, struct uccl_sg_opts *o, call_fn fn, void *arg)
+PyObject *uccl__py_sg_run_round(uccl__py_sgroup *self, struct uccl_sg_opts *o, call_fn fn,
+                                 void *arg)
 {
     struct intr in;
     uint32_t k = 0;
@@ -175,7 +176,7 @@ static int SG_init(PyObject *op, PyObject *args, PyObject *kw)
 }
 
 /* ---- rounds ---------------------------------------------------------------------- */
-static int opts_arg(PyObject *args, Py_ssize_t *at, struct uccl_sg_opts *o)
+int uccl__py_sg_opts_arg(PyObject *args, Py_ssize_t *at, struct uccl_sg_opts *o)
 {
     /* (caller, caller_waits, end_event) at the front of args */
     if (PyTuple_Size(args) < 3) {
@@ -197,7 +198,7 @@ static int opts_arg(PyObject *args, Py_ssize_t *at, struct uccl_sg_opts *o)
     return 0;
 }
 
-static PyObject *rest(PyObject *args, Py_ssize_t at)
+PyObject *uccl__py_sg_rest(PyObject *args, Py_ssize_t at)
 {
     return PyTuple_GetSlice(args, at, PyTuple_Size(args));
 }
@@ -236,9 +237,9 @@ static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct ucc
     uccl__py_sgroup *self = uccl__py_sg_open(op);
     struct uccl_sg_opts o;
     Py_ssize_t at;
-    if (!self || opts_arg(args, &at, &o))
+    if (!self || uccl__py_sg_opts_arg(args, &at, &o))
         return NULL;
-    PyObject *t = rest(args, at);
+    PyObject *t = uccl__py_sg_rest(args, at);
     if (!t)
         return NULL;
     va_list va;
@@ -246,7 +247,7 @@ static PyObject *collective(PyObject *op, PyObject *args, call_fn fn, struct ucc
     int ok = PyArg_VaParse(t, fmt, va);
     va_end(va);
     Py_DECREF(t);
-    return ok ? run_round(self, &o, fn, r) : NULL;
+    return ok ? uccl__py_sg_run_round(self, &o, fn, r) : NULL;
 }
 
 /* allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) */
@@ -289,210 +290,29 @@ static PyObject *SG_broadcast(PyObject *op, PyObject *args)
                       uccl__py_to_size, &r.count, &r.root);
 }
 
-PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int gather,
+/* all_to_all of equal chunks (uccl__py_sg_fast_round's third kind) */
+static int do_all_to_all_equal(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
+{
+    struct uccl__py_coll_args *r = p;
+    struct uccl_sg_span send[UCCL_SG_MAX_RANKS], recv[UCCL_SG_MAX_RANKS];
+    int n = uccl_sg_size(sg);
+    for (int i = 0; i < n; i++) {
+        send[i] = (struct uccl_sg_span){r->a + (size_t)i * r->count, r->count};
+        recv[i] = (struct uccl_sg_span){r->b + (size_t)i * r->count, r->count};
+    }
+    return uccl_sg_all_to_all(sg, o, send, recv, k);
+}
+
+PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int which,
                                  const struct uccl__py_coll_args *a)
 {
     struct uccl_sg_opts o = {.caller = (uintptr_t)caller, .caller_waits = 1};
     struct uccl__py_coll_args r = *a; /* run_round's argument is not const */
     if (!uccl__py_sg_open((PyObject *)self))
         return NULL;
-    return run_round(self, &o, gather ? do_allgather : do_allreduce, &r);
-}
-
-/* The general round's lists, parsed with the GIL held. */
-struct gen_call {
-    struct uccl_sg_call c;
-    struct uccl_sg_pub *pub;
-    struct uccl_sg_pull *pull;
-    struct uccl_sg_copy *copy;
-    struct uccl_sg_red red;
-};
-
-static int do_round(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
-{
-    struct gen_call *g = p;
-    g->c.caller = o->caller;
-    g->c.caller_waits = o->caller_waits;
-    g->c.end_event = o->end_event;
-    return uccl_sg_round(sg, &g->c, o->intr, o->intr_arg, k);
-}
-
-/* Each item of seq parsed into out[i] by fill (a tuple). */
-static int parse_list(PyObject *seq, Py_ssize_t *n_p, void **out, size_t esz,
-                      int (*fill)(void *out, Py_ssize_t i, PyObject *item))
-{
-    Py_ssize_t n = PySequence_Size(seq);
-    if (n < 0)
-        return -1;
-    *out = PyMem_Calloc((size_t)(n ? n : 1), esz);
-    if (!*out) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *it = PySequence_GetItem(seq, i);
-        int bad = !it || fill(*out, i, it);
-        Py_XDECREF(it);
-        if (bad)
-            return -1;
-    }
-    *n_p = n;
-    return 0;
-}
-
-static int fill_pub(void *out, Py_ssize_t i, PyObject *it)
-{
-    struct uccl_sg_pub *p = (struct uccl_sg_pub *)out + i;
-    uint64_t ptr;
-    return PyArg_ParseTuple(it, "O&O&O&", uccl__py_to_u64, &p->tag, uccl__py_to_u64, &ptr,
-                            uccl__py_to_size, &p->len)
-               ? (p->ptr = (uintptr_t)ptr, 0)
-               : -1;
-}
-
-static int fill_pull(void *out, Py_ssize_t i, PyObject *it)
-{
-    struct uccl_sg_pull *p = (struct uccl_sg_pull *)out + i;
-    uint64_t dst;
-    return PyArg_ParseTuple(it, "iipO&O&O&O&", &p->peer, &p->phase, &p->exact, uccl__py_to_u64,
-                            &p->tag, uccl__py_to_u64, &p->off, uccl__py_to_u64, &dst,
-                            uccl__py_to_size, &p->len)
-               ? (p->dst = (uintptr_t)dst, 0)
-               : -1;
-}
-
-static int fill_copy(void *out, Py_ssize_t i, PyObject *it)
-{
-    struct uccl_sg_copy *p = (struct uccl_sg_copy *)out + i;
-    uint64_t dst, src;
-    return PyArg_ParseTuple(it, "O&O&O&", uccl__py_to_u64, &dst, uccl__py_to_u64, &src,
-                            uccl__py_to_size, &p->len)
-               ? (p->dst = (uintptr_t)dst, p->src = (uintptr_t)src, 0)
-               : -1;
-}
-
-/* round(caller, caller_waits, end_event, what, kind, arg, phases, pub, pull, copy, red):
- * pub [(tag, ptr, len)], pull [(peer, phase, exact, tag, off, dst, len)],
- * copy [(dst, src, len)], red None or (dtype, op, tag, off, out, count). */
-static PyObject *SG_round(PyObject *op, PyObject *args)
-{
-    uccl__py_sgroup *self = uccl__py_sg_open(op);
-    struct uccl_sg_opts o;
-    Py_ssize_t at, npub = 0, npull = 0, ncopy = 0;
-    if (!self || opts_arg(args, &at, &o))
-        return NULL;
-    const char *what;
-    unsigned int kind;
-    uint64_t arg;
-    int phases;
-    PyObject *pubs, *pulls, *copies, *red, *res = NULL;
-    PyObject *t = rest(args, at);
-    int ok = t && PyArg_ParseTuple(t, "sIO&iOOOO", &what, &kind, uccl__py_to_u64, &arg, &phases,
-                                   &pubs, &pulls, &copies, &red);
-    Py_XDECREF(t);
-    if (!ok)
-        return NULL;
-    struct gen_call g;
-    memset(&g, 0, sizeof(g));
-    if (parse_list(pubs, &npub, (void **)&g.pub, sizeof(*g.pub), fill_pub) ||
-        parse_list(pulls, &npull, (void **)&g.pull, sizeof(*g.pull), fill_pull) ||
-        parse_list(copies, &ncopy, (void **)&g.copy, sizeof(*g.copy), fill_copy))
-        goto out;
-    if (npub > INT32_MAX || npull > INT32_MAX || ncopy > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "round: too many entries");
-        goto out;
-    }
-    if (red != Py_None) {
-        uint64_t out_ptr;
-        if (!PyArg_ParseTuple(red, "iiO&O&O&O&", &g.red.dtype, &g.red.op, uccl__py_to_u64,
-                              &g.red.tag, uccl__py_to_u64, &g.red.off, uccl__py_to_u64, &out_ptr,
-                              uccl__py_to_size, &g.red.count))
-            goto out;
-        g.red.out = (uintptr_t)out_ptr;
-        g.c.red = &g.red;
-    }
-    g.c.what = what;
-    g.c.kind = kind;
-    g.c.arg = arg;
-    g.c.phases = phases;
-    g.c.pub = g.pub;
-    g.c.npub = (int)npub;
-    g.c.pull = g.pull;
-    g.c.npull = (int)npull;
-    g.c.copy = g.copy;
-    g.c.ncopy = (int)ncopy;
-    res = run_round(self, &o, do_round, &g);
-out:
-    PyMem_Free(g.pub);
-    PyMem_Free(g.pull);
-    PyMem_Free(g.copy);
-    return res;
-}
-
-/* ---- point to point ------------------------------------------------------------------ */
-struct p2p_call {
-    struct uccl_sg_p2p_op *ops;
-    int n;
-    uint64_t *codes;
-};
-
-static int do_p2p(uccl_sg_t *sg, const struct uccl_sg_opts *o, void *p, uint32_t *k)
-{
-    struct p2p_call *a = p;
-    *k = 0;
-    return uccl_sg_p2p(sg, a->ops, a->n, o->caller, o->intr, o->intr_arg, a->codes);
-}
-
-static int fill_p2p(void *out, Py_ssize_t i, PyObject *it)
-{
-    struct uccl_sg_p2p_op *p = (struct uccl_sg_p2p_op *)out + i;
-    uint64_t ptr, stream;
-    return PyArg_ParseTuple(it, "ipO&O&O&", &p->peer, &p->send, uccl__py_to_u64, &ptr,
-                            uccl__py_to_size, &p->len, uccl__py_to_u64, &stream)
-               ? (p->ptr = (uintptr_t)ptr, p->stream = (uintptr_t)stream, 0)
-               : -1;
-}
-
-/* p2p(caller, [(peer, send, ptr, len, stream)]) -> [code]: post the messages in order */
-static PyObject *SG_p2p(PyObject *op, PyObject *args)
-{
-    uccl__py_sgroup *self = uccl__py_sg_open(op);
-    uint64_t caller;
-    PyObject *items, *res = NULL;
-    Py_ssize_t n = 0;
-    struct p2p_call a = {NULL, 0, NULL};
-    if (!self || !PyArg_ParseTuple(args, "O&O", uccl__py_to_u64, &caller, &items))
-        return NULL;
-    if (parse_list(items, &n, (void **)&a.ops, sizeof(*a.ops), fill_p2p))
-        goto out;
-    if (n < 1 || n > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "p2p: %zd messages", n);
-        goto out;
-    }
-    a.n = (int)n;
-    a.codes = PyMem_Calloc((size_t)n, sizeof(uint64_t));
-    if (!a.codes) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    struct uccl_sg_opts o = {(uintptr_t)caller, 0, NULL, NULL, NULL};
-    PyObject *k = run_round(self, &o, do_p2p, &a);
-    if (!k)
-        goto out;
-    Py_DECREF(k);
-    res = PyList_New(n);
-    for (Py_ssize_t i = 0; res && i < n; i++) {
-        PyObject *c = PyLong_FromUnsignedLongLong(a.codes[i]);
-        if (!c) {
-            Py_CLEAR(res);
-            break;
-        }
-        PyList_SetItem(res, i, c); /* steals c */
-    }
-out:
-    PyMem_Free(a.ops);
-    PyMem_Free(a.codes);
-    return res;
+    call_fn fn = which == UCCL__PY_FAST_ALLGATHER ? do_allgather
+                 : which == UCCL__PY_FAST_ALL_TO_ALL ? do_all_to_all_equal : do_allreduce;
+    return uccl__py_sg_run_round(self, &o, fn, &r);
 }
 
 /* p2p_wait(code, stream): the stream waits for the message (no host wait) */
@@ -729,7 +549,7 @@ static void SG_dealloc(PyObject *op)
 }
 
 static PyMethodDef SG_methods[] = {
-    {"round", SG_round, METH_VARARGS,
+    {"round", uccl__py_sg_round, METH_VARARGS,
      "round(caller, caller_waits, end_event, what, kind, arg, phases, pub, pull, copy, red) -> k"},
     {"allreduce", SG_allreduce, METH_VARARGS,
      "allreduce(caller, caller_waits, end_event, ptr, count, dtype, op) -> k"},
@@ -741,7 +561,9 @@ static PyMethodDef SG_methods[] = {
      "allgather(caller, caller_waits, end_event, src, nbytes, dst) -> k"},
     {"broadcast", SG_broadcast, METH_VARARGS,
      "broadcast(caller, caller_waits, end_event, ptr, nbytes, root) -> k"},
-    {"p2p", SG_p2p, METH_VARARGS,
+    {"all_to_all", uccl__py_sg_all_to_all, METH_VARARGS,
+     "all_to_all(caller, caller_waits, end_event, sends, recvs) -> k"},
+    {"p2p", uccl__py_sg_p2p, METH_VARARGS,
      "p2p(caller, [(peer, send, ptr, len, stream)]) -> [code]: messages posted in order"},
     {"p2p_wait", SG_p2p_wait, METH_VARARGS, "p2p_wait(code, stream): the stream waits for it"},
     {"p2p_passed", SG_p2p_passed, METH_VARARGS, "p2p_passed(code): the message is in place"},

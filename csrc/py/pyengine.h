@@ -12,9 +12,12 @@
  *   py_sgroup.c    the StreamGroup type, over a stream-ordered group (sgroup.h)
  *   py_sgroup_mod.c  the module's functions for stream-ordered groups, and
  *                  StreamGroup's methods for the emulated device's tests
+ *   py_sgroup_lists.c  StreamGroup's methods that take lists (round,
+ *                  all_to_all, p2p)
  *   py_token.c     the Token type: a process group's execution token
- *   py_fastpath.c  the FastPath type: the backend's blocking all_reduce /
- *                  all_gather_into_tensor on CUDA tensors in one call
+ *   py_fastpath.c  the FastPath type: the backend's blocking all_reduce,
+ *                  all_gather_into_tensor and all_to_all_single (no split
+ *                  sizes) on CUDA tensors in one call
  *   py_module.c    the module: its functions, init (the exceptions, the
  *                  types, the constants), traverse and clear
  *
@@ -49,7 +52,7 @@ enum {
     UCCL__PY_FAST_WORK,       /* _work.StreamWork */
     UCCL__PY_FAST_HOOKS
 };
-#define UCCL__PY_FAST_NAMES 10 /* py_fastpath.c: its names, asserted equal */
+#define UCCL__PY_FAST_NAMES 11 /* py_fastpath.c: its names, asserted equal */
 struct uccl__py_fast {
     PyObject *hook[UCCL__PY_FAST_HOOKS];
     PyObject *retired; /* a list: the hooks fast_setup() replaced, kept */
@@ -148,6 +151,21 @@ typedef struct {
 extern PyType_Spec uccl__py_sgroup_spec;
 /* The group, open and over an open endpoint; else NULL with an exception. */
 uccl__py_sgroup *uccl__py_sg_open(PyObject *op);
+/* py_sgroup.c: a round's call, run without the GIL by run_round, which
+ * returns its number (or NULL with its error); the (caller, caller_waits,
+ * end_event) at the front of a method's args (0, and *at past them; -1
+ * with an exception), and the args after them (a new tuple). */
+struct uccl_sg_opts; /* sg/sgroup.h */
+typedef int (*uccl__py_sg_call_fn)(struct uccl_sg *sg, const struct uccl_sg_opts *o, void *arg,
+                                   uint32_t *k);
+PyObject *uccl__py_sg_run_round(uccl__py_sgroup *self, struct uccl_sg_opts *o,
+                                uccl__py_sg_call_fn fn, void *arg);
+int uccl__py_sg_opts_arg(PyObject *args, Py_ssize_t *at, struct uccl_sg_opts *o);
+PyObject *uccl__py_sg_rest(PyObject *args, Py_ssize_t at);
+/* py_sgroup_lists.c: StreamGroup.round, all_to_all, p2p */
+PyObject *uccl__py_sg_round(PyObject *op, PyObject *args);
+PyObject *uccl__py_sg_all_to_all(PyObject *op, PyObject *args);
+PyObject *uccl__py_sg_p2p(PyObject *op, PyObject *args);
 PyObject *uccl__py_sg_page_bytes(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused);
 PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args);
@@ -160,11 +178,13 @@ struct uccl__py_coll_args {
     size_t count;
     int dtype, op, root;
 };
-/* The backend's fast path (py_fastpath.c): an all_reduce (in place at a:
- * count elements of dtype, op) or, if gather, an allgather (count bytes
- * from a into b), as a round on the caller's stream, which waits for it;
- * its number, or NULL with the round's error. */
-PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int gather,
+/* The backend's fast path (py_fastpath.c), as a round on the caller's
+ * stream, which waits for it: an all_reduce (in place at a: count elements
+ * of dtype, op), an allgather (count bytes from a into b), or an all_to_all
+ * of equal chunks (count bytes a chunk, from a + r x count to rank r, into
+ * b + r x count from rank r); its number, or NULL with the round's error. */
+enum { UCCL__PY_FAST_ALLREDUCE, UCCL__PY_FAST_ALLGATHER, UCCL__PY_FAST_ALL_TO_ALL };
+PyObject *uccl__py_sg_fast_round(uccl__py_sgroup *self, uint64_t caller, int which,
                                  const struct uccl__py_coll_args *a);
 /* py_sgroup_mod.c: StreamGroup's methods for the emulated device's tests */
 PyObject *uccl__py_sg_emu_counts(PyObject *op, PyObject *unused);

@@ -211,3 +211,31 @@ int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, s
                              .red = uccl_sg_rank(sg) == root ? &red : NULL};
     return run(sg, o, &c, round_p);
 }
+
+/* Every rank publishes its chunk for each peer (under the tag to that
+ * peer) and pulls its own from each, exactly the size it expects (a pair
+ * whose sizes differ fails the group, naming both sides; an empty chunk
+ * still pairs with the peer's); its own chunk is a copy.  What
+ * StreamGroup.all_to_all_args builds in Python, the same round. */
+int uccl_sg_all_to_all(uccl_sg_t *sg, const struct uccl_sg_opts *o,
+                       const struct uccl_sg_span *send, const struct uccl_sg_span *recv,
+                       uint32_t *round_p)
+{
+    int n = uccl_sg_size(sg), me = uccl_sg_rank(sg), np = 0;
+    if (send[me].len != recv[me].len)
+        return uccl__err(UCCL_ERR_INVALID, "all_to_all: this rank sends itself %zu bytes but "
+                         "expects %zu", send[me].len, recv[me].len);
+    struct uccl_sg_pub pub[UCCL_SG_MAX_RANKS];
+    struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
+    for (int r = 0; r < n; r++)
+        if (r != me) {
+            pub[np] = (struct uccl_sg_pub){UCCL_SG_TAG_TO(r, 0), send[r].ptr, send[r].len};
+            pull[np++] = (struct uccl_sg_pull){r, 1, 1, UCCL_SG_TAG_TO(me, 0), 0, recv[r].ptr,
+                                               recv[r].len};
+        }
+    struct uccl_sg_copy own = {recv[me].ptr, send[me].ptr, send[me].len};
+    struct uccl_sg_call c = {.what = "all_to_all", .kind = UCCL_SG_KIND_ALL_TO_ALL, .arg = 0,
+                             .phases = 1, .pub = pub, .npub = np, .pull = pull, .npull = np,
+                             .copy = &own, .ncopy = 1};
+    return run(sg, o, &c, round_p);
+}

@@ -177,6 +177,17 @@ int uccl_sg_broadcast(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
                       int root, uint32_t *round_p);
 int uccl_sg_reduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr, size_t count,
                    int dtype, int op, int root, uint32_t *round_p);
+/* send[r], recv[r] (n of each): the chunk to and from rank r; this rank's
+ * own pair must be one size.  Its kind is the general round's all_to_all
+ * (UCCL_SG_KIND_ALL_TO_ALL), so ranks that build the round in Python meet it. */
+struct uccl_sg_span {
+    uintptr_t ptr;
+    size_t len;
+};
+#define UCCL_SG_KIND_ALL_TO_ALL (1u | 1u << 8) /* stream_group.py's KIND_ALL_TO_ALL */
+int uccl_sg_all_to_all(uccl_sg_t *sg, const struct uccl_sg_opts *o,
+                       const struct uccl_sg_span *send, const struct uccl_sg_span *recv,
+                       uint32_t *round_p);
 
 /* ---- point to point (sg_p2p.c) --------------------------------------------------
  * Messages between two ranks of the group, matched in order per ordered

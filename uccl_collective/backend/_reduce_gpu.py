@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import config
-from ._reduce import allgather_chunks, bounds, finish_avg
+from ._reduce import allgather_chunks, bounds, finish_avg, node_groups
 
 R = dist.ReduceOp.RedOpType
 
@@ -82,7 +82,10 @@ def allreduce(ctx, flat: torch.Tensor, op: R, scratch: Callable[[int], torch.Ten
     reduction over the group, enqueued on the current stream."""
     n, me = ctx.world_size, ctx.rank
     numel, esz = flat.numel(), flat.element_size()
-    if n > 1 and numel:
+    groups = node_groups(ctx) if numel * esz > GPU_SMALL_BYTES else None
+    if groups is not None and config.get("UCCL_PG_ALGO") in ("auto", "hier"):
+        _by_node(ctx, flat, groups, op, scratch, what)
+    elif n > 1 and numel:
         if numel * esz <= GPU_SMALL_BYTES or numel < n:
             rows = scratch(n * numel * esz).view(flat.dtype).view(n, numel)
             ctx.allgather(flat, rows.reshape(-1))
@@ -99,6 +102,57 @@ def allreduce(ctx, flat: torch.Tensor, op: R, scratch: Callable[[int], torch.Ten
                 allgather_chunks(ctx, flat, chunk)
     if op == R.AVG:
         finish_avg(flat, n)
+
+
+class _Sub:
+    """Some ranks of ctx (global ranks, one order on every member) as a
+    context of their own for allreduce() above: its size and rank, its
+    messages sent to the global ranks, and the allgathers it takes made of
+    them.  The sub-contexts of one operation use disjoint pairs of ranks or
+    run one after the other, so the messages still match per pair."""
+
+    def __init__(self, ctx, ranks: list[int]):
+        self._ctx, self.ranks = ctx, ranks
+        self.world_size, self.rank = len(ranks), ranks.index(ctx.rank)
+
+    def _p2p(self, entries: list, what: str, blocking: bool = False):
+        return self._ctx._p2p([(k, t, self.ranks[r]) for k, t, r in entries], what, blocking)
+
+    def allgather_chunks(self, flat: torch.Tensor, chunk: list[tuple[int, int]]) -> None:
+        a, b = chunk[self.rank]
+        entries = [("send", flat[a:b], r) for r in range(self.world_size)
+                   if r != self.rank and b > a]
+        entries += [("recv", flat[s:e], r) for r, (s, e) in enumerate(chunk)
+                    if r != self.rank and e > s]
+        self._p2p(entries, "all_reduce", blocking=True)
+
+    def allgather(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        k = src.numel()
+        out[self.rank * k:(self.rank + 1) * k].copy_(src)
+        self.allgather_chunks(out, [(r * k, (r + 1) * k) for r in range(self.world_size)])
+
+
+def _by_node(ctx, flat: torch.Tensor, groups: list[list[int]], op: R,
+             scratch: Callable[[int], torch.Tensor], what: str) -> None:
+    """allreduce() where the group spans nodes alike (_reduce.node_groups):
+    within each node a reduce-scatter (the node's GPUs over their links),
+    across the nodes an all_reduce of each rank's chunk with the ranks of
+    its place on the other nodes (the network, a rank's own share), then
+    within each node an allgather, as the CPU path's hier_allreduce."""
+    me = ctx.rank
+    mine = next(g for g in groups if me in g)
+    li = mine.index(me)
+    intra = _Sub(ctx, mine)
+    chunk = bounds(flat.numel(), len(mine))
+    a, b = chunk[li]
+    rows = scratch(len(mine) * (b - a) * flat.element_size()).view(flat.dtype).view(
+        len(mine), b - a)
+    _exchange_chunks(intra, flat, chunk, rows, what)
+    reduce_rows(rows, flat[a:b], op)
+    if b > a:   # AVG divides once, at the end, by the whole group's size
+        allreduce(_Sub(ctx, [g[li] for g in groups]), flat[a:b],
+                  R.SUM if op == R.AVG else op, scratch, what)
+    intra.allgather_chunks(flat, chunk)
 
 
 def reduce_scatter(ctx, out: torch.Tensor, flat: torch.Tensor, op: R,

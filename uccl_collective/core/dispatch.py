@@ -18,15 +18,18 @@ facts hold is the route:
 
  row  facts                                     route
  ---  ----------------------------------------  -------------------------------------------
- 1    all_reduce of one tensor, or              the C fast path (FastPath.allreduce,
-      all_gather_into_tensor; blocking; no      allgather; bound as Dispatch.allreduce_c,
-      profiler; group open; dense contiguous    allgather_c): the token, one round on the
-      CUDA tensors on the device of the         caller's stream, a StreamWork.  Set up
-      group's stream group; no capture; the     only where hash(ReduceOp) is the
-      token free; all_reduce: the (operator,    operator's number (HASH_IS_OP).
-      dtype) kernel codes already cached;
-      all_gather: dtypes equal, output =
-      size x input
+ 1    all_reduce of one tensor,                 the C fast path (FastPath.allreduce,
+      all_gather_into_tensor, or                allgather, all_to_all; bound as
+      all_to_all_single with no split sizes;    Dispatch.allreduce_c, allgather_c,
+      blocking; no profiler; group open;        all_to_all_c): the token, one round on
+      dense contiguous CUDA tensors on the      the caller's stream, a StreamWork.  Set
+      device of the group's stream group; no    up only where hash(ReduceOp) is the
+      capture; the token free; all_reduce:      operator's number (HASH_IS_OP).
+      the (operator, dtype) kernel codes
+      already cached; all_gather: dtypes
+      equal, output = size x input;
+      all_to_all: dtypes and sizes equal,
+      dim 0 of both divisible by the size
  2    all_reduce (one tensor),                  a stream-ordered round, inline
       all_gather_into_tensor,                   (Dispatch.allreduce, allgather,
       reduce_scatter_tensor, reduce,            reduce_scatter, reduce, broadcast,
@@ -165,6 +168,7 @@ class Dispatch:
         # the codes, closed), which this object keeps up to date
         self.fp = _engine.FastPath(token, size)
         self.allreduce_c, self.allgather_c = self.fp.allreduce, self.fp.allgather
+        self.all_to_all_c = self.fp.all_to_all
         self.codes = self.fp.codes   # (hash(operator), dtype) -> the kernel's codes, or ()
         self._work, self._check_op = work, check_op
         # the stream-ordered exchanges (stream_group.py): made at the first
@@ -290,12 +294,12 @@ class Dispatch:
         """Row 2 of all_to_all and all_to_all_single: sends[r] and recvs[r],
         (address, bytes), the chunks to and from rank r inside tensors
         (contiguous, checked here; this rank's own pair of one size, checked
-        by the caller): one round (StreamGroup.all_to_all_args), the same
-        one its task runs; its Work, or None."""
+        by the caller): one round (the engine's all_to_all), the same one
+        its task runs; its Work, or None."""
         sg = self.fast(opts, *tensors)
         if sg is None:
             return None
-        return self.round(sg, result, sg.c.round, "all_to_all", *sg.all_to_all_args(sends, recvs))
+        return self.round(sg, result, sg.c.all_to_all, sends, recvs)
 
     # -- rows 3-5: a task ----------------------------------------------------------------
     def task(self, fn: Callable, result: Any, uses: Any, p2p: bool, sync: bool) -> tuple:

@@ -74,8 +74,6 @@ R = dist.ReduceOp.RedOpType
 
 TAG_ALL = 0              # a buffer every peer reads
 KIND_EXCHANGE = 1        # a general round (its pulls are checked buffer by buffer)
-KIND_ALL_TO_ALL = KIND_EXCHANGE | 1 << 8   # one told apart from the others: a rank in
-                                           # all_to_all meets no gather or scatter
 
 # The raw cudaStream_t of a device's current stream in one call (what Triton
 # uses); torch.cuda.current_stream(dev) builds a Stream object through
@@ -346,35 +344,19 @@ class StreamGroup:
         return self.c.p2p(caller, out)
 
     def all_to_all(self, caller: int, sends: Sequence[tuple[int, int]],
-                   recvs: Sequence[tuple[int, int]], what: str = "all_to_all") -> int:
+                   recvs: Sequence[tuple[int, int]]) -> int:
         """all_to_all as one round after the work on stream `caller`:
         sends[j] and recvs[j], (ptr, nbytes), go to and come from rank j,
-        this rank's own chunk copied in the round.  The caller's stream
-        waits for its end (unless it is the group's own).  Returns the
-        round's number."""
-        return self.c.round(*self.order(caller), 0, what, *self.all_to_all_args(sends, recvs))
-
-    def all_to_all_args(self, sends: Sequence[tuple[int, int]],
-                        recvs: Sequence[tuple[int, int]]) -> tuple:
-        """What the engine's round takes after (caller, caller_waits, end
-        event, what) for all_to_all: every rank publishes its chunk for each
-        peer and pulls its own from each, of exactly the size it expects (a
-        pair whose sizes differ fails the group, naming both sides' bytes;
-        an empty chunk still pairs with the peer's).  The backend's
-        exchange task runs the same round (StreamCtx.all_to_all), so one
-        rank may post it from its thread while another runs it as a task;
-        its kind is its own, so a rank in a gather or scatter does not meet
-        it."""
-        n, me = self.size, self.rank
-        if len(sends) != n or len(recvs) != n:
-            raise ValueError(f"all_to_all: {len(sends)} sends and {len(recvs)} receives for a "
-                             f"group of {n}")
-        if sends[me][1] != recvs[me][1]:
-            raise ValueError(f"all_to_all: this rank sends itself {sends[me][1]} bytes but "
-                             f"expects {recvs[me][1]}")
-        publish = [(tag_to(j, 0), *sends[j]) for j in range(n) if j != me]
-        pulls = [(j, 1, True, tag_to(me, 0), 0, *recvs[j]) for j in range(n) if j != me]
-        return KIND_ALL_TO_ALL, 0, 1, publish, pulls, [(recvs[me][0], *sends[me])], None
+        this rank's own chunk copied in the round (the engine's
+        uccl_sg_all_to_all: every rank publishes its chunk for each peer and
+        pulls its own from each, of exactly the size it expects; a pair
+        whose sizes differ fails the group, naming both sides; an empty
+        chunk still pairs with the peer's; its kind is its own, so a rank in
+        a gather or scatter does not meet it).  The backend's fast path and
+        its exchange task run the same round.  The caller's stream waits
+        for its end (unless it is the group's own).  Returns the round's
+        number."""
+        return self.c.all_to_all(*self.order(caller), 0, sends, recvs)
 
     def _make_arena(self, peer: int, eager: int) -> None:
         with self._arena_lock:   # one per peer, whichever thread sends first
@@ -484,7 +466,7 @@ class StreamCtx:
                    what: str) -> None:
         """sends[r] to rank r, recvs[r] from rank r (contiguous): the round
         a blocking all_to_all posts from its thread (StreamGroup.all_to_all)."""
-        self._g.all_to_all(self._stream(), tensor_spans(sends), tensor_spans(recvs), what)
+        self._g.all_to_all(self._stream(), tensor_spans(sends), tensor_spans(recvs))
 
     def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str,
              blocking: bool = True) -> None:
