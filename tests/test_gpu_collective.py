@@ -357,11 +357,13 @@ def test_backend_two_nodes(world, case):
     hosts have): inside a node the ranks' GPU memory moves by CUDA IPC,
     between nodes over TCP, staged through page-locked memory, and no
     round is stream-ordered across the nodes.  A GPU per rank where the
-    host has 4; on a machine without CUDA the dry run (CPU tensors) takes
-    the same routes over shared memory and TCP."""
-    if HAVE_CUDA and NGPU < world:
-        pytest.skip(f"two nodes of two GPUs need 4 GPUs; this host has {NGPU}")
-    params = _params(nodes=2, gpus=world) if HAVE_CUDA else _params(nodes=2)
+    host has 4; on 2 GPUs, under MPS, rank r on GPU r % 2 (each node then
+    spans both GPUs); on a machine without CUDA the dry run (CPU tensors)
+    takes the same routes over shared memory and TCP."""
+    why = _spread_skip(world) if HAVE_CUDA else None
+    if why:
+        pytest.skip(why)
+    params = _params(nodes=2, gpus=min(world, NGPU)) if HAVE_CUDA else _params(nodes=2)
     check(cached_run(("backend-nodes", world), lambda: launch(
         "backend", world, params=params, timeout=TIMEOUTS["backend"] * 1.5)), case, "setup")
 
