@@ -34,6 +34,7 @@ the process: no host wait tells when its stream is past them.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -227,6 +228,8 @@ class StreamGroup:
         self._eager = eager_bytes()   # read once: posts are a hot path
         self._kernels: dict[int, bool] = {}
         self._lock = threading.Lock()
+        self._held: collections.deque = collections.deque()   # (event, tensors): hold()
+        self._held_lock = threading.Lock()
         fused = fused_bytes()   # a bad value raises before anything is made
         self._fused: torch.Tensor | None = None
         try:
@@ -262,6 +265,21 @@ class StreamGroup:
     def torch_stream(self) -> Any:
         """The group's stream as a torch Stream (CUDA only)."""
         return self._torch_stream
+
+    def hold(self, event: Any, tensors: Any) -> None:
+        """Keep tensors alive until event (recorded on the group's stream
+        after their last use there) has completed, so that memory the
+        caller frees meanwhile is not handed out again while the stream
+        still reads or writes it.  This is what Tensor.record_stream did
+        here; torch.compile cannot trace record_stream (an operator whose
+        output aliases its input), and NCCL's process group keeps the
+        tensors in its Work instead for the same reason.  Those held are
+        let go, oldest first, at the next hold() whose events completed."""
+        with self._held_lock:
+            q = self._held
+            while q and q[0][0].query():
+                q.popleft()
+            q.append((event, tuple(tensors)))
 
     # -- what the engine's kernel reduces ----------------------------------------
     def reduce_codes(self, dtype: torch.dtype, op: Any) -> tuple[int, int] | None:
@@ -387,6 +405,10 @@ class StreamGroup:
         if c is None:
             return
         ok = c.close()
+        with self._held_lock:   # close waited for the stream (ok), else they stay
+            if not ok:
+                _KEPT.append(tuple(self._held))
+            self._held.clear()
         if ok:
             self._arenas.clear()
             self._fused = None
