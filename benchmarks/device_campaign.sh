@@ -39,6 +39,8 @@
 #           GPU per rank, 8 ranks two a GPU under MPS, two "nodes"), then
 #           benchmark_uccl_collective.py --op all against NCCL at 4 and 2
 #           ranks (SIZES, ROUNDS): a table, CSV, JSON and PNG each.
+#           TESTS_K narrows the tests (a pytest -k expression), RACE_WORLDS
+#           the rank counts raced ("" for none).
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -206,13 +208,13 @@ case "$PART" in
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d
   step tests "${TESTS_S:-200}" env UCCL_GPU_TESTS_MPS=1 python3 -m pytest -q -rfs \
-    -p no:cacheprovider tests/test_gpu_collective.py -k "gpu_per_rank or two_nodes"
+    -p no:cacheprovider tests/test_gpu_collective.py -k "${TESTS_K:-gpu_per_rank or two_nodes}"
   echo quit | nvidia-cuda-mps-control
   { tail -1 "$res/tests.log"; grep -E "^FAILED|^ERROR" "$res/tests.log" | head -20; } \
     >> "$res/summary.txt"
   export NCCL_NVLS_ENABLE=0
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  for w in 4 2; do
+  for w in ${RACE_WORLDS:-4 2}; do
     [ "$ngpu" -ge "$w" ] || continue
     step "race_$w" $(( ($(left) - 20) / (w == 4 ? 2 : 1) )) torchrun --nproc_per_node "$w" \
       "$here/benchmark_uccl_collective.py" --backend uccl --op all --device gpu --compare nccl \
