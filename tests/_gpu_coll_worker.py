@@ -1234,6 +1234,12 @@ def _case_nonblocking_wait(x: X, i, p):
     spin (the stream waits, not the host: as ProcessGroupNCCL), and the
     clone must hold the result; is_completed() is False while the spin runs."""
     torch, dist, ws, me = x.torch, x.dist, x.ws, x.me
+    if p["op"] == "p2p" and p["mode"] == "blocking" and x.R.params.get("nodes"):
+        # every rank's blocking send first: between hosts a send is done once
+        # its receiver has the bytes (the engine's host-driven route, as
+        # Gloo's), so a ring of them waits for receives not yet posted
+        return ("SKIP: a blocking send across hosts waits for its receiver, as Gloo's "
+                "does; a ring of blocking sends there needs isend/irecv")
     t0 = time.monotonic()
     torch.cuda._sleep(SLEEP_CYCLES)
     x.sync()

@@ -115,7 +115,10 @@ GRACE_S = 45.0     # once a rank has exited (not a victim), how long the others 
 WORLDS = (2, 3, 4)
 KILL_RUNS = {"sigkill-n3": dict(world=3, victim=2, how="sigkill"),
              "exit-n2": dict(world=2, victim=1, how="exit")}
-TIMEOUTS = {"ctx": 150.0, "backend": 240.0, "kill": 200.0}   # one run, parent side
+# one run, parent side; UCCL_GPU_TESTS_TIMEOUT_SCALE scales them (a quick
+# look at a hang in a short device call)
+TIMEOUTS = {k: v * float(os.environ.get("UCCL_GPU_TESTS_TIMEOUT_SCALE", "1"))
+            for k, v in {"ctx": 150.0, "backend": 240.0, "kill": 200.0}.items()}
 
 
 def _seed() -> int:
