@@ -1234,12 +1234,15 @@ def _case_nonblocking_wait(x: X, i, p):
     spin (the stream waits, not the host: as ProcessGroupNCCL), and the
     clone must hold the result; is_completed() is False while the spin runs."""
     torch, dist, ws, me = x.torch, x.dist, x.ws, x.me
-    if p["op"] == "p2p" and p["mode"] == "blocking" and x.R.params.get("nodes"):
-        # every rank's blocking send first: between hosts a send is done once
-        # its receiver has the bytes (the engine's host-driven route, as
-        # Gloo's), so a ring of them waits for receives not yet posted
-        return ("SKIP: a blocking send across hosts waits for its receiver, as Gloo's "
-                "does; a ring of blocking sends there needs isend/irecv")
+    if x.R.params.get("nodes"):
+        # between hosts the engine's transfers are driven by host threads:
+        # wait() returns once the bytes are in place (backend/_work.py's
+        # Work); a stream wait released by those threads deadlocked against
+        # a caller blocked in a synchronous CUDA copy (docs/gpu.md).  And a
+        # blocking send there is done once its receiver has the bytes, as
+        # Gloo's, so a ring of blocking sends waits for receives not posted
+        return ("SKIP: across hosts wait() and blocking calls wait on the host for the "
+                "transfers (host-driven, as Gloo's; docs/gpu.md)")
     t0 = time.monotonic()
     torch.cuda._sleep(SLEEP_CYCLES)
     x.sync()

@@ -137,13 +137,6 @@ void uccl_ep_ipc_unmap(void *imp);
  * poll/wait report the error).  *queued_p: 1 if the stream waits (or the
  * transfer is done already), 0 if xfer moves host memory (wait on the host). */
 int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *queued_p);
-/* A stream wait for something the caller finishes on the host (a task
- * of the process group that moves GPU memory through host threads):
- * uccl_ep_flag_wait makes `stream` of device dev wait until
- * uccl_ep_flag_set(*token_p) (UCCL_ERR_NOMEM: every slot is held, wait
- * on the host instead); every token must be set once, success or not. */
-int uccl_ep_flag_wait(uccl_ep_t *ep, int dev, uintptr_t stream, uint64_t *token_p);
-int uccl_ep_flag_set(uccl_ep_t *ep, uint64_t token);
 /* Done?  A failed transfer returns its error (every time until released). */
 int uccl_ep_poll(uccl_ep_t *ep, uint64_t xfer, int *done_p);
 /* Wait until done or until min(deadline_ns, now + slice_ns).  UCCL_OK: done;

@@ -336,29 +336,6 @@ int uccl_ep_stream_wait(uccl_ep_t *ep, uint64_t xfer, uintptr_t stream, int *que
     return rc;
 }
 
-int uccl_ep_flag_wait(uccl_ep_t *ep, int dev, uintptr_t stream, uint64_t *token_p)
-{
-    struct uccl__gpu_flags *flags;
-    uint32_t *slot, gen;
-    int rc = ep_flags(ep, dev, &flags);
-    if (rc == UCCL_OK)
-        rc = uccl__gpu_flag_wait(flags, dev, stream, &slot, &gen);
-    if (rc == UCCL_OK)
-        *token_p = (uint64_t)uccl__gpu_flag_index(flags, slot) << 32 | gen;
-    return rc;
-}
-
-int uccl_ep_flag_set(uccl_ep_t *ep, uint64_t token)
-{
-    pthread_mutex_lock(&ep->mu);
-    struct uccl__gpu_flags *flags = ep->flags;
-    pthread_mutex_unlock(&ep->mu);
-    if (!flags)
-        return uccl__err(UCCL_ERR_INVALID, "stream-wait flag %#llx: none was handed out",
-                         (unsigned long long)token);
-    return uccl__gpu_flag_set_index(flags, (uint32_t)(token >> 32), (uint32_t)token);
-}
-
 #define PROGRESS_MAX 64 /* connections driven at once by uccl_ep_progress */
 
 static int req_finished(struct uccl__req *r)

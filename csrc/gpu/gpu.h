@@ -125,10 +125,6 @@ int uccl__gpu_flag_wait(struct uccl__gpu_flags *f, int dev, uintptr_t stream, ui
                         uint32_t *gen_p);
 /* The transfer finished: release the waiting stream and the slot. */
 void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen);
-/* The same by slot number (slot_p - page, as uccl__gpu_flag_index gives):
- * UCCL_ERR_INVALID for a slot not held at generation gen. */
-int uccl__gpu_flag_set_index(struct uccl__gpu_flags *f, uint32_t idx, uint32_t gen);
-uint32_t uccl__gpu_flag_index(const struct uccl__gpu_flags *f, const uint32_t *slot);
 
 /* ---- the engine's own kernels (gpu_kernel.c; uccl_kernel_t: gpu_api.h) ---- */
 /* The engine's own kernels, whose arguments it builds itself: launched

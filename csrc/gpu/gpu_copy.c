@@ -386,20 +386,3 @@ void uccl__gpu_flag_set(struct uccl__gpu_flags *f, uint32_t *slot, uint32_t gen)
     f->used[slot - f->page] = 0;
     pthread_mutex_unlock(&f->mu);
 }
-
-uint32_t uccl__gpu_flag_index(const struct uccl__gpu_flags *f, const uint32_t *slot)
-{
-    return (uint32_t)(slot - f->page);
-}
-
-int uccl__gpu_flag_set_index(struct uccl__gpu_flags *f, uint32_t idx, uint32_t gen)
-{
-    pthread_mutex_lock(&f->mu);
-    int held = idx < FLAG_SLOTS && f->used[idx] && f->gen[idx] == gen;
-    pthread_mutex_unlock(&f->mu);
-    if (!held) /* a token from elsewhere, or released already: write nothing */
-        return uccl__err(UCCL_ERR_INVALID, "stream-wait flag %u at generation %u is not held",
-                         idx, gen);
-    uccl__gpu_flag_set(f, &f->page[idx], gen);
-    return UCCL_OK;
-}

@@ -615,36 +615,6 @@ static PyObject *Endpoint_stream_wait(PyObject *op, PyObject *args)
     return PyBool_FromLong(queued);
 }
 
-/* _flag_wait(dev, stream) -> token, or None where every slot is held:
- * the stream waits until _flag_set(token) (uccl_ep_flag_wait). */
-static PyObject *Endpoint_flag_wait(PyObject *op, PyObject *args)
-{
-    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
-    int dev;
-    uint64_t stream, token = 0;
-    if (!PyArg_ParseTuple(args, "iO&", &dev, uccl__py_to_u64, &stream) ||
-        uccl__py_ep_check(self))
-        return NULL;
-    int rc = uccl_ep_flag_wait(self->ep, dev, (uintptr_t)stream, &token);
-    if (rc == UCCL_ERR_NOMEM)
-        Py_RETURN_NONE;
-    if (rc)
-        return uccl__py_ep_fail(self, rc);
-    return PyLong_FromUnsignedLongLong(token);
-}
-
-static PyObject *Endpoint_flag_set(PyObject *op, PyObject *args)
-{
-    uccl__py_endpoint *self = (uccl__py_endpoint *)op;
-    uint64_t token;
-    if (!PyArg_ParseTuple(args, "O&", uccl__py_to_u64, &token) || uccl__py_ep_check(self))
-        return NULL;
-    int rc = uccl_ep_flag_set(self->ep, token);
-    if (rc)
-        return uccl__py_ep_fail(self, rc);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Endpoint_poll_async(PyObject *op, PyObject *args)
 {
     uccl__py_endpoint *self = (uccl__py_endpoint *)op;
@@ -751,9 +721,6 @@ static PyMethodDef Endpoint_methods[] = {
     {"poll_async", Endpoint_poll_async, METH_VARARGS, "poll_async(transfer_id) -> (True, is_done)"},
     {"_stream_wait", Endpoint_stream_wait, METH_VARARGS,
      "_stream_wait(transfer_id, stream) -> bool (the stream waits; False: host memory)"},
-    {"_flag_wait", Endpoint_flag_wait, METH_VARARGS,
-     "_flag_wait(dev, stream) -> token or None (the stream waits until _flag_set(token))"},
-    {"_flag_set", Endpoint_flag_set, METH_VARARGS, "_flag_set(token): release that wait"},
     {"release", Endpoint_release, METH_VARARGS, "release(transfer_id): forget a finished id"},
     {"advertise", Endpoint_advertise, METH_VARARGS,
      "advertise(conn_id, mr_id, addr, len) -> (True, fifo_item)"},

@@ -73,15 +73,9 @@ def kept(work: dist._Work, result: Any) -> None:
         _KEPT.append(work)
 
 
-#: guards Task.flags and Task.released (a wait() adding a stream's flag
-#: against the thread that settles the task)
-_FLAG_LOCK = threading.Lock()
-
-
 class Task:
     __slots__ = ("fn", "result", "ran", "error", "pending", "future", "lock", "device", "prof",
-                 "source", "gpu_end", "stream", "check", "flag_ep", "flags", "released",
-                 "late_error")
+                 "source", "gpu_end", "stream", "check")
 
     def __init__(self, fn: Callable[[], list | None] | None, result: list,
                  device: int | None = None, prof: Any = None):
@@ -99,14 +93,6 @@ class Task:
         self.gpu_end: Any = None
         self.stream: Any = None
         self.check: Callable[[], None] | None = None
-        # a task on CUDA tensors driven by host threads (peers on other
-        # hosts): the endpoint whose stream-wait flags let a caller's stream
-        # wait for it (stream_after), the tokens of the streams waiting, and
-        # what to call when it fails after one of them returned
-        self.flag_ep: Any = None
-        self.flags: list = []
-        self.released = False
-        self.late_error: Callable[[BaseException], None] | None = None
 
     def settle_pending(self, deadline: float | None) -> bool:
         """After the task ran: wait for (deadline) or test (None) what it
@@ -119,42 +105,7 @@ class Task:
                 prof, self.prof = self.prof, None
             _profiling.end(prof)
         self.finish_future()
-        self._release_streams()
         return True
-
-    def stream_after(self) -> bool:
-        """Make the current stream of the task's device wait for the task
-        (ran, and what it left in flight settled) without blocking the host,
-        as ProcessGroupNCCL's wait() does: a flag in page-locked memory that
-        the thread settling the task sets.  False where that cannot be had
-        (not such a task, or every flag taken): wait on the host instead."""
-        if self.flag_ep is None:
-            return False
-        try:
-            tok = self.flag_ep._flag_wait(self.device,
-                                          torch.cuda.current_stream(self.device).cuda_stream)
-        except (UcclError, ValueError):
-            return False   # no CUDA flags here, or the endpoint closed
-        if tok is None:
-            return False
-        with _FLAG_LOCK:
-            if not self.released:
-                self.flags.append(tok)
-                return True
-        self.flag_ep._flag_set(tok)   # settled meanwhile: nothing to wait for
-        return True
-
-    def _release_streams(self) -> None:
-        with _FLAG_LOCK:
-            self.released = True
-            toks, self.flags = self.flags, []
-        for tok in toks:
-            try:
-                self.flag_ep._flag_set(tok)
-            except (UcclError, ValueError):
-                pass   # the endpoint closed: it released every waiting stream
-        if toks and self.error is not None and self.late_error is not None:
-            self.late_error(self.error)
 
     def _settle_handles(self, deadline: float | None) -> bool:
         if not self.lock.acquire(blocking=deadline is not None):
@@ -299,7 +250,7 @@ class Runner(_engine.Token):
             task.ran = True
             self.busy = False
             self._cv.notify_all()
-        if task.future is not None or task.flags:  # someone holds its future, or a stream waits
+        if task.future is not None:  # someone holds its future: complete it
             self._deliver(task)
 
     def _deliver(self, task: Task) -> None:
@@ -318,14 +269,6 @@ class Runner(_engine.Token):
             pass  # shut down
         # closed: the endpoint is gone, so this ends at once
         threading.Thread(target=settle, daemon=True).start()
-
-    def settle_later(self, task: Task) -> None:
-        """A stream waits for task (Task.stream_after): once it has run, its
-        settling (and the flag) is up to a delivery thread; before, up to
-        whoever runs it (_run_head)."""
-        with self._cv:
-            if task.ran:
-                self._deliver(task)
 
     def future_of(self, task: Task) -> torch.futures.Future:
         with self._cv:
@@ -406,14 +349,9 @@ class Work(dist._Work):
     ProcessGroupNCCL's does; is_completed() tells whether the GPU is past
     it; get_future()'s value is ready on the host once the operation is
     queued, and its CUDA events order whoever waits on it after the
-    operation, as NCCL's.  On CUDA tensors with peers on other hosts (the
-    transfers driven by host threads) wait() does not block the host
-    either: the caller's current stream waits on a flag that the group's
-    threads set once the bytes are in place (Task.stream_after); an error
-    found after wait() returned refuses the group's next call (the stream
-    is released, the output not to be trusted), as NCCL's watchdog aborts
-    the communicator.  On CPU tensors wait() returns once the bytes are in
-    place.  synchronize() is wait(), as with NCCL."""
+    operation, as NCCL's.  Elsewhere (peers on other hosts) wait() returns
+    once the bytes are in place: the engine's transfers are driven by host
+    threads there.  synchronize() is wait(), as with NCCL."""
 
     def __init__(self, runner: Runner, task: Task):
         super().__init__()
@@ -429,9 +367,6 @@ class Work(dist._Work):
         own = bool(secs) and 0 < secs < self._runner.timeout_s
         deadline = time.monotonic() + (secs if own else self._runner.timeout_s)
         t = self._task
-        if not own and t.flag_ep is not None and not self._done() and t.stream_after():
-            self._runner.settle_later(t)
-            return True
         self._runner.drive(t, deadline, run_here=not own, give_up=not own)
         t.settle_pending(deadline)
         if t.error is not None:

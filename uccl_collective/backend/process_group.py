@@ -276,39 +276,25 @@ class ProcessGroupUCCL(dist.ProcessGroup):
         """A Task of fn on the plane the dispatch chose (Dispatch.task), and
         its Work: queued (the runner runs it in issue order), or for a
         blocking call (opts.asyncOp False) run here, its error raised at
-        once; but a blocking call on CUDA tensors driven by host threads
-        (peers on other hosts) is queued, and the caller's stream waits
-        for it, not the host (Work.wait).  result and uses hold the
-        operation's tensors (lists of them too).  prof: the operation's
-        profiler name and input tensors (_profiling)."""
-        blocking = opts is not None and getattr(opts, "asyncOp", True) is False
-        fn, dev, end, sg = self._d.task(fn, result, uses, p2p)   # UcclError: shut down
+        once.  result and uses hold the operation's tensors (lists of them
+        too).  prof: the operation's profiler name and input tensors
+        (_profiling)."""
+        sync = opts is not None and getattr(opts, "asyncOp", True) is False
+        fn, dev, end, sg = self._d.task(fn, result, uses, p2p, sync)   # UcclError: shut down
         task = Task(fn, result, dev, _profiling.begin(*prof) if prof[0] else None)
         if end is not None:
             task.gpu_end, task.stream, task.check = end, sg.torch_stream, sg.check
-        elif dev is not None:   # row 4: a stream may wait for it
-            task.flag_ep, task.late_error = self._ctx._ep(), self._late_error
-        sync = blocking and task.flag_ep is None   # this thread runs it and waits
         deadline = time.monotonic() + self._timeout
         runner = self._runner
         if not (sync and dev is None and runner.run_here(task)):   # a CPU call: inline
             runner.submit(task, True if sync else (IF_IDLE if p2p else False), deadline)
-        if blocking and not sync:
-            Work(runner, task).wait()   # the stream waits (else the host: errors raise here)
-        elif sync:
+        if sync:
             task.settle_pending(deadline)
             if task.error is not None:
                 raise task.error
             if end is not None:   # as ProcessGroupNCCL: the caller's stream waits, not the host
                 torch.cuda.current_stream(dev).wait_event(end)
         return Work(runner, task)
-
-    def _late_error(self, err: BaseException) -> None:
-        """An operation on CUDA tensors failed after a stream was set to
-        wait for it (its wait() had returned): the group refuses what comes
-        next, naming the error, as NCCL's watchdog aborts the communicator."""
-        self._runner.poison(f"an operation failed after its wait() returned "
-                            f"(its output is not to be trusted): {type(err).__name__}: {err}")
 
     # -- allgather ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):

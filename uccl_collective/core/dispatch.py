@@ -56,10 +56,10 @@ facts hold is the route:
                                                 capture raises
  4    CUDA tensors and no stream group (peers   a task of the host-driven engine (task,
       on other hosts, UCCL_STREAM_ORDERED=0),   _on_gpu): the engine's operations ordered
-      or a send/recv that is not row 6          after the current stream, torch's kernels
-                                                on the group's stream for the device; the
-                                                caller's stream waits for it on a flag
-                                                (blocking or wait()), not the host
+      or a send/recv that is not row 6          after the current stream; torch's kernels
+                                                on the caller's stream when run inline
+                                                and blocking, else on the group's stream
+                                                for the device
  5    CPU tensors                               the Gloo-style CPU task: the engine moves
                                                 the bytes, torch reduces (split over
                                                 threads); the backend's Runner runs it on
@@ -302,7 +302,7 @@ class Dispatch:
         return self.round(sg, result, sg.c.all_to_all, sends, recvs)
 
     # -- rows 3-5: a task ----------------------------------------------------------------
-    def task(self, fn: Callable, result: Any, uses: Any, p2p: bool) -> tuple:
+    def task(self, fn: Callable, result: Any, uses: Any, p2p: bool, sync: bool) -> tuple:
         """The plane a task runs on, from its tensors (result and uses, lists
         of them too): (fn as it runs there, its CUDA device or None, the event
         its stream-ordered work completes or None, its stream group or None).
@@ -329,7 +329,7 @@ class Dispatch:
         if sg is not None:
             fn, end = self._on_stream(fn, dev, sg, (result, uses))
         elif dev is not None:
-            fn = self._on_gpu(fn, dev)
+            fn = self._on_gpu(fn, dev, sync)
         return fn, dev, end, sg
 
     def _on_stream(self, fn: Callable, dev: int, sg: Any, tensors: tuple) -> tuple:
@@ -368,28 +368,40 @@ class Dispatch:
             own = self._streams[dev] = torch.cuda.Stream(dev)
         return own
 
-    def _on_gpu(self, fn: Callable, dev: int) -> Callable:
+    def _on_gpu(self, fn: Callable, dev: int, sync: bool) -> Callable:
         """Row 4: fn as a task on CUDA tensors, ordered as ProcessGroupNCCL
         orders its kernels: it starts after the work queued on the caller's
-        current stream before the call (an event recorded here, at issue),
-        and runs on the group's stream for the device, so work the caller
-        queues after the call is not held up behind it (DDP overlaps its
-        backward pass with the all_reduces this way).  The task ends only
-        once its kernels (copies, reductions) have finished, so its outputs
-        are in place when it counts as done.  The host threads that drive
-        it are not the caller's: the caller's stream waits for it
-        (Task.stream_after), blocking call or not."""
+        current stream before the call.  The task ends only once its
+        kernels (copies, reductions) have finished, so its outputs are in
+        place when it counts as done.
+
+        A blocking call that runs its task on the calling thread (the usual
+        case: nothing queued ahead of it) runs the kernels on the caller's
+        current stream itself: no event, no stream switch, and the engine's
+        start condition is that stream's own progress.  Otherwise (async_op,
+        or run by another thread) they run on the group's stream for the
+        device, after an event of the caller's: work the caller queues after
+        an async call is not held up behind the operation (DDP overlaps its
+        backward pass with the all_reduces this way)."""
         caller = torch.cuda.current_stream(dev)
+        tid = threading.get_ident() if sync else None
         ready = None
-        if not caller.query():   # work queued there: the task starts after it
+        if tid is None and not caller.query():   # work queued there: the task starts after it
             ready = torch.cuda.Event()
             ready.record(caller)
         own = self._stream(dev)
 
         def run():
+            if threading.get_ident() == tid:
+                try:
+                    return fn()
+                finally:
+                    caller.synchronize()
             with torch.cuda.stream(own):
                 if ready is not None:
                     own.wait_event(ready)
+                elif tid is not None and not caller.query():   # a blocking call run elsewhere
+                    own.wait_stream(caller)
                 try:
                     return fn()
                 finally:
