@@ -214,7 +214,7 @@ case "$PART" in
     >> "$res/summary.txt"
   export NCCL_NVLS_ENABLE=0
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  for w in ${RACE_WORLDS:-4 2}; do
+  for w in ${RACE_WORLDS-4 2}; do
     [ "$ngpu" -ge "$w" ] || continue
     step "race_$w" $(( ($(left) - 20) / (w == 4 ? 2 : 1) )) torchrun --nproc_per_node "$w" \
       "$here/benchmark_uccl_collective.py" --backend uccl --op all --device gpu --compare nccl \
