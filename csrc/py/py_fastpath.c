@@ -310,49 +310,6 @@ static PyObject *FP_allreduce(PyObject *op, PyObject *const *args, Py_ssize_t na
     return w;
 }
 
-/* allgather(output, input, opts) -> StreamWork, or None */
-static PyObject *FP_allgather(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
-{
-    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "allgather(output, input, opts): %zd arguments",
-                            nargs);
-    PyObject *out = args[0], *inp = args[1], *opts = args[2];
-    struct uccl__py_fast *f = fast_of(self);
-    if (!f)
-        Py_RETURN_NONE;
-    if (!call_checks(f, self, opts))
-        return decline();
-    PyObject *stream = NULL;
-    uint64_t caller = 0;
-    long long dev = dense_cuda(f, out);
-    if (dev < 0 || PyErr_Occurred() || dense_cuda(f, inp) != dev ||
-        group_checks(f, self, dev, &stream, &caller)) {
-        Py_XDECREF(stream);
-        return decline();
-    }
-    PyObject *dto = get(f, out, N_DTYPE), *dti = dto ? get(f, inp, N_DTYPE) : NULL;
-    int same = dto && dto == dti;
-    Py_XDECREF(dto);
-    Py_XDECREF(dti);
-    long long no = ll_of(f, out, N_NUMEL), ni = ll_of(f, inp, N_NUMEL);
-    long long es = ll_of(f, inp, N_ELEMENT_SIZE), src = ll_of(f, inp, N_DATA_PTR);
-    long long dst = ll_of(f, out, N_DATA_PTR);
-    long long world = self->size;
-    PyObject *w;
-    if (same && no >= 0 && ni >= 0 && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
-        no % world == 0 && no / world == ni &&
-        (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
-        struct uccl__py_coll_args a = {.a = (uintptr_t)src, .b = (uintptr_t)dst,
-                                       .count = (size_t)ni * (size_t)es};
-        w = run(f, self, stream, caller, out, UCCL__PY_FAST_ALLGATHER, &a);
-    } else {
-        w = decline();
-    }
-    Py_XDECREF(stream);
-    return w;
-}
-
 /* t.shape[0], or -1 (no dimension, or soft()) */
 static long long dim0(struct uccl__py_fast *f, PyObject *t)
 {
@@ -364,6 +321,78 @@ static long long dim0(struct uccl__py_fast *f, PyObject *t)
     return v;
 }
 
+/* What allgather and all_to_all read of (output, input, opts), checked:
+ * both dense CUDA tensors on the group's device, of one dtype; their
+ * element counts, the input's element size and both data pointers. */
+struct out_in {
+    struct uccl__py_fast *f;
+    PyObject *out, *stream;
+    uint64_t caller;
+    long long no, ni, es, src, dst;
+};
+
+/* 1: *c filled (the caller releases c->stream), else the answer to return
+ * (NULL with an error set, or None: not this path) in *res. */
+static int out_in_of(uccl__py_fastpath *self, PyObject *const *args, Py_ssize_t nargs,
+                     const char *name, struct out_in *c, PyObject **res)
+{
+    if (nargs != 3) {
+        *res = PyErr_Format(PyExc_TypeError, "%s(output, input, opts): %zd arguments", name,
+                            nargs);
+        return 0;
+    }
+    PyObject *out = args[0], *inp = args[1], *opts = args[2];
+    struct uccl__py_fast *f = fast_of(self);
+    if (!f) {
+        *res = Py_NewRef(Py_None);
+        return 0;
+    }
+    *c = (struct out_in){.f = f, .out = out};
+    long long dev;
+    if (!call_checks(f, self, opts) || (dev = dense_cuda(f, out)) < 0 || PyErr_Occurred() ||
+        dense_cuda(f, inp) != dev || group_checks(f, self, dev, &c->stream, &c->caller)) {
+        Py_CLEAR(c->stream);
+        *res = decline();
+        return 0;
+    }
+    PyObject *dto = get(f, out, N_DTYPE), *dti = dto ? get(f, inp, N_DTYPE) : NULL;
+    int same = dto && dto == dti;
+    Py_XDECREF(dto);
+    Py_XDECREF(dti);
+    c->no = ll_of(f, out, N_NUMEL);
+    c->ni = ll_of(f, inp, N_NUMEL);
+    c->es = ll_of(f, inp, N_ELEMENT_SIZE);
+    c->src = ll_of(f, inp, N_DATA_PTR);
+    c->dst = ll_of(f, out, N_DATA_PTR);
+    if (!same || c->no < 0 || c->ni < 0 || c->es <= 0 || c->src < 0 || c->dst < 0 ||
+        self->size < 1 || (unsigned long long)c->ni > UINT64_MAX / (unsigned long long)c->es) {
+        Py_CLEAR(c->stream);
+        *res = decline();
+        return 0;
+    }
+    return 1;
+}
+
+/* allgather(output, input, opts) -> StreamWork, or None */
+static PyObject *FP_allgather(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    uccl__py_fastpath *self = (uccl__py_fastpath *)op;
+    struct out_in c;
+    PyObject *w = NULL;
+    if (!out_in_of(self, args, nargs, "allgather", &c, &w))
+        return w;
+    long long world = self->size;
+    if (c.no % world == 0 && c.no / world == c.ni) {
+        struct uccl__py_coll_args a = {.a = (uintptr_t)c.src, .b = (uintptr_t)c.dst,
+                                       .count = (size_t)c.ni * (size_t)c.es};
+        w = run(c.f, self, c.stream, c.caller, c.out, UCCL__PY_FAST_ALLGATHER, &a);
+    } else {
+        w = decline();
+    }
+    Py_XDECREF(c.stream);
+    return w;
+}
+
 /* all_to_all(output, input, opts) -> StreamWork, or None: all_to_all_single
  * with no split sizes (the backend calls it only then): dim 0 of both
  * divisible by the group's size, the same dtype and element count, so
@@ -371,42 +400,19 @@ static long long dim0(struct uccl__py_fast *f, PyObject *t)
 static PyObject *FP_all_to_all(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
     uccl__py_fastpath *self = (uccl__py_fastpath *)op;
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "all_to_all(output, input, opts): %zd arguments",
-                            nargs);
-    PyObject *out = args[0], *inp = args[1], *opts = args[2];
-    struct uccl__py_fast *f = fast_of(self);
-    if (!f)
-        Py_RETURN_NONE;
-    if (!call_checks(f, self, opts))
-        return decline();
-    PyObject *stream = NULL;
-    uint64_t caller = 0;
-    long long dev = dense_cuda(f, out);
-    if (dev < 0 || PyErr_Occurred() || dense_cuda(f, inp) != dev ||
-        group_checks(f, self, dev, &stream, &caller)) {
-        Py_XDECREF(stream);
-        return decline();
-    }
-    PyObject *dto = get(f, out, N_DTYPE), *dti = dto ? get(f, inp, N_DTYPE) : NULL;
-    int same = dto && dto == dti;
-    Py_XDECREF(dto);
-    Py_XDECREF(dti);
-    long long no = ll_of(f, out, N_NUMEL), ni = ll_of(f, inp, N_NUMEL);
-    long long es = ll_of(f, inp, N_ELEMENT_SIZE), src = ll_of(f, inp, N_DATA_PTR);
-    long long dst = ll_of(f, out, N_DATA_PTR), d0 = dim0(f, out), d1 = dim0(f, inp);
-    long long world = self->size;
-    PyObject *w;
-    if (same && no >= 0 && no == ni && es > 0 && src >= 0 && dst >= 0 && world >= 1 &&
-        d0 > 0 && d1 > 0 && d0 % world == 0 && d1 % world == 0 &&
-        (unsigned long long)ni <= UINT64_MAX / (unsigned long long)es) {
-        struct uccl__py_coll_args a = {.a = (uintptr_t)src, .b = (uintptr_t)dst,
-                                       .count = (size_t)(ni / world) * (size_t)es};
-        w = run(f, self, stream, caller, out, UCCL__PY_FAST_ALL_TO_ALL, &a);
+    struct out_in c;
+    PyObject *w = NULL;
+    if (!out_in_of(self, args, nargs, "all_to_all", &c, &w))
+        return w;
+    long long world = self->size, d0 = dim0(c.f, c.out), d1 = dim0(c.f, args[1]);
+    if (c.no == c.ni && d0 > 0 && d1 > 0 && d0 % world == 0 && d1 % world == 0) {
+        struct uccl__py_coll_args a = {.a = (uintptr_t)c.src, .b = (uintptr_t)c.dst,
+                                       .count = (size_t)(c.ni / world) * (size_t)c.es};
+        w = run(c.f, self, c.stream, c.caller, c.out, UCCL__PY_FAST_ALL_TO_ALL, &a);
     } else {
         w = decline();
     }
-    Py_XDECREF(stream);
+    Py_XDECREF(c.stream);
     return w;
 }
 
