@@ -28,6 +28,18 @@ SIZES = [(1 << 20) + 3, 3 * (1 << 20) + 1]   # elements: past the small-tensor p
 CASES = [("float32", "SUM"), ("int64", "SUM"), ("float32", "MAX"), ("int32", "PRODUCT")]
 
 
+
+def _count_calls(module, name: str) -> list:
+    """Wrap module.name so that each call appends to the returned list (in
+    the rank's process: which route an operation took)."""
+    taken, orig = [], getattr(module, name)
+
+    def counted(*a, **k):
+        taken.append(1)
+        return orig(*a, **k)
+    setattr(module, name, counted)
+    return taken
+
 def _data(rank: int, n: int, dtype: str, op: str, salt: int) -> np.ndarray:
     g = np.random.default_rng(1000 * salt + rank)
     if op == "PRODUCT":   # -1, 1, 2: products stay exact in int32 at 4 ranks
@@ -54,13 +66,7 @@ def _rank(rank, ws, nodes, algo, verbs, path, q):
 
         import uccl_collective  # noqa: F401 - registers "uccl"
         from uccl_collective.backend import _reduce
-        taken = []
-        orig = _reduce.hier_allreduce
-
-        def counted(*a, **k):
-            taken.append(1)
-            return orig(*a, **k)
-        _reduce.hier_allreduce = counted
+        taken = _count_calls(_reduce, "hier_allreduce")
         dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank, world_size=ws,
                                 timeout=datetime.timedelta(seconds=60))
         out = {}
@@ -140,13 +146,7 @@ def _gpu_form_rank(rank, ws, nodes, path, q):
 
         from uccl_collective.backend import _reduce_gpu
         from uccl_collective.collective import CollectiveContext
-        taken = []
-        orig = _reduce_gpu._by_node
-
-        def counted(*a, **k):
-            taken.append(1)
-            return orig(*a, **k)
-        _reduce_gpu._by_node = counted
+        taken = _count_calls(_reduce_gpu, "_by_node")
         dist.init_process_group("gloo", store=dist.FileStore(path, ws), rank=rank, world_size=ws,
                                 timeout=datetime.timedelta(seconds=60))
         ctx = CollectiveContext(use_copy_engine_for_intra=True, timeout_s=30).init()
