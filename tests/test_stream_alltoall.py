@@ -187,7 +187,7 @@ def test_all_to_all_against_another_exchange_fails_on_both_ranks():
             sends = [torch.ones(4, dtype=torch.uint8) for _ in range(2)]
             recvs = [torch.full((4,), POISON, dtype=torch.uint8) for _ in range(2)]
             keep[0] = recvs
-            StreamCtx(Ctx(0), groups[0]).all_to_all(sends, recvs, "all_to_all")
+            StreamCtx(Ctx(0), groups[0]).all_to_all(sends, recvs)
         else:
             mine = torch.ones(4, dtype=torch.uint8)
             keep[1] = mine

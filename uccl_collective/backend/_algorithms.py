@@ -282,7 +282,7 @@ class Algorithms:
         posts from its thread)."""
         xctx = self._d.xctx
         if isinstance(xctx, StreamCtx):
-            xctx.all_to_all(sends, recvs, what)
+            xctx.all_to_all(sends, recvs)
             return
         me, n = self.rank, self.size
         recvs[me].copy_(sends[me].view(recvs[me].shape))

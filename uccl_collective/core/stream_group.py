@@ -484,10 +484,10 @@ class StreamCtx:
                     [(r, TAG_ALL, base + s * esz, (e - s) * esz)
                      for r, (s, e) in enumerate(chunk) if r != me], (), "allgather")
 
-    def all_to_all(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
-                   what: str) -> None:
+    def all_to_all(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
         """sends[r] to rank r, recvs[r] from rank r (contiguous): the round
-        a blocking all_to_all posts from its thread (StreamGroup.all_to_all)."""
+        a blocking all_to_all posts from its thread (StreamGroup.all_to_all;
+        the engine names it in its errors)."""
         self._g.all_to_all(self._stream(), tensor_spans(sends), tensor_spans(recvs))
 
     def _p2p(self, entries: Sequence[tuple[str, torch.Tensor, int]], what: str,
