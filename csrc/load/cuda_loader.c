@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,22 +102,25 @@ static void load(void)
         memcpy((char *)&table + syms[i].off, &fn, sizeof(fn));
     }
     /* Optional entry points: absent from older drivers, which still serve. */
-    void *fn = NULL;
-    int status = 0;
-    cu_result orc = gp2 ? gp2("cuMemGetHandleForAddressRange", &fn, CU_API_VERSION, 0, &status)
-                        : gp1("cuMemGetHandleForAddressRange", &fn, CU_API_VERSION, 0);
-    if (orc == CU_OK && fn)
-        memcpy(&table.MemGetHandleForAddressRange, &fn, sizeof(fn));
-    fn = NULL;
-    orc = gp2 ? gp2("cuFuncGetParamInfo", &fn, CU_API_VERSION, 0, &status)
-              : gp1("cuFuncGetParamInfo", &fn, CU_API_VERSION, 0);
-    if (orc == CU_OK && fn)
-        memcpy(&table.FuncGetParamInfo, &fn, sizeof(fn));
-    fn = NULL;
-    orc = gp2 ? gp2("cuStreamBatchMemOp", &fn, CU_API_VERSION, 0, &status)
-              : gp1("cuStreamBatchMemOp", &fn, CU_API_VERSION, 0);
-    if (orc == CU_OK && fn)
-        memcpy(&table.StreamBatchMemOp, &fn, sizeof(fn));
+    static const struct {
+        const char *name;
+        size_t off;
+    } opt[] = {
+#define OPT(field, name) {name, offsetof(struct uccl__cuda, field)}
+        OPT(MemGetHandleForAddressRange, "cuMemGetHandleForAddressRange"),
+        OPT(FuncGetParamInfo, "cuFuncGetParamInfo"),
+        OPT(StreamBatchMemOp, "cuStreamBatchMemOp"),
+        OPT(StreamIsCapturing, "cuStreamIsCapturing"),
+#undef OPT
+    };
+    for (size_t i = 0; i < sizeof(opt) / sizeof(opt[0]); i++) {
+        void *fn = NULL;
+        int status = 0;
+        cu_result orc = gp2 ? gp2(opt[i].name, &fn, CU_API_VERSION, 0, &status)
+                            : gp1(opt[i].name, &fn, CU_API_VERSION, 0);
+        if (orc == CU_OK && fn)
+            memcpy((char *)&table + opt[i].off, &fn, sizeof(fn));
+    }
     loaded = 1; /* the library stays loaded for the life of the process */
 }
 

@@ -115,6 +115,9 @@ struct uccl__cuda {
      * optional, several stream memory operations in one call */
     cu_result (*StreamWaitEvent)(cu_stream, cu_event, unsigned);
     cu_result (*StreamBatchMemOp)(cu_stream, unsigned, void *, unsigned);
+    /* optional: whether a stream captures a CUDA graph (*status: 0 none,
+     * 1 active, 2 invalidated), for captured rounds (sg/sg_graph.c) */
+    cu_result (*StreamIsCapturing)(cu_stream, int *);
 };
 enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 

@@ -2,6 +2,8 @@
  * page's size, and the emulated streams the CPU tests queue on
  * (tests/test_stream_group.py, test_stream_p2p.py); and StreamGroup's
  * methods for those tests (emu_counts, emu_renumber). */
+#include <string.h>
+
 #include "py/pyengine.h"
 
 #include "sg/sgroup.h"
@@ -63,6 +65,34 @@ PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args)
     rc = uccl_sg_emu_stream_idle((uintptr_t)s, (uint64_t)(timeout_s * 1e9));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(rc == UCCL_OK);
+}
+
+/* _sg_emu_graph(what, a[, b]): the emulated CUDA graphs (sg_dev.h):
+ * "begin", stream: capture; "end", stream -> graph; "launch", graph,
+ * stream: queue a replay; "free", graph. */
+PyObject *uccl__py_sg_emu_graph(PyObject *module, PyObject *args)
+{
+    const char *what;
+    uint64_t a, b = 0;
+    if (!PyArg_ParseTuple(args, "sO&|O&", &what, uccl__py_to_u64, &a, uccl__py_to_u64, &b))
+        return NULL;
+    uintptr_t graph = 0;
+    int rc;
+    if (!strcmp(what, "begin"))
+        rc = uccl_sg_emu_capture_begin((uintptr_t)a);
+    else if (!strcmp(what, "end"))
+        rc = uccl_sg_emu_capture_end((uintptr_t)a, &graph);
+    else if (!strcmp(what, "launch"))
+        rc = uccl_sg_emu_graph_launch((uintptr_t)a, (uintptr_t)b);
+    else if (!strcmp(what, "free")) {
+        uccl_sg_emu_graph_free((uintptr_t)a);
+        rc = UCCL_OK;
+    } else
+        return PyErr_Format(PyExc_ValueError, "_sg_emu_graph: %s? (begin, end, launch, free)",
+                            what);
+    if (rc)
+        return uccl__py_raise(module, rc, uccl_last_error());
+    return PyLong_FromUnsignedLongLong((unsigned long long)graph);
 }
 
 /* emu_counts() -> (registrations made, released, mappings live) */

@@ -170,6 +170,7 @@ PyObject *uccl__py_sg_page_bytes(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream(PyObject *module, PyObject *unused);
 PyObject *uccl__py_sg_emu_stream_free(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stream_idle(PyObject *module, PyObject *args);
+PyObject *uccl__py_sg_emu_graph(PyObject *module, PyObject *args);
 PyObject *uccl__py_sg_emu_stale_passes(PyObject *module, PyObject *unused);
 /* A collective's buffers and type, as StreamGroup's methods parse them
  * (a, b: the operation's two pointers; root where it has one). */

@@ -42,11 +42,12 @@ static int run(uccl_sg_t *sg, const struct uccl_sg_opts *o, struct uccl_sg_call 
 }
 
 /* Whether nb bytes per rank go as a one-launch round: the group has an
- * arena whose slots hold them (the same on every rank). */
-static int fits(uccl_sg_t *sg, size_t nb)
+ * arena whose slots hold them (the same on every rank), and the caller's
+ * stream is not capturing a CUDA graph (a captured round is two-sided). */
+static int fits(uccl_sg_t *sg, const struct uccl_sg_opts *o, size_t nb)
 {
     size_t most = uccl_sg_fused_bytes(sg);
-    return most && nb <= most;
+    return most && nb <= most && uccl_sg_capturing(sg, o->caller) == 0;
 }
 
 /* A one-launch round (sg_round.c). */
@@ -82,7 +83,7 @@ int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
     size_t nb = 0, esz = uccl_dtype_size(dtype), a, b;
     if ((rc = elems("all_reduce", count, dtype, &nb)))
         return rc;
-    if (fits(sg, nb)) {
+    if (fits(sg, o, nb)) {
         struct uccl_sg_fused f = {0, dtype, op, ptr, ptr, nb, count};
         return fused_run(sg, o, "all_reduce", kind(K_ALLREDUCE, dtype, op, 0), count, &f, round_p);
     }
@@ -123,7 +124,7 @@ int uccl_sg_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t src
     int n = uccl_sg_size(sg), me = uccl_sg_rank(sg);
     if (nbytes > SIZE_MAX / UCCL_SG_MAX_RANKS)
         return uccl__err(UCCL_ERR_INVALID, "allgather: %zu bytes per rank", nbytes);
-    if (fits(sg, nbytes)) {
+    if (fits(sg, o, nbytes)) {
         struct uccl_sg_fused f = {1, UCCL_DT_U8, 0, src, dst, nbytes, nbytes};
         return fused_run(sg, o, "allgather", kind(K_ALLGATHER, 0, 0, 0), nbytes, &f, round_p);
     }

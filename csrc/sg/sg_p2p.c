@@ -145,7 +145,7 @@ static int arrive(uccl_sg_t *sg, struct p2p_slot *sl, uint32_t k, int side, int 
 static int wait_copy_write(uccl_sg_t *sg, uintptr_t X, uint32_t *wait, uint32_t wv,
                            const struct uccl_sg_copy *cp, uint32_t *write, uint32_t k)
 {
-    struct uccl__sg_memop w = {wait, wv, 1}, wr = {write, k, 0};
+    struct uccl__sg_memop w = {wait, wv, 1, NULL}, wr = {write, k, 0, NULL};
     int rc = wv ? sg->ops->memops(sg->d, X, &w, 1) : UCCL_OK;
     if (!rc && cp->len)
         rc = sg->ops->copies(sg->d, X, cp, 1);
@@ -196,8 +196,8 @@ static int refresh_chan(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2
         for (int s = 0; s < P2P_SLOTS; s++)
             if (ar->staged[s] && ahead(ld32(&ch->done[P2P_DST][0]), ar->staged[s]))
                 ar->staged[s] = 0;
-    struct uccl__sg_memop ops[2] = {{&ch->ready[side][0], k - 1, 0},
-                                    {&ch->done[side][0], k - 1, 0}};
+    struct uccl__sg_memop ops[2] = {{&ch->ready[side][0], k - 1, 0, NULL},
+                                    {&ch->done[side][0], k - 1, 0, NULL}};
     return sg->ops->memops(sg->d, X, ops, 2);
 }
 
@@ -258,7 +258,7 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
                              &ch->ready[side][0], k);
         ar->staged[k % P2P_SLOTS] = k;
     } else {
-        struct uccl__sg_memop ready = {&ch->ready[side][0], k, 0};
+        struct uccl__sg_memop ready = {&ch->ready[side][0], k, 0, NULL};
         rc = sg->ops->memops(sg->d, X, &ready, 1);
     }
     int arc = uccl__sg_p2p_add(sg, p); /* even when failed: a queued copy may read through it */
@@ -372,7 +372,7 @@ int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream)
         return rc;
     if (uccl_sg_error(sg))
         return uccl__sg_failed_err(sg, "wait");
-    struct uccl__sg_memop w = {done, k, 1};
+    struct uccl__sg_memop w = {done, k, 1, NULL};
     return sg->ops->memops(sg->d, stream, &w, 1);
 }
 

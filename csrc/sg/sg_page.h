@@ -39,6 +39,15 @@
  * all that came before). */
 #define REFRESH_EVERY (1u << 29)
 static inline int refresh_due(uint32_t k) { return (k & (REFRESH_EVERY - 1)) == 0; }
+/* Captured rounds (rounds queued while the caller's stream captures a
+ * CUDA graph, replayed any number of times without the host): each has a
+ * graph slot of its own, the g-th captured round of the group (every rank
+ * captures the same calls in the same order, as it runs them), with four
+ * words a rank after the channels: its epoch (the replays so far, bumped
+ * by its own stream at the round's start) and its ready, done and done2
+ * words, written with the epoch, which the peers' streams wait for. */
+#define GRAPH_SLOTS 1024
+enum { GW_EPOCH, GW_READY, GW_DONE, GW_DONE2, GW_WORDS };
 #define REG_CACHE 64
 #define WATCH_NS 20000000ull        /* the watchdog's period */
 #define SLOW_CHECK_NS 50000000ull   /* host waits: dead peers and interrupts this often */
@@ -153,6 +162,11 @@ struct uccl_sg {
                                      * arena (close waits for the peers to be past it) */
     uint32_t fz_unchecked;          /* a one-launch round whose peers' calls are not yet
                                        compared with this rank's, or 0 */
+    /* captured rounds (sg_round.c; under call_mu) */
+    uint32_t graph_next;            /* the graph slot of the next captured round */
+    struct pending *graph_keep;     /* their mappings, kept until close (a graph may be
+                                     * replayed as long as the process lives) */
+    int ngraph_keep;
     char error[REASON];
 };
 
@@ -172,6 +186,19 @@ static inline int ahead(uint32_t a, uint32_t b) { return (uint32_t)(a - b) < 0x8
 static inline struct p2p_chan *chan_at(uccl_sg_t *sg, uint32_t c)
 {
     return (struct p2p_chan *)(sg->page + PAGE + (size_t)sg->size * RANK_BYTES) + c;
+}
+
+/* The captured rounds' words (GRAPH_SLOTS x size x GW_WORDS), after the
+ * channels, on a cache line of their own. */
+static inline size_t graph_off(int size)
+{
+    size_t n = PAGE + (size_t)size * RANK_BYTES + (size_t)size * size * sizeof(struct p2p_chan);
+    return (n + 63) / 64 * 64;
+}
+static inline uint32_t *gword(uccl_sg_t *sg, uint32_t g, int r, int which)
+{
+    return (uint32_t *)(sg->page + graph_off(sg->size)) +
+           ((size_t)g * sg->size + (size_t)r) * GW_WORDS + which;
 }
 
 static inline uint8_t *slot(uccl_sg_t *sg, int r, uint32_t k)
@@ -230,5 +257,19 @@ void uccl__sg_p2p_free(uccl_sg_t *sg, struct p2p_pending *p);
 void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
                       size_t len);
 int uccl__sg_p2p_unmatched(uccl_sg_t *sg, const struct p2p_pending *p); /* the peer never posted it */
+
+/* ---- sg_graph.c: captured rounds ---- */
+/* Whether the caller's stream captures: then *g_p the round's graph slot
+ * (else -1), or an error where the round cannot be captured. */
+int uccl__sg_graph_check(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *what,
+                         long *g_p);
+/* A captured round's handshake at off (OFF_READY, OFF_DONE, OFF_DONE2) on
+ * stream X, the peers in reads awaited (ops: room for size + 2). */
+int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
+                             const unsigned char *reads, struct uccl__sg_memop *ops);
+/* Its mappings, kept until close. */
+int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p);
+/* Under mu, as uccl__sg_release_words: every captured round's words. */
+void uccl__sg_graph_release(uccl_sg_t *sg);
 
 #endif

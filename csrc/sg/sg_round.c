@@ -259,7 +259,7 @@ static int read_peers(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *w
 
 static void memop(struct uccl__sg_memop *ops, int *n, uint32_t *addr, uint32_t v, int wait)
 {
-    ops[(*n)++] = (struct uccl__sg_memop){addr, v, wait};
+    ops[(*n)++] = (struct uccl__sg_memop){addr, v, wait, NULL};
 }
 
 /* Rank r's word (a page offset: OFF_READY, OFF_DONE, OFF_DONE2) in its
@@ -384,7 +384,7 @@ static void pull_order(const struct uccl_sg_call *c, int n, int me, int *order)
 /* Everything after the slots were read, on stream X: map, then queue the
  * phases (ready written with the waits for the peers read, in one call). */
 static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *what, uint32_t k,
-                       uintptr_t X, struct pending *p, struct uccl__sg_memop *ops)
+                       uintptr_t X, struct pending *p, struct uccl__sg_memop *ops, long g)
 {
     const struct uccl__sg_dev *dv = sg->ops;
     int n = sg->size, me = sg->rank, rc = UCCL_OK, n1 = 0, n2 = 0;
@@ -450,24 +450,28 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
     unsigned char all[UCCL_SG_MAX_RANKS];
     memset(all, 1, sizeof(all));
     int two = c->phases == 2;
-    if (!two && !(red && red->count)) {
+    if (!two && !(red && red->count) && g < 0) {
         rc = gather_launch(sg, X, k, reads, all, cp, n1);
         if (rc != UCCL_ERR_UNAVAIL) {
             free(cp);
             return rc;
         }
     }
-    rc = handshake(sg, X, k, OFF_READY, reads, 0, ops);
+    /* a captured round (g, its graph slot): its own words, no fin */
+#define HS(off, rd, fin) (g < 0 ? handshake(sg, X, k, off, rd, fin, ops) \
+                                : uccl__sg_graph_handshake(sg, X, (uint32_t)g, off, rd, ops))
+    rc = HS(OFF_READY, reads, 0);
     if (!rc)
         rc = copies(sg, X, cp, n1);
     if (!rc && red && red->count)
         rc = dv->reduce(sg->d, X, &ra);
     if (!rc)
-        rc = handshake(sg, X, k, OFF_DONE, all, !two, ops);
+        rc = HS(OFF_DONE, all, !two);
     if (!rc && two)
         rc = copies(sg, X, cp2 - n2, n2);
     if (!rc && two)
-        rc = handshake(sg, X, k, OFF_DONE2, all, 1, ops);
+        rc = HS(OFF_DONE2, all, 1);
+#undef HS
     free(cp);
     return rc;
 }
@@ -665,7 +669,10 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     const char *what = c->what ? c->what : "exchange";
     if (uccl_sg_error(sg))
         return uccl__sg_failed_err(sg, what);
+    long g;
     int rc = check_call(sg, c);
+    if (!rc)
+        rc = uccl__sg_graph_check(sg, c, what, &g);
     if (rc)
         return rc;
     uint32_t k = sg->round + 1;
@@ -715,9 +722,10 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         uccl__err(UCCL_ERR_NOMEM, "out of memory");
         return uccl__sg_fail_rc(sg, UCCL_ERR_NOMEM);
     }
-    uintptr_t X = 0;
-    rc = order_round(sg, c, &X);
-    if (!rc && refresh_due(k))
+    uintptr_t X = c->caller; /* captured: on the capturing stream, nothing else joins it */
+    if (g < 0)
+        rc = order_round(sg, c, &X);
+    if (!rc && g < 0 && refresh_due(k))
         rc = refresh_words(sg, X, k);
     if (!rc) { /* publish: entries and header, the round alone and last */
         uint8_t *s = slot(sg, sg->rank, k);
@@ -747,15 +755,16 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         if (arenas)
             rc = take_arenas(sg, what, id);
         if (!rc)
-            rc = queue_round(sg, c, what, k, X, &p, ops);
-        if (sg->fz_mapped) /* its handshakes may be launches polling this rank's arena */
+            rc = queue_round(sg, c, what, k, X, &p, ops, g);
+        if (sg->fz_mapped && g < 0) /* its handshakes may be launches polling this rank's arena */
             sg->fz_last = k;
     }
     if (!rc && c->end_event)
         rc = sg->ops->record(sg->d, c->end_event, X);
     free(ops);
     p.t0 = uccl__now_ns(); /* the watchdog times the stream, not the peers' arrival */
-    int arc = uccl__sg_pending_add(sg, p); /* even when failed: queued copies may read through them */
+    int arc = g < 0 ? uccl__sg_pending_add(sg, p) /* even when failed: queued copies may read */
+                    : uccl__sg_graph_keep(sg, p); /* ... a graph's replays too: until close */
     if (arc) {
         uccl__sg_pending_free(sg, &p);
         rc = rc ? rc : arc;
@@ -765,6 +774,8 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
             return uccl__sg_fail_rc(sg, rc);
         return rc;
     }
+    if (g >= 0)
+        sg->graph_next++;
     *round_p = k;
     return UCCL_OK;
 }

@@ -92,6 +92,7 @@ static void sg_free(uccl_sg_t *sg)
     free(sg->arena);
     free(sg->p2p);
     free(sg->pend);
+    free(sg->graph_keep);
     free(sg->regs);
     pthread_mutex_destroy(&sg->mu);
     pthread_mutex_destroy(&sg->call_mu);
@@ -261,9 +262,13 @@ int uccl_sg_close(uccl_sg_t *sg)
             uccl__sg_p2p_free(sg, &sg->p2p[i]);
         for (int i = 0; i < sg->fz_nimp; i++)
             sg->ops->unmap(sg->d, sg->fz_imp[i]);
+        for (int i = 0; i < sg->ngraph_keep; i++) /* graphs are not to be replayed past here */
+            uccl__sg_pending_free(sg, &sg->graph_keep[i]);
     } else { /* the mappings stay: the stream may still copy through them; their lists go */
         for (int i = 0; i < sg->npend; i++)
             free(sg->pend[i].imp);
+        for (int i = 0; i < sg->ngraph_keep; i++)
+            free(sg->graph_keep[i].imp);
     }
     uccl__sg_reg_drop_all(sg);
     sg->ops->event_free(sg->d, sg->ev_start);

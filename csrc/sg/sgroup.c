@@ -29,7 +29,7 @@ size_t uccl_sg_page_bytes(int size)
 {
     if (size < 1)
         return 0;
-    size_t n = PAGE + (size_t)size * RANK_BYTES + (size_t)size * size * sizeof(struct p2p_chan);
+    size_t n = graph_off(size) + (size_t)GRAPH_SLOTS * size * GW_WORDS * sizeof(uint32_t);
     return (n + PAGE - 1) / PAGE * PAGE;
 }
 
@@ -81,6 +81,7 @@ void uccl__sg_release_words(uccl_sg_t *sg)
         st32(w32(sg, r, OFF_DONE2), far);
         st32(w32(sg, r, OFF_FIN), far);
     }
+    uccl__sg_graph_release(sg);
     release_chans(sg);
 }
 

@@ -149,6 +149,12 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
  * group: an interrupted round leaves the peers in it). */
 typedef int (*uccl_sg_interrupt_fn)(void *arg);
 
+/* Whether `stream` is capturing a CUDA graph (1, 0; < 0 the driver's
+ * error).  A round queued while it captures is a captured round: the host
+ * does its part once, and the graph replays the stream's part with words
+ * of the round's own, counted on the device (sg_graph.c). */
+int uccl_sg_capturing(uccl_sg_t *sg, uintptr_t stream);
+
 /* Queue one round; *round_p its number.  Errors in the arguments come
  * before anything is published (UCCL_ERR_INVALID, nothing failed); every
  * later error fails the group. */

@@ -70,8 +70,9 @@ static struct {
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
     char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
-    uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS];
-    char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS];
+    uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS], *eops[MAX_DEVS];
+    char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS],
+        eops_failed[MAX_DEVS];
     int sms[MAX_DEVS];
 } kernels = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
@@ -163,6 +164,31 @@ static uccl_kernel_t *fused_kernel(int dev, int dtype)
     return k;
 }
 
+/* Operations counted from an epoch, or bumps: one launch of uccl_sg_eops. */
+static int epoch_ops(struct cuda_dev *d, uintptr_t stream, const struct uccl__sg_memop *ops, int n)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_eops_src, NULL};
+    if (n > UCCL__K_EOPS)
+        return uccl__err(UCCL_ERR_INVALID, "%d memory operations counted from an epoch in one "
+                         "launch (at most %d)", n, UCCL__K_EOPS);
+    uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_eops", &kernels.eops[d->dev],
+                                   &kernels.eops_failed[d->dev]);
+    if (!k)
+        return uccl__err(UCCL_ERR_UNAVAIL, "captured rounds need the uccl_sg_eops kernel, "
+                         "which did not compile: %s", uccl_last_error());
+    struct uccl__k_eops a; /* 1.7 KB; cuLaunchKernel copies it */
+    memset(&a, 0, sizeof(a));
+    for (int i = 0; i < n; i++) {
+        a.addr[i] = (uint64_t)(uintptr_t)ops[i].addr;
+        a.epoch[i] = (uint64_t)(uintptr_t)ops[i].epoch;
+        a.value[i] = ops[i].value;
+        a.kind[i] = ops[i].wait;
+    }
+    a.n = n;
+    void *params[] = {&a};
+    return uccl__gpu_launch_unchecked(k, 1, 1, 1, stream, params);
+}
+
 static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *ops, int n)
 {
     struct cuda_dev *d = dp;
@@ -170,6 +196,9 @@ static int cuda_memops(void *dp, uintptr_t stream, const struct uccl__sg_memop *
     int rc = n > 0 ? uccl__cuda_use(d->dev) : UCCL_OK; /* the caller's thread may have none current */
     if (n <= 0 || rc)
         return rc;
+    for (int i = 0; i < n; i++)
+        if (ops[i].epoch || ops[i].wait == UCCL__SG_BUMP)
+            return epoch_ops(d, stream, ops, n);
     if (cu->StreamBatchMemOp && !d->batch_off && n > 1) {
         union batch_op b[2 * UCCL_SG_MAX_RANKS + 2];
         if (n > (int)(sizeof(b) / sizeof(b[0])))
@@ -548,12 +577,31 @@ static void cuda_destroy(void *dp)
     }
 }
 
+static int cuda_capturing(void *dp, uintptr_t stream)
+{
+    struct cuda_dev *d = dp;
+    const struct uccl__cuda *cu = uccl__cuda();
+    int status = 0, rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (!cu->StreamIsCapturing) /* a driver before graphs: nothing captures */
+        return 0;
+    cu_result r = cu->StreamIsCapturing((cu_stream)stream, &status);
+    if (r != CU_OK)
+        return uccl__cuda_err(r, "cuStreamIsCapturing on the caller's stream");
+    if (status == 2)
+        return uccl__err(UCCL_ERR_INVALID, "the caller's stream is in a CUDA graph capture "
+                         "that was invalidated");
+    return status == 1;
+}
+
 static const struct uccl__sg_dev cuda_ops = {
     .memops = cuda_memops, .copies = cuda_copies, .reduce = cuda_reduce,
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
     .fused = cuda_fused, .fused_id = cuda_fused_id, .sync = cuda_sync, .gather = cuda_gather,
+    .capturing = cuda_capturing,
 };
 
 int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,

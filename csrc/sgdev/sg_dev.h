@@ -69,11 +69,18 @@ struct uccl_sg_copy {
 };
 
 /* A stream memory operation on a 32-bit word the stream can reach (the
- * group's page, registered for the GPU; or an arena word). */
+ * group's page, registered for the GPU; or an arena word).  With epoch
+ * (a word of this rank's that only its own stream writes), value counts
+ * from *epoch as the stream reads it when it gets there, not from 0: what
+ * a CUDA graph replays (a captured round's words, sgroup.h) must number
+ * itself on the device, the host being absent at a replay. */
+enum { UCCL__SG_WRITE = 0, UCCL__SG_WAIT = 1, UCCL__SG_BUMP = 2 };
 struct uccl__sg_memop {
     uint32_t *addr;
     uint32_t value;
-    int wait; /* 1: wait until *addr >= value (cyclic); 0: write value */
+    int wait;         /* UCCL__SG_WAIT: until *addr >= value (cyclic); UCCL__SG_WRITE:
+                       * value; UCCL__SG_BUMP: *addr += 1 (addr is an epoch word) */
+    uint32_t *epoch;  /* NULL, or value is relative to *epoch */
 };
 /* out[0..count) <- op (base/dtype.h) over the nsrc buffers src[], in their
  * order, elements of dtype; one rounding at the end (as torch reduces). */
@@ -113,7 +120,9 @@ struct uccl__sg_dev {
     /* ---- work on a stream (queued, never waited for here) ---- */
 
     /* Queue n memory operations on `stream`, in order (one driver call
-     * where the driver batches them).  On the stream a write lands once
+     * where the driver batches them; CUDA: one launch of a single thread
+     * where any is relative to an epoch or a bump, which the driver's own
+     * operations cannot compute).  On the stream a write lands once
      * the work queued before it has finished (its writes visible first);
      * a wait holds the stream until the word reaches the value, which
      * only a peer's stream (or a failing rank's release of every word)
@@ -183,6 +192,11 @@ struct uccl__sg_dev {
      * the process (a launch a failed group queued may still run). */
     void (*destroy)(void *d);
 
+    /* Is `stream` capturing a CUDA graph (1), or not (0)?  < 0: the
+     * driver's error.  What the caller queues while it captures runs only
+     * when the graph is launched, any number of times.  Rounds call it. */
+    int (*capturing)(void *d, uintptr_t stream);
+
     /* ---- launches that spin (optional: NULL where the device has none) ----
      * These launches wait on the GPU, polling peers' words in the arenas
      * (device memory the ranks map from each other), so every rank's
@@ -249,5 +263,13 @@ int uccl_sg_emu_stream_free(uintptr_t stream);
 int uccl_sg_emu_stream_idle(uintptr_t stream, uint64_t timeout_ns);
 /* Waits (of every emulated stream so far) that a stale word let pass. */
 int uccl_sg_emu_stale_passes(void);
+/* The emulated CUDA graphs: from capture_begin to capture_end what is
+ * queued on the stream is recorded, not run (capturing() says 1), and
+ * becomes a graph; graph_launch queues a copy of it on any stream, as
+ * often as called; graph_free frees it. */
+int uccl_sg_emu_capture_begin(uintptr_t stream);
+int uccl_sg_emu_capture_end(uintptr_t stream, uintptr_t *graph_p);
+int uccl_sg_emu_graph_launch(uintptr_t graph, uintptr_t stream);
+void uccl_sg_emu_graph_free(uintptr_t graph);
 
 #endif

@@ -21,7 +21,7 @@
 
 #define STUCK_NS 30000000000ull /* a wait longer than this is reported and passed */
 
-enum { E_WRITE, E_WAIT, E_COPY, E_REDUCE, E_RECORD, E_WAITEV };
+enum { E_WRITE, E_WAIT, E_COPY, E_REDUCE, E_RECORD, E_WAITEV, E_BUMP };
 
 struct emu_event {
     uint64_t recorded; /* generations: of the last record queued, of the last one run */
@@ -32,6 +32,7 @@ struct emu_op {
     int kind;
     uint32_t *addr;
     uint32_t value;
+    uint32_t *epoch; /* a write's or wait's value counts from *epoch (sg_dev.h) */
     uintptr_t dst, src;
     size_t len;
     struct emu_event *ev;
@@ -40,12 +41,18 @@ struct emu_op {
     struct emu_op *next;
 };
 
+/* An emulated CUDA graph: the ops queued while a stream captured, in order. */
+struct emu_graph {
+    struct emu_op *head, *tail;
+};
+
 struct emu_stream {
     pthread_t th;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct emu_op *head, *tail;
     int busy, stop, stuck;
+    struct emu_graph *capture; /* recording instead of running, or NULL */
 };
 
 /* ---- 16-bit floats ------------------------------------------------------------ */
@@ -204,18 +211,23 @@ int uccl_sg_emu_stale_passes(void) { return __atomic_load_n(&stale_passes, __ATO
 
 static void run_op(struct emu_stream *s, struct emu_op *op)
 {
+    uint32_t value = op->value + (op->epoch ? __atomic_load_n(op->epoch, __ATOMIC_ACQUIRE) : 0);
     switch (op->kind) {
     case E_WRITE:
-        __atomic_store_n(op->addr, op->value, __ATOMIC_RELEASE);
+        __atomic_store_n(op->addr, value, __ATOMIC_RELEASE);
+        break;
+    case E_BUMP: /* only this stream writes its epoch words */
+        __atomic_store_n(op->addr, __atomic_load_n(op->addr, __ATOMIC_ACQUIRE) + 1,
+                         __ATOMIC_RELEASE);
         break;
     case E_WAIT:
     case E_WAITEV: {
         uint64_t until = uccl__now_ns() + STUCK_NS;
         for (;;) {
             uint32_t w = op->kind == E_WAIT ? __atomic_load_n(op->addr, __ATOMIC_ACQUIRE) : 0;
-            int ok = op->kind == E_WAIT ? ahead(w, op->value)
+            int ok = op->kind == E_WAIT ? ahead(w, value)
                                         : __atomic_load_n(&op->ev->done, __ATOMIC_ACQUIRE) >= op->gen;
-            if (ok && op->kind == E_WAIT && (uint32_t)(w - op->value) >= STALE_AHEAD)
+            if (ok && op->kind == E_WAIT && (uint32_t)(w - value) >= STALE_AHEAD)
                 __atomic_add_fetch(&stale_passes, 1, __ATOMIC_ACQ_REL);
             if (ok || __atomic_load_n(&s->stop, __ATOMIC_ACQUIRE))
                 break;
@@ -272,6 +284,18 @@ static void *stream_main(void *arg)
     return NULL;
 }
 
+static void append(struct emu_op **head, struct emu_op **tail, struct emu_op *o)
+{
+    o->next = NULL;
+    if (*tail)
+        (*tail)->next = o;
+    else
+        *head = o;
+    *tail = o;
+}
+
+/* Queue op on the stream (or, while it captures, into its graph).  An
+ * event recorded in a capture counts from its graph's launch. */
 static int push(uintptr_t stream, struct emu_op op)
 {
     struct emu_stream *s = (struct emu_stream *)stream;
@@ -281,16 +305,75 @@ static int push(uintptr_t stream, struct emu_op op)
     if (!o)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     *o = op;
-    o->next = NULL;
     pthread_mutex_lock(&s->mu);
-    if (s->tail)
-        s->tail->next = o;
-    else
-        s->head = o;
-    s->tail = o;
-    pthread_cond_broadcast(&s->cv);
+    if (s->capture) {
+        append(&s->capture->head, &s->capture->tail, o);
+    } else {
+        append(&s->head, &s->tail, o);
+        pthread_cond_broadcast(&s->cv);
+    }
     pthread_mutex_unlock(&s->mu);
     return UCCL_OK;
+}
+
+int uccl_sg_emu_capture_begin(uintptr_t stream)
+{
+    struct emu_stream *s = (struct emu_stream *)stream;
+    struct emu_graph *g = calloc(1, sizeof(*g));
+    if (!s || !g) {
+        free(g);
+        return uccl__err(s ? UCCL_ERR_NOMEM : UCCL_ERR_INVALID, "emulated capture: %s",
+                         s ? "out of memory" : "stream 0");
+    }
+    pthread_mutex_lock(&s->mu);
+    int busy = s->capture != NULL;
+    if (!busy)
+        s->capture = g;
+    pthread_mutex_unlock(&s->mu);
+    if (busy) {
+        free(g);
+        return uccl__err(UCCL_ERR_INVALID, "emulated capture: the stream captures already");
+    }
+    return UCCL_OK;
+}
+
+int uccl_sg_emu_capture_end(uintptr_t stream, uintptr_t *graph_p)
+{
+    struct emu_stream *s = (struct emu_stream *)stream;
+    if (!s)
+        return uccl__err(UCCL_ERR_INVALID, "emulated capture: stream 0");
+    pthread_mutex_lock(&s->mu);
+    struct emu_graph *g = s->capture;
+    s->capture = NULL;
+    pthread_mutex_unlock(&s->mu);
+    if (!g)
+        return uccl__err(UCCL_ERR_INVALID, "emulated capture: the stream was not capturing");
+    *graph_p = (uintptr_t)g;
+    return UCCL_OK;
+}
+
+int uccl_sg_emu_graph_launch(uintptr_t graph, uintptr_t stream)
+{
+    const struct emu_graph *g = (const struct emu_graph *)graph;
+    int rc = g ? UCCL_OK : uccl__err(UCCL_ERR_INVALID, "emulated graph 0");
+    for (const struct emu_op *o = g ? g->head : NULL; o && !rc; o = o->next) {
+        struct emu_op op = *o;
+        if (op.kind == E_RECORD) /* a new record of the event at each launch */
+            op.gen = __atomic_add_fetch(&op.ev->recorded, 1, __ATOMIC_ACQ_REL);
+        rc = push(stream, op);
+    }
+    return rc;
+}
+
+void uccl_sg_emu_graph_free(uintptr_t graph)
+{
+    struct emu_graph *g = (struct emu_graph *)graph;
+    for (struct emu_op *o = g ? g->head : NULL; o;) {
+        struct emu_op *n = o->next;
+        free(o);
+        o = n;
+    }
+    free(g);
 }
 
 int uccl_sg_emu_stream_new(uintptr_t *stream_p)
@@ -351,10 +434,22 @@ static int emu_memops(void *d, uintptr_t stream, const struct uccl__sg_memop *op
 {
     (void)d;
     int rc = UCCL_OK;
-    for (int i = 0; i < n && !rc; i++)
-        rc = push(stream, (struct emu_op){.kind = ops[i].wait ? E_WAIT : E_WRITE,
-                                          .addr = ops[i].addr, .value = ops[i].value});
+    for (int i = 0; i < n && !rc; i++) {
+        int kind = ops[i].wait == UCCL__SG_BUMP ? E_BUMP : ops[i].wait ? E_WAIT : E_WRITE;
+        rc = push(stream, (struct emu_op){.kind = kind, .addr = ops[i].addr,
+                                          .value = ops[i].value, .epoch = ops[i].epoch});
+    }
     return rc;
+}
+
+static int emu_capturing(void *d, uintptr_t stream)
+{
+    (void)d;
+    struct emu_stream *s = (struct emu_stream *)stream;
+    pthread_mutex_lock(&s->mu);
+    int on = s->capture != NULL;
+    pthread_mutex_unlock(&s->mu);
+    return on;
 }
 
 static int emu_copies(void *d, uintptr_t stream, const struct uccl_sg_copy *cs, int n)
@@ -474,7 +569,7 @@ static const struct uccl__sg_dev emu_ops = {
     .memops = emu_memops, .copies = emu_copies, .reduce = emu_reduce, .event_new = emu_event_new,
     .event_free = emu_event_free, .record = emu_record, .wait_event = emu_wait_event,
     .query = emu_query, .reg = emu_reg, .key = emu_key, .dereg = emu_dereg, .map = emu_map,
-    .unmap = emu_unmap, .destroy = emu_destroy,
+    .unmap = emu_unmap, .destroy = emu_destroy, .capturing = emu_capturing,
 };
 
 int uccl_sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p)

@@ -288,3 +288,22 @@ const char uccl__sg_gather_src[] =
     "  for (int s = 0; s < a.nseg; s++) copy_bytes(a.dst[s], a.src[s], a.len[s]);\n"
     "  if (last_block((u32 *)a.ctr)) handshake(a.done);\n"
     "}\n";
+
+/* Stream memory operations counted from an epoch (sg_dev.h, the words of a
+ * round captured in a CUDA graph), which the driver's own cannot compute:
+ * one thread runs them in order.  A write is fenced first (what the stream
+ * did before is visible to whoever sees the value); a wait spins until the
+ * word reaches the value (cyclic), then fences; a bump adds one to the
+ * epoch word (this rank's stream alone writes it).  A failed group's
+ * release sets the words waited on far ahead, which ends a wait. */
+const char uccl__sg_eops_src[] =
+    "struct EArgs { u64 addr[72]; u64 epoch[72]; u32 value[72]; int kind[72]; int n; };\n"
+    "extern \"C\" __global__ void uccl_sg_eops(EArgs a) {\n"
+    "  for (int i = 0; i < a.n; i++) {\n"
+    "    volatile u32 *w = (volatile u32 *)a.addr[i];\n"
+    "    u32 v = a.value[i] + (a.epoch[i] ? *(volatile u32 *)a.epoch[i] : 0u);\n"
+    "    if (a.kind[i] == 2) { *w = *w + 1u; __threadfence_system(); }\n"
+    "    else if (a.kind[i] == 1) { while ((int)(*w - v) < 0) __nanosleep(64); __threadfence_system(); }\n"
+    "    else { __threadfence_system(); *w = v; }\n"
+    "  }\n"
+    "}\n";

@@ -7,6 +7,7 @@
  *   uccl_sg_copy     prelude, copy_fn, copy
  *   uccl_sg_sync     prelude, sync
  *   uccl_sg_gather   prelude, copy_fn, sync, gather
+ *   uccl_sg_eops     prelude, eops
  * The reduction's parts start with "#define UCCL_DT <type>" (dt_names). */
 #ifndef UCCL_SG_KERNELS_H
 #define UCCL_SG_KERNELS_H
@@ -16,7 +17,17 @@
 #include "sgdev/sg_dev.h"
 
 extern const char uccl__sg_prelude_src[], uccl__sg_reduce_src[], uccl__sg_copy_fn_src[],
-    uccl__sg_fused_src[], uccl__sg_copy_src[], uccl__sg_sync_src[], uccl__sg_gather_src[];
+    uccl__sg_fused_src[], uccl__sg_copy_src[], uccl__sg_sync_src[], uccl__sg_gather_src[],
+    uccl__sg_eops_src[];
+
+/* struct EArgs (memory operations counted from an epoch), one thread */
+#define UCCL__K_EOPS 72 /* EArgs' arrays; a captured round's handshake: UCCL_SG_MAX_RANKS + 2 at most */
+struct uccl__k_eops {
+    uint64_t addr[UCCL__K_EOPS], epoch[UCCL__K_EOPS];
+    uint32_t value[UCCL__K_EOPS];
+    int32_t kind[UCCL__K_EOPS];
+    int32_t n;
+};
 
 /* struct Args (the reduction) */
 struct uccl__k_reduce {
@@ -57,7 +68,8 @@ struct uccl__k_gather {
 /* the sizes NVRTC gives the kernels' structs (sm_90) */
 _Static_assert(sizeof(struct uccl__k_reduce) == 536 && sizeof(struct uccl__k_fused) == 272 &&
                sizeof(struct uccl__k_copy) == 776 && sizeof(struct uccl__k_sync) == 120 &&
-               sizeof(struct uccl__k_gather) == 648,
-               "struct Args 536 bytes, FArgs 272, CopyArgs 776, SArgs 120, GArgs 648");
+               sizeof(struct uccl__k_gather) == 648 && sizeof(struct uccl__k_eops) == 1736,
+               "struct Args 536 bytes, FArgs 272, CopyArgs 776, SArgs 120, GArgs 648, "
+               "EArgs 1736");
 
 #endif

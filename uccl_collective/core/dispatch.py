@@ -34,8 +34,8 @@ facts hold is the route:
       all_gather_into_tensor,                   (Dispatch.allreduce, allgather,
       reduce_scatter_tensor, reduce,            reduce_scatter, reduce, broadcast,
       broadcast, all_to_all(_single) of         all_to_all): one engine call under the
-      contiguous chunks; blocking; no           token, a StreamWork.  A capture raises
-      profiler; group open; dense contiguous    (refuse_capture), a bad operator raises
+      contiguous chunks; blocking; no           token, a StreamWork; captured where the
+      profiler; group open; dense contiguous    stream captures a graph; a bad operator raises
       CUDA tensors of one device; the group     (check_op); the token not free: rows 3-5,
       has a stream group there (made at the     queued behind what holds it (all_to_all's
       first such call: every peer on this       task runs the same round: a rank may take
@@ -104,7 +104,7 @@ from .. import _engine
 from .._engine import UcclError
 from . import stream_group
 from .handles import StreamHandle
-from .stream_group import StreamCtx, capturing, refuse_capture, stream_args
+from .stream_group import StreamCtx, refuse_capture, stream_args
 
 _STRIDED = torch.strided
 _profiler_enabled = torch.autograd._profiler_enabled
@@ -215,10 +215,7 @@ class Dispatch:
         dev = _dense_cuda(*ts)
         if dev is None:
             return None
-        sg = self.stream_group(dev)
-        if sg is not None and capturing():
-            refuse_capture(dev, "uccl")
-        return sg
+        return self.stream_group(dev)   # a capture takes this route (sg_graph.c)
 
     def kernel_codes(self, sg: Any, opts: Any, dtype: Any, what: str) -> tuple:
         """The (dtype, operator) codes of the engine's reduction kernel for a
@@ -436,8 +433,10 @@ def allgather(ctx: Any, cm: Any, tensors: Any, send: tuple, bufs: list, algo: in
     sg = ctx.stream_group(gpu[0]) if flat and gpu[0] >= 0 else None
     if sg is None:
         return cm.allgather(send, bufs, algo, async_op, ctx.timeout_s, *gpu), None
-    # row 7: stream-ordered, the host never waits for the GPU
-    refuse_capture(gpu[0], what)
+    # row 7: stream-ordered, the host never waits for the GPU; a blocking
+    # one is captured where the stream captures a CUDA graph
+    if async_op:
+        refuse_capture(gpu[0], what)
     if not async_op:
         sg.c.allgather(gpu[1], True, 0, send[0], send[1], bufs[0][0])
         return None, None

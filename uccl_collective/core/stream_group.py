@@ -159,13 +159,16 @@ capturing = torch.cuda.is_current_stream_capturing
 
 
 def refuse_capture(dev: int, what: str) -> None:
-    """A stream-ordered operation cannot be captured in a CUDA graph: its
-    counters' values are numbered per call, and a replay would write old
-    ones.  Raised before anything is queued or published."""
+    """What cannot be captured in a CUDA graph raises before anything is
+    queued or published: an operation that runs on another stream than the
+    capturing one (async_op=True, whose round runs on the group's stream
+    after an event) or a send/receive.  A blocking collective on the
+    capturing stream is captured (csrc/sg/sg_graph.c)."""
     if capturing():
-        raise UcclError(f"{what}: the current stream of cuda:{dev} is capturing a CUDA graph; "
-                        "uccl's stream-ordered operations number each call and cannot be "
-                        "replayed (run them outside the capture)")
+        raise UcclError(f"{what}: the current stream of cuda:{dev} is capturing a CUDA graph, "
+                        "where uccl captures blocking collectives only (async_op=False: "
+                        "the round runs on the capturing stream); not async_op=True "
+                        "operations nor send/recv")
 
 
 def open_page(kv: Any, key: str, rank: int, size: int) -> tuple[mmap.mmap, Any, int, int]:

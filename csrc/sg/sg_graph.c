@@ -1,0 +1,85 @@
+/* Captured rounds (sgroup.h): rounds queued while the caller's stream
+ * captures a CUDA graph.  Everything the host does for a round (publish,
+ * read the peers' slots, compare, map) it does once, at the capture; what
+ * the stream does is replayed with the graph, any number of times, with no
+ * host there to number it.  So a captured round has words of its own (its
+ * graph slot in the page: an epoch and ready, done, done2 per rank), and
+ * its handshakes count from the epoch, which its own stream bumps at each
+ * replay: a peer's word has reached this rank's epoch once the peer's
+ * stream has reached the same replay of the same round.  Its mappings are
+ * kept until the group closes; its words are released with the rest when
+ * the group fails (uccl__sg_release_words), which ends every replay's wait. */
+#include <stdlib.h>
+
+#include "sg/sg_page.h"
+#include "base/status.h"
+
+/* A captured round's handshake on stream X (graph slot g): at ready its
+ * epoch bumped first (a replay begins), then this rank's word of the slot
+ * set to the epoch and a wait for the word of every peer in reads to reach
+ * this rank's epoch, all counted on the device from the epoch word. */
+int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
+                             const unsigned char *reads, struct uccl__sg_memop *ops)
+{
+    int n = sg->size, me = sg->rank, nops = 0;
+    int w = off == OFF_READY ? GW_READY : off == OFF_DONE ? GW_DONE : GW_DONE2;
+    uint32_t *ep = gword(sg, g, me, GW_EPOCH);
+    if (off == OFF_READY)
+        ops[nops++] = (struct uccl__sg_memop){ep, 0, UCCL__SG_BUMP, NULL};
+    ops[nops++] = (struct uccl__sg_memop){gword(sg, g, me, w), 0, UCCL__SG_WRITE, ep};
+    for (int r = 0; r < n; r++)
+        if (reads[r] && r != me)
+            ops[nops++] = (struct uccl__sg_memop){gword(sg, g, r, w), 0, UCCL__SG_WAIT, ep};
+    return sg->ops->memops(sg->d, X, ops, nops);
+}
+
+/* A captured round's mappings, kept until the group closes: its graph
+ * may be replayed until then, and the watchdog does not time it. */
+int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p)
+{
+    struct pending *n = realloc(sg->graph_keep, (size_t)(sg->ngraph_keep + 1) * sizeof(*n));
+    if (!n)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    sg->graph_keep = n;
+    n[sg->ngraph_keep++] = p;
+    return UCCL_OK;
+}
+
+int uccl_sg_capturing(uccl_sg_t *sg, uintptr_t stream)
+{
+    return sg->ops->capturing ? sg->ops->capturing(sg->d, stream) : 0;
+}
+
+/* Is the caller's stream capturing a CUDA graph?  Then the round is
+ * captured (sgroup.h): two-sided, on that stream, its graph slot the
+ * group's next; *g_p that slot, else -1. */
+int uccl__sg_graph_check(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *what,
+                         long *g_p)
+{
+    *g_p = -1;
+    int on = uccl_sg_capturing(sg, c->caller);
+    if (on < 0)
+        return on;
+    if (!on)
+        return UCCL_OK;
+    if (c->fused || !c->caller_waits || c->end_event)
+        return uccl__err(UCCL_ERR_INVALID, "%s: a round captured in a CUDA graph runs on the "
+                         "capturing stream with no event of its own (a blocking call, not "
+                         "one-launch)", what);
+    if (sg->graph_next >= GRAPH_SLOTS)
+        return uccl__err(UCCL_ERR_INVALID, "%s: this group has captured %d rounds, as many as "
+                         "it has words for (GRAPH_SLOTS)", what, GRAPH_SLOTS);
+    *g_p = sg->graph_next;
+    return UCCL_OK;
+}
+
+void uccl__sg_graph_release(uccl_sg_t *sg)
+{
+    /* a wait counts from the waiter's epoch, within a replay of the writer's */
+    for (uint32_t g = 0; g < GRAPH_SLOTS; g++)
+        for (int r = 0; r < sg->size; r++) {
+            uint32_t e = ld32(gword(sg, g, r, GW_EPOCH)) + RELEASE_AHEAD;
+            for (int w = GW_READY; w < GW_WORDS; w++)
+                st32(gword(sg, g, r, w), e);
+        }
+}

@@ -1,0 +1,102 @@
+"""The "uccl" backend's collectives captured in CUDA graphs (csrc/sg/sg_graph.c)
+on a GPU per rank: all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+broadcast and all_to_all_single captured once in torch.cuda.graph, then
+REPLAYS replays with the inputs changed before each, every replay's outputs
+checked against the sums computed on the CPU; a second graph captured under
+the first one's memory pool (graph_pool_handle) and replayed on another
+stream, the two taking turns.  Needs 2 GPUs; skips, naming why, elsewhere.
+tests/test_stream_graph.py holds the protocol to the same on the CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _harness import run_ranks
+
+REPLAYS = 1000
+WS = 2
+
+if torch.cuda.device_count() < WS:
+    pytest.skip(f"CUDA graphs with a GPU per rank need {WS} GPUs; this host has "
+                f"{torch.cuda.device_count()} (torch {torch.__version__})", allow_module_level=True)
+
+
+def _x(r: int, i: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * i + 104729 * r + 1)
+    return torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g).float()
+
+
+def _rank(rank, ws, path, q):
+    import faulthandler
+    faulthandler.dump_traceback_later(400, exit=True)
+    try:
+        import torch.distributed as dist
+        import uccl_collective  # noqa: F401 - registers "uccl"
+        torch.cuda.set_device(rank)
+        dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws)
+        n, dev = 4096, torch.device("cuda", rank)
+        ar, ag_in = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        ag_out, rs_in = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
+        rs_out, bc = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        a2a_in, a2a_out = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
+
+        def ops():
+            dist.all_reduce(ar)
+            dist.all_gather_into_tensor(ag_out, ag_in)
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+            dist.broadcast(bc, src=1)
+            dist.all_to_all_single(a2a_out, a2a_in)
+
+        def fill(i):
+            x = _x(rank, i, (3 + 2 * ws) * n).to(dev)
+            ar.copy_(x[:n]); ag_in.copy_(x[n:2 * n]); rs_in.copy_(x[2 * n:(2 + ws) * n])
+            bc.copy_(x[(2 + ws) * n:(3 + ws) * n] if rank == 1 else torch.full((n,), -7.0))
+            a2a_in.copy_(x[(3 + ws) * n:])
+            for t in (ag_out, rs_out, a2a_out):
+                t.fill_(-7.0)
+
+        def check(i):
+            xs = [_x(r, i, (3 + 2 * ws) * n) for r in range(ws)]
+            where = f"rank {rank} replay {i}"
+            assert torch.equal(ar.cpu(), sum(x[:n] for x in xs)), f"{where}: all_reduce"
+            assert torch.equal(ag_out.cpu(), torch.cat([x[n:2 * n] for x in xs])), where
+            rs = sum(x[2 * n:(2 + ws) * n] for x in xs)[rank * n:(rank + 1) * n]
+            assert torch.equal(rs_out.cpu(), rs), f"{where}: reduce_scatter"
+            assert torch.equal(bc.cpu(), xs[1][(2 + ws) * n:(3 + ws) * n]), f"{where}: broadcast"
+            want = torch.cat([x[(3 + ws) * n:][rank * n:(rank + 1) * n] for x in xs])
+            assert torch.equal(a2a_out.cpu(), want), f"{where}: all_to_all_single"
+
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):   # warm up outside the capture, as torch asks
+            fill(0)
+            ops()
+        torch.cuda.synchronize()
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1):
+            ops()
+        with torch.cuda.graph(g2, pool=g1.pool()):
+            ops()
+        other = torch.cuda.Stream()
+        for i in range(REPLAYS):
+            for k, g in enumerate((g1, g2)):
+                seed = 2 * i + k
+                fill(seed)
+                torch.cuda.synchronize()
+                if k:
+                    with torch.cuda.stream(other):
+                        g.replay()
+                else:
+                    g.replay()
+                torch.cuda.synchronize()
+                check(seed)
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, REPLAYS))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_collectives_captured_in_graphs_replay_right_every_time(tmp_path):
+    got = run_ranks(_rank, WS, (str(tmp_path / "store"),), timeout=420)
+    assert got == {r: REPLAYS for r in range(WS)}, got

@@ -1,0 +1,198 @@
+"""Rounds captured in a CUDA graph (csrc/sg/sg_graph.c), on the CPU: the
+emulated device (csrc/sgdev/sg_emu.c) records what a stream queues while it
+captures and queues a copy of it at each launch, as a CUDA graph replays.
+The host does a round's part once, at the capture; every replay must still
+pair each rank's round with the same replay of its peers' and move the
+bytes of that replay.  So the inputs change before every replay, the
+outputs are poisoned, and every replay is checked against the reference;
+two graphs take turns, and a graph is launched on another stream than the
+one it was captured on.  The GPU side (the memory operations counted from
+the epoch as one launch) runs on the GPU machine."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from uccl_collective import _engine
+from uccl_collective.core import stream_group as sgm
+from uccl_collective.p2p import UcclError
+
+from test_stream_group import (Ctx, _callers, caller_streams, close_all,  # noqa: F401
+                               drain, make_groups, no_stale_words, on_ranks, round_form)
+
+R = dist.ReduceOp.RedOpType
+REPLAYS = 300
+POISON = -7
+
+
+def _graph(what, a, b=0):
+    return _engine._sg_emu_graph(what, a, b)
+
+
+def _inputs(n: int, r: int, i: int, count: int) -> torch.Tensor:
+    """Rank r's input of replay i: random int32, the same on every rank's
+    reckoning (a seed per rank and replay)."""
+    g = torch.Generator().manual_seed(1000003 * i + 7919 * r + n)
+    return torch.randint(-1000, 1000, (count,), dtype=torch.int32, generator=g)
+
+
+class Bufs:
+    """One rank's buffers, fixed for the graph's life (as a graph's memory
+    is): an all_reduce in place, an allgather, a reduce_scatter, a
+    broadcast from rank 1 % n, an all_to_all."""
+
+    def __init__(self, n: int, count: int):
+        self.n, self.count = n, count
+        self.ar = torch.zeros(count, dtype=torch.int32)
+        self.ag_in = torch.zeros(count, dtype=torch.int32)
+        self.ag_out = torch.zeros(n * count, dtype=torch.int32)
+        self.rs_in = torch.zeros(n * count, dtype=torch.int32)
+        self.rs_out = torch.zeros(count, dtype=torch.int32)
+        self.bc = torch.zeros(count, dtype=torch.int32)
+        self.a2a_in = [torch.zeros(count, dtype=torch.int32) for _ in range(n)]
+        self.a2a_out = [torch.zeros(count, dtype=torch.int32) for _ in range(n)]
+
+    def fill(self, r: int, i: int) -> None:
+        """The inputs of replay i, the outputs poisoned."""
+        n, c = self.n, self.count
+        x = _inputs(n, r, i, (3 + n) * c)
+        self.ar.copy_(x[:c])
+        self.ag_in.copy_(x[c:2 * c])
+        self.rs_in.copy_(x[2 * c:(2 + n) * c])
+        self.bc.copy_(x[(2 + n) * c:] if r == 1 % n else torch.full((c,), POISON))
+        for j in range(n):
+            self.a2a_in[j].copy_(x[:c] * (j + 1) + r)
+        for t in [self.ag_out, self.rs_out] + self.a2a_out:
+            t.fill_(POISON)
+
+    def issue(self, ctx) -> None:
+        ctx.allreduce(self.ar, R.SUM, None)
+        ctx.allgather(self.ag_in, self.ag_out)
+        ctx.reduce_scatter(self.rs_out, self.rs_in, R.SUM, None, "reduce_scatter")
+        ctx.broadcast(self.bc, 1 % self.n)
+        ctx.all_to_all(self.a2a_in, self.a2a_out, "all_to_all")
+
+    def check(self, r: int, i: int) -> None:
+        n, c = self.n, self.count
+        xs = [_inputs(n, q, i, (3 + n) * c) for q in range(n)]
+        where = f"rank {r}, replay {i}"
+        assert torch.equal(self.ar, sum(x[:c] for x in xs)), f"{where}: all_reduce"
+        assert torch.equal(self.ag_out, torch.cat([x[c:2 * c] for x in xs])), \
+            f"{where}: allgather"
+        rs = sum(x[2 * c:(2 + n) * c] for x in xs)
+        assert torch.equal(self.rs_out, rs[r * c:(r + 1) * c]), f"{where}: reduce_scatter"
+        assert torch.equal(self.bc, xs[1 % n][(2 + n) * c:]), f"{where}: broadcast"
+        for q in range(n):
+            assert torch.equal(self.a2a_out[q], xs[q][:c] * (r + 1) + q), \
+                f"{where}: all_to_all from rank {q}"
+
+
+def _capture(ctx, bufs: Bufs, stream: int) -> int:
+    _graph("begin", stream)
+    try:
+        bufs.issue(ctx)
+    finally:
+        graph = _graph("end", stream)
+    return graph
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_captured_rounds_replay_with_the_data_of_each_replay(n):
+    """Two graphs of five collectives each, captured once and replayed
+    REPLAYS times in turn, every second replay on a stream other than the
+    capturing one; every replay's results checked."""
+    groups = make_groups(n)
+    count = 37
+
+    def rank(r):
+        ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
+        mine = _callers.stream
+        other = _engine._sg_emu_stream()
+        a, b = Bufs(n, count), Bufs(n, count)
+        ga, gb = _capture(ctx, a, mine), _capture(ctx, b, mine)
+        try:
+            assert _engine._sg_emu_stream_idle(mine, 5.0), "a capture ran something"
+            for i in range(REPLAYS):
+                s = mine if i % 2 == 0 else other
+                for bufs, g, seed in ((a, ga, 2 * i), (b, gb, 2 * i + 1)):
+                    bufs.fill(r, seed)
+                    _graph("launch", g, s)
+                    assert _engine._sg_emu_stream_idle(s, 20.0), f"replay {i} did not end"
+                    bufs.check(r, seed)
+        finally:
+            _graph("free", ga)
+            _graph("free", gb)
+            _engine._sg_emu_stream_free(other)
+        return True
+    res, err, streams = on_ranks(n, rank, timeout=300.0)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    assert all(g.c.error() is None for g in groups)
+    counts = close_all(groups, streams)
+    for regs, deregs, maps in counts:   # the graphs' mappings are let go at close
+        assert regs == deregs and maps == 0, counts
+
+
+def test_a_failed_rank_ends_the_survivors_replays_and_their_next_call_raises():
+    """Rank 1 stops replaying and fails the group (as a rank whose process
+    died does, through the watchdog): rank 0's replay, which waits for rank
+    1's, ends, and rank 0's next call raises naming why."""
+    n, count = 2, 16
+    groups = make_groups(n)
+    graphs = [None] * n
+    bufs = [Bufs(n, count) for _ in range(n)]
+
+    def capture(r):
+        ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
+        graphs[r] = _capture(ctx, bufs[r], _callers.stream)
+        for i in range(3):   # good replays first
+            bufs[r].fill(r, i)
+            _graph("launch", graphs[r], _callers.stream)
+            assert _engine._sg_emu_stream_idle(_callers.stream, 20.0)
+            bufs[r].check(r, i)
+        return _callers.stream
+    res, err, streams = on_ranks(n, capture)
+    assert err == [None] * n, err
+    s0 = res[0]
+    bufs[0].fill(0, 3)
+    _graph("launch", graphs[0], s0)   # rank 1 never launches this replay
+    time.sleep(0.2)
+    assert not _engine._sg_emu_stream_idle(s0, 0.05), "rank 0's replay ran without rank 1's"
+    groups[1].c.fail("rank 1 went away during the replays")
+    assert _engine._sg_emu_stream_idle(s0, 10.0), "rank 0's replay stayed blocked"
+    _callers.stream = s0
+    ctx = sgm.StreamCtx(Ctx(None, 0, n, 5.0), groups[0])
+    with pytest.raises(UcclError, match="rank 1 went away"):
+        ctx.allreduce(bufs[0].ar, R.SUM, None)
+    for g in graphs:
+        _graph("free", g)
+    close_all(groups, streams)
+
+
+def test_a_capture_must_be_a_blocking_call_on_the_capturing_stream():
+    """A round whose caller does not wait for it (the group's own stream
+    runs it, after an event) cannot be captured: refused, naming why,
+    before anything is published, so the group goes on."""
+    n = 2
+    groups = make_groups(n)
+
+    def rank(r):
+        s = _callers.stream
+        t = torch.zeros(8, dtype=torch.int32)
+        _graph("begin", s)
+        try:
+            with pytest.raises(ValueError, match="captured in a CUDA graph"):
+                groups[r].c.allgather(s, False, 0, t.data_ptr(), 16, t.data_ptr())
+        finally:
+            _graph("free", _graph("end", s))
+        x = torch.full((4,), r + 1, dtype=torch.int32)
+        sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r]).allreduce(x, R.SUM, None)
+        assert _engine._sg_emu_stream_idle(s, 10.0)
+        assert torch.equal(x, torch.full((4,), 3, dtype=torch.int32))
+        return True
+    res, err, streams = on_ranks(n, rank)
+    assert err == [None] * n, err
+    close_all(groups, streams)
