@@ -129,7 +129,6 @@ def test_the_backends_round_and_its_task_meet(n, monkeypatch):
     from uccl_collective.core.stream_group import StreamCtx
     import torch.distributed as dist
     monkeypatch.setattr(dispatch, "_dense_cuda", lambda *ts: 0)   # CPU tensors as CUDA ones
-    monkeypatch.setattr(dispatch, "capturing", lambda: False)
     rounds = 4
     sizes, data = _plan("unequal", n, 50 + n, rounds)
     groups = make_groups(n, timeout_s=20.0)
