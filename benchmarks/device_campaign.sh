@@ -41,6 +41,10 @@
 #           ranks (SIZES, ROUNDS): a table, CSV, JSON and PNG each.
 #           TESTS_K narrows the tests (a pytest -k expression), RACE_WORLDS
 #           the rank counts raced ("" for none).
+#   PART=10 CUDA graphs: tests/test_gpu_graph.py (collectives captured and
+#           replayed with a GPU per rank), test_compile.py on CUDA, then
+#           graph_decode.py (a decode step captured, uccl against NCCL) at
+#           2 ranks and, where there are 4 GPUs, 4.
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -48,7 +52,7 @@ start=$SECONDS
 budget=${BUDGET_S:-570}
 here=$(dirname "$0")
 dest=${OUT:-bench_out/device}
-res=/tmp/campaign/part${PART:?PART=1 to 9}
+res=/tmp/campaign/part${PART:?PART=1 to 10}
 mkdir -p "$res" "$dest"
 OUT=$res
 source "$here/device_build.sh"
@@ -221,6 +225,19 @@ case "$PART" in
       --sizes "${SIZES:-8,64K,1M,16M,256M}" --rounds "${ROUNDS:-3}" --table "$res/race_$w.md" \
       --csv "$res/race_$w.csv" --json "$res/race_$w.json" --plot "$res/race_$w.png"
     cat "$res/race_$w.md" >> "$res/summary.txt" 2>/dev/null
+  done
+  ;;
+10)
+  export NCCL_NVLS_ENABLE=0
+  step graph_tests 240 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_graph.py \
+    tests/test_compile.py -k "graph or cuda"
+  tail -3 "$res/graph_tests.log" >> "$res/summary.txt"
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for w in 2 4; do
+    [ "$ngpu" -ge "$w" ] || continue
+    step "decode_$w" 120 torchrun --nproc_per_node "$w" "$here/graph_decode.py" \
+      --json "$res/decode_$w.json"
+    grep " B: " "$res/decode_$w.log" >> "$res/summary.txt"
   done
   ;;
 esac
