@@ -100,3 +100,71 @@ def _rank(rank, ws, path, q):
 def test_collectives_captured_in_graphs_replay_right_every_time(tmp_path):
     got = run_ranks(_rank, WS, (str(tmp_path / "store"),), timeout=420)
     assert got == {r: REPLAYS for r in range(WS)}, got
+
+
+def _killed_rank(rank, ws, path, q):
+    """Rank 1 dies (SIGKILL) after good replays; rank 0 replays once more:
+    the replay must end (the watchdog sees rank 1 gone and releases the
+    words) and rank 0's next call raise, all within the timeout."""
+    import os
+    import signal
+    import time
+    try:
+        import torch.distributed as dist
+        from uccl_collective.p2p import UcclError
+        import uccl_collective  # noqa: F401 - registers "uccl"
+        torch.cuda.set_device(rank)
+        dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws, timeout=__import__("datetime").timedelta(seconds=20))
+        t = torch.zeros(1024, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            dist.all_reduce(t)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            dist.all_reduce(t)
+        for i in range(20):
+            t.fill_(float(rank + i))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(t.cpu(), torch.full((1024,), float(2 * i + 1))), i
+        dist.barrier()
+        if rank == 1:
+            q.put((rank, "dying"))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        g.replay()
+        torch.cuda.synchronize()   # ends once the group failed and released the words
+        ended = time.monotonic() - t0
+        try:
+            dist.all_reduce(torch.ones(4, device="cuda"))
+            torch.cuda.synchronize()
+            q.put((rank, f"no error after rank 1 died (replay ended after {ended:.1f} s)"))
+        except UcclError as e:
+            q.put((rank, (ended, time.monotonic() - t0, str(e))))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_a_rank_killed_during_replays_ends_the_survivors_and_their_next_call_raises(tmp_path):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_killed_rank, args=(r, WS, str(tmp_path / "kill"), q))
+          for r in range(WS)]
+    for p in ps:
+        p.start()
+    try:
+        got = dict(q.get(timeout=180) for _ in ps)
+    finally:
+        for p in ps:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got[1] == "dying", got
+    assert isinstance(got[0], tuple), got[0]
+    ended, raised, msg = got[0]
+    assert raised < 40.0, f"rank 0's next call raised only after {raised:.1f} s"
+    assert "rank 1" in msg, msg

@@ -25,6 +25,7 @@ from test_stream_group import (Ctx, _callers, caller_streams, close_all,  # noqa
 
 R = dist.ReduceOp.RedOpType
 REPLAYS = 300
+PAGE, RANK_BYTES, OFF_PID = 4096, 5 * 4096, 264   # the page's layout (csrc/sg/sg_page.h)
 POISON = -7
 
 
@@ -166,6 +167,46 @@ def test_a_failed_rank_ends_the_survivors_replays_and_their_next_call_raises():
     _callers.stream = s0
     ctx = sgm.StreamCtx(Ctx(None, 0, n, 5.0), groups[0])
     with pytest.raises(UcclError, match="rank 1 went away"):
+        ctx.allreduce(bufs[0].ar, R.SUM, None)
+    for g in graphs:
+        _graph("free", g)
+    close_all(groups, streams)
+
+
+def test_a_peer_process_gone_during_replays_fails_the_group_and_releases_them():
+    """Nothing is pending on the host while graphs replay, yet a peer whose
+    process is gone fails the group (the watchdog watches the peers once the
+    group has captured rounds): rank 1's process id in the page is made a
+    dead process's, and rank 0's replay, waiting for rank 1's, ends; its
+    next call raises naming rank 1."""
+    import struct
+    import subprocess
+    n, count = 2, 16
+    groups = make_groups(n, timeout_s=5.0)
+    graphs = [None] * n
+    bufs = [Bufs(n, count) for _ in range(n)]
+
+    def capture(r):
+        ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
+        graphs[r] = _capture(ctx, bufs[r], _callers.stream)
+        bufs[r].fill(r, 0)
+        _graph("launch", graphs[r], _callers.stream)
+        assert _engine._sg_emu_stream_idle(_callers.stream, 20.0)
+        bufs[r].check(r, 0)
+        return _callers.stream
+    res, err, streams = on_ranks(n, capture)
+    assert err == [None] * n, err
+    s0 = res[0]
+    bufs[0].fill(0, 1)
+    _graph("launch", graphs[0], s0)
+    assert not _engine._sg_emu_stream_idle(s0, 0.3), "rank 0's replay ran without rank 1's"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    struct.pack_into("<Q", groups[0]._mm, PAGE + RANK_BYTES + OFF_PID, dead.pid)
+    assert _engine._sg_emu_stream_idle(s0, 10.0), "rank 0's replay stayed blocked"
+    _callers.stream = s0
+    ctx = sgm.StreamCtx(Ctx(None, 0, n, 5.0), groups[0])
+    with pytest.raises(UcclError, match="rank 1 exited while a CUDA graph"):
         ctx.allreduce(bufs[0].ar, R.SUM, None)
     for g in graphs:
         _graph("free", g)

@@ -33,8 +33,9 @@ int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
     return sg->ops->memops(sg->d, X, ops, nops);
 }
 
-/* A captured round's mappings, kept until the group closes: its graph
- * may be replayed until then, and the watchdog does not time it. */
+/* A captured round's mappings, kept until the group closes (its graph
+ * may be replayed until then; the watchdog does not time it), and its
+ * graph slot taken. */
 int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p)
 {
     struct pending *n = realloc(sg->graph_keep, (size_t)(sg->ngraph_keep + 1) * sizeof(*n));
@@ -42,6 +43,12 @@ int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p)
         return uccl__err(UCCL_ERR_NOMEM, "out of memory");
     sg->graph_keep = n;
     n[sg->ngraph_keep++] = p;
+    /* the slot taken (the next captured round's is the next one); the
+     * watchdog watches the peers from now on */
+    __atomic_store_n(&sg->graph_next, sg->graph_next + 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&sg->mu);
+    pthread_cond_broadcast(&sg->cv);
+    pthread_mutex_unlock(&sg->mu);
     return UCCL_OK;
 }
 

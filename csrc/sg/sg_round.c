@@ -774,8 +774,6 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
             return uccl__sg_fail_rc(sg, rc);
         return rc;
     }
-    if (g >= 0)
-        sg->graph_next++;
     *round_p = k;
     return UCCL_OK;
 }

@@ -22,13 +22,17 @@
  * streams held; fail the group if the oldest round has not passed this
  * rank's stream within the timeout, or a message has not been copied
  * within it, or a peer process is gone; once the group failed (here or at
- * another rank), keep every stream released. */
+ * another rank), keep every stream released.  Once the group has captured
+ * rounds, a graph may be replaying them with nothing pending on the host:
+ * a peer process gone (and not closing its group) fails it then too, which
+ * releases the survivors' replays. */
 static void *watch_main(void *arg)
 {
     uccl_sg_t *sg = arg;
     pthread_mutex_lock(&sg->mu);
     while (!sg->closed) {
-        if (sg->npend == 0 && sg->np2p == 0 && !uccl__sg_failed_locked(sg)) {
+        int graphs = __atomic_load_n(&sg->graph_next, __ATOMIC_RELAXED) > 0;
+        if (sg->npend == 0 && sg->np2p == 0 && !graphs && !uccl__sg_failed_locked(sg)) {
             pthread_cond_wait(&sg->cv, &sg->mu);
             continue;
         }
@@ -47,11 +51,13 @@ static void *watch_main(void *arg)
             continue;
         }
         uccl__sg_reclaim_locked(sg);
-        if (sg->npend == 0 && sg->np2p == 0)
+        int queued = sg->npend || sg->np2p;
+        if (!queued && !graphs)
             continue;
         int gone = -1;
         for (int p = 0; p < sg->size && gone < 0; p++)
-            if (p != sg->rank && !uccl__sg_alive(ld64(w64(sg, p, OFF_PID))))
+            if (p != sg->rank && !uccl__sg_alive(ld64(w64(sg, p, OFF_PID))) &&
+                (queued || !ld64(w64(sg, p, OFF_CLOSING))))
                 gone = p;
         uint64_t now = uccl__now_ns();
         const struct pending *old = sg->npend && now - sg->pend[0].t0 > sg->timeout_ns
@@ -68,7 +74,10 @@ static void *watch_main(void *arg)
             at_w += (size_t)snprintf(words + at_w, sizeof(words) - at_w, "%s%d: %u/%u",
                                      p ? ", " : "", p, ld32(w32(sg, p, OFF_READY)),
                                      ld32(w32(sg, p, OFF_DONE)));
-        if (gone >= 0)
+        if (gone >= 0 && !queued)
+            snprintf(why, sizeof(why), "rank %d exited while a CUDA graph of the group's "
+                     "captured rounds may be replaying", gone);
+        else if (gone >= 0)
             snprintf(why, sizeof(why), "rank %d exited with %d round(s) and %d message(s) "
                      "queued (ready/done words by rank: %s)", gone, sg->npend, sg->np2p, words);
         else if (old)
