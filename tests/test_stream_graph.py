@@ -10,7 +10,8 @@ one it was captured on.  The GPU side (the memory operations counted from
 the epoch as one launch) runs on the GPU machine."""
 from __future__ import annotations
 
-import time
+import struct
+import subprocess
 
 import pytest
 import torch
@@ -137,50 +138,11 @@ def test_captured_rounds_replay_with_the_data_of_each_replay(n):
         assert regs == deregs and maps == 0, counts
 
 
-def test_a_failed_rank_ends_the_survivors_replays_and_their_next_call_raises():
-    """Rank 1 stops replaying and fails the group (as a rank whose process
-    died does, through the watchdog): rank 0's replay, which waits for rank
-    1's, ends, and rank 0's next call raises naming why."""
-    n, count = 2, 16
-    groups = make_groups(n)
-    graphs = [None] * n
-    bufs = [Bufs(n, count) for _ in range(n)]
-
-    def capture(r):
-        ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
-        graphs[r] = _capture(ctx, bufs[r], _callers.stream)
-        for i in range(3):   # good replays first
-            bufs[r].fill(r, i)
-            _graph("launch", graphs[r], _callers.stream)
-            assert _engine._sg_emu_stream_idle(_callers.stream, 20.0)
-            bufs[r].check(r, i)
-        return _callers.stream
-    res, err, streams = on_ranks(n, capture)
-    assert err == [None] * n, err
-    s0 = res[0]
-    bufs[0].fill(0, 3)
-    _graph("launch", graphs[0], s0)   # rank 1 never launches this replay
-    time.sleep(0.2)
-    assert not _engine._sg_emu_stream_idle(s0, 0.05), "rank 0's replay ran without rank 1's"
-    groups[1].c.fail("rank 1 went away during the replays")
-    assert _engine._sg_emu_stream_idle(s0, 10.0), "rank 0's replay stayed blocked"
-    _callers.stream = s0
-    ctx = sgm.StreamCtx(Ctx(None, 0, n, 5.0), groups[0])
-    with pytest.raises(UcclError, match="rank 1 went away"):
-        ctx.allreduce(bufs[0].ar, R.SUM, None)
-    for g in graphs:
-        _graph("free", g)
-    close_all(groups, streams)
-
-
-def test_a_peer_process_gone_during_replays_fails_the_group_and_releases_them():
-    """Nothing is pending on the host while graphs replay, yet a peer whose
-    process is gone fails the group (the watchdog watches the peers once the
-    group has captured rounds): rank 1's process id in the page is made a
-    dead process's, and rank 0's replay, waiting for rank 1's, ends; its
-    next call raises naming rank 1."""
-    import struct
-    import subprocess
+def _stalled_replay(good: int):
+    """Two ranks capture a graph and replay it `good` times, checked; then
+    rank 0 launches one more replay that rank 1 never launches.  Returns
+    (groups, graphs, rank 0's buffers, the callers' streams) with rank 0's
+    replay waiting for rank 1's."""
     n, count = 2, 16
     groups = make_groups(n, timeout_s=5.0)
     graphs = [None] * n
@@ -189,28 +151,52 @@ def test_a_peer_process_gone_during_replays_fails_the_group_and_releases_them():
     def capture(r):
         ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
         graphs[r] = _capture(ctx, bufs[r], _callers.stream)
-        bufs[r].fill(r, 0)
-        _graph("launch", graphs[r], _callers.stream)
-        assert _engine._sg_emu_stream_idle(_callers.stream, 20.0)
-        bufs[r].check(r, 0)
-        return _callers.stream
+        for i in range(good):
+            bufs[r].fill(r, i)
+            _graph("launch", graphs[r], _callers.stream)
+            assert _engine._sg_emu_stream_idle(_callers.stream, 20.0)
+            bufs[r].check(r, i)
     res, err, streams = on_ranks(n, capture)
     assert err == [None] * n, err
-    s0 = res[0]
-    bufs[0].fill(0, 1)
-    _graph("launch", graphs[0], s0)
-    assert not _engine._sg_emu_stream_idle(s0, 0.3), "rank 0's replay ran without rank 1's"
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    struct.pack_into("<Q", groups[0]._mm, PAGE + RANK_BYTES + OFF_PID, dead.pid)
-    assert _engine._sg_emu_stream_idle(s0, 10.0), "rank 0's replay stayed blocked"
-    _callers.stream = s0
-    ctx = sgm.StreamCtx(Ctx(None, 0, n, 5.0), groups[0])
-    with pytest.raises(UcclError, match="rank 1 exited while a CUDA graph"):
-        ctx.allreduce(bufs[0].ar, R.SUM, None)
+    bufs[0].fill(0, good)
+    _graph("launch", graphs[0], streams[0])
+    assert not _engine._sg_emu_stream_idle(streams[0], 0.3), \
+        "rank 0's replay ran without rank 1's"
+    return groups, graphs, bufs[0], streams
+
+
+def _survivor_raises(groups, graphs, bufs, streams, match: str) -> None:
+    """Rank 0's replay ends, and its next call raises naming why."""
+    assert _engine._sg_emu_stream_idle(streams[0], 10.0), "rank 0's replay stayed blocked"
+    _callers.stream = streams[0]
+    ctx = sgm.StreamCtx(Ctx(None, 0, 2, 5.0), groups[0])
+    with pytest.raises(UcclError, match=match):
+        ctx.allreduce(bufs.ar, R.SUM, None)
     for g in graphs:
         _graph("free", g)
     close_all(groups, streams)
+
+
+def test_a_failed_rank_ends_the_survivors_replays_and_their_next_call_raises():
+    """Rank 1 stops replaying and fails the group (as a rank whose process
+    died does, through the watchdog): rank 0's replay, which waits for rank
+    1's, ends, and rank 0's next call raises naming why."""
+    groups, graphs, bufs, streams = _stalled_replay(3)
+    groups[1].c.fail("rank 1 went away during the replays")
+    _survivor_raises(groups, graphs, bufs, streams, "rank 1 went away")
+
+
+def test_a_peer_process_gone_during_replays_fails_the_group_and_releases_them():
+    """Nothing is pending on the host while graphs replay, yet a peer whose
+    process is gone fails the group (the watchdog watches the peers once the
+    group has captured rounds): rank 1's process id in the page is made a
+    dead process's, and rank 0's replay, waiting for rank 1's, ends; its
+    next call raises naming rank 1."""
+    groups, graphs, bufs, streams = _stalled_replay(1)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    struct.pack_into("<Q", groups[0]._mm, PAGE + RANK_BYTES + OFF_PID, dead.pid)
+    _survivor_raises(groups, graphs, bufs, streams, "rank 1 exited while a CUDA graph")
 
 
 def test_a_capture_must_be_a_blocking_call_on_the_capturing_stream():
