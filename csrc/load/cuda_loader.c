@@ -111,6 +111,7 @@ static void load(void)
         OPT(FuncGetParamInfo, "cuFuncGetParamInfo"),
         OPT(StreamBatchMemOp, "cuStreamBatchMemOp"),
         OPT(StreamIsCapturing, "cuStreamIsCapturing"),
+        OPT(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
 #undef OPT
     };
     for (size_t i = 0; i < sizeof(opt) / sizeof(opt[0]); i++) {

@@ -118,6 +118,9 @@ struct uccl__cuda {
     /* optional: whether a stream captures a CUDA graph (*status: 0 none,
      * 1 active, 2 invalidated), for captured rounds (sg/sg_graph.c) */
     cu_result (*StreamIsCapturing)(cu_stream, int *);
+    /* optional: this thread's capture mode swapped (0 global, 1 thread
+     * local, 2 relaxed), for the host part of a captured round */
+    cu_result (*ThreadExchangeStreamCaptureMode)(int *);
 };
 enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 

@@ -89,6 +89,28 @@ static void read_sms(int dev)
         kernels.sms[dev] = 32;
 }
 
+/* This thread's capture mode made relaxed for driver calls that a capture
+ * in global mode refuses (a memory handle exported or opened, a module
+ * loaded): a round captured in a CUDA graph does its host part (this
+ * rank's buffers registered, the peers' mapped, a kernel's first load)
+ * while the caller's stream captures, as torch's allocator relaxes it for
+ * cudaMalloc.  Returns the mode to put back, or -1 (no such driver call). */
+static int relax(void)
+{
+    const struct uccl__cuda *cu = uccl__cuda();
+    int mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */
+    if (!cu || !cu->ThreadExchangeStreamCaptureMode ||
+        cu->ThreadExchangeStreamCaptureMode(&mode) != CU_OK)
+        return -1;
+    return mode;
+}
+
+static void unrelax(int mode)
+{
+    if (mode >= 0)
+        uccl__cuda()->ThreadExchangeStreamCaptureMode(&mode);
+}
+
 /* Under kernels.mu: the module of the parts (sg_kernels.h, NULL-ended),
  * after "#define UCCL_DT <type>" where dtype >= 0, compiled for device dev;
  * its kernel `name`. */
@@ -107,7 +129,9 @@ static int compile_parts(int dev, int dtype, const char *const *parts, const cha
         at = (size_t)snprintf(src, len, "#define UCCL_DT %s\n", dt_names[dtype]);
     for (int i = 0; parts[i]; i++)
         at += (size_t)snprintf(src + at, len - at, "%s", parts[i]);
+    int m = relax(); /* a first use may come in a captured round */
     int rc = uccl_gpu_compile(dev, src, name, 0, NULL, NULL, 0, NULL, NULL, 0, k_p);
+    unrelax(m);
     free(src);
     if (rc == UCCL_OK)
         read_sms(dev);
@@ -535,13 +559,17 @@ static uint64_t any_conn(struct cuda_dev *d) { return d->conns[(d->rank + 1) % d
 static int cuda_reg(void *dp, uintptr_t ptr, size_t len, uint64_t *reg_p)
 {
     struct cuda_dev *d = dp;
-    return uccl_ep_reg(d->ep, ptr, len, reg_p);
+    int m = relax(), rc = uccl_ep_reg(d->ep, ptr, len, reg_p);
+    unrelax(m);
+    return rc;
 }
 
 static int cuda_key(void *dp, uint64_t reg, uintptr_t ptr, size_t len, uint64_t *key_p)
 {
     struct cuda_dev *d = dp;
-    return uccl_ep_ipc_key(d->ep, any_conn(d), reg, ptr, len, key_p);
+    int m = relax(), rc = uccl_ep_ipc_key(d->ep, any_conn(d), reg, ptr, len, key_p);
+    unrelax(m);
+    return rc;
 }
 
 static void cuda_dereg(void *dp, uint64_t reg)
@@ -556,7 +584,9 @@ static int cuda_map(void *dp, int peer, uint64_t key, uint64_t addr, size_t len,
 {
     struct cuda_dev *d = dp;
     void *ptr = NULL;
-    int rc = uccl_ep_ipc_map(d->ep, d->conns[peer], key, addr, len, d->dev, &ptr, imp_p);
+    int m = relax(), rc = uccl_ep_ipc_map(d->ep, d->conns[peer], key, addr, len, d->dev, &ptr,
+                                          imp_p);
+    unrelax(m);
     if (rc == UCCL_OK)
         *ptr_p = (uintptr_t)ptr;
     return rc;
