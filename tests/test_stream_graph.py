@@ -75,7 +75,7 @@ class Bufs:
         ctx.allgather(self.ag_in, self.ag_out)
         ctx.reduce_scatter(self.rs_out, self.rs_in, R.SUM, None, "reduce_scatter")
         ctx.broadcast(self.bc, 1 % self.n)
-        ctx.all_to_all(self.a2a_in, self.a2a_out, "all_to_all")
+        ctx.all_to_all(self.a2a_in, self.a2a_out)
 
     def check(self, r: int, i: int) -> None:
         n, c = self.n, self.count
