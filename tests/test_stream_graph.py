@@ -186,17 +186,33 @@ def test_a_failed_rank_ends_the_survivors_replays_and_their_next_call_raises():
     _survivor_raises(groups, graphs, bufs, streams, "rank 1 went away")
 
 
-def test_a_peer_process_gone_during_replays_fails_the_group_and_releases_them():
+@pytest.mark.parametrize("how", ["reaped", "zombie"])
+def test_a_peer_process_gone_during_replays_fails_the_group_and_releases_them(how):
     """Nothing is pending on the host while graphs replay, yet a peer whose
     process is gone fails the group (the watchdog watches the peers once the
     group has captured rounds): rank 1's process id in the page is made a
     dead process's, and rank 0's replay, waiting for rank 1's, ends; its
-    next call raises naming rank 1."""
+    next call raises naming rank 1.  "zombie": the dead process is not
+    reaped yet (its parent has not waited for it, as a launcher blocked
+    elsewhere has not), so it still answers kill(pid, 0)."""
     groups, graphs, bufs, streams = _stalled_replay(1)
     dead = subprocess.Popen(["true"])
-    dead.wait()
-    struct.pack_into("<Q", groups[0]._mm, PAGE + RANK_BYTES + OFF_PID, dead.pid)
-    _survivor_raises(groups, graphs, bufs, streams, "rank 1 exited while a CUDA graph")
+    if how == "reaped":
+        dead.wait()
+    else:
+        with open(f"/proc/{dead.pid}/stat") as f:   # exited, not reaped: state Z
+            for _ in range(500):
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+                f.seek(0)
+                __import__("time").sleep(0.01)
+            else:
+                raise AssertionError(f"process {dead.pid} did not exit")
+    try:
+        struct.pack_into("<Q", groups[0]._mm, PAGE + RANK_BYTES + OFF_PID, dead.pid)
+        _survivor_raises(groups, graphs, bufs, streams, "rank 1 exited while a CUDA graph")
+    finally:
+        dead.wait()
 
 
 def test_a_capture_must_be_a_blocking_call_on_the_capturing_stream():

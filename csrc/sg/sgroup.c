@@ -12,6 +12,7 @@
 #include "sg/sg_page.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <pthread.h>
 #include <sched.h>
@@ -37,7 +38,24 @@ int uccl__sg_alive(uint64_t pid)
 {
     if (pid == 0 || pid > 0x7fffffff)
         return 1; /* not written yet */
-    return kill((pid_t)pid, 0) == 0 || errno != ESRCH;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+        return 0;
+    /* A process that died but that its parent has not reaped (a zombie)
+     * still answers kill(); its state in /proc says it is gone.  A rank
+     * SIGKILLed under torchrun or multiprocessing stays one until its
+     * parent's next poll, or for good while the parent blocks elsewhere. */
+    char path[48], buf[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 1; /* no /proc to ask: kill() said alive */
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 1;
+    buf[n] = '\0';
+    const char *end = strrchr(buf, ')'); /* the name may hold anything, ')' too */
+    return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
 }
 
 /* Room for one more of *arr's n elements of esz bytes (capacity *cap,
