@@ -229,7 +229,7 @@ case "$PART" in
   ;;
 10)
   export NCCL_NVLS_ENABLE=0
-  step graph_tests 240 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_graph.py \
+  step graph_tests 300 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_graph.py \
     tests/test_compile.py -k "graph or cuda"
   tail -3 "$res/graph_tests.log" >> "$res/summary.txt"
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

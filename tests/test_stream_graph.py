@@ -102,10 +102,12 @@ def _capture(ctx, bufs: Bufs, stream: int) -> int:
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_captured_rounds_replay_with_the_data_of_each_replay(n):
+def test_captured_rounds_replay_with_the_data_of_each_replay(n, round_form):
     """Two graphs of five collectives each, captured once and replayed
     REPLAYS times in turn, every second replay on a stream other than the
-    capturing one; every replay's results checked."""
+    capturing one; every replay's results checked.  One-launch rounds
+    (round_form): the all_reduce and the allgather are captured as one
+    launch each (an arena of their own, numbered from its epoch)."""
     groups = make_groups(n)
     count = 37
 
@@ -116,6 +118,8 @@ def test_captured_rounds_replay_with_the_data_of_each_replay(n):
         a, b = Bufs(n, count), Bufs(n, count)
         ga, gb = _capture(ctx, a, mine), _capture(ctx, b, mine)
         try:
+            want = 2 if round_form == "one-launch" else 0   # the all_reduce and the allgather
+            assert [_graph("launches", g) for g in (ga, gb)] == [want, want]
             assert _engine._sg_emu_stream_idle(mine, 5.0), "a capture ran something"
             for i in range(REPLAYS):
                 s = mine if i % 2 == 0 else other

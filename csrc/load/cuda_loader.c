@@ -112,6 +112,7 @@ static void load(void)
         OPT(StreamBatchMemOp, "cuStreamBatchMemOp"),
         OPT(StreamIsCapturing, "cuStreamIsCapturing"),
         OPT(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
+        OPT(MemsetD32Async, "cuMemsetD32Async"), OPT(StreamSynchronize, "cuStreamSynchronize"),
 #undef OPT
     };
     for (size_t i = 0; i < sizeof(opt) / sizeof(opt[0]); i++) {

@@ -121,6 +121,9 @@ struct uccl__cuda {
     /* optional: this thread's capture mode swapped (0 global, 1 thread
      * local, 2 relaxed), for the host part of a captured round */
     cu_result (*ThreadExchangeStreamCaptureMode)(int *);
+    /* optional: a captured round's arena zeroed (sg_cuda.c, cuda_alloc) */
+    cu_result (*MemsetD32Async)(cu_ptr, unsigned, size_t, cu_stream);
+    cu_result (*StreamSynchronize)(cu_stream);
 };
 enum { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 

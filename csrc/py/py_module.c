@@ -159,7 +159,8 @@ static PyMethodDef module_methods[] = {
     {"_sg_emu_stream_idle", uccl__py_sg_emu_stream_idle, METH_VARARGS,
      "_sg_emu_stream_idle(stream, timeout_s) -> True once what it queued has run"},
     {"_sg_emu_graph", uccl__py_sg_emu_graph, METH_VARARGS,
-     "_sg_emu_graph(what, a[, b]): begin/end (-> graph) a capture, launch/free a graph"},
+     "_sg_emu_graph(what, a[, b]): begin/end (-> graph) a capture, launch/free a graph, "
+     "launches (-> its one-launch rounds)"},
     {"fast_setup", uccl__py_fast_setup, METH_VARARGS,
      "fast_setup(tensor, strided, profiler_enabled, capturing, raw_stream, work): torch's "
      "pieces, for FastPath's calls"},

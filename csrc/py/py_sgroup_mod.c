@@ -87,9 +87,12 @@ PyObject *uccl__py_sg_emu_graph(PyObject *module, PyObject *args)
     else if (!strcmp(what, "free")) {
         uccl_sg_emu_graph_free((uintptr_t)a);
         rc = UCCL_OK;
+    } else if (!strcmp(what, "launches")) {
+        graph = (uintptr_t)uccl_sg_emu_graph_launches((uintptr_t)a);
+        rc = UCCL_OK;
     } else
-        return PyErr_Format(PyExc_ValueError, "_sg_emu_graph: %s? (begin, end, launch, free)",
-                            what);
+        return PyErr_Format(PyExc_ValueError, "_sg_emu_graph: %s? (begin, end, launch, free, "
+                            "launches)", what);
     if (rc)
         return uccl__py_raise(module, rc, uccl_last_error());
     return PyLong_FromUnsignedLongLong((unsigned long long)graph);

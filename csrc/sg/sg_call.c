@@ -42,12 +42,16 @@ static int run(uccl_sg_t *sg, const struct uccl_sg_opts *o, struct uccl_sg_call 
 }
 
 /* Whether nb bytes per rank go as a one-launch round: the group has an
- * arena whose slots hold them (the same on every rank), and the caller's
- * stream is not capturing a CUDA graph (a captured round is two-sided). */
+ * arena whose slots hold them (the same on every rank), and where the
+ * caller's stream captures a CUDA graph, the device captures one-launch
+ * rounds (sg_graph.c; else the captured round is two-sided). */
 static int fits(uccl_sg_t *sg, const struct uccl_sg_opts *o, size_t nb)
 {
     size_t most = uccl_sg_fused_bytes(sg);
-    return most && nb <= most && uccl_sg_capturing(sg, o->caller) == 0;
+    if (!most || nb > most)
+        return 0;
+    int on = uccl_sg_capturing(sg, o->caller);
+    return on == 0 || (on == 1 && o->caller_waits && !o->end_event && uccl_sg_graph_fuses(sg));
 }
 
 /* A one-launch round (sg_round.c). */

@@ -77,6 +77,9 @@ struct pending {
     uint64_t t0;
     int nimp;
     void **imp;
+    uintptr_t area;   /* a captured one-launch round's arena (sg_graph.c), or 0 */
+    size_t area_len;
+    uint64_t reg;     /* ... and its registration, pinned */
 };
 
 /* ---- point-to-point channels (sg_p2p.c): one per ordered pair (src, dst),
@@ -253,6 +256,15 @@ void uccl__sg_reclaim_locked(uccl_sg_t *sg);
  * what it holds (a mapping, a pinned registration), released. */
 int uccl__sg_p2p_add(uccl_sg_t *sg, struct p2p_pending p);
 void uccl__sg_p2p_free(uccl_sg_t *sg, struct p2p_pending *p);
+/* What the peers published in the round whose slots were read last
+ * (peer_ent): rank r's entry under tag, or NULL; that entry checked for a
+ * read of [off, +len) (exactly len bytes where exact); that range mapped
+ * for this rank's streams into *ptr_p, the mapping kept in p. */
+const struct entry *uccl__sg_peer_entry(uccl_sg_t *sg, int r, uint64_t tag);
+int uccl__sg_find_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
+                        size_t len, int exact, const struct entry **e_p);
+int uccl__sg_map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
+                       size_t len, int exact, struct pending *p, uintptr_t *ptr_p);
 /* ---- sg_p2p.c (under mu): a pending message's failure reasons, for sg_watch.c ---- */
 void uccl__sg_p2p_why(uccl_sg_t *sg, const struct p2p_pending *p, int closing, char *why,
                       size_t len);
@@ -271,5 +283,15 @@ int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
 int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p);
 /* Under mu, as uccl__sg_release_words: every captured round's words. */
 void uccl__sg_graph_release(uccl_sg_t *sg);
+/* A captured one-launch round of nbytes per rank, round k: its own arena
+ * made and registered (in p, kept until close), *e the entry that
+ * publishes it; then, once the peers' slots of the round are read, their
+ * arenas mapped (into p) and the launch queued on stream X. */
+int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pending *p,
+                         struct entry *e);
+int uccl__sg_graph_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, const char *what,
+                         uintptr_t X, struct pending *p);
+/* At close, once no stream can replay them: the captured rounds' arenas. */
+void uccl__sg_graph_free(uccl_sg_t *sg);
 
 #endif

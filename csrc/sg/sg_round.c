@@ -75,63 +75,13 @@ static int check_call(uccl_sg_t *sg, const struct uccl_sg_call *c)
     return UCCL_OK;
 }
 
-/* The entry rank r published under tag in this round (r may be this rank:
- * then from the call's own list), or NULL. */
-static const struct entry *peer_entry(uccl_sg_t *sg, int r, uint64_t tag)
-{
-    const struct entry *e = sg->peer_ent + (size_t)r * MAX_ENTRIES;
-    for (uint32_t i = 0; i < sg->peer_cnt[r]; i++)
-        if (e[i].tag == tag)
-            return &e[i];
-    return NULL;
-}
-
+/* This rank's own non-empty publication under tag in call c, or NULL. */
 static const struct uccl_sg_pub *own_entry(const struct uccl_sg_call *c, uint64_t tag)
 {
     for (int i = 0; i < c->npub; i++)
         if (c->pub[i].tag == tag && c->pub[i].len)
             return &c->pub[i];
     return NULL;
-}
-
-/* What rank r published under tag, checked for a read of [off, +len) (of
- * exactly len bytes where exact), in *e_p. */
-static int find_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
-                      size_t len, int exact, const struct entry **e_p)
-{
-    const struct entry *e = peer_entry(sg, r, tag);
-    if (!e)
-        return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d published nothing for rank %d to read "
-                         "%zu bytes from (tag %#llx): the ranks' calls disagree", what, r,
-                         sg->rank, len, (unsigned long long)tag);
-    if (e->addr + e->len < e->addr)
-        return uccl__err(UCCL_ERR_PROTO, "%s: rank %d published [%#llx, +%llu), which wraps "
-                         "round the address space", what, r, (unsigned long long)e->addr,
-                         (unsigned long long)e->len);
-    if (exact && e->len != len)
-        return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d sends %llu bytes where rank %d "
-                         "receives %zu", what, r, (unsigned long long)e->len, sg->rank, len);
-    if (off > e->len || len > e->len - off)
-        return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d published %llu bytes; rank %d reads "
-                         "[%llu, +%zu): the ranks' calls disagree", what, r,
-                         (unsigned long long)e->len, sg->rank, (unsigned long long)off, len);
-    *e_p = e;
-    return UCCL_OK;
-}
-
-/* Map [off, +len) of what rank r published under tag into *ptr_p. */
-static int map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
-                     size_t len, int exact, struct pending *p, uintptr_t *ptr_p)
-{
-    const struct entry *e = NULL;
-    int rc = find_range(sg, what, r, tag, off, len, exact, &e);
-    if (rc)
-        return rc;
-    void *imp = NULL;
-    rc = sg->ops->map(sg->d, r, e->key, e->addr + off, len, ptr_p, &imp);
-    if (rc == UCCL_OK && imp)
-        p->imp[p->nimp++] = imp;
-    return rc;
 }
 
 static size_t arena_len(const uccl_sg_t *sg) { return 2 * sg->fz_slot + UCCL_SG_FUSED_TAIL; }
@@ -406,12 +356,12 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
         if (q->len == 0) { /* nothing to map or copy; an exact one still pairs with the peer's */
             const struct entry *e;
             if (q->exact)
-                rc = find_range(sg, what, q->peer, q->tag, q->off, 0, 1, &e);
+                rc = uccl__sg_find_range(sg, what, q->peer, q->tag, q->off, 0, 1, &e);
             continue;
         }
         struct uccl_sg_copy *to = q->phase == 1 ? &cp[n1++] : &cp2[-++n2];
         *to = (struct uccl_sg_copy){q->dst, 0, q->len};
-        rc = map_range(sg, what, q->peer, q->tag, q->off, q->len, q->exact, p, &to->src);
+        rc = uccl__sg_map_range(sg, what, q->peer, q->tag, q->off, q->len, q->exact, p, &to->src);
         if (q->phase == 1)
             reads[q->peer] = 1;
     }
@@ -433,7 +383,7 @@ static int queue_round(uccl_sg_t *sg, const struct uccl_sg_call *c, const char *
                 else
                     ra.src[r] = o->ptr + red->off;
             } else {
-                rc = map_range(sg, what, r, red->tag, red->off, nb, 0, p, &ra.src[r]);
+                rc = uccl__sg_map_range(sg, what, r, red->tag, red->off, nb, 0, p, &ra.src[r]);
                 reads[r] = 1;
             }
         }
@@ -519,10 +469,12 @@ static int fused_steps(uccl_sg_t *sg, uintptr_t X, const struct uccl__sg_fused_a
  * The launch where the device makes one for this round, else the steps. */
 static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k, uintptr_t X)
 {
-    struct uccl__sg_fused_args a = {fz->gather, fz->dtype, fz->op, sg->size, sg->rank, k,
-                                    fz->in, fz->out, arena_tail(sg, sg->rank),
-                                    fz->nbytes, fz->count, {0}, {NULL}, {0},
-                                    w32(sg, sg->rank, OFF_FIN), (uint32_t *)sg->page};
+    struct uccl__sg_fused_args a = {.gather = fz->gather, .dtype = fz->dtype, .op = fz->op,
+                                    .nsrc = sg->size, .me = sg->rank, .k = k, .in = fz->in,
+                                    .out = fz->out, .ctr = arena_tail(sg, sg->rank),
+                                    .nbytes = fz->nbytes, .count = fz->count,
+                                    .fin = w32(sg, sg->rank, OFF_FIN),
+                                    .failed = (uint32_t *)sg->page};
     for (int r = 0; r < sg->size; r++) {
         a.slot[r] = sg->fz_peer[r] + sg->fz_flip * sg->fz_slot;
         a.ready[r] = w32(sg, r, OFF_READY);
@@ -539,16 +491,16 @@ static int queue_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, uint32_t k
  * two ranks' GPU identities are the same, uccl__sg_dev.fused_id says why). */
 static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
 {
-    struct pending p = {0, 0, 0, sg->fz_imp};
+    struct pending p = {.imp = sg->fz_imp};
     uint64_t ids[UCCL_SG_FUSED_RANKS];
     int rc = UCCL_OK;
     for (int r = 0; r < sg->size; r++) {
-        const struct entry *e = r == sg->rank ? NULL : peer_entry(sg, r, FZ_INFO);
+        const struct entry *e = r == sg->rank ? NULL : uccl__sg_peer_entry(sg, r, FZ_INFO);
         ids[r] = r == sg->rank ? my_id : e ? e->addr : 0;
     }
     for (int r = 0; r < sg->size && !rc; r++)
         if (r != sg->rank)
-            rc = map_range(sg, what, r, FZ_TAG, 0, arena_len(sg), 1, &p, &sg->fz_peer[r]);
+            rc = uccl__sg_map_range(sg, what, r, FZ_TAG, 0, arena_len(sg), 1, &p, &sg->fz_peer[r]);
     sg->fz_nimp = p.nimp;
     sg->fz_mapped = !rc;
     int off = 0;
@@ -566,7 +518,7 @@ static int map_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
 static int take_arenas(uccl_sg_t *sg, const char *what, uint64_t my_id)
 {
     for (int r = 0; r < sg->size; r++) {
-        const struct entry *e = r == sg->rank ? NULL : peer_entry(sg, r, FZ_TAG);
+        const struct entry *e = r == sg->rank ? NULL : uccl__sg_peer_entry(sg, r, FZ_TAG);
         if (r != sg->rank && (!e || e->len != arena_len(sg))) {
             sg->fz_tried = 1;
             return UCCL_OK;
@@ -694,7 +646,8 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
             rc = uccl__sg_reg_key(sg, c->pub[i].ptr, c->pub[i].len, k, &ent[nent].key, NULL);
         nent++;
     }
-    int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped;
+    /* a captured one-launch round exchanges: the peers map its own arena */
+    int fused = c->fused != NULL, exchange = !fused || !sg->fz_mapped || g >= 0;
     /* the arenas go with the first round that reads the peers' slots,
      * whatever its kind: a two-sided round's handshakes poll them too */
     int arenas = exchange && sg->fz_arena && !sg->fz_mapped &&
@@ -710,20 +663,22 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
     __atomic_store_n(&sg->round, k, __ATOMIC_RELAXED); /* posts read it (sg_p2p.c) */
     /* what a two-sided round maps, and its word operations (a one-launch
      * round has neither) */
-    struct pending p = {k, uccl__now_ns(), 0, NULL};
+    struct pending p = {.k = k, .t0 = uccl__now_ns()};
     struct uccl__sg_memop *ops = NULL;
-    if (!fused) {
+    if (!fused || g >= 0)
         p.imp = calloc((size_t)c->npull + (size_t)sg->size + 1, sizeof(void *));
+    if (!fused)
         ops = calloc(2 * (size_t)sg->size + 2, sizeof(*ops));
-    }
-    if (!fused && (!p.imp || !ops)) {
+    if ((!fused || g >= 0) && (!p.imp || (!fused && !ops))) {
         free(p.imp);
         free(ops);
         uccl__err(UCCL_ERR_NOMEM, "out of memory");
         return uccl__sg_fail_rc(sg, UCCL_ERR_NOMEM);
     }
+    if (fused && g >= 0) /* kept with the round's mappings until close, even if this fails */
+        rc = uccl__sg_graph_arena(sg, c->fused->nbytes, k, &p, &ent[nent++]);
     uintptr_t X = c->caller; /* captured: on the capturing stream, nothing else joins it */
-    if (g < 0)
+    if (!rc && g < 0)
         rc = order_round(sg, c, &X);
     if (!rc && g < 0 && refresh_due(k))
         rc = refresh_words(sg, X, k);
@@ -741,7 +696,12 @@ static int round_locked(uccl_sg_t *sg, const struct uccl_sg_call *c, uccl_sg_int
         if (exchange)
             rc = read_peers(sg, c, what, k, deadline, intr, intr_arg);
     }
-    if (!rc && fused) {
+    if (!rc && fused && g >= 0) {
+        rc = arenas ? map_arenas(sg, what, id) : UCCL_OK;
+        if (!rc)
+            rc = uccl__sg_graph_fused(sg, c->fused, what, X, &p);
+        consumed(sg, k);
+    } else if (!rc && fused) {
         if (exchange) {
             rc = map_arenas(sg, what, id);
             consumed(sg, k);

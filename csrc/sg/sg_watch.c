@@ -280,6 +280,8 @@ int uccl_sg_close(uccl_sg_t *sg)
             free(sg->graph_keep[i].imp);
     }
     uccl__sg_reg_drop_all(sg);
+    if (ok) /* after their registrations: the captured rounds' arenas */
+        uccl__sg_graph_free(sg);
     sg->ops->event_free(sg->d, sg->ev_start);
     sg->ops->event_free(sg->d, sg->ev_mark);
     sg->ops->event_free(sg->d, sg->ev_p2p);

@@ -485,3 +485,55 @@ void uccl__sg_reclaim(uccl_sg_t *sg)
     uccl__sg_reclaim_locked(sg);
     pthread_mutex_unlock(&sg->mu);
 }
+
+/* ---- what the peers published in this round (read_peers, sg_round.c) ---- */
+
+/* The entry rank r (a peer) published under tag in this round, or NULL. */
+const struct entry *uccl__sg_peer_entry(uccl_sg_t *sg, int r, uint64_t tag)
+{
+    const struct entry *e = sg->peer_ent + (size_t)r * MAX_ENTRIES;
+    for (uint32_t i = 0; i < sg->peer_cnt[r]; i++)
+        if (e[i].tag == tag)
+            return &e[i];
+    return NULL;
+}
+
+/* What rank r published under tag, checked for a read of [off, +len) (of
+ * exactly len bytes where exact), in *e_p. */
+int uccl__sg_find_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
+                        size_t len, int exact, const struct entry **e_p)
+{
+    const struct entry *e = uccl__sg_peer_entry(sg, r, tag);
+    if (!e)
+        return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d published nothing for rank %d to read "
+                         "%zu bytes from (tag %#llx): the ranks' calls disagree", what, r,
+                         sg->rank, len, (unsigned long long)tag);
+    if (e->addr + e->len < e->addr)
+        return uccl__err(UCCL_ERR_PROTO, "%s: rank %d published [%#llx, +%llu), which wraps "
+                         "round the address space", what, r, (unsigned long long)e->addr,
+                         (unsigned long long)e->len);
+    if (exact && e->len != len)
+        return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d sends %llu bytes where rank %d "
+                         "receives %zu", what, r, (unsigned long long)e->len, sg->rank, len);
+    if (off > e->len || len > e->len - off)
+        return uccl__err(UCCL_ERR_MISMATCH, "%s: rank %d published %llu bytes; rank %d reads "
+                         "[%llu, +%zu): the ranks' calls disagree", what, r,
+                         (unsigned long long)e->len, sg->rank, (unsigned long long)off, len);
+    *e_p = e;
+    return UCCL_OK;
+}
+
+/* Map [off, +len) of what rank r published under tag into *ptr_p. */
+int uccl__sg_map_range(uccl_sg_t *sg, const char *what, int r, uint64_t tag, uint64_t off,
+                       size_t len, int exact, struct pending *p, uintptr_t *ptr_p)
+{
+    const struct entry *e = NULL;
+    int rc = uccl__sg_find_range(sg, what, r, tag, off, len, exact, &e);
+    if (rc)
+        return rc;
+    void *imp = NULL;
+    rc = sg->ops->map(sg->d, r, e->key, e->addr + off, len, ptr_p, &imp);
+    if (rc == UCCL_OK && imp)
+        p->imp[p->nimp++] = imp;
+    return rc;
+}

@@ -51,6 +51,7 @@ struct cuda_dev {
     uccl_kernel_t *sync_k, *gather_k;
     int gather_fit;
     int fz_scope;             /* spinning launches' fences: 0 not known yet, FENCE_GPU, FENCE_SYS */
+    cu_stream zero_stream;    /* where cuda_alloc zeroes, made at its first call */
 };
 
 /* The one-launch round's grid (cuda_fused). */
@@ -354,14 +355,20 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
      * launch's staging and its reduction then split the bytes between its
      * blocks differently, and one block could overwrite input another is
      * still to stage. */
-    if (!a->gather && a->in == a->out && (a->in & 15))
+    if (!a->epoch && !a->gather && a->in == a->out && (a->in & 15))
         return UCCL_ERR_UNAVAIL;
+    int mode = a->epoch ? relax() : -1; /* captured: a first compile and load */
     uccl_kernel_t *k = fused_kernel(d->dev, dt);
+    unrelax(mode);
     if (!k)
-        return UCCL_ERR_UNAVAIL;
+        return a->epoch ? uccl__err(UCCL_ERR_UNAVAIL, "a captured one-launch round needs the "
+                                    "uccl_sg_fused kernel, which did not compile: %s",
+                                    uccl_last_error())
+                        : UCCL_ERR_UNAVAIL;
     struct uccl__k_fused fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,
                             .count = a->count, .fin = (uint64_t)(uintptr_t)a->fin,
-                            .failed = (uint64_t)(uintptr_t)a->failed, .k = a->k,
+                            .failed = (uint64_t)(uintptr_t)a->failed,
+                            .epoch = (uint64_t)(uintptr_t)a->epoch, .flip = a->flip, .k = a->k,
                             .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me,
                             .sys = fence_sys(d, a->dready, a->nsrc, a->me)};
     for (int r = 0; r < a->nsrc; r++) {
@@ -602,6 +609,8 @@ static void cuda_destroy(void *dp)
 {
     struct cuda_dev *d = dp;
     if (d) {
+        if (d->zero_stream && uccl__cuda_use(d->dev) == UCCL_OK)
+            uccl__cuda()->StreamDestroy(d->zero_stream);
         free(d->conns);
         free(d);
     }
@@ -625,13 +634,55 @@ static int cuda_capturing(void *dp, uintptr_t stream)
     return status == 1;
 }
 
+/* Zeroed on a stream of the device's own, waited for here: the caller's
+ * stream may be capturing (relaxed mode lets these calls through), and a
+ * synchronous memset would order itself after the capturing stream's
+ * work, which a capture refuses. */
+static int cuda_alloc(void *dp, size_t len, uintptr_t *ptr_p)
+{
+    struct cuda_dev *d = dp;
+    const struct uccl__cuda *cu = uccl__cuda();
+    int rc = uccl__cuda_use(d->dev);
+    if (rc)
+        return rc;
+    if (!cu->MemsetD32Async || !cu->StreamSynchronize)
+        return uccl__err(UCCL_ERR_UNAVAIL, "this CUDA driver lacks cuMemsetD32Async or "
+                         "cuStreamSynchronize (captured one-launch rounds)");
+    int mode = relax();
+    cu_ptr p = 0;
+    cu_result r = cu->MemAlloc(&p, (len + 3) / 4 * 4);
+    const char *call = "cuMemAlloc";
+    if (r == CU_OK && !d->zero_stream &&
+        (r = cu->StreamCreate(&d->zero_stream, CU_STREAM_NON_BLOCKING)) != CU_OK)
+        call = "cuStreamCreate";
+    if (r == CU_OK && (r = cu->MemsetD32Async(p, 0, (len + 3) / 4, d->zero_stream)) != CU_OK)
+        call = "cuMemsetD32Async";
+    if (r == CU_OK && (r = cu->StreamSynchronize(d->zero_stream)) != CU_OK)
+        call = "cuStreamSynchronize";
+    unrelax(mode);
+    if (r != CU_OK) {
+        if (p)
+            cu->MemFree(p);
+        return uccl__cuda_err(r, call);
+    }
+    *ptr_p = (uintptr_t)p;
+    return UCCL_OK;
+}
+
+static void cuda_free_mem(void *dp, uintptr_t ptr)
+{
+    struct cuda_dev *d = dp;
+    if (uccl__cuda_use(d->dev) == UCCL_OK)
+        uccl__cuda()->MemFree((cu_ptr)ptr);
+}
+
 static const struct uccl__sg_dev cuda_ops = {
     .memops = cuda_memops, .copies = cuda_copies, .reduce = cuda_reduce,
     .event_new = cuda_event_new, .event_free = cuda_event_free, .record = cuda_record,
     .wait_event = cuda_wait_event, .query = cuda_query, .reg = cuda_reg, .key = cuda_key,
     .dereg = cuda_dereg, .map = cuda_map, .unmap = cuda_unmap, .destroy = cuda_destroy,
     .fused = cuda_fused, .fused_id = cuda_fused_id, .sync = cuda_sync, .gather = cuda_gather,
-    .capturing = cuda_capturing,
+    .capturing = cuda_capturing, .alloc = cuda_alloc, .free_mem = cuda_free_mem,
 };
 
 int uccl_sg_cuda_new(uccl_ep_t *ep, const uint64_t *conns, int rank, int size, int dev,

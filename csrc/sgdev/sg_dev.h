@@ -60,6 +60,7 @@
 #define UCCL_SG_FUSED_DONE 80  /* ... and a two-sided round's done and done2 (uccl__sg_sync_args) */
 #define UCCL_SG_FUSED_DONE2 96
 #define UCCL_SG_FUSED_SEEN 8   /* the one-launch kernel's last round whose peers block 0 saw */
+#define UCCL_SG_FUSED_EPOCH 16 /* a captured round's arena: its last replay (fused_args.epoch) */
 
 /* One copy: len bytes from src to dst, addresses this process may use on
  * the device (its own memory, or a peer's as map() gave it). */
@@ -93,7 +94,16 @@ struct uccl__sg_red_args {
 /* A one-launch round as the device runs it: slot[r] is rank r's staging
  * slot of this round (mine: where in is staged), ready[r] its ready word in
  * the page and dready[r] the same word in its arena (what launches poll);
- * ctr the arena's counters; failed the page's flag (a spin ends there). */
+ * ctr the arena's counters; failed the page's flag (a spin ends there).
+ *
+ * epoch: NULL, or the round is captured in a CUDA graph (sg_graph.c) and
+ * numbers itself when it runs: k is *epoch + 1 as the launch reads it, and
+ * *epoch is set to k at its end; its slots are slot[r] + flip where k is
+ * odd (a replay stages where the peers' reads of the replay before the
+ * last are over, as the arena's slots alternate); this rank's input is
+ * read from its slot, not in place, and its own ready word waited for too
+ * (every block's staging over before any block writes out: in and out may
+ * overlap however they are aligned); ready[] and fin are NULL. */
 struct uccl__sg_fused_args {
     int gather, dtype, op, nsrc, me;
     uint32_t k;
@@ -103,6 +113,8 @@ struct uccl__sg_fused_args {
     uint32_t *ready[UCCL_SG_FUSED_RANKS];
     uintptr_t dready[UCCL_SG_FUSED_RANKS];
     uint32_t *fin, *failed;
+    uint32_t *epoch;
+    size_t flip;
 };
 /* A handshake of a two-sided round as one launch: this rank's word set to
  * k (mine: in its arena; page: the same word in the page, what the host and
@@ -196,6 +208,13 @@ struct uccl__sg_dev {
      * driver's error.  What the caller queues while it captures runs only
      * when the graph is launched, any number of times.  Rounds call it. */
     int (*capturing)(void *d, uintptr_t stream);
+    /* Device memory of len bytes, zeroed, that the peers may map (reg):
+     * a captured one-launch round's arena (sg_graph.c), kept until close;
+     * called while the caller's stream captures.  free_mem gives it back
+     * (close, once no stream can run the round again).  NULL where the
+     * device has no launch that spins (fused). */
+    int (*alloc)(void *d, size_t len, uintptr_t *ptr_p);
+    void (*free_mem)(void *d, uintptr_t ptr);
 
     /* ---- launches that spin (optional: NULL where the device has none) ----
      * These launches wait on the GPU, polling peers' words in the arenas
@@ -210,7 +229,9 @@ struct uccl__sg_dev {
 
     /* A one-launch round: in staged into this rank's slot, ready written,
      * the peers' ready words awaited, out computed from every rank's slot
-     * (the reduction in rank order, or the gather), fin written. */
+     * (the reduction in rank order, or the gather), fin written.  A
+     * captured one (a->epoch) has no steps to fall back on: UCCL_ERR_UNAVAIL
+     * there is an error to report. */
     int (*fused)(void *d, uintptr_t stream, const struct uccl__sg_fused_args *a);
     /* 0 where this rank's launches run beside other processes' (MPS, or the
      * emulated device; or NULL), else its GPU's identity: one-launch rounds
@@ -248,7 +269,9 @@ void uccl_sg_cuda_forget_ep(void *d);
 int uccl_sg_kernel_ready(int dev, int dtype);
 /* The emulated device (sg_emu.c, tests): a stream is a handle of
  * uccl_sg_emu_stream_new, memory is this process's, keys are addresses (no
- * access checks).  It has no launches (fused, fused_id, sync, gather NULL). */
+ * access checks).  It has no launches (fused_id, sync, gather NULL), but for
+ * captured one-launch rounds (fused with an epoch), which it runs as one
+ * operation of its stream's thread: they have no steps to fall back on. */
 int uccl_sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p);
 /* Its counts: registrations made, released, mappings live.  The device
  * outlives its group (destroy leaves it) so tests can read them after
@@ -271,5 +294,7 @@ int uccl_sg_emu_capture_begin(uintptr_t stream);
 int uccl_sg_emu_capture_end(uintptr_t stream, uintptr_t *graph_p);
 int uccl_sg_emu_graph_launch(uintptr_t graph, uintptr_t stream);
 void uccl_sg_emu_graph_free(uintptr_t graph);
+/* How many captured one-launch rounds the graph holds (tests). */
+int uccl_sg_emu_graph_launches(uintptr_t graph);
 
 #endif

@@ -21,7 +21,7 @@
 
 #define STUCK_NS 30000000000ull /* a wait longer than this is reported and passed */
 
-enum { E_WRITE, E_WAIT, E_COPY, E_REDUCE, E_RECORD, E_WAITEV, E_BUMP };
+enum { E_WRITE, E_WAIT, E_COPY, E_REDUCE, E_RECORD, E_WAITEV, E_BUMP, E_FUSED };
 
 struct emu_event {
     uint64_t recorded; /* generations: of the last record queued, of the last one run */
@@ -38,6 +38,7 @@ struct emu_op {
     struct emu_event *ev;
     uint64_t gen;
     struct uccl__sg_red_args red;
+    struct uccl__sg_fused_args fz;
     struct emu_op *next;
 };
 
@@ -209,6 +210,55 @@ static int stale_passes;
 
 int uccl_sg_emu_stale_passes(void) { return __atomic_load_n(&stale_passes, __ATOMIC_ACQUIRE); }
 
+/* Until *addr reaches value (addr NULL: until ev's record gen has run),
+ * the stream is stopped, the word `failed` (if not NULL) is up, or past
+ * STUCK_NS (counted). */
+static void wait_op(struct emu_stream *s, const uint32_t *addr, uint32_t value,
+                    struct emu_event *ev, uint64_t gen, const uint32_t *failed)
+{
+    uint64_t until = uccl__now_ns() + STUCK_NS;
+    for (;;) {
+        uint32_t w = addr ? __atomic_load_n(addr, __ATOMIC_ACQUIRE) : 0;
+        int ok = addr ? ahead(w, value) : __atomic_load_n(&ev->done, __ATOMIC_ACQUIRE) >= gen;
+        if (ok && addr && (uint32_t)(w - value) >= STALE_AHEAD)
+            __atomic_add_fetch(&stale_passes, 1, __ATOMIC_ACQ_REL);
+        if (ok || __atomic_load_n(&s->stop, __ATOMIC_ACQUIRE) ||
+            (failed && __atomic_load_n(failed, __ATOMIC_ACQUIRE)))
+            return;
+        if (uccl__now_ns() > until) {
+            __atomic_add_fetch(&s->stuck, 1, __ATOMIC_ACQ_REL);
+            return;
+        }
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* A captured one-launch round (sg_dev.h, fused_args.epoch) as the kernel
+ * runs it, on the stream's thread: numbered from the epoch, staged in the
+ * slot of the number's parity, every rank's ready word (this one's too)
+ * awaited, out computed from the slots, the epoch written last. */
+static void run_fused(struct emu_stream *s, const struct uccl__sg_fused_args *a)
+{
+    uint32_t k = __atomic_load_n(a->epoch, __ATOMIC_ACQUIRE) + 1;
+    size_t flip = k & 1 ? a->flip : 0;
+    memmove((void *)(a->slot[a->me] + flip), (const void *)a->in, a->nbytes);
+    __atomic_store_n((uint32_t *)a->dready[a->me], k, __ATOMIC_RELEASE);
+    for (int r = 0; r < a->nsrc; r++)
+        wait_op(s, (const uint32_t *)a->dready[r], k, NULL, 0, a->failed);
+    if (a->gather) {
+        for (int r = 0; r < a->nsrc; r++)
+            memmove((void *)(a->out + (size_t)r * a->nbytes), (const void *)(a->slot[r] + flip),
+                    a->nbytes);
+    } else if (a->count) {
+        struct uccl__sg_red_args red = {a->dtype, a->op, a->nsrc, a->out, {0}, a->count};
+        for (int r = 0; r < a->nsrc; r++)
+            red.src[r] = a->slot[r] + flip;
+        reduce_cpu(&red);
+    }
+    __atomic_store_n(a->epoch, k, __ATOMIC_RELEASE);
+}
+
 static void run_op(struct emu_stream *s, struct emu_op *op)
 {
     uint32_t value = op->value + (op->epoch ? __atomic_load_n(op->epoch, __ATOMIC_ACQUIRE) : 0);
@@ -221,25 +271,9 @@ static void run_op(struct emu_stream *s, struct emu_op *op)
                          __ATOMIC_RELEASE);
         break;
     case E_WAIT:
-    case E_WAITEV: {
-        uint64_t until = uccl__now_ns() + STUCK_NS;
-        for (;;) {
-            uint32_t w = op->kind == E_WAIT ? __atomic_load_n(op->addr, __ATOMIC_ACQUIRE) : 0;
-            int ok = op->kind == E_WAIT ? ahead(w, value)
-                                        : __atomic_load_n(&op->ev->done, __ATOMIC_ACQUIRE) >= op->gen;
-            if (ok && op->kind == E_WAIT && (uint32_t)(w - value) >= STALE_AHEAD)
-                __atomic_add_fetch(&stale_passes, 1, __ATOMIC_ACQ_REL);
-            if (ok || __atomic_load_n(&s->stop, __ATOMIC_ACQUIRE))
-                break;
-            if (uccl__now_ns() > until) {
-                __atomic_add_fetch(&s->stuck, 1, __ATOMIC_ACQ_REL);
-                break;
-            }
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
-        }
+    case E_WAITEV:
+        wait_op(s, op->kind == E_WAIT ? op->addr : NULL, value, op->ev, op->gen, NULL);
         break;
-    }
     case E_COPY:
         memmove((void *)op->dst, (const void *)op->src, op->len);
         __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -247,6 +281,9 @@ static void run_op(struct emu_stream *s, struct emu_op *op)
     case E_REDUCE:
         reduce_cpu(&op->red);
         __atomic_thread_fence(__ATOMIC_RELEASE);
+        break;
+    case E_FUSED:
+        run_fused(s, &op->fz);
         break;
     case E_RECORD: {
         uint64_t cur = __atomic_load_n(&op->ev->done, __ATOMIC_ACQUIRE);
@@ -376,6 +413,15 @@ void uccl_sg_emu_graph_free(uintptr_t graph)
     free(g);
 }
 
+int uccl_sg_emu_graph_launches(uintptr_t graph)
+{
+    const struct emu_graph *g = (const struct emu_graph *)graph;
+    int n = 0;
+    for (const struct emu_op *o = g ? g->head : NULL; o; o = o->next)
+        n += o->kind == E_FUSED;
+    return n;
+}
+
 int uccl_sg_emu_stream_new(uintptr_t *stream_p)
 {
     struct emu_stream *s = calloc(1, sizeof(*s));
@@ -466,6 +512,33 @@ static int emu_reduce(void *d, uintptr_t stream, const struct uccl__sg_red_args 
 {
     (void)d;
     return push(stream, (struct emu_op){.kind = E_REDUCE, .red = *a});
+}
+
+/* Only a captured round's: the others' steps (sg_round.c) are what the
+ * emulated device tests. */
+static int emu_fused(void *d, uintptr_t stream, const struct uccl__sg_fused_args *a)
+{
+    (void)d;
+    if (!a->epoch)
+        return UCCL_ERR_UNAVAIL;
+    return push(stream, (struct emu_op){.kind = E_FUSED, .fz = *a});
+}
+
+static int emu_alloc(void *d, size_t len, uintptr_t *ptr_p)
+{
+    (void)d;
+    void *p = aligned_alloc(256, (len + 255) / 256 * 256);
+    if (!p)
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory (%zu bytes)", len);
+    memset(p, 0, len);
+    *ptr_p = (uintptr_t)p;
+    return UCCL_OK;
+}
+
+static void emu_free_mem(void *d, uintptr_t ptr)
+{
+    (void)d;
+    free((void *)ptr);
 }
 
 static int emu_event_new(void *d, void **ev_p)
@@ -570,6 +643,7 @@ static const struct uccl__sg_dev emu_ops = {
     .event_free = emu_event_free, .record = emu_record, .wait_event = emu_wait_event,
     .query = emu_query, .reg = emu_reg, .key = emu_key, .dereg = emu_dereg, .map = emu_map,
     .unmap = emu_unmap, .destroy = emu_destroy, .capturing = emu_capturing,
+    .fused = emu_fused, .alloc = emu_alloc, .free_mem = emu_free_mem,
 };
 
 int uccl_sg_emu_new(const struct uccl__sg_dev **ops_p, void **d_p)

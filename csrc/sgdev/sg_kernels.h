@@ -38,7 +38,7 @@ struct uccl__k_reduce {
 /* struct FArgs (the one-launch round), whose arrays hold UCCL_SG_FUSED_RANKS */
 _Static_assert(UCCL_SG_FUSED_RANKS == 8, "struct FArgs and SArgs hold 8 ranks' words");
 struct uccl__k_fused {
-    uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], dready[8], fin, failed;
+    uint64_t in, out, ctr, nbytes, count, slot[8], ready[8], dready[8], fin, failed, epoch, flip;
     uint32_t k;
     int32_t gather, op, n, me, sys;
 };
@@ -66,10 +66,10 @@ struct uccl__k_gather {
     int32_t nseg;
 };
 /* the sizes NVRTC gives the kernels' structs (sm_90) */
-_Static_assert(sizeof(struct uccl__k_reduce) == 536 && sizeof(struct uccl__k_fused) == 272 &&
+_Static_assert(sizeof(struct uccl__k_reduce) == 536 && sizeof(struct uccl__k_fused) == 288 &&
                sizeof(struct uccl__k_copy) == 776 && sizeof(struct uccl__k_sync) == 120 &&
                sizeof(struct uccl__k_gather) == 648 && sizeof(struct uccl__k_eops) == 1736,
-               "struct Args 536 bytes, FArgs 272, CopyArgs 776, SArgs 120, GArgs 648, "
+               "struct Args 536 bytes, FArgs 288, CopyArgs 776, SArgs 120, GArgs 648, "
                "EArgs 1736");
 
 #endif
