@@ -51,7 +51,7 @@ static int fits(uccl_sg_t *sg, const struct uccl_sg_opts *o, size_t nb)
     if (!most || nb > most)
         return 0;
     int on = uccl_sg_capturing(sg, o->caller);
-    return on == 0 || (on == 1 && o->caller_waits && !o->end_event && uccl_sg_graph_fuses(sg));
+    return on == 0 || (on == 1 && o->caller_waits && !o->end_event && uccl_sg_graph_fuses(sg, nb));
 }
 
 /* A one-launch round (sg_round.c). */

@@ -10,19 +10,23 @@
  * kept until the group closes; its words are released with the rest when
  * the group fails (uccl__sg_release_words), which ends every replay's wait.
  *
- * A captured all_reduce or allgather that fits the one-launch rounds is one
- * launch at every replay, as outside graphs, but with an arena of its own
- * (two slots and the words: the group's arena is numbered by the host),
+ * A captured all_reduce or allgather that fits the one-launch rounds (and
+ * GRAPH_FUSED_BYTES) is one launch at every replay, as outside graphs, but
+ * with an arena of its own (the group's arena is numbered by the host),
  * made zeroed at the capture, published in the round and mapped by the
- * peers then; the launch numbers itself from its arena's epoch word
- * (sg_dev.h, uccl__sg_fused_args.epoch).  Its spins end at the group's
- * failed flag, as every launch's. */
+ * peers then; the launch numbers itself from its arena's epoch word and
+ * pushes its input into every rank's arena, so that each rank polls and
+ * reads its own memory only (sg_dev.h, uccl__sg_fused_args.epoch).  Its
+ * spins end at the group's failed flag, as every launch's. */
 #include <stdlib.h>
 
 #include "sg/sg_page.h"
 #include "base/status.h"
 
 #define GF_TAG (4ull << 40) /* a captured one-launch round's arena, published in the round */
+/* The largest captured one-launch round: its arena holds 2 x size slots
+ * (64 KiB at 8 ranks: 1 MiB a round captured); larger ones are two-sided. */
+#define GRAPH_FUSED_BYTES (256u << 10)
 
 /* A captured round's handshake on stream X (graph slot g): at ready its
  * epoch bumped first (a replay begins), then this rank's word of the slot
@@ -79,7 +83,8 @@ int uccl__sg_graph_check(uccl_sg_t *sg, const struct uccl_sg_call *c, const char
         return on;
     if (!on)
         return UCCL_OK;
-    if ((c->fused && !uccl_sg_graph_fuses(sg)) || !c->caller_waits || c->end_event)
+    if ((c->fused && !uccl_sg_graph_fuses(sg, c->fused->nbytes)) || !c->caller_waits ||
+        c->end_event)
         return uccl__err(UCCL_ERR_INVALID, "%s: a round captured in a CUDA graph runs on the "
                          "capturing stream with no event of its own (a blocking call)", what);
     if (sg->graph_next >= GRAPH_SLOTS)
@@ -100,15 +105,17 @@ void uccl__sg_graph_release(uccl_sg_t *sg)
         }
 }
 
-int uccl_sg_graph_fuses(uccl_sg_t *sg)
+int uccl_sg_graph_fuses(uccl_sg_t *sg, size_t nbytes)
 {
-    return sg->ops->fused && sg->ops->alloc;
+    return sg->ops->fused && sg->ops->alloc && nbytes <= GRAPH_FUSED_BYTES;
 }
 
+/* Its arena: a slot per source rank and parity, then the tail (sg_dev.h). */
 int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pending *p,
                          struct entry *e)
 {
-    size_t slot = (nbytes + 15) / 16 * 16, len = 2 * slot + UCCL_SG_FUSED_TAIL;
+    size_t slot = (nbytes + 15) / 16 * 16;
+    size_t len = 2 * (size_t)sg->size * slot + UCCL_SG_FUSED_TAIL;
     int rc = sg->ops->alloc(sg->d, len, &p->area);
     if (rc)
         return rc;
@@ -123,20 +130,20 @@ int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pendin
 int uccl__sg_graph_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, const char *what,
                          uintptr_t X, struct pending *p)
 {
-    size_t slot = (p->area_len - UCCL_SG_FUSED_TAIL) / 2;
+    size_t tail = p->area_len - UCCL_SG_FUSED_TAIL;
     struct uccl__sg_fused_args a = {.gather = fz->gather, .dtype = fz->dtype, .op = fz->op,
                                     .nsrc = sg->size, .me = sg->rank, .in = fz->in,
-                                    .out = fz->out, .ctr = p->area + 2 * slot,
+                                    .out = fz->out, .ctr = p->area + tail,
                                     .nbytes = fz->nbytes, .count = fz->count,
                                     .failed = (uint32_t *)sg->page,
-                                    .epoch = (uint32_t *)(p->area + 2 * slot + UCCL_SG_FUSED_EPOCH),
-                                    .flip = slot};
+                                    .epoch = (uint32_t *)(p->area + tail + UCCL_SG_FUSED_EPOCH),
+                                    .flip = tail / 2 / (size_t)sg->size};
     int rc = UCCL_OK;
     for (int r = 0; r < sg->size && !rc; r++) {
         a.slot[r] = p->area;
         if (r != sg->rank) /* the same length: the calls compared equal */
             rc = uccl__sg_map_range(sg, what, r, GF_TAG, 0, p->area_len, 1, p, &a.slot[r]);
-        a.dready[r] = a.slot[r] + 2 * slot + UCCL_SG_FUSED_READY;
+        a.dready[r] = a.slot[r] + tail + UCCL_SG_FUSED_READY;
     }
     return rc ? rc : sg->ops->fused(sg->d, X, &a);
 }

@@ -154,10 +154,11 @@ typedef int (*uccl_sg_interrupt_fn)(void *arg);
  * does its part once, and the graph replays the stream's part with words
  * of the round's own, counted on the device (sg_graph.c). */
 int uccl_sg_capturing(uccl_sg_t *sg, uintptr_t stream);
-/* Whether a one-launch round can be captured (the device makes the
- * round's own arena and runs it as one launch); else a captured round is
+/* Whether a one-launch round of nbytes per rank can be captured (the
+ * device makes the round's own arena and runs it as one launch, and it is
+ * small enough for an arena of its own); else a captured round is
  * two-sided. */
-int uccl_sg_graph_fuses(uccl_sg_t *sg);
+int uccl_sg_graph_fuses(uccl_sg_t *sg, size_t nbytes);
 
 /* Queue one round; *round_p its number.  Errors in the arguments come
  * before anything is published (UCCL_ERR_INVALID, nothing failed); every

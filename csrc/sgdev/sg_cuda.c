@@ -69,8 +69,8 @@ static const char *const dt_names[UCCL_DT_COUNT] = {
 static struct {
     pthread_mutex_t mu;
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
-    uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT];
-    char fused_failed[MAX_DEVS][UCCL_DT_COUNT];
+    uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT], *cfused[MAX_DEVS][UCCL_DT_COUNT];
+    char fused_failed[MAX_DEVS][UCCL_DT_COUNT], cfused_failed[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS], *eops[MAX_DEVS];
     char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS],
         eops_failed[MAX_DEVS];
@@ -139,13 +139,14 @@ static int compile_parts(int dev, int dtype, const char *const *parts, const cha
     return rc;
 }
 
-/* A kernel of no element type for device dev, compiled once (*slot), or
- * NULL where it cannot be (no NVRTC: *failed, not tried again). */
-static uccl_kernel_t *once_kernel(int dev, const char *const *parts, const char *name,
-                                  uccl_kernel_t **slot, char *failed)
+/* A kernel for device dev (for element type dtype, or -1: of none),
+ * compiled once (*slot), or NULL where it cannot be (no NVRTC: *failed,
+ * not tried again). */
+static uccl_kernel_t *once_kernel(int dev, int dtype, const char *const *parts,
+                                  const char *name, uccl_kernel_t **slot, char *failed)
 {
     pthread_mutex_lock(&kernels.mu);
-    if (!*slot && !*failed && compile_parts(dev, -1, parts, name, slot) != UCCL_OK)
+    if (!*slot && !*failed && compile_parts(dev, dtype, parts, name, slot) != UCCL_OK)
         *failed = 1;
     uccl_kernel_t *k = *slot;
     pthread_mutex_unlock(&kernels.mu);
@@ -158,7 +159,8 @@ static uccl_kernel_t *copy_kernel(int dev)
 {
     static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_copy_fn_src,
                                         uccl__sg_copy_src, NULL};
-    return once_kernel(dev, parts, "uccl_sg_copy", &kernels.copy[dev], &kernels.copy_failed[dev]);
+    return once_kernel(dev, -1, parts, "uccl_sg_copy", &kernels.copy[dev],
+                       &kernels.copy_failed[dev]);
 }
 
 int uccl_sg_kernel_ready(int dev, int dtype)
@@ -180,13 +182,18 @@ static uccl_kernel_t *fused_kernel(int dev, int dtype)
 {
     static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src,
                                         uccl__sg_copy_fn_src, uccl__sg_fused_src, NULL};
-    pthread_mutex_lock(&kernels.mu);
-    if (!kernels.fused[dev][dtype] && !kernels.fused_failed[dev][dtype] &&
-        compile_parts(dev, dtype, parts, "uccl_sg_fused", &kernels.fused[dev][dtype]))
-        kernels.fused_failed[dev][dtype] = 1;
-    uccl_kernel_t *k = kernels.fused[dev][dtype];
-    pthread_mutex_unlock(&kernels.mu);
-    return k;
+    return once_kernel(dev, dtype, parts, "uccl_sg_fused", &kernels.fused[dev][dtype],
+                       &kernels.fused_failed[dev][dtype]);
+}
+
+/* The captured one-launch round's (sg_kernels.c, uccl_sg_cfused). */
+static uccl_kernel_t *cfused_kernel(int dev, int dtype)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src,
+                                        uccl__sg_copy_fn_src, uccl__sg_fused_src,
+                                        uccl__sg_cfused_src, NULL};
+    return once_kernel(dev, dtype, parts, "uccl_sg_cfused", &kernels.cfused[dev][dtype],
+                       &kernels.cfused_failed[dev][dtype]);
 }
 
 /* Operations counted from an epoch, or bumps: one launch of uccl_sg_eops. */
@@ -196,7 +203,7 @@ static int epoch_ops(struct cuda_dev *d, uintptr_t stream, const struct uccl__sg
     if (n > UCCL__K_EOPS)
         return uccl__err(UCCL_ERR_INVALID, "%d memory operations counted from an epoch in one "
                          "launch (at most %d)", n, UCCL__K_EOPS);
-    uccl_kernel_t *k = once_kernel(d->dev, parts, "uccl_sg_eops", &kernels.eops[d->dev],
+    uccl_kernel_t *k = once_kernel(d->dev, -1, parts, "uccl_sg_eops", &kernels.eops[d->dev],
                                    &kernels.eops_failed[d->dev]);
     if (!k)
         return uccl__err(UCCL_ERR_UNAVAIL, "captured rounds need the uccl_sg_eops kernel, "
@@ -358,7 +365,7 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     if (!a->epoch && !a->gather && a->in == a->out && (a->in & 15))
         return UCCL_ERR_UNAVAIL;
     int mode = a->epoch ? relax() : -1; /* captured: a first compile and load */
-    uccl_kernel_t *k = fused_kernel(d->dev, dt);
+    uccl_kernel_t *k = a->epoch ? cfused_kernel(d->dev, dt) : fused_kernel(d->dev, dt);
     unrelax(mode);
     if (!k)
         return a->epoch ? uccl__err(UCCL_ERR_UNAVAIL, "a captured one-launch round needs the "
@@ -411,7 +418,7 @@ static int cuda_sync(void *dp, uintptr_t stream, const struct uccl__sg_sync_args
     if (rc)
         return rc;
     if (!d->sync_k)
-        d->sync_k = once_kernel(d->dev, parts, "uccl_sg_sync", &kernels.sync[d->dev],
+        d->sync_k = once_kernel(d->dev, -1, parts, "uccl_sg_sync", &kernels.sync[d->dev],
                                 &kernels.sync_failed[d->dev]);
     uccl_kernel_t *k = d->sync_k;
     if (!k || a->n > UCCL_SG_FUSED_RANKS)
@@ -431,7 +438,7 @@ static int gather_kernel(struct cuda_dev *d, uccl_kernel_t **k_p)
                                         uccl__sg_sync_src, uccl__sg_gather_src, NULL};
     if (!d->gather_fit) {
         int n = 0;
-        d->gather_k = once_kernel(d->dev, parts, "uccl_sg_gather", &kernels.gather[d->dev],
+        d->gather_k = once_kernel(d->dev, -1, parts, "uccl_sg_gather", &kernels.gather[d->dev],
                                   &kernels.gather_failed[d->dev]);
         d->gather_fit = d->gather_k && uccl__gpu_blocks_per_sm(d->gather_k, GATHER_THREADS,
                                                                &n) == UCCL_OK && n > 0 ? n : -1;

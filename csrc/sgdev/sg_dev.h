@@ -98,12 +98,14 @@ struct uccl__sg_red_args {
  *
  * epoch: NULL, or the round is captured in a CUDA graph (sg_graph.c) and
  * numbers itself when it runs: k is *epoch + 1 as the launch reads it, and
- * *epoch is set to k at its end; its slots are slot[r] + flip where k is
- * odd (a replay stages where the peers' reads of the replay before the
- * last are over, as the arena's slots alternate); this rank's input is
- * read from its slot, not in place, and its own ready word waited for too
- * (every block's staging over before any block writes out: in and out may
- * overlap however they are aligned); ready[] and fin are NULL. */
+ * *epoch is set to k at its end.  It pushes: slot[r] is rank r's own arena
+ * for this round (mapped), which holds a slot of flip bytes per source
+ * rank and parity (source s, parity p at (p * nsrc + s) * flip), and
+ * dready[r] its ready words (word s: source s's); this rank writes its
+ * input into slot [me] of k's parity in every rank's arena, then word [me]
+ * of every rank's ready words, waits for all of its own words (its own
+ * too: in and out may overlap), and computes out from its own arena's
+ * slots.  ready[] and fin are NULL. */
 struct uccl__sg_fused_args {
     int gather, dtype, op, nsrc, me;
     uint32_t k;

@@ -235,25 +235,31 @@ static void wait_op(struct emu_stream *s, const uint32_t *addr, uint32_t value,
 }
 
 /* A captured one-launch round (sg_dev.h, fused_args.epoch) as the kernel
- * runs it, on the stream's thread: numbered from the epoch, staged in the
- * slot of the number's parity, every rank's ready word (this one's too)
- * awaited, out computed from the slots, the epoch written last. */
+ * runs it, on the stream's thread: numbered from the epoch, this rank's
+ * input pushed into its slot of the number's parity in every rank's
+ * arena, its ready word written in each, every ready word of its own
+ * arena awaited, out computed from its own arena's slots, the epoch
+ * written last. */
 static void run_fused(struct emu_stream *s, const struct uccl__sg_fused_args *a)
 {
     uint32_t k = __atomic_load_n(a->epoch, __ATOMIC_ACQUIRE) + 1;
-    size_t flip = k & 1 ? a->flip : 0;
-    memmove((void *)(a->slot[a->me] + flip), (const void *)a->in, a->nbytes);
-    __atomic_store_n((uint32_t *)a->dready[a->me], k, __ATOMIC_RELEASE);
+    size_t par = (size_t)(k & 1) * (size_t)a->nsrc * a->flip;
     for (int r = 0; r < a->nsrc; r++)
-        wait_op(s, (const uint32_t *)a->dready[r], k, NULL, 0, a->failed);
+        memmove((void *)(a->slot[r] + par + (size_t)a->me * a->flip), (const void *)a->in,
+                a->nbytes);
+    for (int r = 0; r < a->nsrc; r++)
+        __atomic_store_n((uint32_t *)a->dready[r] + a->me, k, __ATOMIC_RELEASE);
+    for (int r = 0; r < a->nsrc; r++)
+        wait_op(s, (const uint32_t *)a->dready[a->me] + r, k, NULL, 0, a->failed);
+    uintptr_t base = a->slot[a->me] + par;
     if (a->gather) {
         for (int r = 0; r < a->nsrc; r++)
-            memmove((void *)(a->out + (size_t)r * a->nbytes), (const void *)(a->slot[r] + flip),
-                    a->nbytes);
+            memmove((void *)(a->out + (size_t)r * a->nbytes),
+                    (const void *)(base + (size_t)r * a->flip), a->nbytes);
     } else if (a->count) {
         struct uccl__sg_red_args red = {a->dtype, a->op, a->nsrc, a->out, {0}, a->count};
         for (int r = 0; r < a->nsrc; r++)
-            red.src[r] = a->slot[r] + flip;
+            red.src[r] = base + (size_t)r * a->flip;
         reduce_cpu(&red);
     }
     __atomic_store_n(a->epoch, k, __ATOMIC_RELEASE);

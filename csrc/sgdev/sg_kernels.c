@@ -210,32 +210,67 @@ const char uccl__sg_fused_src[] =
     "    if (word) *(volatile u32 *)word = k;\n"
     "  }\n"
     "}\n"
-    /* a captured round (epoch, sg_dev.h) reads its number when it runs:
-     * every block reads the same, the last launch on this stream having
-     * written it at its end; its own slot is read back, not its input */
     "extern \"C\" __global__ void uccl_sg_fused(FArgs a) {\n"
-    "  u32 k = a.epoch ? *(volatile u32 *)a.epoch + 1u : a.k;\n"
-    "  u64 flip = a.epoch && (k & 1u) ? a.flip : 0;\n"
-    "  copy_bytes(a.slot[a.me] + flip, a.in, a.nbytes);\n"
-    "  arrive((u32 *)a.ctr, a.dready[a.me], a.ready[a.me], k, a.sys);\n"
+    "  copy_bytes(a.slot[a.me], a.in, a.nbytes);\n"
+    "  arrive((u32 *)a.ctr, a.dready[a.me], a.ready[a.me], a.k, a.sys);\n"
     "  if (blockIdx.x == 0) {\n"
     "    int r = threadIdx.x;\n"
-    "    if (r < a.n && (r != a.me || a.epoch)) wait_word(a.dready[r], k, a.failed, a.sys);\n"
+    "    if (r < a.n && r != a.me) wait_word(a.dready[r], a.k, a.failed, a.sys);\n"
     "    __syncthreads();\n"
     "  }\n"
-    "  after_block0(a.ctr + 8, k, a.sys);\n"
-    "  u64 mine = a.epoch ? a.slot[a.me] + flip : a.in;\n"
+    "  after_block0(a.ctr + 8, a.k, a.sys);\n"
     "  if (a.gather) {\n"
     "    for (int r = 0; r < a.n; r++) {\n"
-    "      u64 src = r == a.me ? mine : a.slot[r] + flip, dst = a.out + (u64)r * a.nbytes;\n"
+    "      u64 src = r == a.me ? a.in : a.slot[r], dst = a.out + (u64)r * a.nbytes;\n"
     "      if (dst != src) copy_bytes(dst, src, a.nbytes);\n"
     "    }\n"
     "  } else if (a.count) {\n"
     "    Args b; b.out = a.out; b.count = a.count; b.nsrc = a.n; b.op = a.op;\n"
-    "    for (int r = 0; r < a.n; r++) b.src[r] = r == a.me ? mine : a.slot[r] + flip;\n"
+    "    for (int r = 0; r < a.n; r++) b.src[r] = r == a.me ? a.in : a.slot[r];\n"
     "    reduce_all(b);\n"
     "  }\n"
-    "  arrive((u32 *)a.ctr + 1, a.epoch, a.fin, k, a.sys);\n"
+    "  arrive((u32 *)a.ctr + 1, 0, a.fin, a.k, a.sys);\n"
+    "}\n";
+
+/* A one-launch round captured in a CUDA graph (sg_dev.h, fused_args.epoch;
+ * sg_graph.c), after the one-launch round's parts: it pushes where the
+ * other pulls.  Its number is its arena's epoch + 1, read as it runs (the
+ * launch before it on this stream wrote it at its end, so every block reads
+ * the same).  Every block writes its share of the input into slot [me] of
+ * the number's parity in every rank's arena, this one's too (posted
+ * writes over NVLink), and fences them at the system's scope; the last
+ * block then writes word [me] of every rank's ready words.  Block 0 polls
+ * this rank's own ready words (its memory: no read crosses a link, where
+ * the pull's poll and reads each cost a round trip), raises seen, and every
+ * block computes out from the slots of its own arena.  A replay writes a
+ * peer's slot of its parity only once that peer has shown, at the replay
+ * before, that it is past the replay before that, which read it. */
+const char uccl__sg_cfused_src[] =
+    "extern \"C\" __global__ void uccl_sg_cfused(FArgs a) {\n"
+    "  u32 k = *(volatile u32 *)a.epoch + 1u;\n"
+    "  u64 par = (u64)(k & 1u) * (u64)a.n * a.flip, mine = (u64)a.me * a.flip;\n"
+    "  for (int r = 0; r < a.n; r++) copy_bytes(a.slot[r] + par + mine, a.in, a.nbytes);\n"
+    "  __syncthreads();\n"
+    "  if (threadIdx.x == 0) fence(a.sys);\n"
+    "  if (last_block((u32 *)a.ctr) && threadIdx.x == 0) {\n"
+    "    fence(a.sys);\n"
+    "    for (int r = 0; r < a.n; r++) *(volatile u32 *)(a.dready[r] + 4u * a.me) = k;\n"
+    "  }\n"
+    "  if (blockIdx.x == 0) {\n"
+    "    int r = threadIdx.x;\n"
+    "    if (r < a.n) wait_word(a.dready[a.me] + 4u * r, k, a.failed, a.sys);\n"
+    "    __syncthreads();\n"
+    "  }\n"
+    "  after_block0(a.ctr + 8, k, a.sys);\n"
+    "  u64 base = a.slot[a.me] + par;\n"
+    "  if (a.gather) {\n"
+    "    for (int r = 0; r < a.n; r++) copy_bytes(a.out + (u64)r * a.nbytes, base + r * a.flip, a.nbytes);\n"
+    "  } else if (a.count) {\n"
+    "    Args b; b.out = a.out; b.count = a.count; b.nsrc = a.n; b.op = a.op;\n"
+    "    for (int r = 0; r < a.n; r++) b.src[r] = base + r * a.flip;\n"
+    "    reduce_all(b);\n"
+    "  }\n"
+    "  if (last_block((u32 *)a.ctr + 1) && threadIdx.x == 0) *(volatile u32 *)a.epoch = k;\n"
     "}\n";
 
 /* Several copies in one launch, after the copy: block row y copies
