@@ -59,7 +59,12 @@ def _rank(rank, ws, path, q):
         def check(i):
             xs = [_x(r, i, (3 + 2 * ws) * n) for r in range(ws)]
             where = f"rank {rank} replay {i}"
-            assert torch.equal(ar.cpu(), sum(x[:n] for x in xs)), f"{where}: all_reduce"
+            got, want = ar.cpu(), sum(x[:n] for x in xs)
+            bad = (got != want).nonzero().flatten()
+            assert not len(bad), (f"{where}: all_reduce: {len(bad)} of {n} elements wrong, the "
+                                  f"first at {bad[0].item()}: got {got[bad[:4]].tolist()}, want "
+                                  f"{want[bad[:4]].tolist()} (the ranks' inputs there: "
+                                  f"{[x[:n][bad[:4]].tolist() for x in xs]})")
             assert torch.equal(ag_out.cpu(), torch.cat([x[n:2 * n] for x in xs])), where
             rs = sum(x[2 * n:(2 + ws) * n] for x in xs)[rank * n:(rank + 1) * n]
             assert torch.equal(rs_out.cpu(), rs), f"{where}: reduce_scatter"

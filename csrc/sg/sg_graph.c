@@ -27,6 +27,7 @@
 /* The largest captured one-launch round: its arena holds 2 x size slots
  * (64 KiB at 8 ranks: 1 MiB a round captured); larger ones are two-sided. */
 #define GRAPH_FUSED_BYTES (256u << 10)
+#define GRAPH_CHUNK ((size_t)4 << 20) /* the arenas' memory is made this much at a time */
 
 /* A captured round's handshake on stream X (graph slot g): at ready its
  * epoch bumped first (a replay begins), then this rank's word of the slot
@@ -110,13 +111,40 @@ int uccl_sg_graph_fuses(uccl_sg_t *sg, size_t nbytes)
     return sg->ops->fused && sg->ops->alloc && nbytes <= GRAPH_FUSED_BYTES;
 }
 
+/* len bytes (zeroed, never used before) for a captured round's arena, cut
+ * from chunks of at least GRAPH_CHUNK: an allocation much smaller may
+ * share the driver's own chunk with others, and a peer that opens it by
+ * CUDA IPC would map that chunk, not the allocation, where the offsets
+ * the export record gives are the allocation's. */
+static int graph_mem(uccl_sg_t *sg, size_t len, uintptr_t *ptr_p)
+{
+    len = (len + 255) / 256 * 256;
+    if (!sg->ngchunk || len > sg->gchunk_len - sg->gchunk_used) {
+        size_t sz = len > GRAPH_CHUNK ? (len + GRAPH_CHUNK - 1) / GRAPH_CHUNK * GRAPH_CHUNK
+                                      : GRAPH_CHUNK;
+        uintptr_t *n = realloc(sg->gchunk, (size_t)(sg->ngchunk + 1) * sizeof(*n));
+        if (!n)
+            return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        sg->gchunk = n;
+        int rc = sg->ops->alloc(sg->d, sz, &n[sg->ngchunk]);
+        if (rc)
+            return rc;
+        sg->ngchunk++;
+        sg->gchunk_len = sz;
+        sg->gchunk_used = 0;
+    }
+    *ptr_p = sg->gchunk[sg->ngchunk - 1] + sg->gchunk_used;
+    sg->gchunk_used += len;
+    return UCCL_OK;
+}
+
 /* Its arena: a slot per source rank and parity, then the tail (sg_dev.h). */
 int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pending *p,
                          struct entry *e)
 {
     size_t slot = (nbytes + 15) / 16 * 16;
     size_t len = 2 * (size_t)sg->size * slot + UCCL_SG_FUSED_TAIL;
-    int rc = sg->ops->alloc(sg->d, len, &p->area);
+    int rc = graph_mem(sg, len, &p->area);
     if (rc)
         return rc;
     p->area_len = len;
@@ -150,7 +178,6 @@ int uccl__sg_graph_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, const ch
 
 void uccl__sg_graph_free(uccl_sg_t *sg)
 {
-    for (int i = 0; i < sg->ngraph_keep; i++)
-        if (sg->graph_keep[i].area)
-            sg->ops->free_mem(sg->d, sg->graph_keep[i].area);
+    for (int i = 0; i < sg->ngchunk; i++)
+        sg->ops->free_mem(sg->d, sg->gchunk[i]);
 }

@@ -170,6 +170,9 @@ struct uccl_sg {
     struct pending *graph_keep;     /* their mappings, kept until close (a graph may be
                                      * replayed as long as the process lives) */
     int ngraph_keep;
+    uintptr_t *gchunk;              /* device memory the captured one-launch rounds' arenas */
+    int ngchunk;                    /* ... are carved from (sg_graph.c), freed at close */
+    size_t gchunk_len, gchunk_used; /* the last chunk's */
     char error[REASON];
 };
 
@@ -291,7 +294,8 @@ int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pendin
                          struct entry *e);
 int uccl__sg_graph_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, const char *what,
                          uintptr_t X, struct pending *p);
-/* At close, once no stream can replay them: the captured rounds' arenas. */
+/* At close, once no stream can replay them: the captured rounds' arenas'
+ * memory. */
 void uccl__sg_graph_free(uccl_sg_t *sg);
 
 #endif

@@ -102,6 +102,7 @@ static void sg_free(uccl_sg_t *sg)
     free(sg->p2p);
     free(sg->pend);
     free(sg->graph_keep);
+    free(sg->gchunk);
     free(sg->regs);
     pthread_mutex_destroy(&sg->mu);
     pthread_mutex_destroy(&sg->call_mu);
