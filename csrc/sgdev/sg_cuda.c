@@ -349,6 +349,9 @@ static int fence_sys(struct cuda_dev *d, const uintptr_t *peer, int n, int me)
     return d->fz_scope == FENCE_SYS;
 }
 
+/* A captured round (a->epoch) pushes its bytes into the peers' memory and
+ * always fences at the system's scope: with fence_sys's choice, a peer on
+ * another H200 read part of its slot still zero after the flag. */
 static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_args *a)
 {
     struct cuda_dev *d = dp;
@@ -377,7 +380,7 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
                             .failed = (uint64_t)(uintptr_t)a->failed,
                             .epoch = (uint64_t)(uintptr_t)a->epoch, .flip = a->flip, .k = a->k,
                             .gather = a->gather, .op = a->op, .n = a->nsrc, .me = a->me,
-                            .sys = fence_sys(d, a->dready, a->nsrc, a->me)};
+                            .sys = a->epoch ? 1 : fence_sys(d, a->dready, a->nsrc, a->me)};
     for (int r = 0; r < a->nsrc; r++) {
         fa.slot[r] = a->slot[r];
         fa.ready[r] = (uint64_t)(uintptr_t)a->ready[r];

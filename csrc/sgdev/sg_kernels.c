@@ -239,10 +239,8 @@ const char uccl__sg_fused_src[] =
  * the same).  Every block writes its share of the input into slot [me] of
  * the number's parity in every rank's arena, this one's too (posted
  * writes over NVLink), and every thread fences its own at the system's
- * scope (one thread's fence after the block's barrier did not cover the
- * others' writes over NVLink: on 2 x H200 a peer read a quarter of a
- * 16 KiB slot still zero after the flag); the last block then writes word
- * [me] of every rank's ready words.  Block 0 polls
+ * scope (sys is always set here: sg_cuda.c); the last block then writes
+ * word [me] of every rank's ready words.  Block 0 polls
  * this rank's own ready words (its memory: no read crosses a link, where
  * the pull's poll and reads each cost a round trip), raises seen, and every
  * block computes out from the slots of its own arena.  A replay writes a
