@@ -238,9 +238,10 @@ const char uccl__sg_fused_src[] =
  * launch before it on this stream wrote it at its end, so every block reads
  * the same).  Every block writes its share of the input into slot [me] of
  * the number's parity in every rank's arena, this one's too (posted
- * writes over NVLink), and every thread fences its own at the system's
- * scope (sys is always set here: sg_cuda.c); the last block then writes
- * word [me] of every rank's ready words.  Block 0 polls
+ * writes over NVLink), and after the block's barrier one thread fences
+ * them at the system's scope (sys is always set here: sg_cuda.c; the
+ * fence is cumulative over what the barrier ordered before it); the last
+ * block then writes word [me] of every rank's ready words.  Block 0 polls
  * this rank's own ready words (its memory: no read crosses a link, where
  * the pull's poll and reads each cost a round trip), raises seen, and every
  * block computes out from the slots of its own arena.  A replay writes a
@@ -251,7 +252,8 @@ const char uccl__sg_cfused_src[] =
     "  u32 k = *(volatile u32 *)a.epoch + 1u;\n"
     "  u64 par = (u64)(k & 1u) * (u64)a.n * a.flip, mine = (u64)a.me * a.flip;\n"
     "  for (int r = 0; r < a.n; r++) copy_bytes(a.slot[r] + par + mine, a.in, a.nbytes);\n"
-    "  fence(a.sys);\n"
+    "  __syncthreads();\n"
+    "  if (threadIdx.x == 0) fence(a.sys);\n"
     "  if (last_block((u32 *)a.ctr) && threadIdx.x == 0) {\n"
     "    fence(a.sys);\n"
     "    for (int r = 0; r < a.n; r++) *(volatile u32 *)(a.dready[r] + 4u * a.me) = k;\n"
