@@ -95,17 +95,6 @@ int uccl__sg_graph_check(uccl_sg_t *sg, const struct uccl_sg_call *c, const char
     return UCCL_OK;
 }
 
-void uccl__sg_graph_release(uccl_sg_t *sg)
-{
-    /* a wait counts from the waiter's epoch, within a replay of the writer's */
-    for (uint32_t g = 0; g < GRAPH_SLOTS; g++)
-        for (int r = 0; r < sg->size; r++) {
-            uint32_t e = ld32(gword(sg, g, r, GW_EPOCH)) + RELEASE_AHEAD;
-            for (int w = GW_READY; w < GW_WORDS; w++)
-                st32(gword(sg, g, r, w), e);
-        }
-}
-
 int uccl_sg_graph_fuses(uccl_sg_t *sg, size_t nbytes)
 {
     return sg->ops->fused && sg->ops->alloc && nbytes <= GRAPH_FUSED_BYTES;

@@ -284,8 +284,6 @@ int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
                              const unsigned char *reads, struct uccl__sg_memop *ops);
 /* Its mappings, kept until close. */
 int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p);
-/* Under mu, as uccl__sg_release_words: every captured round's words. */
-void uccl__sg_graph_release(uccl_sg_t *sg);
 /* A captured one-launch round of nbytes per rank, round k: its own arena
  * made and registered (in p, kept until close), *e the entry that
  * publishes it; then, once the peers' slots of the round are read, their

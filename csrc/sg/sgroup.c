@@ -90,6 +90,18 @@ static void release_chans(uccl_sg_t *sg)
     }
 }
 
+/* Every captured round's words (sg_graph.c): a wait counts from the
+ * waiter's epoch, within a replay of the writer's. */
+static void release_graph_words(uccl_sg_t *sg)
+{
+    for (uint32_t g = 0; g < GRAPH_SLOTS; g++)
+        for (int r = 0; r < sg->size; r++) {
+            uint32_t e = ld32(gword(sg, g, r, GW_EPOCH)) + RELEASE_AHEAD;
+            for (int w = GW_READY; w < GW_WORDS; w++)
+                st32(gword(sg, g, r, w), e);
+        }
+}
+
 void uccl__sg_release_words(uccl_sg_t *sg)
 {
     uint32_t far = sg->round + RELEASE_AHEAD;
@@ -99,7 +111,7 @@ void uccl__sg_release_words(uccl_sg_t *sg)
         st32(w32(sg, r, OFF_DONE2), far);
         st32(w32(sg, r, OFF_FIN), far);
     }
-    uccl__sg_graph_release(sg);
+    release_graph_words(sg);
     release_chans(sg);
 }
 
