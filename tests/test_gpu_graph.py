@@ -183,3 +183,65 @@ def test_a_rank_killed_during_replays_ends_the_survivors_and_their_next_call_rai
     ended, raised, msg = got[0]
     assert raised < 40.0, f"rank 0's next call raised only after {raised:.1f} s"
     assert "rank 1" in msg, msg
+
+
+def _p2p_rank(rank, ws, path, q):
+    """Sends and receives captured: batch_isend_irecv both ways, then a
+    blocking send/recv pair (rank 0 sends first, rank 1 receives first),
+    one graph, REPLAYS replays with the data changed and the receives
+    poisoned before each, checked after each."""
+    import faulthandler
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        import torch.distributed as dist
+        import uccl_collective  # noqa: F401 - registers "uccl"
+        torch.cuda.set_device(rank)
+        dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws)
+        peer, n, dev = 1 - rank, 1000 + 24 * rank, torch.device("cuda", rank)
+        a_s, a_r = torch.zeros(4096, device=dev), torch.zeros(4096, device=dev)
+        b_s, b_r = torch.zeros(n, device=dev), torch.zeros(2024 - n, device=dev)
+
+        def ops():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a_s, peer),
+                                             dist.P2POp(dist.irecv, a_r, peer)]):
+                w.wait()
+            if rank == 0:
+                dist.send(b_s, peer)
+                dist.recv(b_r, peer)
+            else:
+                dist.recv(b_r, peer)
+                dist.send(b_s, peer)
+
+        def fill(i):
+            a_s.copy_(_x(rank, i, 4096).to(dev))
+            b_s.copy_(_x(rank, i + 77777, n).to(dev))
+            a_r.fill_(-7.0)
+            b_r.fill_(-7.0)
+
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            fill(0)
+            ops()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ops()
+        for i in range(REPLAYS):
+            fill(i)
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(a_r.cpu(), _x(peer, i, 4096)), f"rank {rank} replay {i}: batch"
+            assert torch.equal(b_r.cpu(), _x(peer, i + 77777, 2024 - n)), \
+                f"rank {rank} replay {i}: send/recv"
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, REPLAYS))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_sends_and_receives_captured_replay_right_every_time(tmp_path):
+    got = run_ranks(_p2p_rank, WS, (str(tmp_path / "p2p"),), timeout=360)
+    assert got == {r: REPLAYS for r in range(WS)}, got

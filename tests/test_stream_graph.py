@@ -243,3 +243,83 @@ def test_a_capture_must_be_a_blocking_call_on_the_capturing_stream():
     res, err, streams = on_ranks(n, rank)
     assert err == [None] * n, err
     close_all(groups, streams)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_captured_sends_and_receives_replay_with_the_data_of_each_replay(n):
+    """Messages captured in graphs (their pair streams join the capture
+    through the post's event, as CUDA streams do): a ring (each rank sends
+    to r + 1 and receives from r - 1, posted together, then waited for) and
+    an exchange with rank 0 of sizes that differ per rank, in two graphs
+    replayed REPLAYS times in turn, every second replay on another stream;
+    the sends' data change before each replay, the receives are poisoned
+    and checked after it."""
+    groups = make_groups(n)
+
+    def sizes(r):
+        return 29 + 7 * r
+
+    def data(r, i, count, salt):
+        return _inputs(n, r, 10 * i + salt, count)
+
+    def rank(r):
+        g = groups[r]
+        mine, other = _callers.stream, _engine._sg_emu_stream()
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        ring_s, ring_r = torch.zeros(31, dtype=torch.int32), torch.zeros(31, dtype=torch.int32)
+        peers = range(1, n) if r == 0 else [0]
+        ex_s = {p: torch.zeros(sizes(max(p, r)), dtype=torch.int32) for p in peers}
+        ex_r = {p: torch.zeros(sizes(max(p, r)), dtype=torch.int32) for p in peers}
+
+        def post_and_wait(s, msgs):
+            codes = g.p2p(s, msgs)
+            assert all(c >> 63 for c in codes), "a message posted in a capture not captured"
+            for c in codes:
+                g.c.p2p_wait(c, s)
+
+        def ring(s):
+            post_and_wait(s, [(nxt, True, ring_s.data_ptr(), ring_s.nbytes),
+                              (prv, False, ring_r.data_ptr(), ring_r.nbytes)])
+
+        def exchange(s):
+            msgs = []
+            for p in peers:
+                msgs += [(p, True, ex_s[p].data_ptr(), ex_s[p].nbytes),
+                         (p, False, ex_r[p].data_ptr(), ex_r[p].nbytes)]
+            post_and_wait(s, msgs)
+
+        graphs = []
+        for body in (ring, exchange):
+            _graph("begin", mine)
+            try:
+                body(mine)
+            finally:
+                graphs.append(_graph("end", mine))
+        try:
+            assert _engine._sg_emu_stream_idle(mine, 5.0), "a capture ran something"
+            for i in range(REPLAYS):
+                s = mine if i % 2 == 0 else other
+                ring_s.copy_(data(r, i, 31, 0))
+                ring_r.fill_(POISON)
+                for p in peers:
+                    ex_s[p].copy_(data(r, i, ex_s[p].numel(), 1 + p))
+                    ex_r[p].fill_(POISON)
+                for gr in graphs:
+                    _graph("launch", gr, s)
+                assert _engine._sg_emu_stream_idle(s, 20.0), f"replay {i} did not end"
+                assert torch.equal(ring_r, data(prv, i, 31, 0)), f"rank {r}, replay {i}: ring"
+                for p in peers:
+                    want = data(p, i, ex_r[p].numel(), 1 + r)
+                    assert torch.equal(ex_r[p], want), f"rank {r}, replay {i}: from rank {p}"
+        finally:
+            for gr in graphs:
+                _graph("free", gr)
+            _engine._sg_emu_stream_free(other)
+        return True
+    res, err, streams = on_ranks(n, rank, timeout=300.0)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    assert all(g.c.error() is None for g in groups)
+    counts = close_all(groups, streams)
+    for regs, deregs, maps in counts:   # the graphs' mappings are let go at close
+        assert regs == deregs and maps == 0, counts

@@ -51,20 +51,103 @@ int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
 /* A captured round's mappings, kept until the group closes (its graph
  * may be replayed until then; the watchdog does not time it), and its
  * graph slot taken. */
-int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p)
+static int keep(uccl_sg_t *sg, struct pending p)
 {
+    pthread_mutex_lock(&sg->mu); /* a round's thread and a post's may keep at once */
     struct pending *n = realloc(sg->graph_keep, (size_t)(sg->ngraph_keep + 1) * sizeof(*n));
-    if (!n)
-        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
-    sg->graph_keep = n;
-    n[sg->ngraph_keep++] = p;
-    /* the slot taken (the next captured round's is the next one); the
-     * watchdog watches the peers from now on */
-    __atomic_store_n(&sg->graph_next, sg->graph_next + 1, __ATOMIC_RELAXED);
+    if (n) {
+        sg->graph_keep = n;
+        n[sg->ngraph_keep++] = p;
+    }
+    pthread_mutex_unlock(&sg->mu);
+    return n ? UCCL_OK : uccl__err(UCCL_ERR_NOMEM, "out of memory");
+}
+
+/* From the first captured round or message on, the watchdog watches the
+ * peers' processes. */
+static void watch_peers(uccl_sg_t *sg)
+{
     pthread_mutex_lock(&sg->mu);
     pthread_cond_broadcast(&sg->cv);
     pthread_mutex_unlock(&sg->mu);
+}
+
+int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p)
+{
+    int rc = keep(sg, p);
+    if (rc)
+        return rc;
+    /* the slot taken (the next captured round's is the next one) */
+    __atomic_store_n(&sg->graph_next, sg->graph_next + 1, __ATOMIC_RELAXED);
+    watch_peers(sg);
     return UCCL_OK;
+}
+
+/* Row j of channel c: side s's word w (PG_EP, PG_RDY, PG_DN). */
+static uint32_t *mword(uccl_sg_t *sg, uint32_t c, uint32_t j, int w, int side)
+{
+    return &chan_at(sg, c)->gw[j][w + side];
+}
+
+/* At every replay this side's stream bumps its epoch; the first side then
+ * writes its ready word, the copier waits for the first side's to reach
+ * its own epoch (the same replay), copies, and writes its done word. */
+int uccl__sg_graph_msg(uccl_sg_t *sg, uintptr_t X, uint32_t c, uint32_t j, int side, int second,
+                       const struct uccl_sg_copy *cp, void *imp, uint64_t reg, uint32_t *id_p)
+{
+    uint32_t *ep = mword(sg, c, j, PG_EP, side);
+    struct uccl__sg_memop ops[2] = {{ep, 0, UCCL__SG_BUMP, NULL},
+                                    second ? (struct uccl__sg_memop){mword(sg, c, j, PG_RDY,
+                                                                           1 - side),
+                                                                     0, UCCL__SG_WAIT, ep}
+                                           : (struct uccl__sg_memop){mword(sg, c, j, PG_RDY,
+                                                                           side),
+                                                                     0, UCCL__SG_WRITE, ep}};
+    struct uccl__sg_memop done = {mword(sg, c, j, PG_DN, side), 0, UCCL__SG_WRITE, ep};
+    void **imps = imp ? malloc(sizeof(void *)) : NULL;
+    struct graph_msg *m = realloc(sg->gmsg, (size_t)(sg->ngmsg + 1) * sizeof(*m));
+    if (m)
+        sg->gmsg = m;
+    if (!m || (imp && !imps)) {
+        free(imps);
+        return uccl__err(UCCL_ERR_NOMEM, "out of memory");
+    }
+    if (imps)
+        imps[0] = imp;
+    int rc = keep(sg, (struct pending){.nimp = imps ? 1 : 0, .imp = imps, .reg = reg});
+    if (rc) {
+        free(imps);
+        return rc;
+    }
+    m += sg->ngmsg;
+    *m = (struct graph_msg){c, j, side, second ? side : 1 - side, X, NULL};
+    if ((rc = sg->ops->event_new(sg->d, &m->ev)))
+        return rc;
+    __atomic_store_n(&sg->ngmsg, sg->ngmsg + 1, __ATOMIC_RELAXED);
+    watch_peers(sg);
+    *id_p = (uint32_t)(sg->ngmsg - 1);
+    rc = sg->ops->memops(sg->d, X, ops, 2);
+    if (!rc && second && cp->len)
+        rc = sg->ops->copies(sg->d, X, cp, 1);
+    return rc ? rc : second ? sg->ops->memops(sg->d, X, &done, 1) : UCCL_OK;
+}
+
+int uccl__sg_graph_msg_wait(uccl_sg_t *sg, uint32_t id, uintptr_t stream)
+{
+    pthread_mutex_lock(&sg->p2p_mu);
+    struct graph_msg m = id < (uint32_t)sg->ngmsg ? sg->gmsg[id] : (struct graph_msg){0};
+    pthread_mutex_unlock(&sg->p2p_mu);
+    if (!m.ev)
+        return uccl__err(UCCL_ERR_INVALID, "captured message %u: this group captured %d", id,
+                         sg->ngmsg);
+    /* after its stream's bump (so the epoch read is this replay's), until
+     * the copier's done word reaches it */
+    struct uccl__sg_memop w = {mword(sg, m.chan, m.j, PG_DN, m.copier), 0, UCCL__SG_WAIT,
+                               mword(sg, m.chan, m.j, PG_EP, m.side)};
+    int rc = UCCL_OK;
+    if (m.stream != stream && !(rc = sg->ops->record(sg->d, m.ev, m.stream)))
+        rc = sg->ops->wait_event(sg->d, stream, m.ev);
+    return rc ? rc : sg->ops->memops(sg->d, stream, &w, 1);
 }
 
 int uccl_sg_capturing(uccl_sg_t *sg, uintptr_t stream)

@@ -37,6 +37,7 @@
 #define BIT_READ 4u
 #define MAX_OPS 4096 /* messages in one post */
 #define CODE_STAGED (1ull << 62) /* a staged send: complete once staged (the sender's ready) */
+#define CODE_GRAPH (1ull << 63)  /* a captured message: the rest its number (sg_graph.c) */
 
 static inline uint32_t state_k(uint64_t s) { return (uint32_t)(s >> 32); }
 
@@ -152,11 +153,12 @@ static int wait_copy_write(uccl_sg_t *sg, uintptr_t X, uint32_t *wait, uint32_t 
     return rc ? rc : sg->ops->memops(sg->d, X, &wr, 1);
 }
 
-/* The second side: check the other's descriptor, map its buffer, queue the
- * copy between the other side's ready word and this side's done word. */
+/* The second side: check the other's descriptor and map its buffer (*cp
+ * the copy), then, unless captured, queue the copy between the other
+ * side's ready word and this side's done word. */
 static int copy_second(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p_chan *ch,
                        struct p2p_slot *sl, uint32_t k, int side, uintptr_t X,
-                       struct p2p_pending *p)
+                       struct p2p_pending *p, int captured, struct uccl_sg_copy *cp_p)
 {
     struct p2p_desc od = sl->d[1 - side];
     int src = o->send ? sg->rank : o->peer, dst = o->send ? o->peer : sg->rank;
@@ -179,8 +181,10 @@ static int copy_second(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, struct p2p
         cp.src = o->send ? o->ptr : theirs;
     }
     __atomic_fetch_or(&sl->state, BIT_READ, __ATOMIC_ACQ_REL);
-    return rc ? rc : wait_copy_write(sg, X, &ch->ready[1 - side][0], k, &cp,
-                                     &ch->done[side][0], k);
+    *cp_p = cp;
+    if (rc || captured)
+        return rc;
+    return wait_copy_write(sg, X, &ch->ready[1 - side][0], k, &cp, &ch->done[side][0], k);
 }
 
 /* A refresh (REFRESH_EVERY), on the pair's stream X before message k:
@@ -214,6 +218,16 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     struct p2p_chan *ch = chan_at(sg, c);
     struct p2p_slot *sl = &ch->slot[k % P2P_SLOTS];
     const char *what = o->send ? "send" : "recv";
+    /* captured in a CUDA graph (X joined the caller's capture): exchanged
+     * now, copied at every replay with words of its own (sg_graph.c) */
+    uint32_t *gcount = o->send ? &sg->p2p_gsent[o->peer] : &sg->p2p_grecvd[o->peer];
+    int captured = uccl_sg_capturing(sg, X);
+    if (captured < 0)
+        return captured;
+    if (captured && *gcount >= P2P_GRAPH)
+        return uccl__err(UCCL_ERR_INVALID, "%s: rank %d captured %u messages %s rank %d in CUDA "
+                         "graphs, as many as the channel has words for (P2P_GRAPH)", what,
+                         sg->rank, *gcount, o->send ? "to" : "from", o->peer);
     int rc = uccl__sg_host_wait(sg, slot_free, k, (int)c, what, uccl__now_ns() + sg->timeout_ns,
                                 intr, intr_arg, "rank %d taking message %u of the %d -> %d "
                                 "channel (%d messages ahead)", o->peer, before_in_slot(k),
@@ -221,7 +235,8 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
                                 P2P_SLOTS);
     if (rc)
         return rc;
-    if (refresh_due(k) && (rc = refresh_chan(sg, o, ch, side, X, k)))
+    /* not in a capture: the graph would set the words back at every replay */
+    if (!captured && refresh_due(k) && (rc = refresh_chan(sg, o, ch, side, X, k)))
         return rc;
     struct p2p_pending p = {c, k, 1 - side, uccl__now_ns(), 0, NULL, 0};
     /* the peer's bit already there: this side is second, and no peer reads its descriptor */
@@ -230,7 +245,7 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     struct p2p_arena *ar = o->send ? &sg->arena[o->peer] : NULL;
     size_t stage_bytes = ar && ar->ptr ? ar->len / P2P_SLOTS : 0;
     uintptr_t stage = stage_bytes ? ar->ptr + (k % P2P_SLOTS) * stage_bytes : 0;
-    int staged = !known_second && o->len && o->len <= stage_bytes;
+    int staged = !captured && !known_second && o->len && o->len <= stage_bytes;
     struct p2p_desc mine = {staged ? ar->key : 0, staged ? stage : o->ptr, o->len};
     uint32_t round = __atomic_load_n(&sg->round, __ATOMIC_RELAXED);
     if (!known_second && !staged && o->len &&
@@ -244,16 +259,33 @@ static int post_one(uccl_sg_t *sg, const struct uccl_sg_p2p_op *o, uintptr_t X,
     }
     *count = k;
     raise_high(ch, k);
+    struct uccl_sg_copy cp = {0, 0, 0};
     if (second) {
         p.copier = side;
         if (p.reg) {
             uccl__sg_reg_unpin(sg, p.reg);
             p.reg = 0;
         }
-        rc = copy_second(sg, o, ch, sl, k, side, X, &p);
+        rc = copy_second(sg, o, ch, sl, k, side, X, &p, captured, &cp);
+    }
+    if (captured && rc) { /* nothing queued reads through them */
+        if (p.imp)
+            sg->ops->unmap(sg->d, p.imp);
+        if (p.reg)
+            uccl__sg_reg_unpin(sg, p.reg);
+        return rc;
+    }
+    if (captured) { /* its mapping and registration kept until close */
+        uint32_t id = 0;
+        rc = uccl__sg_graph_msg(sg, X, c, (*gcount)++, side, second, &cp, p.imp, p.reg, &id);
+        *code_p = CODE_GRAPH | id;
+        return rc;
+    }
+    if (second) {
+        /* queued by copy_second */
     } else if (staged) {
         /* the slot's last message copied out by the receiver, then this one in */
-        struct uccl_sg_copy cp = {stage, o->ptr, o->len};
+        cp = (struct uccl_sg_copy){stage, o->ptr, o->len};
         rc = wait_copy_write(sg, X, &ch->done[P2P_DST][0], ar->staged[k % P2P_SLOTS], &cp,
                              &ch->ready[side][0], k);
         ar->staged[k % P2P_SLOTS] = k;
@@ -366,6 +398,9 @@ int uccl_sg_p2p_renumber(uccl_sg_t *sg, uint32_t k, uint32_t lag)
 
 int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream)
 {
+    if (code & CODE_GRAPH)
+        return uccl_sg_error(sg) ? uccl__sg_failed_err(sg, "wait")
+                                 : uccl__sg_graph_msg_wait(sg, (uint32_t)code, stream);
     uint32_t *done, k;
     int rc = decode(sg, code, &done, &k);
     if (rc)
@@ -378,6 +413,8 @@ int uccl_sg_p2p_wait(uccl_sg_t *sg, uint64_t code, uintptr_t stream)
 
 int uccl_sg_p2p_passed(uccl_sg_t *sg, uint64_t code)
 {
+    if (code & CODE_GRAPH) /* a graph's: in place at every replay the graph's stream waits for */
+        return 1;
     uint32_t *done, k;
     int rc = decode(sg, code, &done, &k);
     return rc ? rc : ahead(ld32(done), k);

@@ -96,11 +96,18 @@ struct p2p_slot {
     struct p2p_desc d[2];
     uint64_t pad;
 };
+/* A channel's captured messages (sg_graph.c): each side's epoch, bumped by
+ * its stream at every replay, and its ready and done words, written
+ * relative to it; the j-th message each side captured on the channel has
+ * row j (both sides capture a pair's messages in the same order). */
+#define P2P_GRAPH 64
+enum { PG_EP = 0, PG_RDY = 2, PG_DN = 4, PG_WORDS = 6 }; /* + side */
 struct p2p_chan {
     uint32_t ready[2][16];          /* [side][0], a cache line each */
     uint32_t done[2][16];
     uint64_t high, pad[7];          /* the highest message number posted (release's base) */
     struct p2p_slot slot[P2P_SLOTS];
+    uint32_t gw[P2P_GRAPH][PG_WORDS];
 };
 /* Where this rank stages the sends to one peer that it posts first
  * (uccl_sg_p2p_arena): P2P_SLOTS slots of len / P2P_SLOTS bytes, and the
@@ -111,6 +118,15 @@ struct p2p_arena {
     size_t len;
     uint64_t key;
     uint32_t staged[P2P_SLOTS];
+};
+/* A message captured in a CUDA graph: its channel and row (gw), this
+ * rank's side and the copier's, the stream it was queued on and an event
+ * of the group's that a wait records there. */
+struct graph_msg {
+    uint32_t chan, j;
+    int side, copier;
+    uintptr_t stream;
+    void *ev;
 };
 /* A message posted here, until the copier's done word passes it. */
 struct p2p_pending {
@@ -149,6 +165,9 @@ struct uccl_sg {
     pthread_mutex_t reg_mu;         /* regs (rounds and posts register) */
     void *ev_p2p;
     uint32_t *p2p_sent, *p2p_recvd; /* messages posted to / from each rank */
+    uint32_t *p2p_gsent, *p2p_grecvd; /* ... of them captured in CUDA graphs */
+    struct graph_msg *gmsg;         /* the captured messages (sg_graph.c), by code */
+    int ngmsg;
     struct p2p_arena *arena;        /* per peer (under p2p_mu) */
     struct p2p_pending *p2p;        /* under mu */
     int np2p, cap_p2p;
@@ -282,8 +301,18 @@ int uccl__sg_graph_check(uccl_sg_t *sg, const struct uccl_sg_call *c, const char
  * stream X, the peers in reads awaited (ops: room for size + 2). */
 int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
                              const unsigned char *reads, struct uccl__sg_memop *ops);
-/* Its mappings, kept until close. */
+/* Its mappings, kept until close; its graph slot taken. */
 int uccl__sg_graph_keep(uccl_sg_t *sg, struct pending p);
+/* A message captured on stream X (sg_p2p.c; under p2p_mu): row j of
+ * channel ch, this rank's side; second: this side copies cp (the peer's
+ * buffer mapped) after the other side's ready word, else it writes its
+ * ready word.  Its mapping and pinned registration (imp, reg) are kept
+ * until close; *code_p names it for uccl__sg_graph_msg_wait. */
+int uccl__sg_graph_msg(uccl_sg_t *sg, uintptr_t X, uint32_t c, uint32_t j, int side, int second,
+                       const struct uccl_sg_copy *cp, void *imp, uint64_t reg, uint32_t *id_p);
+/* Stream waits until captured message id is in place (after what its
+ * own stream queued for it). */
+int uccl__sg_graph_msg_wait(uccl_sg_t *sg, uint32_t id, uintptr_t stream);
 /* A captured one-launch round of nbytes per rank, round k: its own arena
  * made and registered (in p, kept until close), *e the entry that
  * publishes it; then, once the peers' slots of the round are read, their

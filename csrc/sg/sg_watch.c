@@ -31,7 +31,8 @@ static void *watch_main(void *arg)
     uccl_sg_t *sg = arg;
     pthread_mutex_lock(&sg->mu);
     while (!sg->closed) {
-        int graphs = __atomic_load_n(&sg->graph_next, __ATOMIC_RELAXED) > 0;
+        int graphs = __atomic_load_n(&sg->graph_next, __ATOMIC_RELAXED) > 0 ||
+                     __atomic_load_n(&sg->ngmsg, __ATOMIC_RELAXED) > 0;
         if (sg->npend == 0 && sg->np2p == 0 && !graphs && !uccl__sg_failed_locked(sg)) {
             pthread_cond_wait(&sg->cv, &sg->mu);
             continue;
@@ -98,6 +99,9 @@ static void sg_free(uccl_sg_t *sg)
     free(sg->peer_cnt);
     free(sg->p2p_sent);
     free(sg->p2p_recvd);
+    free(sg->p2p_gsent);
+    free(sg->p2p_grecvd);
+    free(sg->gmsg);
     free(sg->arena);
     free(sg->p2p);
     free(sg->pend);
@@ -146,8 +150,11 @@ int uccl_sg_new(void *page, size_t page_len, int rank, int size, double timeout_
     sg->peer_cnt = calloc((size_t)size, sizeof(uint32_t));
     sg->p2p_sent = calloc((size_t)size, sizeof(uint32_t));
     sg->p2p_recvd = calloc((size_t)size, sizeof(uint32_t));
+    sg->p2p_gsent = calloc((size_t)size, sizeof(uint32_t));
+    sg->p2p_grecvd = calloc((size_t)size, sizeof(uint32_t));
     sg->arena = calloc((size_t)size, sizeof(struct p2p_arena));
-    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd || !sg->arena)
+    if (!sg->peer_ent || !sg->peer_cnt || !sg->p2p_sent || !sg->p2p_recvd || !sg->p2p_gsent ||
+        !sg->p2p_grecvd || !sg->arena)
         rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
     if (!rc)
         rc = ops->event_new(d, &sg->ev_start);
@@ -286,6 +293,8 @@ int uccl_sg_close(uccl_sg_t *sg)
     sg->ops->event_free(sg->d, sg->ev_start);
     sg->ops->event_free(sg->d, sg->ev_mark);
     sg->ops->event_free(sg->d, sg->ev_p2p);
+    for (int i = 0; i < sg->ngmsg; i++)
+        sg->ops->event_free(sg->d, sg->gmsg[i].ev);
     sg->ops->destroy(sg->d);
     sg_free(sg);
     return ok;

@@ -87,6 +87,13 @@ static void release_chans(uccl_sg_t *sg)
             st32(&ch->ready[side][0], far);
             st32(&ch->done[side][0], far);
         }
+        /* captured messages: a wait counts from the waiter's epoch */
+        for (int j = 0; j < P2P_GRAPH; j++) {
+            uint32_t a = ld32(&ch->gw[j][PG_EP]), b = ld32(&ch->gw[j][PG_EP + 1]);
+            uint32_t e = (ahead(a, b) ? a : b) + RELEASE_AHEAD;
+            for (int w = PG_RDY; w < PG_WORDS; w++)
+                st32(&ch->gw[j][w], e);
+        }
     }
 }
 

@@ -26,6 +26,11 @@ enum { E_WRITE, E_WAIT, E_COPY, E_REDUCE, E_RECORD, E_WAITEV, E_BUMP, E_FUSED };
 struct emu_event {
     uint64_t recorded; /* generations: of the last record queued, of the last one run */
     uint64_t done;
+    /* its last record was queued while this stream captured into this
+     * graph (compared, never followed: a stream that waits for it then
+     * joins that capture, as a CUDA stream does); NULL: not in a capture */
+    struct emu_stream *cap_stream;
+    struct emu_graph *cap_graph;
 };
 
 struct emu_op {
@@ -39,12 +44,20 @@ struct emu_op {
     uint64_t gen;
     struct uccl__sg_red_args red;
     struct uccl__sg_fused_args fz;
+    struct emu_stream *from; /* in a graph: the stream that queued it */
     struct emu_op *next;
 };
 
-/* An emulated CUDA graph: the ops queued while a stream captured, in order. */
+/* An emulated CUDA graph: the ops queued while a stream captured (the
+ * origin) and the streams that joined its capture (by waiting for an event
+ * it recorded), in order.  A launch queues the origin's ops on the launch
+ * stream and a joined stream's on that stream, the events between them
+ * recorded and waited for anew. */
+#define EMU_JOINED 16
 struct emu_graph {
     struct emu_op *head, *tail;
+    struct emu_stream *origin, *joined[EMU_JOINED];
+    int njoined;
 };
 
 struct emu_stream {
@@ -350,6 +363,7 @@ static int push(uintptr_t stream, struct emu_op op)
     *o = op;
     pthread_mutex_lock(&s->mu);
     if (s->capture) {
+        o->from = s;
         append(&s->capture->head, &s->capture->tail, o);
     } else {
         append(&s->head, &s->tail, o);
@@ -368,6 +382,7 @@ int uccl_sg_emu_capture_begin(uintptr_t stream)
         return uccl__err(s ? UCCL_ERR_NOMEM : UCCL_ERR_INVALID, "emulated capture: %s",
                          s ? "out of memory" : "stream 0");
     }
+    g->origin = s;
     pthread_mutex_lock(&s->mu);
     int busy = s->capture != NULL;
     if (!busy)
@@ -391,6 +406,12 @@ int uccl_sg_emu_capture_end(uintptr_t stream, uintptr_t *graph_p)
     pthread_mutex_unlock(&s->mu);
     if (!g)
         return uccl__err(UCCL_ERR_INVALID, "emulated capture: the stream was not capturing");
+    for (int i = 0; i < g->njoined; i++) {
+        struct emu_stream *j = g->joined[i];
+        pthread_mutex_lock(&j->mu);
+        j->capture = NULL;
+        pthread_mutex_unlock(&j->mu);
+    }
     *graph_p = (uintptr_t)g;
     return UCCL_OK;
 }
@@ -401,9 +422,12 @@ int uccl_sg_emu_graph_launch(uintptr_t graph, uintptr_t stream)
     int rc = g ? UCCL_OK : uccl__err(UCCL_ERR_INVALID, "emulated graph 0");
     for (const struct emu_op *o = g ? g->head : NULL; o && !rc; o = o->next) {
         struct emu_op op = *o;
+        op.from = NULL;
         if (op.kind == E_RECORD) /* a new record of the event at each launch */
             op.gen = __atomic_add_fetch(&op.ev->recorded, 1, __ATOMIC_ACQ_REL);
-        rc = push(stream, op);
+        else if (op.kind == E_WAITEV) /* ... and a wait for this launch's record */
+            op.gen = __atomic_load_n(&op.ev->recorded, __ATOMIC_ACQUIRE);
+        rc = push(o->from == g->origin ? stream : (uintptr_t)o->from, op);
     }
     return rc;
 }
@@ -567,16 +591,47 @@ static int emu_record(void *d, void *evp, uintptr_t stream)
 {
     (void)d;
     struct emu_event *ev = evp;
+    struct emu_stream *s = (struct emu_stream *)stream;
     uint64_t gen = __atomic_add_fetch(&ev->recorded, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_lock(&s->mu);
+    ev->cap_graph = s->capture;
+    ev->cap_stream = s->capture ? s : NULL;
+    pthread_mutex_unlock(&s->mu);
     return push(stream, (struct emu_op){.kind = E_RECORD, .ev = ev, .gen = gen});
+}
+
+/* A stream that waits for an event recorded in a capture joins it. */
+static int join_capture(struct emu_stream *s, const struct emu_event *ev)
+{
+    struct emu_stream *rec = ev->cap_stream;
+    if (!rec || rec == s)
+        return UCCL_OK;
+    pthread_mutex_lock(&rec->mu);
+    struct emu_graph *g = rec->capture == ev->cap_graph ? ev->cap_graph : NULL;
+    pthread_mutex_unlock(&rec->mu);
+    if (!g)
+        return UCCL_OK;
+    pthread_mutex_lock(&s->mu);
+    int rc = UCCL_OK;
+    if (!s->capture && g->njoined == EMU_JOINED) {
+        rc = uccl__err(UCCL_ERR_INVALID, "emulated capture: %d streams joined it already",
+                       EMU_JOINED);
+    } else if (!s->capture) {
+        s->capture = g;
+        g->joined[g->njoined++] = s;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
 }
 
 static int emu_wait_event(void *d, uintptr_t stream, void *evp)
 {
     (void)d;
     struct emu_event *ev = evp;
-    return push(stream, (struct emu_op){.kind = E_WAITEV, .ev = ev,
-                                        .gen = __atomic_load_n(&ev->recorded, __ATOMIC_ACQUIRE)});
+    int rc = join_capture((struct emu_stream *)stream, ev);
+    return rc ? rc : push(stream, (struct emu_op){.kind = E_WAITEV, .ev = ev,
+                                                  .gen = __atomic_load_n(&ev->recorded,
+                                                                         __ATOMIC_ACQUIRE)});
 }
 
 static int emu_query(void *d, void *evp)

@@ -415,11 +415,7 @@ class Dispatch:
             raise UcclError(f"uccl process group (rank {self.rank}) is shut down")
         if not t.is_cuda:
             return None
-        dev = t.device.index
-        sg = self.stream_group(dev)
-        if sg is not None:
-            refuse_capture(dev, f"uccl {what}")
-        return sg
+        return self.stream_group(t.device.index)
 
 
 # -- CollectiveContext: rows 7 and 8 ------------------------------------------------------

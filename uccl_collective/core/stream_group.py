@@ -160,15 +160,16 @@ capturing = torch.cuda.is_current_stream_capturing
 
 def refuse_capture(dev: int, what: str) -> None:
     """What cannot be captured in a CUDA graph raises before anything is
-    queued or published: an operation that runs on another stream than the
+    queued or published: a collective that runs on another stream than the
     capturing one (async_op=True, whose round runs on the group's stream
-    after an event) or a send/receive.  A blocking collective on the
-    capturing stream is captured (csrc/sg/sg_graph.c)."""
+    after an event).  A blocking collective on the capturing stream is
+    captured, and so are sends and receives, whose pair streams join the
+    capture (csrc/sg/sg_graph.c)."""
     if capturing():
         raise UcclError(f"{what}: the current stream of cuda:{dev} is capturing a CUDA graph, "
-                        "where uccl captures blocking collectives only (async_op=False: "
-                        "the round runs on the capturing stream); not async_op=True "
-                        "operations nor send/recv")
+                        "where uccl captures blocking collectives (async_op=False: the round "
+                        "runs on the capturing stream) and send/recv, not async_op=True "
+                        "collectives")
 
 
 def open_page(kv: Any, key: str, rank: int, size: int) -> tuple[mmap.mmap, Any, int, int]:
@@ -358,7 +359,10 @@ class StreamGroup:
         eager = self._eager
         out = []
         for peer, send, ptr, nb in msgs:
-            if send and 0 < nb <= eager and peer not in self._arenas:
+            # not while capturing: a captured send is never staged, and the
+            # arena would come from the graph's memory pool
+            if send and 0 < nb <= eager and peer not in self._arenas and \
+                    not (self._torch_stream is not None and capturing()):
                 self._make_arena(peer, eager)
             ok = isinstance(peer, int) and 0 <= peer < self.size and peer != self.rank
             out.append((peer, send, ptr, nb, self.pair_stream(peer) if ok else 0))
