@@ -4,7 +4,9 @@ broadcast and all_to_all_single captured once in torch.cuda.graph, then
 REPLAYS replays with the inputs changed before each, every replay's outputs
 checked against the sums computed on the CPU; a second graph captured under
 the first one's memory pool (graph_pool_handle) and replayed on another
-stream, the two taking turns.  Needs 2 GPUs; skips, naming why, elsewhere.
+stream, the two taking turns; sends and receives captured (batch_isend_irecv
+and blocking send/recv); CollectiveContext.allgather captured; a rank
+SIGKILLed during replays.  Needs 2 GPUs; skips, naming why, elsewhere.
 tests/test_stream_graph.py holds the protocol to the same on the CPU."""
 from __future__ import annotations
 
@@ -244,4 +246,45 @@ def _p2p_rank(rank, ws, path, q):
 
 def test_sends_and_receives_captured_replay_right_every_time(tmp_path):
     got = run_ranks(_p2p_rank, WS, (str(tmp_path / "p2p"),), timeout=360)
+    assert got == {r: REPLAYS for r in range(WS)}, got
+
+
+def _ctx_rank(rank, ws, path, q):
+    """CollectiveContext.allgather (flat output) captured, REPLAYS replays,
+    the input changed and the output poisoned before each."""
+    import faulthandler
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        import torch.distributed as dist
+        from uccl_collective.collective import CollectiveContext
+        torch.cuda.set_device(rank)
+        dist.init_process_group("gloo", store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws)
+        ctx = CollectiveContext(local_gpu_idx=rank, use_copy_engine_for_intra=True).init()
+        n, dev = 3000, torch.device("cuda", rank)
+        send, out = torch.zeros(n, device=dev), torch.zeros(ws * n, device=dev)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            ctx.allgather(send, out)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ctx.allgather(send, out)
+        for i in range(REPLAYS):
+            send.copy_(_x(rank, i, n).to(dev))
+            out.fill_(-7.0)
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+            want = torch.cat([_x(r, i, n) for r in range(ws)])
+            assert torch.equal(out.cpu(), want), f"rank {rank} replay {i}"
+        ctx.finalize()
+        dist.destroy_process_group()
+        q.put((rank, REPLAYS))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_collective_context_allgather_captured_replays_right_every_time(tmp_path):
+    got = run_ranks(_ctx_rank, WS, (str(tmp_path / "ctx"),), timeout=360)
     assert got == {r: REPLAYS for r in range(WS)}, got
