@@ -28,85 +28,102 @@ def _x(r: int, i: int, n: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g).float()
 
 
-def _rank(rank, ws, path, q):
-    import faulthandler
-    faulthandler.dump_traceback_later(400, exit=True)
-    try:
-        import torch.distributed as dist
-        import uccl_collective  # noqa: F401 - registers "uccl"
-        torch.cuda.set_device(rank)
-        dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
-                                world_size=ws)
-        n, dev = 4096, torch.device("cuda", rank)
-        ar, ag_in = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-        ag_out, rs_in = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
-        rs_out, bc = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-        a2a_in, a2a_out = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
+def _replays(body):
+    """A rank's process target: body(rank, ws, path) runs REPLAYS replays
+    (raising at a wrong one) and the rank reports REPLAYS, or what it
+    raised; a hang dumps the stacks into the report."""
+    import functools
 
-        def ops():
-            dist.all_reduce(ar)
-            dist.all_gather_into_tensor(ag_out, ag_in)
-            dist.reduce_scatter_tensor(rs_out, rs_in)
-            dist.broadcast(bc, src=1)
-            dist.all_to_all_single(a2a_out, a2a_in)
+    @functools.wraps(body)
+    def run(rank, ws, path, q):
+        import faulthandler
+        faulthandler.dump_traceback_later(300, exit=True)
+        try:
+            body(rank, ws, path)
+            q.put((rank, REPLAYS))
+        except BaseException as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+    return run
 
-        def fill(i):
-            x = _x(rank, i, (3 + 2 * ws) * n).to(dev)
-            ar.copy_(x[:n]); ag_in.copy_(x[n:2 * n]); rs_in.copy_(x[2 * n:(2 + ws) * n])
-            bc.copy_(x[(2 + ws) * n:(3 + ws) * n] if rank == 1 else torch.full((n,), -7.0))
-            a2a_in.copy_(x[(3 + ws) * n:])
-            for t in (ag_out, rs_out, a2a_out):
-                t.fill_(-7.0)
 
-        def check(i):
-            xs = [_x(r, i, (3 + 2 * ws) * n) for r in range(ws)]
-            where = f"rank {rank} replay {i}"
-            got, want = ar.cpu(), sum(x[:n] for x in xs)
-            bad = (got != want).nonzero().flatten()
-            assert not len(bad), (f"{where}: all_reduce: {len(bad)} of {n} elements wrong, the "
-                                  f"first at {bad[0].item()}: got {got[bad[:4]].tolist()}, want "
-                                  f"{want[bad[:4]].tolist()} (the ranks' inputs there: "
-                                  f"{[x[:n][bad[:4]].tolist() for x in xs]})")
-            assert torch.equal(ag_out.cpu(), torch.cat([x[n:2 * n] for x in xs])), where
-            rs = sum(x[2 * n:(2 + ws) * n] for x in xs)[rank * n:(rank + 1) * n]
-            assert torch.equal(rs_out.cpu(), rs), f"{where}: reduce_scatter"
-            assert torch.equal(bc.cpu(), xs[1][(2 + ws) * n:(3 + ws) * n]), f"{where}: broadcast"
-            want = torch.cat([x[(3 + ws) * n:][rank * n:(rank + 1) * n] for x in xs])
-            assert torch.equal(a2a_out.cpu(), want), f"{where}: all_to_all_single"
+def _every_replay_right(target, where, timeout=360):
+    got = run_ranks(target, WS, (str(where),), timeout=timeout)
+    assert got == {r: REPLAYS for r in range(WS)}, got
 
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):   # warm up outside the capture, as torch asks
-            fill(0)
-            ops()
-        torch.cuda.synchronize()
-        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g1):
-            ops()
-        with torch.cuda.graph(g2, pool=g1.pool()):
-            ops()
-        other = torch.cuda.Stream()
-        for i in range(REPLAYS):
-            for k, g in enumerate((g1, g2)):
-                seed = 2 * i + k
-                fill(seed)
-                torch.cuda.synchronize()
-                if k:
-                    with torch.cuda.stream(other):
-                        g.replay()
-                else:
+
+@_replays
+def _rank(rank, ws, path):
+    import torch.distributed as dist
+    import uccl_collective  # noqa: F401 - registers "uccl"
+    torch.cuda.set_device(rank)
+    dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
+                            world_size=ws)
+    n, dev = 4096, torch.device("cuda", rank)
+    ar, ag_in = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    ag_out, rs_in = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
+    rs_out, bc = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    a2a_in, a2a_out = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
+
+    def ops():
+        dist.all_reduce(ar)
+        dist.all_gather_into_tensor(ag_out, ag_in)
+        dist.reduce_scatter_tensor(rs_out, rs_in)
+        dist.broadcast(bc, src=1)
+        dist.all_to_all_single(a2a_out, a2a_in)
+
+    def fill(i):
+        x = _x(rank, i, (3 + 2 * ws) * n).to(dev)
+        ar.copy_(x[:n]); ag_in.copy_(x[n:2 * n]); rs_in.copy_(x[2 * n:(2 + ws) * n])
+        bc.copy_(x[(2 + ws) * n:(3 + ws) * n] if rank == 1 else torch.full((n,), -7.0))
+        a2a_in.copy_(x[(3 + ws) * n:])
+        for t in (ag_out, rs_out, a2a_out):
+            t.fill_(-7.0)
+
+    def check(i):
+        xs = [_x(r, i, (3 + 2 * ws) * n) for r in range(ws)]
+        where = f"rank {rank} replay {i}"
+        got, want = ar.cpu(), sum(x[:n] for x in xs)
+        bad = (got != want).nonzero().flatten()
+        assert not len(bad), (f"{where}: all_reduce: {len(bad)} of {n} elements wrong, the "
+                              f"first at {bad[0].item()}: got {got[bad[:4]].tolist()}, want "
+                              f"{want[bad[:4]].tolist()} (the ranks' inputs there: "
+                              f"{[x[:n][bad[:4]].tolist() for x in xs]})")
+        assert torch.equal(ag_out.cpu(), torch.cat([x[n:2 * n] for x in xs])), where
+        rs = sum(x[2 * n:(2 + ws) * n] for x in xs)[rank * n:(rank + 1) * n]
+        assert torch.equal(rs_out.cpu(), rs), f"{where}: reduce_scatter"
+        assert torch.equal(bc.cpu(), xs[1][(2 + ws) * n:(3 + ws) * n]), f"{where}: broadcast"
+        want = torch.cat([x[(3 + ws) * n:][rank * n:(rank + 1) * n] for x in xs])
+        assert torch.equal(a2a_out.cpu(), want), f"{where}: all_to_all_single"
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):   # warm up outside the capture, as torch asks
+        fill(0)
+        ops()
+    torch.cuda.synchronize()
+    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1):
+        ops()
+    with torch.cuda.graph(g2, pool=g1.pool()):
+        ops()
+    other = torch.cuda.Stream()
+    for i in range(REPLAYS):
+        for k, g in enumerate((g1, g2)):
+            seed = 2 * i + k
+            fill(seed)
+            torch.cuda.synchronize()
+            if k:
+                with torch.cuda.stream(other):
                     g.replay()
-                torch.cuda.synchronize()
-                check(seed)
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((rank, REPLAYS))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}"))
+            else:
+                g.replay()
+            torch.cuda.synchronize()
+            check(seed)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_collectives_captured_in_graphs_replay_right_every_time(tmp_path):
-    got = run_ranks(_rank, WS, (str(tmp_path / "store"),), timeout=420)
-    assert got == {r: REPLAYS for r in range(WS)}, got
+    _every_replay_right(_rank, tmp_path / "store", timeout=420)
 
 
 def _killed_rank(rank, ws, path, q):
@@ -187,104 +204,92 @@ def test_a_rank_killed_during_replays_ends_the_survivors_and_their_next_call_rai
     assert "rank 1" in msg, msg
 
 
-def _p2p_rank(rank, ws, path, q):
+@_replays
+def _p2p_rank(rank, ws, path):
     """Sends and receives captured: batch_isend_irecv both ways, then a
     blocking send/recv pair (rank 0 sends first, rank 1 receives first),
     one graph, REPLAYS replays with the data changed and the receives
     poisoned before each, checked after each."""
-    import faulthandler
-    faulthandler.dump_traceback_later(300, exit=True)
-    try:
-        import torch.distributed as dist
-        import uccl_collective  # noqa: F401 - registers "uccl"
-        torch.cuda.set_device(rank)
-        dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
-                                world_size=ws)
-        peer, n, dev = 1 - rank, 1000 + 24 * rank, torch.device("cuda", rank)
-        a_s, a_r = torch.zeros(4096, device=dev), torch.zeros(4096, device=dev)
-        b_s, b_r = torch.zeros(n, device=dev), torch.zeros(2024 - n, device=dev)
+    import torch.distributed as dist
+    import uccl_collective  # noqa: F401 - registers "uccl"
+    torch.cuda.set_device(rank)
+    dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
+                            world_size=ws)
+    peer, n, dev = 1 - rank, 1000 + 24 * rank, torch.device("cuda", rank)
+    a_s, a_r = torch.zeros(4096, device=dev), torch.zeros(4096, device=dev)
+    b_s, b_r = torch.zeros(n, device=dev), torch.zeros(2024 - n, device=dev)
 
-        def ops():
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a_s, peer),
-                                             dist.P2POp(dist.irecv, a_r, peer)]):
-                w.wait()
-            if rank == 0:
-                dist.send(b_s, peer)
-                dist.recv(b_r, peer)
-            else:
-                dist.recv(b_r, peer)
-                dist.send(b_s, peer)
+    def ops():
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a_s, peer),
+                                         dist.P2POp(dist.irecv, a_r, peer)]):
+            w.wait()
+        if rank == 0:
+            dist.send(b_s, peer)
+            dist.recv(b_r, peer)
+        else:
+            dist.recv(b_r, peer)
+            dist.send(b_s, peer)
 
-        def fill(i):
-            a_s.copy_(_x(rank, i, 4096).to(dev))
-            b_s.copy_(_x(rank, i + 77777, n).to(dev))
-            a_r.fill_(-7.0)
-            b_r.fill_(-7.0)
+    def fill(i):
+        a_s.copy_(_x(rank, i, 4096).to(dev))
+        b_s.copy_(_x(rank, i + 77777, n).to(dev))
+        a_r.fill_(-7.0)
+        b_r.fill_(-7.0)
 
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            fill(0)
-            ops()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fill(0)
+        ops()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops()
+    for i in range(REPLAYS):
+        fill(i)
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            ops()
-        for i in range(REPLAYS):
-            fill(i)
-            torch.cuda.synchronize()
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(a_r.cpu(), _x(peer, i, 4096)), f"rank {rank} replay {i}: batch"
-            assert torch.equal(b_r.cpu(), _x(peer, i + 77777, 2024 - n)), \
-                f"rank {rank} replay {i}: send/recv"
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((rank, REPLAYS))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a_r.cpu(), _x(peer, i, 4096)), f"rank {rank} replay {i}: batch"
+        assert torch.equal(b_r.cpu(), _x(peer, i + 77777, 2024 - n)), \
+            f"rank {rank} replay {i}: send/recv"
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_sends_and_receives_captured_replay_right_every_time(tmp_path):
-    got = run_ranks(_p2p_rank, WS, (str(tmp_path / "p2p"),), timeout=360)
-    assert got == {r: REPLAYS for r in range(WS)}, got
+    _every_replay_right(_p2p_rank, tmp_path / "p2p")
 
 
-def _ctx_rank(rank, ws, path, q):
+@_replays
+def _ctx_rank(rank, ws, path):
     """CollectiveContext.allgather (flat output) captured, REPLAYS replays,
     the input changed and the output poisoned before each."""
-    import faulthandler
-    faulthandler.dump_traceback_later(300, exit=True)
-    try:
-        import torch.distributed as dist
-        from uccl_collective.collective import CollectiveContext
-        torch.cuda.set_device(rank)
-        dist.init_process_group("gloo", store=dist.FileStore(path, ws), rank=rank,
-                                world_size=ws)
-        ctx = CollectiveContext(local_gpu_idx=rank, use_copy_engine_for_intra=True).init()
-        n, dev = 3000, torch.device("cuda", rank)
-        send, out = torch.zeros(n, device=dev), torch.zeros(ws * n, device=dev)
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            ctx.allgather(send, out)
+    import torch.distributed as dist
+    from uccl_collective.collective import CollectiveContext
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", store=dist.FileStore(path, ws), rank=rank,
+                            world_size=ws)
+    ctx = CollectiveContext(local_gpu_idx=rank, use_copy_engine_for_intra=True).init()
+    n, dev = 3000, torch.device("cuda", rank)
+    send, out = torch.zeros(n, device=dev), torch.zeros(ws * n, device=dev)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ctx.allgather(send, out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ctx.allgather(send, out)
+    for i in range(REPLAYS):
+        send.copy_(_x(rank, i, n).to(dev))
+        out.fill_(-7.0)
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            ctx.allgather(send, out)
-        for i in range(REPLAYS):
-            send.copy_(_x(rank, i, n).to(dev))
-            out.fill_(-7.0)
-            torch.cuda.synchronize()
-            g.replay()
-            torch.cuda.synchronize()
-            want = torch.cat([_x(r, i, n) for r in range(ws)])
-            assert torch.equal(out.cpu(), want), f"rank {rank} replay {i}"
-        ctx.finalize()
-        dist.destroy_process_group()
-        q.put((rank, REPLAYS))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}"))
+        g.replay()
+        torch.cuda.synchronize()
+        want = torch.cat([_x(r, i, n) for r in range(ws)])
+        assert torch.equal(out.cpu(), want), f"rank {rank} replay {i}"
+    ctx.finalize()
+    dist.destroy_process_group()
 
 
 def test_collective_context_allgather_captured_replays_right_every_time(tmp_path):
-    got = run_ranks(_ctx_rank, WS, (str(tmp_path / "ctx"),), timeout=360)
-    assert got == {r: REPLAYS for r in range(WS)}, got
+    _every_replay_right(_ctx_rank, tmp_path / "ctx")

@@ -92,6 +92,20 @@ class Bufs:
                 f"{where}: all_to_all from rank {q}"
 
 
+def _on_ranks_then_close(groups, rank) -> None:
+    """rank(r) on every rank; then no error anywhere, and at close every
+    registration released and no mapping left (the graphs' are let go
+    there)."""
+    n = len(groups)
+    res, err, streams = on_ranks(n, rank, timeout=300.0)
+    assert err == [None] * n, err
+    drain(groups, streams)
+    assert all(g.c.error() is None for g in groups)
+    counts = close_all(groups, streams)
+    for regs, deregs, maps in counts:
+        assert regs == deregs and maps == 0, counts
+
+
 def _capture(ctx, bufs: Bufs, stream: int) -> int:
     _graph("begin", stream)
     try:
@@ -133,13 +147,7 @@ def test_captured_rounds_replay_with_the_data_of_each_replay(n, round_form):
             _graph("free", gb)
             _engine._sg_emu_stream_free(other)
         return True
-    res, err, streams = on_ranks(n, rank, timeout=300.0)
-    assert err == [None] * n, err
-    drain(groups, streams)
-    assert all(g.c.error() is None for g in groups)
-    counts = close_all(groups, streams)
-    for regs, deregs, maps in counts:   # the graphs' mappings are let go at close
-        assert regs == deregs and maps == 0, counts
+    _on_ranks_then_close(groups, rank)
 
 
 def _stalled_replay(good: int):
@@ -316,10 +324,4 @@ def test_captured_sends_and_receives_replay_with_the_data_of_each_replay(n):
                 _graph("free", gr)
             _engine._sg_emu_stream_free(other)
         return True
-    res, err, streams = on_ranks(n, rank, timeout=300.0)
-    assert err == [None] * n, err
-    drain(groups, streams)
-    assert all(g.c.error() is None for g in groups)
-    counts = close_all(groups, streams)
-    for regs, deregs, maps in counts:   # the graphs' mappings are let go at close
-        assert regs == deregs and maps == 0, counts
+    _on_ranks_then_close(groups, rank)
