@@ -825,12 +825,13 @@ def _case_pg_setup(x: X, i, p):
     assert dist.get_backend() == "uccl", dist.get_backend()
     assert dist.get_backend(x.gloo) == "gloo", dist.get_backend(x.gloo)
     nodes = x.R.params.get("nodes")
-    if nodes:   # the "nodes" are apart: TCP between them, shared memory inside one
+    if nodes:   # the "nodes" are apart: TCP (or RDMA) between them, shared memory inside one
         ctx, mine = dist.group.WORLD.context, x.me * nodes // x.ws
+        between = "rdma" if x.R.params.get("verbs") else "tcp"
         for q in range(x.ws):
             if q != x.me:
                 t = ctx.transport_to(q)
-                want = "shm" if q * nodes // x.ws == mine else "tcp"
+                want = "shm" if q * nodes // x.ws == mine else between
                 assert t.startswith(want), f"rank {q} (node {q * nodes // x.ws}) via {t}"
     if x.cuda:
         assert x.torch.cuda.current_device() == x.R.gpu, (x.torch.cuda.current_device(), x.R.gpu)

@@ -189,6 +189,8 @@ def launch(scenario: str, world: int, *, params: dict, timeout: float,
             if "nodes" in params:  # consecutive ranks on one "host", as two hosts' ranks are
                 node = f"uccl-gpu-test-node-{r * params['nodes'] // world}"
                 env_r.update(UCCL_P2P_HOST_ID=node, UCCL_NODE_ID=node)
+            if "verbs" in params:  # a libibverbs (the emulator's): RDMA between the hosts
+                env_r["UCCL_IBVERBS_LIB"] = params["verbs"]
             procs.append(subprocess.Popen(cmd, env=env_r, cwd=TESTS, stdout=handles[-1],
                                           stderr=subprocess.STDOUT, start_new_session=True))
         deadline, first_exit = t0 + timeout, None
