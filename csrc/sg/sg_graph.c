@@ -48,9 +48,9 @@ int uccl__sg_graph_handshake(uccl_sg_t *sg, uintptr_t X, uint32_t g, int off,
     return sg->ops->memops(sg->d, X, ops, nops);
 }
 
-/* A captured round's mappings, kept until the group closes (its graph
- * may be replayed until then; the watchdog does not time it), and its
- * graph slot taken. */
+/* What a captured round or message holds (mappings, a pinned
+ * registration), kept until the group closes: its graph may be replayed
+ * until then, and the watchdog does not time it. */
 static int keep(uccl_sg_t *sg, struct pending p)
 {
     pthread_mutex_lock(&sg->mu); /* a round's thread and a post's may keep at once */
@@ -97,12 +97,11 @@ int uccl__sg_graph_msg(uccl_sg_t *sg, uintptr_t X, uint32_t c, uint32_t j, int s
 {
     uint32_t *ep = mword(sg, c, j, PG_EP, side);
     struct uccl__sg_memop ops[2] = {{ep, 0, UCCL__SG_BUMP, NULL},
-                                    second ? (struct uccl__sg_memop){mword(sg, c, j, PG_RDY,
-                                                                           1 - side),
-                                                                     0, UCCL__SG_WAIT, ep}
-                                           : (struct uccl__sg_memop){mword(sg, c, j, PG_RDY,
-                                                                           side),
-                                                                     0, UCCL__SG_WRITE, ep}};
+                                    {mword(sg, c, j, PG_RDY, side), 0, UCCL__SG_WRITE, ep}};
+    if (second) { /* instead: wait for the first side's ready word of this replay */
+        ops[1].addr = mword(sg, c, j, PG_RDY, 1 - side);
+        ops[1].wait = UCCL__SG_WAIT;
+    }
     struct uccl__sg_memop done = {mword(sg, c, j, PG_DN, side), 0, UCCL__SG_WRITE, ep};
     void **imps = imp ? malloc(sizeof(void *)) : NULL;
     struct graph_msg *m = realloc(sg->gmsg, (size_t)(sg->ngmsg + 1) * sizeof(*m));
@@ -135,11 +134,11 @@ int uccl__sg_graph_msg(uccl_sg_t *sg, uintptr_t X, uint32_t c, uint32_t j, int s
 int uccl__sg_graph_msg_wait(uccl_sg_t *sg, uint32_t id, uintptr_t stream)
 {
     pthread_mutex_lock(&sg->p2p_mu);
-    struct graph_msg m = id < (uint32_t)sg->ngmsg ? sg->gmsg[id] : (struct graph_msg){0};
+    int n = sg->ngmsg;
+    struct graph_msg m = id < (uint32_t)n ? sg->gmsg[id] : (struct graph_msg){0};
     pthread_mutex_unlock(&sg->p2p_mu);
     if (!m.ev)
-        return uccl__err(UCCL_ERR_INVALID, "captured message %u: this group captured %d", id,
-                         sg->ngmsg);
+        return uccl__err(UCCL_ERR_INVALID, "captured message %u: this group captured %d", id, n);
     /* after its stream's bump (so the epoch read is this replay's), until
      * the copier's done word reaches it */
     struct uccl__sg_memop w = {mword(sg, m.chan, m.j, PG_DN, m.copier), 0, UCCL__SG_WAIT,
