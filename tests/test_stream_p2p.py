@@ -24,7 +24,10 @@ from test_stream_group import drain as drain_streams
 from uccl_collective.core import stream_group as sgm
 
 P2P_SLOTS = sgm.P2P_SLOTS   # csrc/sg/sgroup.h
-CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64   # struct p2p_chan (csrc/sg/sg_page.h)
+# struct p2p_chan (csrc/sg/sg_page.h): the ready and done words, high, the
+# slots, then the rows of the captured messages' words
+P2P_GRAPH, PG_WORDS = 64, 6
+CHAN_BYTES = 2 * 2 * 64 + 64 + P2P_SLOTS * 64 + P2P_GRAPH * PG_WORDS * 4
 
 
 def nbytes(t: torch.Tensor) -> int:
