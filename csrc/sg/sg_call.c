@@ -44,22 +44,28 @@ static int run(uccl_sg_t *sg, const struct uccl_sg_opts *o, struct uccl_sg_call 
 /* Whether nb bytes per rank go as a one-launch round: the group has an
  * arena whose slots hold them (the same on every rank), and where the
  * caller's stream captures a CUDA graph, the device captures one-launch
- * rounds (sg_graph.c; else the captured round is two-sided). */
-static int fits(uccl_sg_t *sg, const struct uccl_sg_opts *o, size_t nb)
+ * rounds (sg_graph.c; else the captured round is two-sided).  *capture:
+ * what the device said of the caller's stream (struct uccl_sg_call), so
+ * that the round does not ask again. */
+static int fits(uccl_sg_t *sg, const struct uccl_sg_opts *o, size_t nb, int *capture)
 {
     size_t most = uccl_sg_fused_bytes(sg);
+    *capture = 0;
     if (!most || nb > most)
         return 0;
     int on = uccl_sg_capturing(sg, o->caller);
+    if (on >= 0)
+        *capture = on + 1;
     return on == 0 || (on == 1 && o->caller_waits && !o->end_event && uccl_sg_graph_fuses(sg, nb));
 }
 
 /* A one-launch round (sg_round.c). */
 static int fused_run(uccl_sg_t *sg, const struct uccl_sg_opts *o, const char *what,
-                     uint32_t k, uint64_t arg, const struct uccl_sg_fused *f, uint32_t *round_p)
+                     uint32_t k, uint64_t arg, const struct uccl_sg_fused *f, int capture,
+                     uint32_t *round_p)
 {
     struct uccl_sg_call c = {.what = what, .kind = k | UCCL_SG_FUSED_KIND, .arg = arg,
-                             .phases = 1, .fused = f};
+                             .phases = 1, .fused = f, .capture = capture};
     return run(sg, o, &c, round_p);
 }
 
@@ -87,9 +93,11 @@ int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
     size_t nb = 0, esz = uccl_dtype_size(dtype), a, b;
     if ((rc = elems("all_reduce", count, dtype, &nb)))
         return rc;
-    if (fits(sg, o, nb)) {
+    int capture;
+    if (fits(sg, o, nb, &capture)) {
         struct uccl_sg_fused f = {0, dtype, op, ptr, ptr, nb, count};
-        return fused_run(sg, o, "all_reduce", kind(K_ALLREDUCE, dtype, op, 0), count, &f, round_p);
+        return fused_run(sg, o, "all_reduce", kind(K_ALLREDUCE, dtype, op, 0), count, &f,
+                         capture, round_p);
     }
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, ptr, nb};
     struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
@@ -104,7 +112,7 @@ int uccl_sg_allreduce(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t ptr
     struct uccl_sg_red red = {dtype, op, UCCL_SG_TAG_ALL, a * esz, ptr + a * esz, b - a};
     struct uccl_sg_call c = {.what = "all_reduce", .kind = kind(K_ALLREDUCE, dtype, op, 0),
                              .arg = count, .phases = 2, .pub = &pub, .npub = 1, .pull = pull,
-                             .npull = npull, .red = &red};
+                             .npull = npull, .red = &red, .capture = capture};
     return run(sg, o, &c, round_p);
 }
 
@@ -128,9 +136,11 @@ int uccl_sg_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t src
     int n = uccl_sg_size(sg), me = uccl_sg_rank(sg);
     if (nbytes > SIZE_MAX / UCCL_SG_MAX_RANKS)
         return uccl__err(UCCL_ERR_INVALID, "allgather: %zu bytes per rank", nbytes);
-    if (fits(sg, o, nbytes)) {
+    int capture;
+    if (fits(sg, o, nbytes, &capture)) {
         struct uccl_sg_fused f = {1, UCCL_DT_U8, 0, src, dst, nbytes, nbytes};
-        return fused_run(sg, o, "allgather", kind(K_ALLGATHER, 0, 0, 0), nbytes, &f, round_p);
+        return fused_run(sg, o, "allgather", kind(K_ALLGATHER, 0, 0, 0), nbytes, &f, capture,
+                         round_p);
     }
     struct uccl_sg_pub pub = {UCCL_SG_TAG_ALL, src, nbytes};
     struct uccl_sg_pull pull[UCCL_SG_MAX_RANKS];
@@ -142,7 +152,7 @@ int uccl_sg_allgather(uccl_sg_t *sg, const struct uccl_sg_opts *o, uintptr_t src
     struct uccl_sg_copy own = {dst + (size_t)me * nbytes, src, nbytes};
     struct uccl_sg_call c = {.what = "allgather", .kind = kind(K_ALLGATHER, 0, 0, 0),
                              .arg = nbytes, .phases = 1, .pub = &pub, .npub = 1, .pull = pull,
-                             .npull = npull, .copy = &own, .ncopy = 1};
+                             .npull = npull, .copy = &own, .ncopy = 1, .capture = capture};
     return run(sg, o, &c, round_p);
 }
 

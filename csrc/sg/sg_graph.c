@@ -161,7 +161,7 @@ int uccl__sg_graph_check(uccl_sg_t *sg, const struct uccl_sg_call *c, const char
                          long *g_p)
 {
     *g_p = -1;
-    int on = uccl_sg_capturing(sg, c->caller);
+    int on = c->capture ? c->capture - 1 : uccl_sg_capturing(sg, c->caller);
     if (on < 0)
         return on;
     if (!on)

@@ -128,6 +128,8 @@ struct uccl_sg_call {
     int ncopy;
     const struct uccl_sg_red *red;   /* a reduction in phase 1, or NULL */
     const struct uccl_sg_fused *fused; /* instead of the above: a one-launch round */
+    int capture;               /* whether caller captures a CUDA graph: 0 not known (the
+                                  round asks the device), 1 no, 2 yes */
 };
 
 /* ---- the device a group queues on: sgdev/sg_dev.h (struct uccl__sg_dev, the

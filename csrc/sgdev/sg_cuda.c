@@ -367,12 +367,11 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
      * still to stage. */
     if (!a->epoch && !a->gather && a->in == a->out && (a->in & 15))
         return UCCL_ERR_UNAVAIL;
-    int mode = a->epoch ? relax() : -1; /* captured: a first compile and load */
+    /* (a first compile and load in a capture: compile_parts relaxes it) */
     uccl_kernel_t *k = a->epoch ? cfused_kernel(d->dev, dt) : fused_kernel(d->dev, dt);
-    unrelax(mode);
     if (!k)
         return a->epoch ? uccl__err(UCCL_ERR_UNAVAIL, "a captured one-launch round needs the "
-                                    "uccl_sg_fused kernel, which did not compile: %s",
+                                    "uccl_sg_cfused kernel, which did not compile: %s",
                                     uccl_last_error())
                         : UCCL_ERR_UNAVAIL;
     struct uccl__k_fused fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,

@@ -66,9 +66,10 @@ facts hold is the route:
                                                 the calling thread when blocking and the
                                                 token is free, else queues it
  6    send / recv of a CUDA tensor; the group   a stream-ordered message (p2p): posted on
-      has a stream group on its device          the pair's stream, a P2PWork.  A capture
-                                                raises.  (Else a task of the p2p
-                                                channel: row 4 or 5)
+      has a stream group on its device          the pair's stream, a P2PWork; captured
+                                                where the stream captures a graph (the
+                                                pair's stream joins it).  (Else a task of
+                                                the p2p channel: row 4 or 5)
 
 Rows 1 and 2 take the same facts; row 1 is their common case made in C
 (csrc/py/py_fastpath.c: its checks mirror fast() and kernel_codes();
