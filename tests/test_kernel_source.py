@@ -17,7 +17,8 @@ import pytest
 CSRC = Path(__file__).resolve().parents[1] / "csrc" / "sgdev"
 SRC = CSRC / "sg_kernels.c"
 # every part, in an order where each comes after what it uses (sg_kernels.h)
-PARTS = ("prelude", "reduce", "copy_fn", "fused", "cfused", "copy", "sync", "gather", "eops")
+PARTS = ("prelude", "reduce", "copy_fn", "fused", "cfused", "cll", "copy", "sync", "gather",
+         "eops")
 STANDINS = r"""
 #define __device__
 #define __global__
@@ -59,8 +60,8 @@ def modules() -> list[tuple[str, list[str]]]:
 
 def test_every_kernel_has_its_parts():
     got = dict(modules())
-    assert sorted(got) == ["uccl_sg_cfused", "uccl_sg_copy", "uccl_sg_eops", "uccl_sg_fused",
-                           "uccl_sg_gather", "uccl_sg_reduce", "uccl_sg_sync"], got
+    assert sorted(got) == ["uccl_sg_cfused", "uccl_sg_cll", "uccl_sg_copy", "uccl_sg_eops",
+                           "uccl_sg_fused", "uccl_sg_gather", "uccl_sg_reduce", "uccl_sg_sync"], got
     assert all(parts and parts[0] == "prelude" and set(parts) <= set(PARTS)
                for parts in got.values()), got
 

@@ -115,15 +115,17 @@ def _capture(ctx, bufs: Bufs, stream: int) -> int:
     return graph
 
 
+@pytest.mark.parametrize("count, replays", [(37, REPLAYS), (24000, 40)])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_captured_rounds_replay_with_the_data_of_each_replay(n, round_form):
+def test_captured_rounds_replay_with_the_data_of_each_replay(n, count, replays, round_form):
     """Two graphs of five collectives each, captured once and replayed
-    REPLAYS times in turn, every second replay on a stream other than the
+    `replays` times in turn, every second replay on a stream other than the
     capturing one; every replay's results checked.  One-launch rounds
     (round_form): the all_reduce and the allgather are captured as one
-    launch each (an arena of their own, numbered from its epoch)."""
+    launch each (an arena of their own, numbered from its epoch): 37
+    elements go as LL lines, 24,000 (96 KB) as the input and a ready word
+    (csrc/sg/sg_graph.c, GRAPH_LL_BYTES)."""
     groups = make_groups(n)
-    count = 37
 
     def rank(r):
         ctx = sgm.StreamCtx(Ctx(None, r, n, 5.0), groups[r])
@@ -135,7 +137,7 @@ def test_captured_rounds_replay_with_the_data_of_each_replay(n, round_form):
             want = 2 if round_form == "one-launch" else 0   # the all_reduce and the allgather
             assert [_graph("launches", g) for g in (ga, gb)] == [want, want]
             assert _engine._sg_emu_stream_idle(mine, 5.0), "a capture ran something"
-            for i in range(REPLAYS):
+            for i in range(replays):
                 s = mine if i % 2 == 0 else other
                 for bufs, g, seed in ((a, ga, 2 * i), (b, gb, 2 * i + 1)):
                     bufs.fill(r, seed)

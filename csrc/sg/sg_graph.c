@@ -28,6 +28,10 @@
  * (64 KiB at 8 ranks: 1 MiB a round captured); larger ones are two-sided. */
 #define GRAPH_FUSED_BYTES (256u << 10)
 #define GRAPH_CHUNK ((size_t)4 << 20) /* the arenas' memory is made this much at a time */
+/* Up to this many bytes a rank, the launch sends NCCL's LL lines (the data
+ * and the round's number in each 16-byte store: no fence and no flag to
+ * wait for, at twice the slot); above, its input and then a ready word. */
+#define GRAPH_LL_BYTES (64u << 10)
 
 /* A captured round's handshake on stream X (graph slot g): at ready its
  * epoch bumped first (a replay begins), then this rank's word of the slot
@@ -213,7 +217,7 @@ static int graph_mem(uccl_sg_t *sg, size_t len, uintptr_t *ptr_p)
 int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pending *p,
                          struct entry *e)
 {
-    size_t slot = (nbytes + 15) / 16 * 16;
+    size_t slot = (nbytes + 15) / 16 * 16 * (nbytes <= GRAPH_LL_BYTES ? 2 : 1); /* LL: 8 in 16 */
     size_t len = 2 * (size_t)sg->size * slot + UCCL_SG_FUSED_TAIL;
     int rc = graph_mem(sg, len, &p->area);
     if (rc)
@@ -236,7 +240,8 @@ int uccl__sg_graph_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, const ch
                                     .nbytes = fz->nbytes, .count = fz->count,
                                     .failed = (uint32_t *)sg->page,
                                     .epoch = (uint32_t *)(p->area + tail + UCCL_SG_FUSED_EPOCH),
-                                    .flip = tail / 2 / (size_t)sg->size};
+                                    .flip = tail / 2 / (size_t)sg->size,
+                                    .ll = fz->nbytes <= GRAPH_LL_BYTES};
     int rc = UCCL_OK;
     for (int r = 0; r < sg->size && !rc; r++) {
         a.slot[r] = p->area;

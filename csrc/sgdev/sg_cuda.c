@@ -69,8 +69,10 @@ static const char *const dt_names[UCCL_DT_COUNT] = {
 static struct {
     pthread_mutex_t mu;
     uccl_kernel_t *k[MAX_DEVS][UCCL_DT_COUNT];
-    uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT], *cfused[MAX_DEVS][UCCL_DT_COUNT];
-    char fused_failed[MAX_DEVS][UCCL_DT_COUNT], cfused_failed[MAX_DEVS][UCCL_DT_COUNT];
+    uccl_kernel_t *fused[MAX_DEVS][UCCL_DT_COUNT], *cfused[MAX_DEVS][UCCL_DT_COUNT],
+        *cll[MAX_DEVS][UCCL_DT_COUNT];
+    char fused_failed[MAX_DEVS][UCCL_DT_COUNT], cfused_failed[MAX_DEVS][UCCL_DT_COUNT],
+        cll_failed[MAX_DEVS][UCCL_DT_COUNT];
     uccl_kernel_t *copy[MAX_DEVS], *sync[MAX_DEVS], *gather[MAX_DEVS], *eops[MAX_DEVS];
     char copy_failed[MAX_DEVS], sync_failed[MAX_DEVS], gather_failed[MAX_DEVS],
         eops_failed[MAX_DEVS];
@@ -194,6 +196,16 @@ static uccl_kernel_t *cfused_kernel(int dev, int dtype)
                                         uccl__sg_cfused_src, NULL};
     return once_kernel(dev, dtype, parts, "uccl_sg_cfused", &kernels.cfused[dev][dtype],
                        &kernels.cfused_failed[dev][dtype]);
+}
+
+/* ... and its LL form (uccl_sg_cll). */
+static uccl_kernel_t *cll_kernel(int dev, int dtype)
+{
+    static const char *const parts[] = {uccl__sg_prelude_src, uccl__sg_reduce_src,
+                                        uccl__sg_copy_fn_src, uccl__sg_fused_src,
+                                        uccl__sg_cll_src, NULL};
+    return once_kernel(dev, dtype, parts, "uccl_sg_cll", &kernels.cll[dev][dtype],
+                       &kernels.cll_failed[dev][dtype]);
 }
 
 /* Operations counted from an epoch, or bumps: one launch of uccl_sg_eops. */
@@ -368,10 +380,12 @@ static int cuda_fused(void *dp, uintptr_t stream, const struct uccl__sg_fused_ar
     if (!a->epoch && !a->gather && a->in == a->out && (a->in & 15))
         return UCCL_ERR_UNAVAIL;
     /* (a first compile and load in a capture: compile_parts relaxes it) */
-    uccl_kernel_t *k = a->epoch ? cfused_kernel(d->dev, dt) : fused_kernel(d->dev, dt);
+    uccl_kernel_t *k = !a->epoch ? fused_kernel(d->dev, dt)
+                       : a->ll   ? cll_kernel(d->dev, dt) : cfused_kernel(d->dev, dt);
     if (!k)
         return a->epoch ? uccl__err(UCCL_ERR_UNAVAIL, "a captured one-launch round needs the "
-                                    "uccl_sg_cfused kernel, which did not compile: %s",
+                                    "%s kernel, which did not compile: %s",
+                                    a->ll ? "uccl_sg_cll" : "uccl_sg_cfused",
                                     uccl_last_error())
                         : UCCL_ERR_UNAVAIL;
     struct uccl__k_fused fa = {.in = a->in, .out = a->out, .ctr = a->ctr, .nbytes = a->nbytes,

@@ -117,6 +117,8 @@ struct uccl__sg_fused_args {
     uint32_t *fin, *failed;
     uint32_t *epoch;
     size_t flip;
+    int ll; /* captured: NCCL's LL lines (sg_kernels.c, uccl_sg_cll): a slot of flip
+             * bytes holds flip / 2 of data, each 8 with the number twice; no ready word */
 };
 /* A handshake of a two-sided round as one launch: this rank's word set to
  * k (mine: in its arena; page: the same word in the page, what the host and

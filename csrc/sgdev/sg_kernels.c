@@ -275,6 +275,90 @@ const char uccl__sg_cfused_src[] =
     "  if (last_block((u32 *)a.ctr + 1) && threadIdx.x == 0) *(volatile u32 *)a.epoch = k;\n"
     "}\n";
 
+/* A captured one-launch round of at most GRAPH_LL_BYTES a rank, after the
+ * one-launch round's parts: NCCL's LL protocol.  Each 16-byte line of a
+ * slot holds 8 bytes of data and the round's number twice ({d0, k, d1, k},
+ * one 16-byte store, which the GPU makes visible whole, as NCCL relies
+ * on), so the data carry their own flag: no fence, no ready word, and a
+ * receiver that sees k in both halves has the bytes.  Every thread pushes
+ * its 16-byte vectors of the input into slot [me] of the number's parity
+ * in every rank's arena (two lines a vector), then reads the vectors it
+ * computes from every rank's slot in its own arena, spinning on each line
+ * until it carries k (every 64th poll the group's failed flag, which ends
+ * the spin); the last block writes the epoch.  A vector past the input's
+ * end is zero-padded; unaligned input or output goes byte by byte. */
+const char uccl__sg_cll_src[] =
+    "__device__ __forceinline__ void st_ll(u64 d, u32 w0, u32 w1, u32 k) {\n"
+    "  asm volatile(\"st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};\" :: \"l\"(d), \"r\"(w0), \"r\"(k), \"r\"(w1), \"r\"(k) : \"memory\");\n"
+    "}\n"
+    "__device__ __forceinline__ void ld_ll(u64 s, u32 k, u64 failed, u32 &w0, u32 &w1) {\n"
+    "  u32 f0, f1;\n"
+    "  for (u32 i = 1;; i++) {\n"
+    "    asm volatile(\"ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];\" : \"=r\"(w0), \"=r\"(f0), \"=r\"(w1), \"=r\"(f1) : \"l\"(s) : \"memory\");\n"
+    "    if ((f0 == k && f1 == k) || ((i & 63) == 0 && *(volatile u32 *)failed)) return;\n"
+    "  }\n"
+    "}\n"
+    /* vector j of [p, +n): whole where aligned and inside, else byte by byte */
+    "__device__ __forceinline__ V16 ld_vec(u64 p, u64 j, u64 n) {\n"
+    "  V16 v; v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0;\n"
+    "  if ((p & 15) == 0 && 16 * j + 16 <= n) return ((const V16 *)p)[j];\n"
+    "  for (u64 b = 16 * j; b < n && b < 16 * j + 16; b++) ((u8 *)v.w)[b - 16 * j] = ((const u8 *)p)[b];\n"
+    "  return v;\n"
+    "}\n"
+    "__device__ __forceinline__ void st_vec(u64 p, u64 j, u64 n, V16 v) {\n"
+    "  if ((p & 15) == 0 && 16 * j + 16 <= n) { ((V16 *)p)[j] = v; return; }\n"
+    "  for (u64 b = 16 * j; b < n && b < 16 * j + 16; b++) ((u8 *)p)[b] = ((const u8 *)v.w)[b - 16 * j];\n"
+    "}\n"
+    "__device__ __forceinline__ V16 ld_line2(u64 s, u32 k, u64 failed) {\n"
+    "  V16 v; ld_ll(s, k, failed, v.w[0], v.w[1]); ld_ll(s + 16, k, failed, v.w[2], v.w[3]);\n"
+    "  return v;\n"
+    "}\n"
+    "template <class D, int OP> __device__ void ll_reduce(const FArgs &a, u64 base, u32 k) {\n"
+    "  typedef typename D::T T; typedef typename D::A A;\n"
+    "  constexpr int V = 16 / sizeof(T);\n"
+    "  union U { V16 u; T t[V]; };\n"
+    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  for (u64 j = tid; j < (a.nbytes + 15) / 16; j += stride) {\n"
+    "    A acc[V];\n"
+    "    for (int r = 0; r < a.n; r++) {\n"
+    "      U x; x.u = ld_line2(base + (u64)r * a.flip + 32 * j, k, a.failed);\n"
+    "#pragma unroll\n"
+    "      for (int v = 0; v < V; v++) { A y = D::ld(x.t[v]); acc[v] = r ? apply<D, OP>(acc[v], y) : y; }\n"
+    "    }\n"
+    "    U y;\n"
+    "#pragma unroll\n"
+    "    for (int v = 0; v < V; v++) y.t[v] = fin<D, OP>(acc[v], a.n);\n"
+    "    st_vec(a.out, j, a.nbytes, y.u);\n"
+    "  }\n"
+    "}\n"
+    "extern \"C\" __global__ void uccl_sg_cll(FArgs a) {\n"
+    "  u32 k = *(volatile u32 *)a.epoch + 1u;\n"
+    "  u64 par = (u64)(k & 1u) * (u64)a.n * a.flip, mine = (u64)a.me * a.flip;\n"
+    "  u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  u64 nv = (a.nbytes + 15) / 16;\n"
+    "  for (u64 j = tid; j < nv; j += stride) {\n"
+    "    V16 v = ld_vec(a.in, j, a.nbytes);\n"
+    "    for (int r = 0; r < a.n; r++) {\n"
+    "      u64 d = a.slot[r] + par + mine + 32 * j;\n"
+    "      st_ll(d, v.w[0], v.w[1], k); st_ll(d + 16, v.w[2], v.w[3], k);\n"
+    "    }\n"
+    "  }\n"
+    "  u64 base = a.slot[a.me] + par;\n"
+    "  if (a.gather) {\n"
+    "    for (int r = 0; r < a.n; r++)\n"
+    "      for (u64 j = tid; j < nv; j += stride)\n"
+    "        st_vec(a.out + (u64)r * a.nbytes, j, a.nbytes, ld_line2(base + (u64)r * a.flip + 32 * j, k, a.failed));\n"
+    "  } else if (a.count) {\n"
+    "    switch (a.op) {\n"
+    "    case SUM: ll_reduce<UCCL_DT, SUM>(a, base, k); break;   case PROD: ll_reduce<UCCL_DT, PROD>(a, base, k); break;\n"
+    "    case MIN: ll_reduce<UCCL_DT, MIN>(a, base, k); break;   case MAX: ll_reduce<UCCL_DT, MAX>(a, base, k); break;\n"
+    "    case BAND: ll_reduce<UCCL_DT, BAND>(a, base, k); break; case BOR: ll_reduce<UCCL_DT, BOR>(a, base, k); break;\n"
+    "    case BXOR: ll_reduce<UCCL_DT, BXOR>(a, base, k); break; case AVG: ll_reduce<UCCL_DT, AVG>(a, base, k); break;\n"
+    "    }\n"
+    "  }\n"
+    "  if (last_block((u32 *)a.ctr + 1) && threadIdx.x == 0) *(volatile u32 *)a.epoch = k;\n"
+    "}\n";
+
 /* Several copies in one launch, after the copy: block row y copies
  * segment y (the copy's grid-wide split over a row's blocks), one driver
  * call where each cuMemcpyAsync costs several microseconds of the host's

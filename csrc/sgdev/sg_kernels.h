@@ -5,6 +5,7 @@
  *   uccl_sg_reduce   prelude, reduce                 (per element type)
  *   uccl_sg_fused    prelude, reduce, copy_fn, fused (per element type)
  *   uccl_sg_cfused   prelude, reduce, copy_fn, fused, cfused (per element type)
+ *   uccl_sg_cll      prelude, reduce, copy_fn, fused, cll (per element type)
  *   uccl_sg_copy     prelude, copy_fn, copy
  *   uccl_sg_sync     prelude, sync
  *   uccl_sg_gather   prelude, copy_fn, sync, gather
@@ -19,7 +20,7 @@
 
 extern const char uccl__sg_prelude_src[], uccl__sg_reduce_src[], uccl__sg_copy_fn_src[],
     uccl__sg_fused_src[], uccl__sg_copy_src[], uccl__sg_sync_src[], uccl__sg_gather_src[],
-    uccl__sg_eops_src[], uccl__sg_cfused_src[];
+    uccl__sg_eops_src[], uccl__sg_cfused_src[], uccl__sg_cll_src[];
 
 /* struct EArgs (memory operations counted from an epoch), one thread */
 #define UCCL__K_EOPS 72 /* EArgs' arrays; a captured round's handshake: UCCL_SG_MAX_RANKS + 2 at most */
