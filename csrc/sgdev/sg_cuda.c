@@ -18,6 +18,7 @@
 #include "sgdev/sg_kernels.h"
 #include "sgdev/sg_dev.h"
 #include "base/config.h"
+#include "base/log.h"
 #include "base/status.h"
 
 #define MAX_DEVS 64
@@ -357,6 +358,10 @@ static int fence_sys(struct cuda_dev *d, const uintptr_t *peer, int n, int me)
         for (int r = 0; r < n; r++)
             gpu = gpu && (r == me || on_gpu(d, peer[r]));
         d->fz_scope = gpu ? FENCE_GPU : FENCE_SYS;
+        /* the reading is of the peers' IPC mappings: with peers on other
+         * GPUs too it has been seen to say "this GPU" (docs/benchmark-log.md) */
+        LOG_INFO("stream-ordered group (rank %d, cuda:%d): its spinning launches fence at "
+                 "the %s's scope", d->rank, d->dev, gpu ? "GPU" : "system");
     }
     return d->fz_scope == FENCE_SYS;
 }
