@@ -293,3 +293,47 @@ def _ctx_rank(rank, ws, path):
 
 def test_collective_context_allgather_captured_replays_right_every_time(tmp_path):
     _every_replay_right(_ctx_rank, tmp_path / "ctx")
+
+
+@_replays
+def _async_rank(rank, ws, path):
+    """async_op=True collectives captured (their rounds on the capturing
+    stream, as blocking ones), wait() called inside the capture; REPLAYS
+    replays with the inputs changed before each, checked after each."""
+    import torch.distributed as dist
+    import uccl_collective  # noqa: F401 - registers "uccl"
+    torch.cuda.set_device(rank)
+    dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank, world_size=ws)
+    n, dev = 2048, torch.device("cuda", rank)
+    ar, ag_in, ag_out = (torch.zeros(n, device=dev), torch.zeros(n, device=dev),
+                         torch.zeros(ws * n, device=dev))
+
+    def ops():
+        works = [dist.all_reduce(ar, async_op=True),
+                 dist.all_gather_into_tensor(ag_out, ag_in, async_op=True)]
+        for w in works:
+            w.wait()
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ops()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops()
+    for i in range(REPLAYS):
+        ar.copy_(_x(rank, i, n).to(dev))
+        ag_in.copy_(_x(rank, i + 5000, n).to(dev))
+        ag_out.fill_(-7.0)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ar.cpu(), sum(_x(r, i, n) for r in range(ws))), f"replay {i}"
+        assert torch.equal(ag_out.cpu(), torch.cat([_x(r, i + 5000, n) for r in range(ws)])), \
+            f"replay {i}: all_gather"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_async_op_collectives_captured_replay_right_every_time(tmp_path):
+    _every_replay_right(_async_rank, tmp_path / "async")

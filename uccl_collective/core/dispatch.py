@@ -210,13 +210,18 @@ class Dispatch:
         another route (another kind of call, a profiler running).  Every
         blocking collective on CUDA tensors comes through here, so it makes
         as few Python calls as it can (benchmarks/fused_probe.py --pieces)."""
-        if opts is None or getattr(opts, "asyncOp", True) is not False or self.closed or \
-                _profiler_enabled():
+        if opts is None or self.closed or _profiler_enabled():
             return None
+        blocking = getattr(opts, "asyncOp", True) is False
         dev = _dense_cuda(*ts)
         if dev is None:
             return None
-        return self.stream_group(dev)   # a capture takes this route (sg_graph.c)
+        # a capture takes this route (sg_graph.c), async_op=True too: its
+        # round then runs on the capturing stream, as a blocking call's, and
+        # its Work's wait() has nothing more to order there
+        if not blocking and not stream_group.capturing():
+            return None
+        return self.stream_group(dev)
 
     def kernel_codes(self, sg: Any, opts: Any, dtype: Any, what: str) -> tuple:
         """The (dtype, operator) codes of the engine's reduction kernel for a
