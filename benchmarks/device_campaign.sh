@@ -45,6 +45,10 @@
 #           replayed with a GPU per rank), test_compile.py on CUDA, then
 #           graph_decode.py (a decode step captured, uccl against NCCL) at
 #           2 ranks and, where there are 4 GPUs, 4.
+#   PART=11 the captured decode step's sweep: graph_decode.py at 2 ranks
+#           with the LL lines (UCCL_SG_GRAPH_LL_BYTES default) and without
+#           (0), then at 4 ranks; a rank still running near its step's end
+#           prints its Python stacks (SIGSEGV under PYTHONFAULTHANDLER).
 #
 # Run from the repository root with _upstream/old carried (device_upstream.sh).
 set -uo pipefail
@@ -52,7 +56,7 @@ start=$SECONDS
 budget=${BUDGET_S:-570}
 here=$(dirname "$0")
 dest=${OUT:-bench_out/device}
-res=/tmp/campaign/part${PART:?PART=1 to 10}
+res=/tmp/campaign/part${PART:?PART=1 to 11}
 mkdir -p "$res" "$dest"
 OUT=$res
 source "$here/device_build.sh"
@@ -239,6 +243,28 @@ case "$PART" in
       --json "$res/decode_$w.json"
     grep " B: " "$res/decode_$w.log" >> "$res/summary.txt"
   done
+  ;;
+11)
+  export NCCL_NVLS_ENABLE=0 PYTHONFAULTHANDLER=1
+  stacks() {  # after $1 s, every rank of graph_decode.py still there prints its stacks
+    sleep "$1"
+    for p in $(pgrep -f graph_decode.py); do
+      grep -qa torchrun "/proc/$p/cmdline" || kill -SEGV "$p"
+    done
+  }
+  decode() {  # decode NAME RANKS SECONDS SIZES
+    stacks $(($3 - 15)) & local watch=$!
+    step "$1" "$3" torchrun --nproc_per_node "$2" "$here/graph_decode.py" --sizes "$4" \
+      --json "$res/$1.json"
+    kill "$watch" 2>/dev/null
+    grep " B: " "$res/$1.log" >> "$res/summary.txt"
+  }
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  decode decode2_ll 2 110 "${SIZES:-8K,32K,48K,56K,64K}"
+  export UCCL_SG_GRAPH_LL_BYTES=0
+  decode decode2_noll 2 80 "${SIZES_NOLL:-32K,64K}"
+  unset UCCL_SG_GRAPH_LL_BYTES
+  [ "$ngpu" -ge 4 ] && decode decode4_ll 4 110 "${SIZES:-8K,32K,48K,56K,64K}"
   ;;
 esac
 cat "$res/summary.txt"

@@ -10,10 +10,12 @@ layer's output, whose size is the row's (tokens x hidden x 2 bytes; hidden
 once per backend and size, replayed --warmup times, then timed over --iters
 replays (CUDA events around each replay; the median).  Then, twice, the
 captured input is given fresh values and each graph replayed once more, and
-uccl's output is checked against NCCL's (bitwise at two ranks, whose sums do
-not depend on the order; else within a bound): a replay that read a
-previous replay's bytes would pass a check on the timed replays, whose
-inputs never change.  Reported per size: the step's time, the time an
+uccl's output is checked against NCCL's: bitwise at two ranks, whose sums
+do not depend on the order; else the norm of the difference within 5% of
+NCCL's output's (NCCL's ring rounds each partial sum to bf16, uccl sums in
+fp32 and rounds once, which 32 layers compound; a stale replay is off by
+about 140%).  A replay that read a previous replay's bytes would pass a
+check on the timed replays, whose inputs never change.  Reported per size: the step's time, the time an
 all_reduce adds (the step less the same step with no all_reduce, captured
 too), and uccl's over NCCL's.  --json writes the rows."""
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from bench_common import parse_sizes  # noqa: E402 (this folder is on sys.path)
+
+REL_BOUND = 0.05   # beyond two ranks: |uccl - NCCL| / |NCCL|, the whole output
 
 
 def step_graph(layers, x, ws, group):
@@ -108,11 +112,12 @@ def main() -> None:
                 g.replay()
                 torch.cuda.synchronize()
                 outs[name] = out.clone()
-            same = torch.equal(outs["uccl"], outs["nccl"]) if ws == 2 else \
-                torch.allclose(outs["uccl"].float(), outs["nccl"].float(), rtol=5e-2, atol=5e-2)
-            if not same:
+            u, v = outs["uccl"].float(), outs["nccl"].float()
+            err = ((u - v).norm() / v.norm()).item()
+            row["check_err"] = max(row.get("check_err", 0.0), err)
+            if (ws == 2 and not torch.equal(u, v)) or err > REL_BOUND:
                 raise SystemExit(f"rank {rank}, {row['bytes']} B, check {trial}: uccl's step "
-                                 "differs from NCCL's")
+                                 f"differs from NCCL's (relative error {err:.3g})")
         for name in ("nccl", "uccl"):
             row[f"{name}_ar_us"] = (row[f"{name}_us"] - row["none_us"]) / args.layers
         row["ratio"] = row["uccl_ar_us"] / row["nccl_ar_us"] if row["nccl_ar_us"] > 0 else None
@@ -121,7 +126,8 @@ def main() -> None:
             print(f"{row['bytes']:>7} B: step uccl {row['uccl_us']:.1f} us, NCCL "
                   f"{row['nccl_us']:.1f}, no all_reduce {row['none_us']:.1f}; an all_reduce "
                   f"adds uccl {row['uccl_ar_us']:.2f} us, NCCL {row['nccl_ar_us']:.2f} "
-                  f"(x{row['ratio']:.2f})", flush=True)
+                  f"(x{row['ratio']:.2f}; checked, relative error {row['check_err']:.2g})",
+                  flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "world": ws, "torch": torch.__version__,

@@ -29,36 +29,41 @@ def _x(r: int, i: int, n: int) -> torch.Tensor:
 
 
 def _replays(body):
-    """A rank's process target: body(rank, ws, path) runs REPLAYS replays
-    (raising at a wrong one) and the rank reports REPLAYS, or what it
-    raised; a hang dumps the stacks into the report."""
+    """A rank's process target: body(rank, ws, path, *args) runs its
+    replays (raising at a wrong one) and returns how many; the rank reports
+    that, or what it raised; a hang dumps the stacks into the report."""
     import functools
 
     @functools.wraps(body)
-    def run(rank, ws, path, q):
+    def run(rank, ws, path, *args):
         import faulthandler
+        *args, q = args
         faulthandler.dump_traceback_later(300, exit=True)
         try:
-            body(rank, ws, path)
-            q.put((rank, REPLAYS))
+            q.put((rank, body(rank, ws, path, *args)))
         except BaseException as e:  # noqa: BLE001
             q.put((rank, f"{type(e).__name__}: {e}"))
     return run
 
 
-def _every_replay_right(target, where, timeout=360):
-    got = run_ranks(target, WS, (str(where),), timeout=timeout)
-    assert got == {r: REPLAYS for r in range(WS)}, got
+def _every_replay_right(target, where, timeout=360, ws=WS, args=(), replays=REPLAYS):
+    got = run_ranks(target, ws, (str(where), *args), timeout=timeout)
+    assert got == {r: replays for r in range(ws)}, got
+
+
+def _needs_gpus(ws: int) -> None:
+    if torch.cuda.device_count() < ws:
+        pytest.skip(f"{ws} ranks need {ws} GPUs; this host has {torch.cuda.device_count()}")
 
 
 @_replays
-def _rank(rank, ws, path):
+def _rank(rank, ws, path, n=4096, replays=REPLAYS):
     import torch.distributed as dist
     import uccl_collective  # noqa: F401 - registers "uccl"
     torch.cuda.set_device(rank)
     dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
                             world_size=ws)
-    n, dev = 4096, torch.device("cuda", rank)
+    dev = torch.device("cuda", rank)
     ar, ag_in = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
     ag_out, rs_in = torch.zeros(ws * n, device=dev), torch.zeros(ws * n, device=dev)
     rs_out, bc = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
@@ -106,7 +111,7 @@ def _rank(rank, ws, path):
     with torch.cuda.graph(g2, pool=g1.pool()):
         ops()
     other = torch.cuda.Stream()
-    for i in range(REPLAYS):
+    for i in range(replays):
         for k, g in enumerate((g1, g2)):
             seed = 2 * i + k
             fill(seed)
@@ -120,10 +125,69 @@ def _rank(rank, ws, path):
             check(seed)
     dist.barrier()
     dist.destroy_process_group()
+    return replays
 
 
 def test_collectives_captured_in_graphs_replay_right_every_time(tmp_path):
+    """4,096 floats a rank (16 KiB: the all_reduce and the all-gather
+    as LL lines), REPLAYS replays."""
     _every_replay_right(_rank, tmp_path / "store", timeout=420)
+
+
+@pytest.mark.parametrize("ws, n", [(2, 16384), (2, 20001), (2, 70001), (4, 4096), (4, 16384),
+                                   (4, 20001), (4, 70001)])
+def test_collectives_captured_at_each_size_and_four_ranks_replay_right(tmp_path, ws, n):
+    """The same at 200 replays, at the sizes where the captured form
+    changes (bytes a rank): 64 KiB, the last of the LL lines; 80,004, one
+    launch with a ready word, its slices not 16-byte aligned; 280,004,
+    above the one-launch rounds (two-sided); at two and four ranks."""
+    _needs_gpus(ws)
+    _every_replay_right(_rank, tmp_path / "store", timeout=420, ws=ws, args=(n, 200),
+                        replays=200)
+
+
+def _ll_apart_rank(rank, ws, path, q):
+    """Rank 0 with UCCL_SG_GRAPH_LL_BYTES=0, rank 1 with the default: the
+    capture of a 16 KiB all_reduce must fail naming the setting, on either
+    rank, and the other rank's capture or its next call raise (no hang)."""
+    import os
+    import faulthandler
+    faulthandler.dump_traceback_later(120, exit=True)
+    if rank == 0:
+        os.environ["UCCL_SG_GRAPH_LL_BYTES"] = "0"
+    try:
+        import torch.distributed as dist
+        import uccl_collective  # noqa: F401 - registers "uccl"
+        torch.cuda.set_device(rank)
+        dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
+                                world_size=ws, timeout=__import__("datetime").timedelta(seconds=20))
+        t = torch.ones(4096, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            dist.all_reduce(t)
+        torch.cuda.synchronize()
+        errors = []
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                dist.all_reduce(t)
+        except Exception as e:  # noqa: BLE001
+            errors.append(str(e))
+        if not errors:
+            try:
+                dist.all_reduce(t)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                errors.append(str(e))
+        q.put((rank, ("raised", errors[0]) if errors else "nothing raised"))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_graph_ll_setting_apart_on_two_ranks_fails_the_capture_naming_it(tmp_path):
+    got = run_ranks(_ll_apart_rank, WS, (str(tmp_path / "ll"),), timeout=150)
+    assert all(isinstance(v, tuple) for v in got.values()), got
+    assert any("UCCL_SG_GRAPH_LL_BYTES" in v[1] for v in got.values()), got
 
 
 def _killed_rank(rank, ws, path, q):
@@ -254,6 +318,7 @@ def _p2p_rank(rank, ws, path):
             f"rank {rank} replay {i}: send/recv"
     dist.barrier()
     dist.destroy_process_group()
+    return REPLAYS
 
 
 def test_sends_and_receives_captured_replay_right_every_time(tmp_path):
@@ -289,6 +354,7 @@ def _ctx_rank(rank, ws, path):
         assert torch.equal(out.cpu(), want), f"rank {rank} replay {i}"
     ctx.finalize()
     dist.destroy_process_group()
+    return REPLAYS
 
 
 def test_collective_context_allgather_captured_replays_right_every_time(tmp_path):
@@ -333,6 +399,7 @@ def _async_rank(rank, ws, path):
             f"replay {i}: all_gather"
     dist.barrier()
     dist.destroy_process_group()
+    return REPLAYS
 
 
 def test_async_op_collectives_captured_replay_right_every_time(tmp_path):

@@ -115,16 +115,20 @@ def _capture(ctx, bufs: Bufs, stream: int) -> int:
     return graph
 
 
-@pytest.mark.parametrize("count, replays", [(37, REPLAYS), (24000, 40)])
+@pytest.mark.parametrize("count, replays, ll", [(37, REPLAYS, None), (37, 60, "0"),
+                                               (24000, 40, None)])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_captured_rounds_replay_with_the_data_of_each_replay(n, count, replays, round_form):
+def test_captured_rounds_replay_with_the_data_of_each_replay(n, count, replays, ll, round_form,
+                                                             monkeypatch):
     """Two graphs of five collectives each, captured once and replayed
     `replays` times in turn, every second replay on a stream other than the
     capturing one; every replay's results checked.  One-launch rounds
     (round_form): the all_reduce and the allgather are captured as one
     launch each (an arena of their own, numbered from its epoch): 37
-    elements go as LL lines, 24,000 (96 KB) as the input and a ready word
-    (csrc/sg/sg_graph.c, GRAPH_LL_BYTES)."""
+    elements go as LL lines, or with UCCL_SG_GRAPH_LL_BYTES=0 (ll "0") as
+    the input and a ready word, as 24,000 (96 KB, above the default) do."""
+    if ll is not None:
+        monkeypatch.setenv("UCCL_SG_GRAPH_LL_BYTES", ll)
     groups = make_groups(n)
 
     def rank(r):

@@ -153,6 +153,12 @@
     "compared one call late. Must be the same on every rank. The other rounds' handshakes poll "   \
     "the arenas too. 0: never, and no arena (every call a round with its peers on the host, its "  \
     "handshakes stream memory operations on the shared page; at most 64M)")                        \
+  X(SG_GRAPH_LL_BYTES, SIZE, 64 * UCCL_KI, 0, 256 * UCCL_KI, 1, "", "64K",                        \
+    "an all_reduce or allgather captured in a CUDA graph, one launch at each replay, of at "       \
+    "most this many bytes per rank: the data go as NCCL's LL lines (8 bytes and the round's "     \
+    "number twice in each 16-byte store: no fence, no ready word, twice the arena); above, the "   \
+    "input and then a ready word. Must be the same on every rank (a capture where they differ "    \
+    "fails, naming the arena's size). 0: never")                                                   \
   X(SG_GATHER_LAUNCH_BYTES, SIZE, 48 * UCCL_MI, 0, 1L << 40, 1, "", "48M",                         \
     "stream-ordered rounds of one phase with no reduction (allgather), where every peer is a "     \
     "process on this GPU and the handshakes are launches (`UCCL_SG_FUSED_BYTES` not 0, MPS "       \

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "sg/sg_page.h"
+#include "base/config.h"
 #include "base/status.h"
 
 #define GF_TAG (4ull << 40) /* a captured one-launch round's arena, published in the round */
@@ -28,10 +29,6 @@
  * (64 KiB at 8 ranks: 1 MiB a round captured); larger ones are two-sided. */
 #define GRAPH_FUSED_BYTES (256u << 10)
 #define GRAPH_CHUNK ((size_t)4 << 20) /* the arenas' memory is made this much at a time */
-/* Up to this many bytes a rank, the launch sends NCCL's LL lines (the data
- * and the round's number in each 16-byte store: no fence and no flag to
- * wait for, at twice the slot); above, its input and then a ready word. */
-#define GRAPH_LL_BYTES (64u << 10)
 
 /* A captured round's handshake on stream X (graph slot g): at ready its
  * epoch bumped first (a replay begins), then this rank's word of the slot
@@ -213,14 +210,28 @@ static int graph_mem(uccl_sg_t *sg, size_t len, uintptr_t *ptr_p)
     return UCCL_OK;
 }
 
+/* A captured one-launch round's slot: its input rounded up to 16 bytes, or
+ * up to UCCL_SG_GRAPH_LL_BYTES twice that, for NCCL's LL lines (8 bytes of
+ * data in each 16), which is how the launch tells (uccl__sg_graph_fused). */
+static int graph_slot(size_t nbytes, size_t *slot_p)
+{
+    long ll = 0;
+    int rc = uccl__cfg_long(UCCL_CFG_SG_GRAPH_LL_BYTES, &ll); /* a bad value: its error */
+    size_t slot = (nbytes + 15) / 16 * 16;
+    *slot_p = nbytes <= (size_t)ll ? 2 * slot : slot;
+    return rc;
+}
+
 /* Its arena: a slot per source rank and parity, then the tail (sg_dev.h). */
 int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pending *p,
                          struct entry *e)
 {
-    size_t slot = (nbytes + 15) / 16 * 16 * (nbytes <= GRAPH_LL_BYTES ? 2 : 1); /* LL: 8 in 16 */
-    size_t len = 2 * (size_t)sg->size * slot + UCCL_SG_FUSED_TAIL;
-    int rc = graph_mem(sg, len, &p->area);
+    size_t slot = 0;
+    int rc = graph_slot(nbytes, &slot);
     if (rc)
+        return rc;
+    size_t len = 2 * (size_t)sg->size * slot + UCCL_SG_FUSED_TAIL;
+    if ((rc = graph_mem(sg, len, &p->area)))
         return rc;
     p->area_len = len;
     uint64_t key = 0;
@@ -233,19 +244,28 @@ int uccl__sg_graph_arena(uccl_sg_t *sg, size_t nbytes, uint32_t k, struct pendin
 int uccl__sg_graph_fused(uccl_sg_t *sg, const struct uccl_sg_fused *fz, const char *what,
                          uintptr_t X, struct pending *p)
 {
-    size_t tail = p->area_len - UCCL_SG_FUSED_TAIL;
+    size_t tail = p->area_len - UCCL_SG_FUSED_TAIL, flip = tail / 2 / (size_t)sg->size;
     struct uccl__sg_fused_args a = {.gather = fz->gather, .dtype = fz->dtype, .op = fz->op,
                                     .nsrc = sg->size, .me = sg->rank, .in = fz->in,
                                     .out = fz->out, .ctr = p->area + tail,
                                     .nbytes = fz->nbytes, .count = fz->count,
                                     .failed = (uint32_t *)sg->page,
                                     .epoch = (uint32_t *)(p->area + tail + UCCL_SG_FUSED_EPOCH),
-                                    .flip = tail / 2 / (size_t)sg->size,
-                                    .ll = fz->nbytes <= GRAPH_LL_BYTES};
+                                    .flip = flip,
+                                    .ll = flip > (fz->nbytes + 15) / 16 * 16};
     int rc = UCCL_OK;
     for (int r = 0; r < sg->size && !rc; r++) {
+        const struct entry *pe = uccl__sg_peer_entry(sg, r, GF_TAG);
         a.slot[r] = p->area;
-        if (r != sg->rank) /* the same length: the calls compared equal */
+        /* the calls compared equal: a length apart is a setting apart */
+        if (r == sg->rank)
+            ;
+        else if (pe && pe->len != p->area_len)
+            rc = uccl__err(UCCL_ERR_MISMATCH, "%s captured: rank %d's arena for %zu bytes a "
+                           "rank is %llu bytes, rank %d's %zu (UCCL_SG_GRAPH_LL_BYTES must be "
+                           "the same on every rank)", what, r, fz->nbytes,
+                           (unsigned long long)pe->len, sg->rank, p->area_len);
+        else
             rc = uccl__sg_map_range(sg, what, r, GF_TAG, 0, p->area_len, 1, p, &a.slot[r]);
         a.dready[r] = a.slot[r] + tail + UCCL_SG_FUSED_READY;
     }
