@@ -71,6 +71,43 @@ def time_graph(g, iters: int, warmup: int) -> float:
     return statistics.median(spans)
 
 
+def size_row(nb, args, rank, ws, nccl, uccl) -> dict:
+    """One size's row: the three steps captured, timed and checked.  The
+    graphs die with this call: NCCL's communicator, destroyed at the end,
+    waits for the graphs that hold its work to go first."""
+    tokens = max(1, nb // (2 * args.hidden))
+    gen = torch.Generator(device="cuda").manual_seed(1234)   # the same weights everywhere
+    layers = [torch.randn(args.hidden, args.hidden, device="cuda", dtype=torch.bfloat16,
+                          generator=gen) / (args.hidden ** 0.5 * ws)
+              for _ in range(args.layers)]   # (/ ws: the sum of ws ranks keeps the scale)
+    row = {"bytes": tokens * args.hidden * 2, "tokens": tokens, "layers": args.layers}
+    graphs = {}
+    for name, group in (("none", None), ("nccl", nccl), ("uccl", uccl)):
+        x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator(device="cuda").manual_seed(99 + rank))
+        g, out = step_graph(layers, x, ws, group)
+        row[f"{name}_us"] = time_graph(g, args.iters, args.warmup)
+        graphs[name] = (g, x, out)
+    for trial in range(2):   # fresh inputs: a stale read shows
+        fresh = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator(device="cuda").manual_seed(
+                                7000 + 100 * trial + rank))
+        outs = {}
+        for name in ("nccl", "uccl"):
+            g, x, out = graphs[name]
+            x.copy_(fresh)
+            g.replay()
+            torch.cuda.synchronize()
+            outs[name] = out.clone()
+        u, v = outs["uccl"].double(), outs["nccl"].double()
+        err = ((u - v).norm() / v.norm()).item()
+        row["check_err"] = max(row.get("check_err", 0.0), err)
+        if (ws == 2 and not torch.equal(u, v)) or not err <= REL_BOUND:   # (NaN fails)
+            raise SystemExit(f"rank {rank}, {row['bytes']} B, check {trial}: uccl's step "
+                             f"differs from NCCL's (relative error {err:.3g})")
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="8K,16K,32K,64K",
@@ -89,35 +126,7 @@ def main() -> None:
     uccl = dist.group.WORLD
     rows = []
     for nb in parse_sizes(args.sizes):
-        tokens = max(1, nb // (2 * args.hidden))
-        gen = torch.Generator(device="cuda").manual_seed(1234)   # the same weights everywhere
-        layers = [torch.randn(args.hidden, args.hidden, device="cuda", dtype=torch.bfloat16,
-                              generator=gen) / args.hidden ** 0.5 for _ in range(args.layers)]
-        row = {"bytes": tokens * args.hidden * 2, "tokens": tokens, "layers": args.layers}
-        graphs = {}
-        for name, group in (("none", None), ("nccl", nccl), ("uccl", uccl)):
-            x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16,
-                            generator=torch.Generator(device="cuda").manual_seed(99 + rank))
-            g, out = step_graph(layers, x, ws, group)
-            row[f"{name}_us"] = time_graph(g, args.iters, args.warmup)
-            graphs[name] = (g, x, out)
-        for trial in range(2):   # fresh inputs: a stale read shows
-            fresh = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16,
-                                generator=torch.Generator(device="cuda").manual_seed(
-                                    7000 + 100 * trial + rank))
-            outs = {}
-            for name in ("nccl", "uccl"):
-                g, x, out = graphs[name]
-                x.copy_(fresh)
-                g.replay()
-                torch.cuda.synchronize()
-                outs[name] = out.clone()
-            u, v = outs["uccl"].float(), outs["nccl"].float()
-            err = ((u - v).norm() / v.norm()).item()
-            row["check_err"] = max(row.get("check_err", 0.0), err)
-            if (ws == 2 and not torch.equal(u, v)) or err > REL_BOUND:
-                raise SystemExit(f"rank {rank}, {row['bytes']} B, check {trial}: uccl's step "
-                                 f"differs from NCCL's (relative error {err:.3g})")
+        row = size_row(nb, args, rank, ws, nccl, uccl)
         for name in ("nccl", "uccl"):
             row[f"{name}_ar_us"] = (row[f"{name}_us"] - row["none_us"]) / args.layers
         row["ratio"] = row["uccl_ar_us"] / row["nccl_ar_us"] if row["nccl_ar_us"] > 0 else None

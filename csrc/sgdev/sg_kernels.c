@@ -284,8 +284,10 @@ const char uccl__sg_cfused_src[] =
  * its 16-byte vectors of the input into slot [me] of the number's parity
  * in every rank's arena (two lines a vector), then reads the vectors it
  * computes from every rank's slot in its own arena, spinning on each line
- * until it carries k (every 64th poll the group's failed flag, which ends
- * the spin); the last block writes the epoch.  A vector past the input's
+ * until it carries k (every 4096th poll the group's failed flag, which ends
+ * the spin: every thread spins here, and the flag is the host's page, read
+ * over PCIe, where such reads from many warps queue; NCCL reads its abort
+ * flag every 10^6 spins); the last block writes the epoch.  A vector past the input's
  * end is zero-padded; unaligned input or output goes byte by byte. */
 const char uccl__sg_cll_src[] =
     "__device__ __forceinline__ void st_ll(u64 d, u32 w0, u32 w1, u32 k) {\n"
@@ -295,7 +297,7 @@ const char uccl__sg_cll_src[] =
     "  u32 f0, f1;\n"
     "  for (u32 i = 1;; i++) {\n"
     "    asm volatile(\"ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];\" : \"=r\"(w0), \"=r\"(f0), \"=r\"(w1), \"=r\"(f1) : \"l\"(s) : \"memory\");\n"
-    "    if ((f0 == k && f1 == k) || ((i & 63) == 0 && *(volatile u32 *)failed)) return;\n"
+    "    if ((f0 == k && f1 == k) || ((i & 4095) == 0 && *(volatile u32 *)failed)) return;\n"
     "  }\n"
     "}\n"
     /* vector j of [p, +n): whole where aligned and inside, else byte by byte */
