@@ -115,7 +115,7 @@ def _capture(ctx, bufs: Bufs, stream: int) -> int:
     return graph
 
 
-@pytest.mark.parametrize("count, replays, ll", [(37, REPLAYS, None), (37, 60, "0"),
+@pytest.mark.parametrize("count, replays, ll", [(37, REPLAYS, None), (37, 60, "0"), (16384, 20, None),
                                                (24000, 40, None)])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_captured_rounds_replay_with_the_data_of_each_replay(n, count, replays, ll, round_form,
