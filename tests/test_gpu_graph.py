@@ -5,8 +5,11 @@ REPLAYS replays with the inputs changed before each, every replay's outputs
 checked against the sums computed on the CPU; a second graph captured under
 the first one's memory pool (graph_pool_handle) and replayed on another
 stream, the two taking turns; sends and receives captured (batch_isend_irecv
-and blocking send/recv); CollectiveContext.allgather captured; a rank
-SIGKILLed during replays.  Needs 2 GPUs; skips, naming why, elsewhere.
+and blocking send/recv); CollectiveContext.allgather and async_op=True
+collectives captured; the collectives again at each size where the
+captured form changes, at 2 ranks and at 4; ranks that differ in
+UCCL_SG_GRAPH_LL_BYTES; a rank SIGKILLed during replays.  Needs 2 GPUs
+(4 for the 4-rank cases); skips, naming why, elsewhere.
 tests/test_stream_graph.py holds the protocol to the same on the CPU."""
 from __future__ import annotations
 
