@@ -78,7 +78,8 @@ def caller_streams(monkeypatch):
 @pytest.fixture(autouse=True)
 def no_stale_words():
     """No wait of an emulated stream passed on a word left 2^31 behind
-    (csrc/sgdev/sg_emu.c, STALE_AHEAD): every test here checks it."""
+    (csrc/sgdev/sg_emu.c, STALE_AHEAD), nor an LL line read with a later
+    round's number than its own: every test here checks it."""
     before = _engine._sg_emu_stale_passes()
     yield
     assert _engine._sg_emu_stale_passes() == before, "a stream wait passed on a stale word"

@@ -313,6 +313,12 @@ static void run_fused_ll(struct emu_stream *s, const struct uccl__sg_fused_args 
         for (size_t w = 0; w < nw; w += 2) {
             wait_op(s, &l[2 * w + 1], k, NULL, 0, a->failed);
             wait_op(s, &l[2 * w + 3], k, NULL, 0, a->failed);
+            /* the kernel waits for k exactly: a later number (a peer ahead
+             * by a replay, which the protocol rules out) would hang there */
+            uint32_t f0 = __atomic_load_n(&l[2 * w + 1], __ATOMIC_ACQUIRE),
+                     f1 = __atomic_load_n(&l[2 * w + 3], __ATOMIC_ACQUIRE);
+            if ((f0 != k && ahead(f0, k)) || (f1 != k && ahead(f1, k)))
+                __atomic_add_fetch(&stale_passes, 1, __ATOMIC_ACQ_REL);
             got[(size_t)r * nw + w] = l[2 * w];
             got[(size_t)r * nw + w + 1] = l[2 * w + 2];
         }

@@ -42,7 +42,8 @@ _SYNC = types.SimpleNamespace(asyncOp=False)   # options of a blocking call
 # torch only through these, given once; it keys its codes by hash(reduceOp),
 # so it is set up only where that is the operator's number.
 _FAST_HOOKS = (torch.Tensor, torch.strided, torch.autograd._profiler_enabled,
-               stream_group.capturing, stream_group._raw_stream, StreamWork)
+               torch.cuda.is_current_stream_capturing,   # (a capture declines: Dispatch.fast)
+               stream_group._raw_stream, StreamWork)
 if HASH_IS_OP:
     _engine.fast_setup(*_FAST_HOOKS)
 

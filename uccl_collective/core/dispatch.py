@@ -219,7 +219,7 @@ class Dispatch:
         # a capture takes this route (sg_graph.c), async_op=True too: its
         # round then runs on the capturing stream, as a blocking call's, and
         # its Work's wait() has nothing more to order there
-        if not blocking and not stream_group.capturing():
+        if not blocking and not stream_group.capturing(dev):
             return None
         return self.stream_group(dev)
 

@@ -155,21 +155,28 @@ def enabled() -> bool:
     return config.get("UCCL_STREAM_ORDERED")
 
 
-capturing = torch.cuda.is_current_stream_capturing
+def capturing(dev: int | None = None) -> bool:
+    """Whether the current stream of cuda:dev (None: of the current device)
+    captures a CUDA graph."""
+    if dev is None or dev == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(dev):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def refuse_capture(dev: int, what: str) -> None:
     """What cannot be captured in a CUDA graph raises before anything is
-    queued or published: a collective that runs on another stream than the
-    capturing one (async_op=True, whose round runs on the group's stream
-    after an event).  A blocking collective on the capturing stream is
-    captured, and so are sends and receives, whose pair streams join the
-    capture (csrc/sg/sg_graph.c)."""
-    if capturing():
+    queued or published: a collective whose round would run on another
+    stream than the capturing one (the group's stream, after an event).  A
+    collective that goes straight to the engine (contiguous tensors of one
+    device, no other call of the group in progress) runs on the capturing
+    stream and is captured, async_op=True too, and so are sends and
+    receives, whose pair streams join the capture (csrc/sg/sg_graph.c)."""
+    if capturing(dev):
         raise UcclError(f"{what}: the current stream of cuda:{dev} is capturing a CUDA graph, "
-                        "where uccl captures blocking collectives (async_op=False: the round "
-                        "runs on the capturing stream) and send/recv, not async_op=True "
-                        "collectives")
+                        "and this call's round would run on another stream (uccl captures a "
+                        "collective whose tensors are contiguous and on one device, issued "
+                        "while no other call of the group is in progress, and send/recv)")
 
 
 def open_page(kv: Any, key: str, rank: int, size: int) -> tuple[mmap.mmap, Any, int, int]:
@@ -362,7 +369,7 @@ class StreamGroup:
             # not while capturing: a captured send is never staged, and the
             # arena would come from the graph's memory pool
             if send and 0 < nb <= eager and peer not in self._arenas and \
-                    not (self._torch_stream is not None and capturing()):
+                    not (self._torch_stream is not None and capturing(self.dev)):
                 self._make_arena(peer, eager)
             ok = isinstance(peer, int) and 0 <= peer < self.size and peer != self.rank
             out.append((peer, send, ptr, nb, self.pair_stream(peer) if ok else 0))
