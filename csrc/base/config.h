@@ -172,7 +172,11 @@
     "host's time); above, the copy engine. 0: always the copy engine")                             \
   /* ---- GPU-initiated transfers ---- */                                                          \
   X(RING_SPIN_US, INT, 1000, 0, 10000000, 1, "", "1000",                                           \
-    "microseconds a GPU ring's proxy polls after its last command before it sleeps")
+    "microseconds a GPU ring's proxy polls after its last command before it sleeps")           \
+  X(RING_BATCH_BYTES, SIZE, 1 * UCCL_MI, 0, 1L << 30, 1, "", "1M",                                 \
+    "a GPU ring's proxy writes consecutive puts to one remote destination, each range "          \
+    "following on from the one before (source and destination), as one write of at most this "  \
+    "many bytes, and counts them done together. 0: a write per put")
 /* clang-format on */
 
 enum uccl_cfg_kind { UCCL_CFG_INT, UCCL_CFG_SIZE, UCCL_CFG_BOOL, UCCL_CFG_CHOICE, UCCL_CFG_STR };

@@ -313,6 +313,40 @@ static PyObject *Ring_trace(PyObject *op, PyObject *unused)
     return list;
 }
 
+/* stats() -> (commands taken, transfers and copies started) */
+static PyObject *Ring_stats(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    uccl_ring_t *r = ring_of((uccl__py_ring *)op);
+    if (!r)
+        return NULL;
+    uint64_t c[2];
+    uccl_ring_stats(r, c);
+    return Py_BuildValue("(KK)", (unsigned long long)c[0], (unsigned long long)c[1]);
+}
+
+/* put(dst, src_off, dst_off, length) -> seq: a host ring's put (GIL let go
+ * while it waits for its slot) */
+static PyObject *Ring_put(PyObject *op, PyObject *args)
+{
+    uccl__py_ring *self = (uccl__py_ring *)op;
+    unsigned int dst;
+    unsigned long long src_off, dst_off, len;
+    uccl_ring_t *r = ring_of(self);
+    if (!r || !PyArg_ParseTuple(args, "IKKK", &dst, &src_off, &dst_off, &len))
+        return NULL;
+    uint64_t seq = 0;
+    int rc;
+    ring_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = uccl_ring_host_put(r, dst, src_off, dst_off, len, &seq);
+    Py_END_ALLOW_THREADS
+    ring_leave(self);
+    if (rc)
+        return uccl__py_ep_fail(self->endpoint, rc);
+    return PyLong_FromUnsignedLongLong(seq);
+}
+
 static void Ring_dealloc(PyObject *op)
 {
     PyTypeObject *tp = Py_TYPE(op);
@@ -344,6 +378,10 @@ static PyMethodDef ring_methods[] = {
     {"resume", Ring_resume, METH_NOARGS, "resume(): the proxy takes commands again"},
     {"trace", Ring_trace, METH_NOARGS,
      "trace() -> the sequence numbers issued, in order (as many as trace= allowed)"},
+    {"stats", Ring_stats, METH_NOARGS,
+     "stats() -> (commands taken, transfers and copies the proxy started for them)"},
+    {"put", Ring_put, METH_VARARGS,
+     "put(dst, src_off, dst_off, length) -> sequence number: a host ring's put (dev -1)"},
     {NULL, NULL, 0, NULL},
 };
 

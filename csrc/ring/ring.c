@@ -67,7 +67,7 @@ struct qmark {
 };
 
 struct inflight {
-    uint64_t seq, dst_off, len, xfer;
+    uint64_t seq, n, dst_off, len, xfer; /* n: commands seq.. it covers (a batch: REMOTE) */
     uint64_t posted_ns;       /* FL_REMOTE: when it was posted (its deadline's start) */
     uint32_t dst;
     int kind;
@@ -104,6 +104,8 @@ struct uccl__ring {
     uint64_t queued_last;     /* the last FL_QUEUED command */
     int queued_unmarked;      /* FL_QUEUED commands since the last mark */
     uint64_t taken, done;     /* the proxy's own copies of head and done */
+    uint64_t batch_bytes;     /* UCCL_RING_BATCH_BYTES: the largest write a batch makes */
+    atomic_ullong posts;      /* transfers and copies started (uccl_ring_stats) */
     uint64_t timeout_ns, spin_ns;
     pthread_t proxy;
     int proxy_started;
@@ -243,8 +245,11 @@ static int retire_oldest(struct uccl__ring *r, int wait)
                   "failed: %s", (unsigned long long)f->seq, f->dst,
                   (unsigned long long)f->len, (unsigned long long)f->dst_off,
                   uccl_last_error());
-    else if (!atomic_load(&r->failed) || f->seq < r->fail_seq)
-        store_rel(&r->ctr->done, ++r->done);
+    else if (!atomic_load(&r->failed) || f->seq < r->fail_seq) {
+        uint64_t n = atomic_load(&r->failed) && r->fail_seq - f->seq < f->n
+                         ? r->fail_seq - f->seq : f->n; /* those before the failed one */
+        store_rel(&r->ctr->done, r->done += n);
+    }
     r->fl_first = (r->fl_first + 1) % r->inflight_max;
     r->fl_n--;
     return 1;
@@ -252,7 +257,8 @@ static int retire_oldest(struct uccl__ring *r, int wait)
 
 /* ---- taking and issuing -------------------------------------------------- */
 
-static int check_cmd(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t seq)
+/* UCCL_OK if c is a good command; else, where fail, the ring fails at seq. */
+static int check_cmd(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t seq, int fail)
 {
     const struct dst_state *d = c->dst < r->ndst ? &r->dsts[c->dst] : NULL;
     uint64_t room = !d ? 0 : d->kind == UCCL_RING_DST_LOCAL ? d->len : d->wlen;
@@ -264,6 +270,8 @@ static int check_cmd(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64
                         ? "the destination range is outside the destination's window" : NULL;
     if (!bad)
         return UCCL_OK;
+    if (!fail)
+        return UCCL_ERR_INVALID;
     ring_fail(r, seq, "command %llu: %s (destination %u of %u, source offset %llu, destination "
               "offset %llu, %llu bytes; source region %zu bytes, destination window %llu bytes)",
               (unsigned long long)seq, bad, c->dst, r->ndst, (unsigned long long)c->src_off,
@@ -283,15 +291,16 @@ static int overlaps_inflight(struct uccl__ring *r, const struct uccl_ring_cmd *c
     return 0;
 }
 
-static void issue(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t seq)
+/* Issue c, which stands for n commands from seq (a batch: one write). */
+static void issue(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t seq, uint64_t n)
 {
     while (c->len && overlaps_inflight(r, c)) /* the earlier write to these bytes first */
         retire_oldest(r, 1);
     if (atomic_load(&r->failed))
         return;
     struct inflight *f = fl_at(r, r->fl_n);
-    *f = (struct inflight){.seq = seq, .dst_off = c->dst_off, .len = c->len, .dst = c->dst,
-                           .kind = FL_NOOP};
+    *f = (struct inflight){.seq = seq, .n = n, .dst_off = c->dst_off, .len = c->len,
+                           .dst = c->dst, .kind = FL_NOOP};
     const struct dst_state *d = &r->dsts[c->dst];
     uintptr_t src = r->src_addr + c->src_off;
     int rc = UCCL_OK;
@@ -312,31 +321,62 @@ static void issue(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t 
                           sizeof(fifo), UCCL_STREAM_NONE, &f->xfer);
     }
     if (rc != UCCL_OK) {
-        ring_fail(r, seq, "command %llu (destination %u, %llu bytes): %s",
+        ring_fail(r, seq, "command %llu (destination %u, %llu bytes%s): %s",
                   (unsigned long long)seq, c->dst, (unsigned long long)c->len,
-                  uccl_last_error());
+                  n > 1 ? ", the first of a batch" : "", uccl_last_error());
         return;
     }
+    if (f->kind != FL_NOOP)
+        atomic_fetch_add(&r->posts, 1);
     r->fl_n++;
     size_t tn = atomic_load(&r->trace_n);
-    if (tn < r->trace_len) {
-        r->trace[tn] = seq;
-        atomic_store(&r->trace_n, tn + 1);
-    }
+    for (uint64_t i = 0; i < n && tn < r->trace_len; i++)
+        r->trace[tn++] = seq + i;
+    atomic_store(&r->trace_n, tn);
 }
 
-/* Take the next command if it is whole; 1 if one was taken. */
-static int take(struct uccl__ring *r)
+/* The command in the slot of r->taken into *c if it is whole (1), else 0. */
+static int peek(struct uccl__ring *r, struct uccl_ring_cmd *c)
 {
     volatile struct uccl_ring_cmd *s = &r->slots[r->taken & (r->nslots - 1)];
     if (load_acq(&s->seq) != r->taken + 1)
         return 0;
-    struct uccl_ring_cmd c = {.seq = s->seq, .src_off = s->src_off, .dst_off = s->dst_off,
-                              .len = s->len, .dst = s->dst, .flags = s->flags};
-    uint64_t seq = r->taken++;
-    store_rel(&r->ctr->head, r->taken); /* the slot is the GPU's again */
-    if (check_cmd(r, &c, seq) == UCCL_OK)
-        issue(r, &c, seq);
+    *c = (struct uccl_ring_cmd){.seq = s->seq, .src_off = s->src_off, .dst_off = s->dst_off,
+                                .len = s->len, .dst = s->dst, .flags = s->flags};
+    return 1;
+}
+
+/* Whether n, taken right after c, extends it into one write: to the same
+ * remote destination, both ranges following on, a good command, within
+ * the batch's bytes. */
+static int extends(struct uccl__ring *r, const struct uccl_ring_cmd *c,
+                   const struct uccl_ring_cmd *n)
+{
+    return n->dst == c->dst && n->len && n->flags == 0 && n->src_off == c->src_off + c->len &&
+           n->dst_off == c->dst_off + c->len && n->len <= r->batch_bytes - c->len &&
+           check_cmd(r, n, r->taken, 0) == UCCL_OK;
+}
+
+/* Take the next command if it is whole (1 if one was taken), and with a
+ * remote destination every whole command after it that extends it: the
+ * proxy's cost is per write, not per byte (UCCL_RING_BATCH_BYTES). */
+static int take(struct uccl__ring *r)
+{
+    struct uccl_ring_cmd c, n;
+    if (!peek(r, &c))
+        return 0;
+    uint64_t seq = r->taken++, count = 1;
+    if (check_cmd(r, &c, seq, 1) == UCCL_OK) {
+        if (c.len && r->dsts[c.dst].kind == UCCL_RING_DST_REMOTE && c.len <= r->batch_bytes)
+            while (!atomic_load(&r->paused) && peek(r, &n) && extends(r, &c, &n)) {
+                c.len += n.len;
+                r->taken++, count++;
+            }
+        store_rel(&r->ctr->head, r->taken); /* the slots are the GPU's again */
+        issue(r, &c, seq, count);
+    } else {
+        store_rel(&r->ctr->head, r->taken);
+    }
     return 1;
 }
 
@@ -442,7 +482,8 @@ static void place_near_gpu(int dev)
 
 static void *proxy_start(void *arg)
 {
-    place_near_gpu(((struct uccl__ring *)arg)->dev);
+    if (((struct uccl__ring *)arg)->dev >= 0)
+        place_near_gpu(((struct uccl__ring *)arg)->dev);
     return proxy_main(arg);
 }
 
@@ -493,8 +534,9 @@ static int check_opts(const struct uccl_ring_opts *o)
                          o->ndst);
     if (o->src_len && !o->src_addr)
         return uccl__err(UCCL_ERR_INVALID, "ring source: %zu bytes at address 0", o->src_len);
-    if (o->dev < 0)
-        return uccl__err(UCCL_ERR_INVALID, "ring: GPU %d", o->dev);
+    if (o->dev < UCCL_RING_HOST)
+        return uccl__err(UCCL_ERR_INVALID, "ring: GPU %d (or %d: a host ring)", o->dev,
+                         UCCL_RING_HOST);
     return UCCL_OK;
 }
 
@@ -509,9 +551,12 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     r->ep = ep, r->dev = o->dev, r->nslots = o->nslots, r->inflight_max = o->inflight;
     r->ndst = o->ndst, r->src_mr = o->src_mr, r->src_addr = o->src_addr, r->src_len = o->src_len;
     r->timeout_ns = uccl_ep_timeout_ns(ep);
-    long spin_us;
+    long spin_us = 0, batch = 0;
     int bad = uccl__cfg_long(UCCL_CFG_RING_SPIN_US, &spin_us);
-    r->spin_ns = bad ? 0 : (uint64_t)spin_us * 1000;
+    if (!bad)
+        bad = uccl__cfg_long(UCCL_CFG_RING_BATCH_BYTES, &batch);
+    r->spin_ns = (uint64_t)spin_us * 1000;
+    r->batch_bytes = (uint64_t)batch;
     r->trace_len = o->trace_len;
     atomic_init(&r->paused, o->paused != 0);
     pthread_mutex_init(&r->err_mu, NULL);
@@ -526,14 +571,25 @@ int uccl_ring_create(uccl_ep_t *ep, const struct uccl_ring_opts *o, uccl_ring_t 
     for (unsigned i = 0; rc == UCCL_OK && i < o->ndst; i++)
         rc = dst_init(r, i, &o->dsts[i]);
     size_t map_len = sizeof(struct uccl_ring_ctr) + (size_t)o->nslots * sizeof(struct uccl_ring_cmd);
-    if (rc == UCCL_OK)
-        rc = uccl_gpu_mapped_alloc(o->dev, map_len, &r->host, &r->host_dev);
     /* device memory: the descriptor, which every enqueue reads (cached
      * there, not a PCIe read each time), the ticket, then the kernels'
-     * cache of the counters (4 words, zeroed) */
-    if (rc == UCCL_OK)
-        rc = uccl_gpu_dev_alloc(o->dev, sizeof(struct uccl_ring_dev) + 5 * sizeof(uint64_t),
-                                &r->dev_block);
+     * cache of the counters (4 words, zeroed); a host ring's are plain
+     * memory of this process */
+    size_t dev_len = sizeof(struct uccl_ring_dev) + 5 * sizeof(uint64_t);
+    if (rc == UCCL_OK && o->dev == UCCL_RING_HOST) {
+        r->host = aligned_alloc(4096, (map_len + 4095) / 4096 * 4096);
+        void *db = aligned_alloc(64, (dev_len + 63) / 64 * 64);
+        r->dev_block = (uint64_t)(uintptr_t)db;
+        if (!r->host || !db)
+            rc = uccl__err(UCCL_ERR_NOMEM, "out of memory");
+        else
+            memset(r->host, 0, map_len), memset(db, 0, dev_len);
+        r->host_dev = (uint64_t)(uintptr_t)r->host;
+    } else if (rc == UCCL_OK) {
+        rc = uccl_gpu_mapped_alloc(o->dev, map_len, &r->host, &r->host_dev);
+        if (rc == UCCL_OK)
+            rc = uccl_gpu_dev_alloc(o->dev, dev_len, &r->dev_block);
+    }
     if (rc == UCCL_OK) {
         char *h = r->host;
         uint64_t ctr_d = r->host_dev;
@@ -573,8 +629,13 @@ void uccl_ring_destroy(uccl_ring_t *r)
         pthread_join(r->proxy, NULL);
     for (unsigned i = 0; r->qm && i < r->qm_n; i++) /* left by a failure */
         uccl_stream_mark_free(r->qm[(r->qm_first + i) % r->inflight_max].mark);
-    uccl_gpu_dev_free(r->dev, r->dev_block);
-    uccl_gpu_mapped_free(r->dev, r->host);
+    if (r->dev == UCCL_RING_HOST) {
+        free((void *)(uintptr_t)r->dev_block);
+        free(r->host);
+    } else {
+        uccl_gpu_dev_free(r->dev, r->dev_block);
+        uccl_gpu_mapped_free(r->dev, r->host);
+    }
     pthread_mutex_destroy(&r->err_mu);
     free(r->dsts);
     free(r->fl);
@@ -593,8 +654,11 @@ int uccl_ring_counters(uccl_ring_t *r, uint64_t out[4])
     out[0] = 0;
     void *mark = NULL;
     /* the ticket is device memory: read it with a copy, as a snapshot */
-    int rc = uccl_ep_copy_start(r->ep, (uintptr_t)&out[0], (uintptr_t)r->ticket_dev,
-                                sizeof(uint64_t), &mark);
+    int rc = r->dev == UCCL_RING_HOST
+                 ? (out[0] = __atomic_load_n((uint64_t *)(uintptr_t)r->ticket_dev,
+                                             __ATOMIC_ACQUIRE), UCCL_OK)
+                 : uccl_ep_copy_start(r->ep, (uintptr_t)&out[0], (uintptr_t)r->ticket_dev,
+                                      sizeof(uint64_t), &mark);
     if (rc == UCCL_OK && mark) {
         rc = uccl_stream_mark_wait(mark, r->timeout_ns);
         uccl_stream_mark_free(mark);
@@ -663,4 +727,49 @@ size_t uccl_ring_trace(uccl_ring_t *r, uint64_t *out, size_t n)
         n = have;
     memcpy(out, r->trace, n * sizeof(*out));
     return n;
+}
+
+void uccl_ring_stats(uccl_ring_t *r, uint64_t out[2])
+{
+    out[0] = load_acq(&r->ctr->head);
+    out[1] = atomic_load(&r->posts);
+}
+
+int uccl_ring_host_put(uccl_ring_t *r, uint32_t dst, uint64_t src_off, uint64_t dst_off,
+                       uint64_t len, uint64_t *seq_p)
+{
+    if (r->dev != UCCL_RING_HOST)
+        return uccl__err(UCCL_ERR_INVALID, "a GPU's ring (cuda:%d) is filled by its kernels, "
+                         "not by the host", r->dev);
+    /* as uccl_ring.cuh's put: the arguments the ring's words can tell
+     * checked, a ticket, its slot once free (or the ring failed), the
+     * fields, seq last */
+    if (dst >= r->ndst || len > r->src_len || src_off > r->src_len - len)
+        return uccl__err(UCCL_ERR_INVALID, "host put: destination %u of %u, %llu bytes at "
+                         "source offset %llu of a %zu-byte source region", dst, r->ndst,
+                         (unsigned long long)len, (unsigned long long)src_off, r->src_len);
+    uint64_t t = __atomic_fetch_add((uint64_t *)(uintptr_t)r->ticket_dev, 1, __ATOMIC_ACQ_REL);
+    volatile struct uccl_ring_cmd *s = &r->slots[t & (r->nslots - 1)];
+    uint64_t deadline = now_ns() + r->timeout_ns;
+    for (uint64_t step = 1000; t >= load_acq(&r->ctr->head) + r->nslots;) {
+        if (load_acq(&r->ctr->error)) {
+            char why[sizeof(r->err)];
+            uccl_ring_error(r, why, sizeof(why));
+            return uccl__err(UCCL_ERR_IO, "host put: the ring failed: %s", why);
+        }
+        if (now_ns() > deadline) {
+            store_rel(&r->ctr->stuck, t + 1); /* the slot stays empty: the ring stops there */
+            return uccl__err(UCCL_ERR_TIMEOUT, "host put: slot of ticket %llu still taken "
+                             "after the %.0f s timeout (the proxy took %llu)",
+                             (unsigned long long)t, (double)r->timeout_ns / 1e9,
+                             (unsigned long long)load_acq(&r->ctr->head));
+        }
+        nap(step);
+        if (step < 50000)
+            step *= 2;
+    }
+    s->src_off = src_off, s->dst_off = dst_off, s->len = len, s->dst = dst, s->flags = 0;
+    store_rel(&s->seq, t + 1);
+    *seq_p = t;
+    return UCCL_OK;
 }

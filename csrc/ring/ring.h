@@ -125,8 +125,13 @@ struct uccl_ring_dst {
     size_t len;
 };
 
+/* opts.dev of a host ring: its words in this process's memory, filled by
+ * host threads (uccl_ring_host_put), the proxy the same (tests, and the
+ * proxy's own cost measured without a GPU). */
+#define UCCL_RING_HOST (-1)
+
 struct uccl_ring_opts {
-    int dev;                  /* the GPU whose kernels enqueue */
+    int dev;                  /* the GPU whose kernels enqueue (UCCL_RING_HOST: host threads) */
     unsigned nslots;          /* a power of two, 2 .. 1 << 20 */
     unsigned inflight;        /* commands the proxy keeps in flight, 1 .. 1024 */
     uint64_t src_mr;          /* the source region: registered with the endpoint */
@@ -160,5 +165,13 @@ void uccl_ring_pause(uccl_ring_t *r);
 void uccl_ring_resume(uccl_ring_t *r);
 /* The sequence numbers issued so far, in order (opts.trace_len of them at most). */
 size_t uccl_ring_trace(uccl_ring_t *r, uint64_t *out, size_t n);
+/* [0] commands taken, [1] transfers and copies the proxy started for them
+ * (fewer where it batched: UCCL_RING_BATCH_BYTES). */
+void uccl_ring_stats(uccl_ring_t *r, uint64_t out[2]);
+/* A host ring's put, as a kernel's (uccl_ring.cuh): a ticket, its slot
+ * once free (waits, bounded by the endpoint's timeout, then fails the
+ * ring there), the command; *seq_p its sequence number. */
+int uccl_ring_host_put(uccl_ring_t *r, uint32_t dst, uint64_t src_off, uint64_t dst_off,
+                       uint64_t len, uint64_t *seq_p);
 
 #endif

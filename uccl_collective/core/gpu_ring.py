@@ -206,6 +206,10 @@ class Remote(namedtuple("Remote", "conn_id fifo_item")):
     gave it) and the connection to reach it on."""
 
 
+HOST = -1   # the device of a HostRing (ring.h, UCCL_RING_HOST)
+RingStats = namedtuple("RingStats", "taken posts")
+
+
 def _buf(x: Any, what: str) -> tuple[int, int]:
     if hasattr(x, "data_ptr"):
         if not x.is_contiguous():
@@ -236,7 +240,7 @@ class GpuRing:
                 raise ValueError("GpuRing: the source tensor must be on a GPU (the kernels "
                                  "that enqueue write it)")
             device = source.device
-        self.device = _device_index(device)
+        self.device = HOST if device == HOST else _device_index(device)
         dsts, self.dst_sizes = [], []
         for i, d in enumerate(destinations):
             if isinstance(d, Remote):
@@ -296,6 +300,12 @@ class GpuRing:
     def trace(self) -> list[int]:
         return self._r().trace()
 
+    def stats(self) -> RingStats:
+        """(commands taken, transfers and copies the proxy started for
+        them: fewer where it wrote consecutive puts as one,
+        UCCL_RING_BATCH_BYTES)."""
+        return RingStats(*self._r().stats())
+
     def launch_puts(self, n: int, size: int, *, dst: int = 0, wait: bool = True,
                     threads: int = 256, blocks: int | None = None, stream: Any = None):
         """Our own kernel: n threads each enqueue one put of `size` bytes to
@@ -348,3 +358,27 @@ def _u32(v: int):
 
 def _i32(v: int):
     return np.int32(v)
+
+
+class HostRing(GpuRing):
+    """A ring that host threads fill (put()), drained by the same proxy
+    as a GPU's ring, with the same checks, order, batching and failures:
+    the proxy's behaviour and its cost per command without a GPU (tests,
+    benchmarks/ring_proxy.py).  The source and local destinations are host
+    memory (a CPU tensor, or (ptr, size)); destinations as GpuRing's."""
+
+    def __init__(self, endpoint: Any, source: Any, destinations: Sequence[Any], *,
+                 slots: int = 1024, inflight: int = 64, trace: int = 0, paused: bool = False):
+        if getattr(source, "is_cuda", False):
+            raise ValueError("HostRing: the source must be host memory; a GPU's ring is "
+                             "GpuRing, filled by its kernels")
+        super().__init__(endpoint, source, destinations, slots=slots, inflight=inflight,
+                         device=HOST, trace=trace, paused=paused)
+
+    def put(self, dst: int, src_off: int, dst_off: int, length: int) -> int:
+        """Enqueue a put of `length` bytes from the source at src_off to
+        destination dst at dst_off, as a kernel's uccl_ring_put does (waits
+        while the ring is full, up to the endpoint's timeout); returns its
+        sequence number.  The proxy checks it: a bad one fails the ring
+        there (wait() raises naming it)."""
+        return self._r().put(int(dst), int(src_off), int(dst_off), int(length))
