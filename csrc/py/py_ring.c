@@ -347,6 +347,45 @@ static PyObject *Ring_put(PyObject *op, PyObject *args)
     return PyLong_FromUnsignedLongLong(seq);
 }
 
+/* puts(dst, table) -> first sequence number: a host ring's put per row of
+ * table (a buffer of n x 3 uint64: src_off, dst_off, length), in one call
+ * (GIL let go), as a kernel's threads would put them */
+static PyObject *Ring_puts(PyObject *op, PyObject *args)
+{
+    uccl__py_ring *self = (uccl__py_ring *)op;
+    unsigned int dst;
+    PyObject *tab;
+    char *buf;
+    Py_ssize_t len;
+    uccl_ring_t *r = ring_of(self);
+    if (!r || !PyArg_ParseTuple(args, "IO!", &dst, &PyBytes_Type, &tab) ||
+        PyBytes_AsStringAndSize(tab, &buf, &len) < 0)
+        return NULL;
+    if (len % (3 * (Py_ssize_t)sizeof(uint64_t)))
+        return PyErr_Format(PyExc_ValueError, "puts: the table is %zd bytes, not rows of "
+                            "three uint64 (src_off, dst_off, length)", len);
+    size_t n = (size_t)len / (3 * sizeof(uint64_t));
+    uint64_t *t = PyMem_Malloc(n ? n * 3 * sizeof(uint64_t) : 1); /* (bytes may not be aligned) */
+    if (!t)
+        return PyErr_NoMemory();
+    memcpy(t, buf, (size_t)len);
+    uint64_t seq = 0, first = 0;
+    int rc = UCCL_OK;
+    ring_enter(self);
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n && rc == UCCL_OK; i++) {
+        rc = uccl_ring_host_put(r, dst, t[3 * i], t[3 * i + 1], t[3 * i + 2], &seq);
+        if (i == 0)
+            first = seq;
+    }
+    Py_END_ALLOW_THREADS
+    ring_leave(self);
+    PyMem_Free(t);
+    if (rc)
+        return uccl__py_ep_fail(self->endpoint, rc);
+    return PyLong_FromUnsignedLongLong(first);
+}
+
 static void Ring_dealloc(PyObject *op)
 {
     PyTypeObject *tp = Py_TYPE(op);
@@ -380,6 +419,9 @@ static PyMethodDef ring_methods[] = {
      "trace() -> the sequence numbers issued, in order (as many as trace= allowed)"},
     {"stats", Ring_stats, METH_NOARGS,
      "stats() -> (commands taken, transfers and copies the proxy started for them)"},
+    {"puts", Ring_puts, METH_VARARGS,
+     "puts(dst, table) -> the first one's sequence number: a host ring's put per row of table "
+     "(n x 3 uint64: src_off, dst_off, length), in one call"},
     {"put", Ring_put, METH_VARARGS,
      "put(dst, src_off, dst_off, length) -> sequence number: a host ring's put (dev -1)"},
     {NULL, NULL, 0, NULL},

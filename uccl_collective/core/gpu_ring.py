@@ -382,3 +382,14 @@ class HostRing(GpuRing):
         sequence number.  The proxy checks it: a bad one fails the ring
         there (wait() raises naming it)."""
         return self._r().put(int(dst), int(src_off), int(dst_off), int(length))
+
+    def puts(self, dst: int, table: Any) -> int:
+        """put() for every row of table (n x 3 integers: src_off, dst_off,
+        length), in one call with the GIL let go, as many kernel threads
+        would; returns the first one's sequence number (the rest follow)."""
+        import numpy as np
+        rows = np.ascontiguousarray(table, dtype=np.uint64)
+        if rows.ndim != 2 or rows.shape[1] != 3:
+            raise ValueError(f"puts: the table must be n x 3 (src_off, dst_off, length), "
+                             f"got shape {rows.shape}")
+        return self._r().puts(int(dst), rows.tobytes())
