@@ -387,7 +387,6 @@ class HostRing(GpuRing):
         """put() for every row of table (n x 3 integers: src_off, dst_off,
         length), in one call with the GIL let go, as many kernel threads
         would; returns the first one's sequence number (the rest follow)."""
-        import numpy as np
         rows = np.ascontiguousarray(table, dtype=np.uint64)
         if rows.ndim != 2 or rows.shape[1] != 3:
             raise ValueError(f"puts: the table must be n x 3 (src_off, dst_off, length), "
