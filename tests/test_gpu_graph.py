@@ -59,6 +59,22 @@ def _needs_gpus(ws: int) -> None:
         pytest.skip(f"{ws} ranks need {ws} GPUs; this host has {torch.cuda.device_count()}")
 
 
+def _captured(ops, *, pool=None, warm=True) -> "torch.cuda.CUDAGraph":
+    """ops() run once on a side stream (warm-up outside the capture, as
+    torch asks; not where warm is False), then captured in a new graph (in
+    pool's memory, if given)."""
+    if warm:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ops()
+        torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        ops()
+    return g
+
+
 @_replays
 def _rank(rank, ws, path, n=4096, replays=REPLAYS):
     import torch.distributed as dist
@@ -103,16 +119,9 @@ def _rank(rank, ws, path, n=4096, replays=REPLAYS):
         want = torch.cat([x[(3 + ws) * n:][rank * n:(rank + 1) * n] for x in xs])
         assert torch.equal(a2a_out.cpu(), want), f"{where}: all_to_all_single"
 
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):   # warm up outside the capture, as torch asks
-        fill(0)
-        ops()
-    torch.cuda.synchronize()
-    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g1):
-        ops()
-    with torch.cuda.graph(g2, pool=g1.pool()):
-        ops()
+    fill(0)
+    g1 = _captured(ops)
+    g2 = _captured(ops, pool=g1.pool(), warm=False)
     other = torch.cuda.Stream()
     for i in range(replays):
         for k, g in enumerate((g1, g2)):
@@ -210,13 +219,7 @@ def _killed_rank(rank, ws, path, q):
         dist.init_process_group("uccl", store=dist.FileStore(path, ws), rank=rank,
                                 world_size=ws, timeout=__import__("datetime").timedelta(seconds=20))
         t = torch.zeros(1024, device="cuda")
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            dist.all_reduce(t)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            dist.all_reduce(t)
+        g = _captured(lambda: dist.all_reduce(t))
         for i in range(20):
             t.fill_(float(rank + i))
             g.replay()
@@ -303,14 +306,8 @@ def _p2p_rank(rank, ws, path):
         a_r.fill_(-7.0)
         b_r.fill_(-7.0)
 
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        fill(0)
-        ops()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ops()
+    fill(0)
+    g = _captured(ops)
     for i in range(REPLAYS):
         fill(i)
         torch.cuda.synchronize()
@@ -340,13 +337,7 @@ def _ctx_rank(rank, ws, path):
     ctx = CollectiveContext(local_gpu_idx=rank, use_copy_engine_for_intra=True).init()
     n, dev = 3000, torch.device("cuda", rank)
     send, out = torch.zeros(n, device=dev), torch.zeros(ws * n, device=dev)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        ctx.allgather(send, out)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ctx.allgather(send, out)
+    g = _captured(lambda: ctx.allgather(send, out))
     for i in range(REPLAYS):
         send.copy_(_x(rank, i, n).to(dev))
         out.fill_(-7.0)
@@ -383,13 +374,7 @@ def _async_rank(rank, ws, path):
         for w in works:
             w.wait()
 
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        ops()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ops()
+    g = _captured(ops)
     for i in range(REPLAYS):
         ar.copy_(_x(rank, i, n).to(dev))
         ag_in.copy_(_x(rank, i + 5000, n).to(dev))
