@@ -13,6 +13,9 @@ checked through the proxy's trace.
                   complete (done stops right there), the ring fails naming it
   full            a paused ring of 8 slots: 8 puts go in, the 9th waits for
                   a slot until the proxy resumes
+  peer_killed     the window's owner is SIGKILLed with a batch of puts to
+                  come: the host's wait raises within the timeout, naming
+                  the ring's failure, and later puts raise rather than hang
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from _harness import GUARD, POISON, TRANSPORTS, rand_bytes, run_pair
+from _harness import GUARD, POISON, TRANSPORTS, Pair, rand_bytes, run_pair
 
 TIMEOUT_S = 30.0
 WINDOW = 1 << 20
@@ -100,6 +103,8 @@ def _writer(ch, seed, n, bad_at=-1):
         ring.wait(n, timeout=TIMEOUT_S)
     except UcclError as e:
         err = str(e)
+    if bad_at >= 0:   # the ring failed there: those before it still finish
+        ring.wait(bad_at, timeout=TIMEOUT_S)
     good = puts if bad_at < 0 else puts[:bad_at]
     ch.send("want", _expected(src_np, good).tobytes())
     ch.recv("checked", timeout=60)
@@ -196,3 +201,62 @@ def test_a_full_ring_holds_the_next_put_until_the_proxy_takes_one():
     finally:
         ring.close()
         ep.close()
+
+
+def _doomed_owner(ch):
+    """An owner that advertises its window, then waits to be killed."""
+    import torch
+    from uccl_collective.p2p import Endpoint
+    ep = Endpoint(0, 1, timeout_s=10)
+    ch.send("meta", bytes(ep.get_metadata()))
+    _ok, _ip, _gpu, conn = ep.accept()
+    win = torch.zeros(WINDOW, dtype=torch.uint8)
+    mr = ep.reg(win.data_ptr(), WINDOW)[1]
+    ch.send("fifo", bytes(ep.advertise(conn, mr, win.data_ptr(), WINDOW)[1]))
+    ch.recv("never", timeout=120)
+
+
+def _writer_to_the_dying(ch):
+    """One put done, the owner killed, then 2,000 puts that follow on (a
+    batch to a dead peer): the wait raises, and so does a later put."""
+    import torch
+    from uccl_collective.gpu_ring import HostRing, Remote
+    from uccl_collective.p2p import Endpoint, UcclError
+    ep = Endpoint(0, 1, timeout_s=10)
+    _ok, conn = ep.add_remote_endpoint(ch.recv("meta"))
+    src = torch.from_numpy(rand_bytes(WINDOW, 9))
+    ring = HostRing(ep, src, [Remote(conn, ch.recv("fifo"))], slots=64, inflight=8)
+    ring.put(0, 0, 0, 4096)
+    ring.wait(1, timeout=TIMEOUT_S)
+    ch.event("kill_owner")
+    ch.recv("killed", timeout=60)
+    t0 = time.monotonic()
+    msgs = []
+    try:
+        ring.puts(0, [(4096 + 256 * i, 4096 + 256 * i, 256) for i in range(2000)])
+        ring.wait(2001, timeout=60)
+    except UcclError as e:
+        msgs.append(str(e))
+    took = time.monotonic() - t0
+    try:   # the ring has failed: a put raises (at once, or once its slot would be needed)
+        for _ in range(200):
+            ring.put(0, 0, 0, 256)
+    except UcclError as e:
+        msgs.append(str(e))
+    done = ring.counters().done
+    ring.close()
+    ep.close()
+    return {"seconds": took, "msgs": msgs, "done": done}
+
+
+def test_a_killed_peer_fails_the_ring_and_nothing_hangs():
+    with Pair(_writer_to_the_dying, _doomed_owner, env=TRANSPORTS["tcp"][0]) as pair:
+        pair.wait_event("server", "kill_owner", timeout=120)
+        pair.kill("client")
+        pair.tell("server", "killed")
+        res = pair.result("server", timeout=120)
+    assert len(res["msgs"]) == 2, res
+    assert all("ring failed" in m for m in res["msgs"]), res
+    assert "written as one" in res["msgs"][0], res   # the batch it failed in, named
+    assert res["seconds"] < 40, res
+    assert 1 <= res["done"] < 2001, res

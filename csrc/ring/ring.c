@@ -240,7 +240,12 @@ static int retire_oldest(struct uccl__ring *r, int wait)
     }
     if (!finished)
         return 0;
-    if (rc != UCCL_OK)
+    if (rc != UCCL_OK && f->n > 1)
+        ring_fail(r, f->seq, "commands %llu to %llu, written as one (destination %u, %llu bytes "
+                  "at offset %llu), failed: %s", (unsigned long long)f->seq,
+                  (unsigned long long)(f->seq + f->n - 1), f->dst, (unsigned long long)f->len,
+                  (unsigned long long)f->dst_off, uccl_last_error());
+    else if (rc != UCCL_OK)
         ring_fail(r, f->seq, "command %llu (destination %u, %llu bytes at offset %llu) "
                   "failed: %s", (unsigned long long)f->seq, f->dst,
                   (unsigned long long)f->len, (unsigned long long)f->dst_off,
@@ -321,9 +326,14 @@ static void issue(struct uccl__ring *r, const struct uccl_ring_cmd *c, uint64_t 
                           sizeof(fifo), UCCL_STREAM_NONE, &f->xfer);
     }
     if (rc != UCCL_OK) {
-        ring_fail(r, seq, "command %llu (destination %u, %llu bytes%s): %s",
-                  (unsigned long long)seq, c->dst, (unsigned long long)c->len,
-                  n > 1 ? ", the first of a batch" : "", uccl_last_error());
+        if (n > 1)
+            ring_fail(r, seq, "commands %llu to %llu, written as one (destination %u, %llu "
+                      "bytes): %s", (unsigned long long)seq, (unsigned long long)(seq + n - 1),
+                      c->dst, (unsigned long long)c->len, uccl_last_error());
+        else
+            ring_fail(r, seq, "command %llu (destination %u, %llu bytes): %s",
+                      (unsigned long long)seq, c->dst, (unsigned long long)c->len,
+                      uccl_last_error());
         return;
     }
     if (f->kind != FL_NOOP)
