@@ -23,6 +23,21 @@ def parse_size(text: str) -> int:
     return n
 
 
+def serve_window(conn, zero, read) -> None:
+    """A window owner's side of a benchmark's pipe, until ("stop",):
+    ("zero",) runs zero() and answers "zeroed"; ("get", off, ln) answers
+    read(off, ln), the bytes there (for the writer's check)."""
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "zero":
+            zero()
+            conn.send("zeroed")
+        elif msg[0] == "get":
+            conn.send(read(msg[1], msg[2]))
+
+
 def parse_sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s.strip()]
 

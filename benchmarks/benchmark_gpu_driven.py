@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import parse_sizes, write_results  # noqa: E402 (this folder is on sys.path)
+from bench_common import parse_sizes, serve_window, write_results  # noqa: E402 (this folder is on sys.path)
 
 WINDOW_CAP = 512 << 20
 SIZES = [256, 4096, 65536, 1 << 20, 16 << 20]
@@ -142,17 +142,11 @@ def _owner(conn, args):
     win = torch.zeros(WINDOW_CAP, dtype=torch.uint8, device="cuda")
     mr = ep.reg(win.data_ptr(), win.numel())[1]
     conn.send(bytes(ep.advertise(c, mr, win.data_ptr(), win.numel())[1]))
-    while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
-            break
-        if msg[0] == "zero":
-            win.zero_()
-            torch.cuda.synchronize()
-            conn.send("zeroed")
-        elif msg[0] == "get":  # a range back to the writer, for its check
-            _, off, ln = msg
-            conn.send(win[off:off + ln].cpu().numpy().tobytes())
+
+    def zero():
+        win.zero_()
+        torch.cuda.synchronize()
+    serve_window(conn, zero, lambda off, ln: win[off:off + ln].cpu().numpy().tobytes())
     ep.close()
 
 

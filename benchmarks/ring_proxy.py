@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import parse_sizes, write_results  # noqa: E402 (this folder is on sys.path)
+from bench_common import parse_sizes, serve_window, write_results  # noqa: E402 (this folder is on sys.path)
 
 WINDOW = 64 << 20
 
@@ -40,16 +40,7 @@ def _owner(conn):
     win = torch.zeros(WINDOW, dtype=torch.uint8)
     mr = ep.reg(win.data_ptr(), WINDOW)[1]
     conn.send(bytes(ep.advertise(c, mr, win.data_ptr(), WINDOW)[1]))
-    while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
-            break
-        if msg[0] == "zero":
-            win.zero_()
-            conn.send("zeroed")
-        elif msg[0] == "get":
-            _, off, ln = msg
-            conn.send(win[off:off + ln].numpy().tobytes())
+    serve_window(conn, win.zero_, lambda off, ln: win[off:off + ln].numpy().tobytes())
     ep.close()
 
 
